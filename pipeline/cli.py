@@ -1,0 +1,35 @@
+"""The `creditflow` command. Each sub-command lives in pipeline/commands/<name>.py and registers itself
+with `register(app)`, so adding a command never touches this file."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import typer
+
+import pipeline.commands as _commands
+
+app = typer.Typer(
+    name="creditflow",
+    help="Offline credit assignment for multi-turn LLM-agent RL (C3, TCPO, IAPO) over Parquet + DuckDB.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+
+@app.callback()
+def _root() -> None:
+    """creditflow: ingest rollouts, compute credit, query it in SQL, export it to a trainer."""
+
+
+for _mod in sorted(m.name for m in pkgutil.iter_modules(_commands.__path__)):
+    module = importlib.import_module(f"pipeline.commands.{_mod}")
+    if hasattr(module, "register"):
+        module.register(app)
+
+
+def main() -> None:  # pragma: no cover
+    app()

@@ -1,0 +1,68 @@
+"""`creditflow query`: SQL over the lake on a read-only DuckDB connection."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+
+import typer
+
+
+class Format(str, Enum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+    parquet = "parquet"
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("query")
+    def query_cmd(
+        sql: str = typer.Argument(..., help="SQL; every lake table and analysis view is a view"),
+        lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
+        fmt: Format = typer.Option(Format.table, "--format", help="table | csv | json | parquet"),
+        out: Path | None = typer.Option(None, "--out", help="write the result here instead of stdout"),
+        limit: int = typer.Option(50, help="rows shown in table format"),
+    ) -> None:
+        """Run SQL over the lake and print (or save) the result."""
+        import duckdb
+        import pyarrow.csv as pacsv
+        import pyarrow.parquet as pq
+
+        from warehouse.catalog import query
+
+        try:
+            result = query(str(lake), sql)
+        except duckdb.Error as exc:
+            typer.secho(f"query failed: {exc}", fg="red", err=True)
+            raise typer.Exit(2) from exc
+        if fmt is Format.parquet:
+            if out is None:
+                typer.secho("--format parquet needs --out FILE", fg="red", err=True)
+                raise typer.Exit(2)
+            pq.write_table(result, out)
+            typer.echo(f"wrote {result.num_rows} rows to {out}")
+            return
+        if fmt is Format.csv:
+            if out:
+                pacsv.write_csv(result, out)
+                typer.echo(f"wrote {result.num_rows} rows to {out}")
+            else:
+                import io
+
+                buf = io.BytesIO()
+                pacsv.write_csv(result, buf)
+                typer.echo(buf.getvalue().decode(), nl=False)
+            return
+        if fmt is Format.json:
+            text = json.dumps(result.to_pylist(), default=str, indent=None)
+            if out:
+                out.write_text(text)
+                typer.echo(f"wrote {result.num_rows} rows to {out}")
+            else:
+                typer.echo(text)
+            return
+        from pipeline.display import print_table
+
+        print_table(result, limit=limit)

@@ -1,0 +1,175 @@
+"""The columnar view of one batch of whole groups that every estimator and refiner reads.
+
+Tokens of all steps are laid end to end in (traj_id, step_idx) order; per-token NumPy arrays say which
+step and trajectory a token belongs to, whether it is an assistant token (the loss mask), and carry the
+behaviour logprobs and critic values (NaN where unknown). Per-step and per-trajectory columns stay in
+Polars frames. Estimators are whole-column passes over these arrays, never Python loops over tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.config import Config
+
+
+def _flat_list_floats(col: pa.ChunkedArray, starts: np.ndarray, n_tokens: int) -> np.ndarray:
+    """Flatten a nullable list<float> column into a per-token array (NaN where the list is null)."""
+    out = np.full(n_tokens, np.nan, dtype=np.float64)
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if arr.null_count == len(arr):
+        return out
+    values = pc.list_flatten(arr).to_numpy(zero_copy_only=False).astype(np.float64)
+    if len(values) == 0:
+        return out
+    parents = pc.list_parent_indices(arr).to_numpy()
+    lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy()
+    # position of each value inside its own list
+    first = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    local = np.arange(len(values)) - first[parents]
+    out[starts[parents] + local] = values
+    return out
+
+
+@dataclass
+class CreditContext:
+    trajectories: pl.DataFrame  # one row per trajectory, sorted by traj_id; traj_index, group_index
+    steps: pl.DataFrame  # one row per step, sorted by (traj_index, step_idx); tok_start, n_tokens
+    tok_step: np.ndarray  # int64 step row of each token
+    tok_traj: np.ndarray  # int64 trajectory row of each token
+    tok_mask: np.ndarray  # bool: assistant token (gets credit, in the loss)
+    tok_logprob: np.ndarray  # float64 behaviour logprob, NaN where unknown
+    tok_value: np.ndarray  # float64 critic value, NaN where unknown
+    config: Config = field(default_factory=Config)
+    annotations: dict[str, pl.DataFrame] = field(default_factory=dict)
+    round: int = 0
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_arrow(
+        cls,
+        trajectories: pa.Table,
+        steps: pa.Table,
+        config: Config | None = None,
+        annotations: dict[str, pa.Table | pl.DataFrame] | None = None,
+        round_: int = 0,
+    ) -> CreditContext:
+        traj_cols = [c for c in trajectories.column_names if c != "reward_components"]
+        traj = pl.from_arrow(trajectories.select(traj_cols)).sort("traj_id")
+        if "reward_components" in trajectories.column_names:
+            rc = trajectories.sort_by("traj_id").column("reward_components").to_pylist()
+            traj = traj.with_columns(pl.Series("reward_components", [dict(x) if x else None for x in rc], dtype=pl.Object))
+        traj = traj.with_columns(
+            pl.int_range(pl.len(), dtype=pl.Int64).alias("traj_index"),
+            pl.col("group_id").rank("dense").cast(pl.Int64).sub(1).alias("group_index"),
+        )
+        steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
+        lengths = pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        n_tokens = int(lengths.sum())
+        scalar_cols = [
+            c
+            for c in steps.column_names
+            if c not in ("token_ids", "token_offsets", "logprobs", "values", "round")
+        ]
+        step_frame = pl.from_arrow(steps.select(scalar_cols)).with_columns(
+            pl.Series("n_tokens", lengths), pl.Series("tok_start", starts)
+        )
+        step_frame = step_frame.join(traj.select("traj_id", "traj_index", "group_index"), on="traj_id", how="left")
+        if step_frame["traj_index"].null_count():
+            bad = step_frame.filter(pl.col("traj_index").is_null())["traj_id"][0]
+            raise ValueError(f"steps: traj_id {bad!r} has no row in trajectories")
+        step_frame = step_frame.with_columns((pl.col("role") == "assistant").alias("is_assistant"))
+        step_traj = step_frame["traj_index"].to_numpy().astype(np.int64)
+        tok_step = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+        tok_traj = step_traj[tok_step]
+        tok_mask = step_frame["is_assistant"].to_numpy()[tok_step]
+        tok_logprob = _flat_list_floats(steps.column("logprobs"), starts, n_tokens)
+        tok_value = _flat_list_floats(steps.column("values"), starts, n_tokens)
+        anns = {}
+        for name, t in (annotations or {}).items():
+            anns[name] = t if isinstance(t, pl.DataFrame) else pl.from_arrow(t)
+        return cls(
+            trajectories=traj,
+            steps=step_frame,
+            tok_step=tok_step,
+            tok_traj=tok_traj,
+            tok_mask=tok_mask,
+            tok_logprob=tok_logprob,
+            tok_value=tok_value,
+            config=config or Config(),
+            annotations=anns,
+            round=round_,
+        )
+
+    # ---- sizes and indices ----------------------------------------------------------------------
+    @property
+    def n_traj(self) -> int:
+        return self.trajectories.height
+
+    @property
+    def n_steps(self) -> int:
+        return self.steps.height
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tok_step)
+
+    @property
+    def n_groups(self) -> int:
+        return int(self.trajectories["group_index"].max()) + 1 if self.n_traj else 0
+
+    @property
+    def traj_group(self) -> np.ndarray:
+        return self.trajectories["group_index"].to_numpy()
+
+    @property
+    def step_traj(self) -> np.ndarray:
+        return self.steps["traj_index"].to_numpy()
+
+    @property
+    def step_offsets(self) -> np.ndarray:
+        """Token offsets of steps: tokens of step s are [off[s], off[s+1])."""
+        return np.concatenate([self.steps["tok_start"].to_numpy(), [self.n_tokens]]).astype(np.int64)
+
+    def rewards(self) -> np.ndarray:
+        return self.trajectories["reward"].to_numpy().astype(np.float64)
+
+    def stage(self, name: str):
+        return self.config.stage(name)
+
+    # ---- broadcasting ---------------------------------------------------------------------------
+    def broadcast_traj(self, per_traj: np.ndarray) -> np.ndarray:
+        """A per-trajectory value on every assistant token of the trajectory (0 elsewhere)."""
+        return np.where(self.tok_mask, np.asarray(per_traj, dtype=np.float64)[self.tok_traj], 0.0)
+
+    def broadcast_step(self, per_step: np.ndarray) -> np.ndarray:
+        """A per-step value on every assistant token of the step (0 elsewhere)."""
+        return np.where(self.tok_mask, np.asarray(per_step, dtype=np.float64)[self.tok_step], 0.0)
+
+    def traj_to_steps(self, per_traj: np.ndarray) -> np.ndarray:
+        return np.asarray(per_traj, dtype=np.float64)[self.step_traj]
+
+    def assistant_steps(self) -> pl.DataFrame:
+        """Assistant steps with their row index (`step_row`), in (trajectory, turn) order."""
+        return self.steps.with_row_index("step_row").filter(pl.col("is_assistant"))
+
+    def annotation(self, name: str) -> pl.DataFrame | None:
+        return self.annotations.get(name)
+
+
+@dataclass
+class CreditResult:
+    """Token advantages (flat, aligned with the context's tokens) and the per-step components."""
+
+    token_adv: np.ndarray
+    components: dict[str, np.ndarray] = field(default_factory=dict)  # per step row; NaN = null
+    token_returns: np.ndarray | None = None
+    notes: dict[str, float] = field(default_factory=dict)  # counts for the summary (fallbacks, ...)
+
+    def with_components(self, **comps: np.ndarray) -> CreditResult:
+        return CreditResult(self.token_adv, {**self.components, **comps}, self.token_returns, dict(self.notes))

@@ -1,0 +1,1 @@
+"""One module per credit method (estimators and refiners); each registers itself."""

@@ -1,0 +1,45 @@
+"""GRPO and Dr.GRPO (spec 2.1, verl reference): A_i = (R_i - mean_g) / (std_g + eps), broadcast to tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+from pydantic import Field
+
+from pipeline.config import StageSettings, register_settings
+from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.ops import group_normalize
+from pipeline.credit.registry import estimator
+
+
+@register_settings("grpo")
+class GRPOSettings(StageSettings):
+    norm_by_std: bool = Field(True, description="divide by the group std (false = Dr.GRPO)")
+    eps: float = Field(1e-6, description="added to the unbiased group std")
+
+
+def grpo_traj_advantage(ctx: CreditContext, settings: GRPOSettings, rewards: np.ndarray | None = None) -> np.ndarray:
+    """Per-trajectory A_i; a size-1 group gives A = R (verl: mean 0, std 1)."""
+    rewards = ctx.rewards() if rewards is None else rewards
+    return group_normalize(rewards, ctx.traj_group, eps=settings.eps, norm_by_std=settings.norm_by_std)
+
+
+def _result(ctx: CreditContext, a_traj: np.ndarray, score: np.ndarray) -> CreditResult:
+    return CreditResult(
+        token_adv=ctx.broadcast_traj(a_traj),
+        components={"a_hat": ctx.traj_to_steps(a_traj), "score": ctx.traj_to_steps(score)},
+    )
+
+
+@estimator("grpo", settings="grpo")
+def grpo(ctx: CreditContext, settings: GRPOSettings) -> CreditResult:
+    """Group-normalised outcome reward on every assistant token."""
+    rewards = ctx.rewards()
+    return _result(ctx, grpo_traj_advantage(ctx, settings, rewards), rewards)
+
+
+@estimator("dr_grpo", settings="grpo")
+def dr_grpo(ctx: CreditContext, settings: GRPOSettings) -> CreditResult:
+    """Dr.GRPO: A_i = R_i - mean_g (no std division)."""
+    rewards = ctx.rewards()
+    a = grpo_traj_advantage(ctx, settings.model_copy(update={"norm_by_std": False}), rewards)
+    return _result(ctx, a, rewards)

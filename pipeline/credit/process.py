@@ -1,0 +1,74 @@
+"""Run method chains on one batch of whole groups and lay the results out as the `advantages` table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.config import Config
+from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.registry import run_methods
+from schemas.advantages import COMPONENT_FIELDS, COMPONENTS
+
+
+def _list_column(flat: np.ndarray, offsets: np.ndarray, dtype=pa.float32()) -> pa.Array:
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat.astype(np.float32), type=dtype))
+
+
+def _components_struct(ctx: CreditContext, comps: dict[str, np.ndarray]) -> pa.StructArray:
+    arrays = []
+    for name in COMPONENT_FIELDS:
+        values = comps.get(name)
+        if values is None:
+            arrays.append(pa.nulls(ctx.n_steps, pa.float64()))
+        else:
+            values = np.asarray(values, dtype=np.float64)
+            arrays.append(pa.array(values, mask=np.isnan(values), type=pa.float64()))
+    return pa.StructArray.from_arrays(arrays, fields=list(COMPONENTS))
+
+
+def advantages_table(ctx: CreditContext, method: str, result: CreditResult) -> pa.Table:
+    offsets = ctx.step_offsets
+    steps = ctx.steps
+    group_ids = ctx.trajectories["group_id"].to_numpy()[ctx.step_traj]
+    returns = None
+    if result.token_returns is not None:
+        returns = _list_column(np.where(ctx.tok_mask, result.token_returns, 0.0), offsets)
+    return pa.table(
+        {
+            "round": pa.array(np.full(ctx.n_steps, ctx.round, dtype=np.int32)),
+            "method": pa.array([method] * ctx.n_steps, pa.string()),
+            "traj_id": steps["traj_id"].to_arrow().cast(pa.string()),
+            "group_id": pa.array(group_ids, pa.string()),
+            "step_idx": steps["step_idx"].to_arrow().cast(pa.int32()),
+            "role": steps["role"].to_arrow().cast(pa.string()),
+            "turn": steps["turn"].to_arrow().cast(pa.int32()),
+            "token_adv": _list_column(result.token_adv, offsets),
+            "token_returns": returns if returns is not None else pa.nulls(ctx.n_steps, pa.list_(pa.float32())),
+            "components": _components_struct(ctx, result.components),
+        }
+    )
+
+
+def annotation_names(methods: list[str]) -> set[str]:
+    from pipeline.credit.registry import method_needs
+
+    out: set[str] = set()
+    for m in methods:
+        out |= method_needs(m)
+    return out
+
+
+def process_batch(
+    trajectories: pa.Table,
+    steps: pa.Table,
+    methods: list[str],
+    config: Config | None = None,
+    annotations: dict[str, pa.Table] | None = None,
+    round_: int = 0,
+) -> tuple[dict[str, pa.Table], dict[str, dict[str, float]]]:
+    """All methods on one batch: {method: advantages table}, {method: summary notes}."""
+    ctx = CreditContext.from_arrow(trajectories, steps, config=config, annotations=annotations, round_=round_)
+    results = run_methods(ctx, methods)
+    tables = {m: advantages_table(ctx, m, r) for m, r in results.items()}
+    return tables, {m: r.notes for m, r in results.items()}

@@ -1,0 +1,112 @@
+"""The method registry. An estimator makes token advantages from rewards; a refiner transforms them.
+A method is a chain `estimator(+refiner)*`, e.g. `grpo`, `gae+c3`, `grpo+iapo+c3`.
+
+    @estimator("grpo", settings="grpo")
+    def grpo(ctx: CreditContext, settings: GRPOSettings) -> CreditResult: ...
+
+    @refiner("c3", settings="c3", needs=("spans",))
+    def c3(ctx: CreditContext, base: CreditResult, settings: C3Settings) -> CreditResult: ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.credit.context import CreditContext, CreditResult
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    kind: str  # "estimator" | "refiner"
+    fn: Callable
+    settings: str | None  # settings stage name
+    needs: tuple[str, ...]  # annotations the stage reads: spans, nodes, edges, counterfactuals
+    doc: str
+
+
+ESTIMATORS: dict[str, Stage] = {}
+REFINERS: dict[str, Stage] = {}
+
+
+class MethodError(ValueError):
+    pass
+
+
+def estimator(name: str, settings: str | None = None, needs: tuple[str, ...] = ()):
+    def deco(fn: Callable) -> Callable:
+        ESTIMATORS[name] = Stage(name, "estimator", fn, settings, tuple(needs), (fn.__doc__ or "").strip())
+        return fn
+
+    return deco
+
+
+def refiner(name: str, settings: str | None = None, needs: tuple[str, ...] = ()):
+    def deco(fn: Callable) -> Callable:
+        REFINERS[name] = Stage(name, "refiner", fn, settings, tuple(needs), (fn.__doc__ or "").strip())
+        return fn
+
+    return deco
+
+
+def parse_method(method: str) -> tuple[Stage, list[Stage]]:
+    """`grpo+iapo+c3` -> (grpo, [iapo, c3]); names an unknown stage clearly."""
+    parts = [p.strip() for p in method.strip().split("+") if p.strip()]
+    if not parts:
+        raise MethodError("empty method")
+    head, *rest = parts
+    if head not in ESTIMATORS:
+        raise MethodError(f"method {method!r}: unknown estimator {head!r}; estimators: {sorted(ESTIMATORS)}")
+    refs = []
+    for r in rest:
+        if r not in REFINERS:
+            raise MethodError(f"method {method!r}: unknown refiner {r!r}; refiners: {sorted(REFINERS)}")
+        refs.append(REFINERS[r])
+    return ESTIMATORS[head], refs
+
+
+def method_needs(method: str) -> set[str]:
+    est, refs = parse_method(method)
+    out = set(est.needs)
+    for r in refs:
+        out |= set(r.needs)
+    return out
+
+
+def _settings(ctx: CreditContext, stage: Stage):
+    return ctx.stage(stage.settings) if stage.settings else None
+
+
+def run_methods(ctx: CreditContext, methods: list[str]) -> dict[str, CreditResult]:
+    """Compute every method on the batch; shared chain prefixes (grpo in grpo, grpo+c3) run once."""
+    memo: dict[str, CreditResult] = {}
+    for method in methods:
+        est, refs = parse_method(method)
+        key = est.name
+        if key not in memo:
+            memo[key] = _finish(ctx, est.fn(ctx, _settings(ctx, est)))
+        for r in refs:
+            prev = memo[key]
+            key = f"{key}+{r.name}"
+            if key not in memo:
+                memo[key] = _finish(ctx, r.fn(ctx, prev, _settings(ctx, r)))
+    return {m: memo["+".join(s.strip() for s in m.split("+") if s.strip())] for m in methods}
+
+
+def _finish(ctx: CreditContext, result: CreditResult) -> CreditResult:
+    """Enforce the contract: one value per token, zero off the assistant mask, finite."""
+    adv = np.asarray(result.token_adv, dtype=np.float64)
+    if adv.shape != (ctx.n_tokens,):
+        raise MethodError(f"estimator returned {adv.shape} token advantages for {ctx.n_tokens} tokens")
+    adv = np.where(ctx.tok_mask, adv, 0.0)
+    if not np.isfinite(adv).all():
+        bad = int(np.flatnonzero(~np.isfinite(adv))[0])
+        traj = ctx.trajectories["traj_id"][int(ctx.tok_traj[bad])]
+        raise MethodError(f"non-finite advantage on trajectory {traj!r} (token {bad})")
+    for name, comp in result.components.items():
+        if np.shape(comp) != (ctx.n_steps,):
+            raise MethodError(f"component {name!r} has shape {np.shape(comp)}, expected ({ctx.n_steps},)")
+    return CreditResult(adv, result.components, result.token_returns, result.notes)

@@ -1,0 +1,75 @@
+"""Annotation stages: the work that runs on a batch before credit (C3 detectors -> spans, IAPO annotators
+-> nodes/edges, TCPO counterfactuals -> counterfactuals). Each stage is a pure function of one batch of
+whole groups and returns the tables it produces; flows decide which stages run from what the requested
+methods need, run them in order, and write their tables as parts named like the batch.
+
+    @annotation_stage("detect", produces=("spans",), order=10)
+    def detect(trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict[str, pa.Table]
+               ) -> StageOutput: ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+
+@dataclass
+class StageOutput:
+    tables: dict[str, pa.Table]
+    notes: dict[str, float] = field(default_factory=dict)  # counts for the run summary (llm calls, fallbacks)
+    warnings: list[str] = field(default_factory=list)  # degraded but completed (endpoint down, ...)
+
+
+@dataclass(frozen=True)
+class AnnotationStage:
+    name: str
+    produces: tuple[str, ...]
+    fn: Callable[..., StageOutput]
+    order: int  # detect 10, annotate 20, counterfactual 30
+    uses_llm: bool
+    needs: tuple[str, ...]  # tables from earlier stages it reads
+
+
+STAGES: dict[str, AnnotationStage] = {}
+
+
+def annotation_stage(name: str, produces: tuple[str, ...], order: int, uses_llm: bool = False,
+                     needs: tuple[str, ...] = ()):
+    def deco(fn: Callable[..., StageOutput]) -> Callable[..., StageOutput]:
+        STAGES[name] = AnnotationStage(name, tuple(produces), fn, order, uses_llm, tuple(needs))
+        return fn
+
+    return deco
+
+
+def load_stages() -> dict[str, AnnotationStage]:
+    """Import the stage modules (each registers itself) and return the registry."""
+    import importlib
+
+    for module in ("pipeline.detect", "pipeline.annotate", "pipeline.counterfactual"):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+    return STAGES
+
+
+def stages_for(tables_needed: set[str]) -> list[AnnotationStage]:
+    """The stages that produce the needed tables, plus what they need in turn, in run order."""
+    stages = load_stages()
+    by_table = {t: s for s in stages.values() for t in s.produces}
+    chosen: dict[str, AnnotationStage] = {}
+    todo = list(tables_needed)
+    while todo:
+        table = todo.pop()
+        stage = by_table.get(table)
+        if stage is None:
+            raise KeyError(f"no stage produces table {table!r}; stages: {sorted(stages)}")
+        if stage.name not in chosen:
+            chosen[stage.name] = stage
+            todo.extend(stage.needs)
+    return sorted(chosen.values(), key=lambda s: s.order)

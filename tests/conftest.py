@@ -1,0 +1,40 @@
+"""Test setup. Prefect's home (its cache records) goes to a temp dir before prefect is imported, and one
+session-scoped Prefect test harness serves every flow test."""
+
+import os
+import tempfile
+
+_PREFECT_HOME = tempfile.mkdtemp(prefix="creditflow-prefect-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("CREDITFLOW_CACHE", os.path.expanduser("~/.cache/creditflow"))
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "real"
+if not REAL_DATA.exists():  # a clone elsewhere: the shipped copy
+    REAL_DATA = Path(__file__).resolve().parent / "data" / "real"
+
+
+@pytest.fixture(scope="session")
+def real_data() -> Path:
+    return REAL_DATA
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield
+
+
+@pytest.fixture
+def lake(tmp_path):
+    from warehouse.lake import Lake
+
+    return Lake(tmp_path / "lake")

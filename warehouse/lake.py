@@ -1,0 +1,185 @@
+"""The lake: `LAKE/<table>/round=<n>/part-<name>.parquet` (hive partitions).
+
+Every write is atomic (temp file, fsync, rename) and idempotent: a part is identified by its name, so
+writing the same part again replaces it, and `replace_partition` swaps a whole (table, round) partition in
+one rename. The `round` column lives in the path, not in the files."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas import TABLES
+
+COMPRESSION = "zstd"
+_PART_NAME = re.compile(r"^[A-Za-z0-9_.=+-]+$")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def safe_part_name(name: str) -> str:
+    """Part names become file names: keep them to a safe alphabet."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.=+-]", "_", name)
+    return cleaned[:180]
+
+
+class Lake:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).expanduser().resolve()
+
+    # ---- paths ---------------------------------------------------------------------------------
+    def table_dir(self, table: str) -> Path:
+        return self.root / table
+
+    def partition_dir(self, table: str, round_: int) -> Path:
+        return self.table_dir(table) / f"round={int(round_)}"
+
+    def rounds(self, table: str) -> list[int]:
+        d = self.table_dir(table)
+        if not d.exists():
+            return []
+        out = []
+        for p in d.iterdir():
+            if p.is_dir() and p.name.startswith("round="):
+                try:
+                    out.append(int(p.name.split("=", 1)[1]))
+                except ValueError:
+                    continue
+        return sorted(out)
+
+    def parts(self, table: str, round_: int) -> list[Path]:
+        d = self.partition_dir(table, round_)
+        if not d.exists():
+            return []
+        return sorted(p for p in d.glob("part-*.parquet"))
+
+    def has_part(self, table: str, round_: int, part: str) -> bool:
+        return (self.partition_dir(table, round_) / f"part-{safe_part_name(part)}.parquet").exists()
+
+    # ---- writes --------------------------------------------------------------------------------
+    def _prepare(self, table_name: str, table: pa.Table) -> pa.Table:
+        spec = TABLES.get(table_name)
+        if spec is not None:
+            if "round" in spec.schema.names and "round" not in table.column_names:
+                table = table.append_column("round", pa.array([0] * table.num_rows, pa.int32()))
+            table = spec.validate(table)
+        if "round" in table.column_names:
+            table = table.drop(["round"])
+        return table
+
+    def _write_file(self, table: pa.Table, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".tmp-{uuid.uuid4().hex}-{path.name}"
+        with open(tmp, "wb") as fh:
+            pq.write_table(table, fh, compression=COMPRESSION)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+
+    def write_part(self, table_name: str, round_: int, table: pa.Table, part: str = "0") -> Path:
+        """Atomically write (or replace) one part of a (table, round) partition."""
+        part = safe_part_name(part)
+        table = self._prepare(table_name, table)
+        path = self.partition_dir(table_name, round_) / f"part-{part}.parquet"
+        self._write_file(table, path)
+        return path
+
+    def replace_partition(self, table_name: str, round_: int, parts: dict[str, pa.Table] | pa.Table) -> Path:
+        """Atomically replace the whole (table, round) partition with the given part(s)."""
+        if isinstance(parts, pa.Table):
+            parts = {"0": parts}
+        final = self.partition_dir(table_name, round_)
+        staging = self.table_dir(table_name) / f".staging-{uuid.uuid4().hex}"
+        staging.mkdir(parents=True)
+        try:
+            for name, tbl in parts.items():
+                self._write_file(self._prepare(table_name, tbl), staging / f"part-{safe_part_name(name)}.parquet")
+            old = None
+            if final.exists():
+                old = self.table_dir(table_name) / f".old-{uuid.uuid4().hex}"
+                os.replace(final, old)
+            os.replace(staging, final)
+            _fsync_dir(final.parent)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        return final
+
+    def delete_parts(self, table_name: str, round_: int, prefix: str = "") -> int:
+        n = 0
+        for p in self.parts(table_name, round_):
+            if p.name.startswith(f"part-{prefix}"):
+                p.unlink()
+                n += 1
+        return n
+
+    def cleanup(self) -> None:
+        """Remove leftovers of interrupted writes (temp files, staging folders)."""
+        if not self.root.exists():
+            return
+        for p in self.root.rglob(".tmp-*"):
+            p.unlink(missing_ok=True)
+        for pattern in (".staging-*", ".old-*"):
+            for p in self.root.glob(f"*/{pattern}"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    # ---- reads ---------------------------------------------------------------------------------
+    def read(
+        self,
+        table_name: str,
+        round_: int | Iterable[int] | None = None,
+        columns: list[str] | None = None,
+        parts: list[Path] | None = None,
+    ) -> pa.Table:
+        """Read a table (one round, several, or all) with `round` restored from the path."""
+        if round_ is None:
+            rounds = self.rounds(table_name)
+        elif isinstance(round_, int):
+            rounds = [round_]
+        else:
+            rounds = list(round_)
+        spec = TABLES.get(table_name)
+        pieces = []
+        for r in rounds:
+            files = parts if parts is not None else self.parts(table_name, r)
+            for f in files:
+                file_cols = None
+                if columns is not None:
+                    file_cols = [c for c in columns if c != "round"]
+                t = pq.read_table(f, columns=file_cols)
+                t = t.append_column("round", pa.array([r] * t.num_rows, pa.int32()))
+                pieces.append(t)
+        if not pieces:
+            if spec is None:
+                return pa.table({})
+            empty = spec.empty()
+            return empty.select(columns) if columns else empty
+        out = pa.concat_tables(pieces, promote_options="permissive")
+        if spec is not None:
+            order = [c for c in spec.schema.names if c in out.column_names]
+            order += [c for c in out.column_names if c not in order]
+            out = out.select(order)
+            if columns is None:
+                out = spec.conform(out)
+        if columns is not None:
+            out = out.select(columns)
+        return out

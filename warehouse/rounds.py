@@ -1,0 +1,62 @@
+"""Round-level reads and writes. A round's `trajectories` and `steps` are written in aligned parts, each
+holding whole groups (`part-b00000`, `part-b00001`, ...): a part is the unit of processing, so memory is
+bounded by a part and an interrupted run resumes at the first missing part."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from warehouse.lake import Lake
+
+
+def batch_name(index: int) -> str:
+    return f"b{index:05d}"
+
+
+def split_groups(trajectories: pa.Table, steps: pa.Table, batch_groups: int) -> list[tuple[pa.Table, pa.Table]]:
+    """Split a round into batches of whole groups (groups in sorted order)."""
+    import polars as pl
+
+    traj = pl.from_arrow(trajectories.select(["traj_id", "group_id"]))
+    groups = traj["group_id"].unique().sort()
+    out = []
+    for start in range(0, len(groups), batch_groups):
+        chosen = groups[start : start + batch_groups]
+        t = trajectories.filter(pc.is_in(trajectories.column("group_id"), value_set=chosen.to_arrow()))
+        s = steps.filter(pc.is_in(steps.column("traj_id"), value_set=t.column("traj_id")))
+        out.append((t, s))
+    return out
+
+
+def write_round(lake: Lake, round_: int, trajectories: pa.Table, steps: pa.Table, batch_groups: int = 64,
+                quarantine: pa.Table | None = None) -> list[str]:
+    """Replace the round's trajectories and steps partitions with aligned batch parts."""
+    batches = split_groups(trajectories, steps, batch_groups) or [(trajectories, steps)]
+    names = [batch_name(i) for i in range(len(batches))]
+    lake.replace_partition("trajectories", round_, {n: b[0] for n, b in zip(names, batches, strict=True)})
+    lake.replace_partition("steps", round_, {n: b[1] for n, b in zip(names, batches, strict=True)})
+    if quarantine is not None:
+        lake.replace_partition("quarantine", round_, quarantine)
+    return names
+
+
+def batch_names(lake: Lake, round_: int) -> list[str]:
+    names = [p.stem.removeprefix("part-") for p in lake.parts("trajectories", round_)]
+    steps = {p.stem.removeprefix("part-") for p in lake.parts("steps", round_)}
+    missing = [n for n in names if n not in steps]
+    if missing:
+        raise FileNotFoundError(f"round {round_}: steps part(s) {missing} missing for trajectories parts")
+    return names
+
+
+def read_batch(lake: Lake, table: str, round_: int, batch: str, columns: list[str] | None = None) -> pa.Table:
+    path = lake.partition_dir(table, round_) / f"part-{batch}.parquet"
+    if table in ("trajectories", "steps"):
+        return lake.read(table, round_, columns=columns, parts=[path])
+    # annotation tables are written per batch with the same name (or absent)
+    if not path.exists():
+        from schemas import TABLES
+
+        return TABLES[table].empty()
+    return lake.read(table, round_, columns=columns, parts=[path])
