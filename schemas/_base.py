@@ -91,7 +91,7 @@ def check_unique(table_name: str, *keys: str) -> RowCheck:
         import polars as pl
 
         frame = pl.from_arrow(table.select(list(keys)))
-        dup = frame.is_duplicated()
+        dup = ~frame.select(pl.struct(pl.all()).is_first_distinct()).to_series()
         if dup.any():
             row = int(dup.arg_max())
             return SchemaError(table_name, keys[-1], row, f"duplicate key {tuple(frame.row(row))}")

@@ -1,0 +1,131 @@
+"""Lake layout, atomic and idempotent writes, schema validation and the DuckDB catalog."""
+
+import math
+import os
+
+import pyarrow as pa
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from schemas import TABLES, SchemaError
+from schemas import steps as steps_schema
+from schemas import trajectories as traj_schema
+from warehouse.catalog import query
+from warehouse.rounds import batch_names, read_batch, write_round
+
+
+def _traj(n_groups=3, samples=2):
+    rows = []
+    for g in range(n_groups):
+        for s in range(samples):
+            rows.append(dict(traj_id=f"g{g}s{s}", group_id=f"g{g}", sample_idx=s, reward=float(s), source="t"))
+    return pa.Table.from_pylist(rows)
+
+
+def _steps(traj: pa.Table):
+    rows = []
+    for tid in traj.column("traj_id").to_pylist():
+        rows.append(dict(traj_id=tid, step_idx=0, role="user", turn=None, content="hi", is_error=False, token_ids=[1, 2], logprobs=None,
+                         token_offsets=[0, 1]))
+        rows.append(dict(traj_id=tid, step_idx=1, role="assistant", turn=1, content="yo!", is_error=False,
+                         token_ids=[3, 4, 5], token_offsets=[0, 1, 2], logprobs=[-0.1, -0.2, -0.3]))
+    return pa.Table.from_pylist(rows)
+
+
+def test_every_table_has_docs_for_every_field():
+    assert set(TABLES) >= {"trajectories", "steps", "spans", "nodes", "edges", "counterfactuals", "advantages",
+                           "train_batch", "quarantine"}
+    for spec in TABLES.values():
+        missing = [f.name for f in spec.schema if f.name not in spec.docs]
+        assert not missing, (spec.name, missing)
+
+
+def test_validate_names_first_bad_field_and_row():
+    traj = _traj().append_column("round", pa.array([0] * 6, pa.int32()))
+    bad = traj.set_column(traj.column_names.index("reward"), "reward", pa.array([0.0, 1.0, math.nan, 1, 0, 1]))
+    with pytest.raises(SchemaError) as err:
+        traj_schema.validate(bad)
+    assert err.value.field == "reward" and err.value.row == 2
+    dup = traj.set_column(traj.column_names.index("traj_id"), "traj_id", pa.array(["a", "b", "c", "a", "e", "f"]))
+    with pytest.raises(SchemaError) as err:
+        traj_schema.validate(dup)
+    assert err.value.field == "traj_id" and err.value.row == 3
+
+
+def test_steps_validation_catches_length_mismatch_role_and_turn():
+    steps = _steps(_traj(1, 1)).append_column("round", pa.array([0, 0], pa.int32()))
+    steps_schema.validate(steps)
+    rows = steps.to_pylist()
+    rows[1]["logprobs"] = [-0.1]
+    with pytest.raises(SchemaError, match="logprobs") as err:
+        steps_schema.validate(pa.Table.from_pylist(rows, schema=steps_schema.SCHEMA))
+    assert err.value.row == 1
+    rows = steps.to_pylist()
+    rows[0]["role"] = "robot"
+    with pytest.raises(SchemaError, match="role"):
+        steps_schema.validate(pa.Table.from_pylist(rows, schema=steps_schema.SCHEMA))
+    rows = steps.to_pylist()
+    rows[1]["turn"] = None
+    with pytest.raises(SchemaError, match="turn"):
+        steps_schema.validate(pa.Table.from_pylist(rows, schema=steps_schema.SCHEMA))
+
+
+def test_write_twice_gives_same_rows_once(lake):
+    traj = _traj()
+    steps = _steps(traj)
+    write_round(lake, 0, traj, steps, batch_groups=2)
+    write_round(lake, 0, traj, steps, batch_groups=2)
+    assert batch_names(lake, 0) == ["b00000", "b00001"]
+    back = lake.read("trajectories", 0)
+    assert back.num_rows == traj.num_rows
+    assert sorted(back.column("traj_id").to_pylist()) == sorted(traj.column("traj_id").to_pylist())
+    # a batch holds whole groups
+    b0 = read_batch(lake, "trajectories", 0, "b00000")
+    assert set(b0.column("group_id").to_pylist()) == {"g0", "g1"}
+    n = query(lake, "select count(*) as n, count(distinct traj_id) as d from steps").to_pylist()[0]
+    assert n == {"n": 12, "d": 6}
+
+
+def test_write_part_is_atomic_and_replaces(lake):
+    traj = _traj()
+    lake.write_part("trajectories", 1, traj, part="x")
+    lake.write_part("trajectories", 1, traj.slice(0, 2), part="x")
+    assert lake.read("trajectories", 1).num_rows == 2
+    files = os.listdir(lake.partition_dir("trajectories", 1))
+    assert files == ["part-x.parquet"], files  # no temp files left behind
+
+
+def test_failed_write_leaves_previous_partition_intact(lake):
+    traj = _traj()
+    lake.replace_partition("trajectories", 0, traj)
+    bad = traj.set_column(traj.column_names.index("reward"), "reward", pa.array([math.nan] * 6))
+    with pytest.raises(SchemaError):
+        lake.replace_partition("trajectories", 0, bad)
+    assert lake.read("trajectories", 0).num_rows == 6
+    assert not [p for p in lake.table_dir("trajectories").iterdir() if p.name.startswith(".")]
+
+
+def test_empty_tables_are_queryable_views(lake):
+    out = query(lake, "select count(*) as n from spans")
+    assert out.to_pylist() == [{"n": 0}]
+    cols = query(lake, "select * from advantages limit 0").column_names
+    assert {"method", "token_adv", "components", "round"} <= set(cols)
+
+
+def test_query_command_formats(lake, tmp_path):
+    traj = _traj()
+    write_round(lake, 0, traj, _steps(traj), batch_groups=8)
+    runner = CliRunner()
+    res = runner.invoke(app, ["query", "--lake", str(lake.root), "select group_id, count(*) n from trajectories group by 1 order by 1"])
+    assert res.exit_code == 0, res.output
+    assert "g2" in res.output
+    res = runner.invoke(app, ["query", "--lake", str(lake.root), "--format", "csv", "select traj_id from trajectories order by 1 limit 2"])
+    assert res.output.splitlines() == ['"traj_id"', '"g0s0"', '"g0s1"']
+    out = tmp_path / "r.parquet"
+    res = runner.invoke(app, ["query", "--lake", str(lake.root), "--format", "parquet", "--out", str(out), "select * from steps"])
+    assert res.exit_code == 0 and out.exists()
+    # read-only: writes are refused
+    res = runner.invoke(app, ["query", "--lake", str(lake.root), "create table x as select 1"])
+    assert res.exit_code == 2
+    assert "read-only" in res.output.lower() or "read only" in res.output.lower()
