@@ -15,9 +15,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "real"
-if not REAL_DATA.exists():  # a clone elsewhere: the shipped copy
-    REAL_DATA = Path(__file__).resolve().parent / "data" / "real"
+# real third-party trajectories, shipped with the project (copies of ../shared/data/real, licenses included)
+REAL_DATA = Path(__file__).resolve().parents[1] / "data" / "real"
 
 
 @pytest.fixture(scope="session")
