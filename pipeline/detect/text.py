@@ -1,0 +1,49 @@
+"""Text helpers of the detectors: Search-R1 answer normalisation, n-gram sets, Jaccard, <think> masking."""
+
+from __future__ import annotations
+
+import re
+import string
+
+_PUNCT = set(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_THINK = re.compile(r"<think>.*?</think>", re.S)
+
+
+def normalize_answer(s: str) -> str:
+    """Search-R1 / SQuAD normalize_answer: lower-case, drop punctuation, drop a/an/the, collapse spaces."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in _PUNCT)
+    s = _ARTICLES.sub(" ", s)
+    return " ".join(s.split())
+
+
+def ngrams(s: str, n: int = 3, unit: str = "char") -> frozenset:
+    """Character (or word) n-grams of a normalised string; a string shorter than n is its own single gram."""
+    items = list(s) if unit == "char" else s.split()
+    if len(items) < n:
+        return frozenset([tuple(items)]) if items else frozenset()
+    return frozenset(tuple(items[i : i + n]) for i in range(len(items) - n + 1))
+
+
+def jaccard(a: frozenset, b: frozenset) -> float:
+    if not a and not b:
+        return 1.0
+    return len(a & b) / len(a | b)
+
+
+def mask_think(content: str) -> str:
+    """<think>...</think> blocks replaced by spaces of the same length (char positions are kept)."""
+    if "<think>" not in content:
+        return content
+    return _THINK.sub(lambda m: " " * len(m.group(0)), content)
+
+
+def turn_range(content: str, exclude_think: bool) -> tuple[int, int]:
+    """Char range of the whole turn; with exclude_think, a leading <think>...</think> block is left out."""
+    start, end = 0, len(content)
+    if exclude_think:
+        m = re.match(r"\s*<think>.*?</think>\s*", content, re.S)
+        if m and m.end() < end:
+            start = m.end()
+    return start, end
