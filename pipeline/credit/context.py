@@ -61,8 +61,10 @@ class CreditContext:
         traj_cols = [c for c in trajectories.column_names if c != "reward_components"]
         traj = pl.from_arrow(trajectories.select(traj_cols)).sort("traj_id")
         if "reward_components" in trajectories.column_names:
-            rc = trajectories.sort_by("traj_id").column("reward_components").to_pylist()
-            traj = traj.with_columns(pl.Series("reward_components", [dict(x) if x else None for x in rc], dtype=pl.Object))
+            # map<string, double> as list<struct<key, value>> (columnar; GDPO explodes it)
+            rc = trajectories.sort_by("traj_id").column("reward_components").combine_chunks()
+            rc = pa.ListArray.from_arrays(rc.offsets, rc.values, mask=rc.is_null())
+            traj = traj.with_columns(pl.Series("reward_components", rc))
         traj = traj.with_columns(
             pl.int_range(pl.len(), dtype=pl.Int64).alias("traj_index"),
             pl.col("group_id").rank("dense").cast(pl.Int64).sub(1).alias("group_index"),

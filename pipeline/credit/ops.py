@@ -69,3 +69,22 @@ def masked_whiten(values: np.ndarray, mask: np.ndarray, shift_mean: bool = True)
     if not shift_mean:
         out = out + mean
     return out
+
+
+def segment_discounted_cumsum(values: np.ndarray, segments: np.ndarray, discount: float) -> np.ndarray:
+    """y_t = sum_{s >= t in t's segment} discount^(s - t) x_s, for contiguous segments (e.g. the assistant
+    tokens of one trajectory, in order). A log-step (Hillis-Steele) scan: ceil(log2(longest segment))
+    whole-array passes, no loop over positions, and every step adds only two terms (no cancellation)."""
+    y = np.asarray(values, dtype=np.float64).copy()
+    n = len(y)
+    if n == 0:
+        return y
+    segments = np.asarray(segments)
+    bounds = np.concatenate([[0], np.flatnonzero(segments[1:] != segments[:-1]) + 1, [n]])
+    lengths = np.diff(bounds)
+    remaining = np.repeat(bounds[1:], lengths) - np.arange(n)  # positions left in the segment, incl. self
+    coef, d, longest = float(discount), 1, int(lengths.max())
+    while d < longest:
+        y[:-d] += np.where(remaining[:-d] > d, y[d:], 0.0) * coef
+        coef, d = coef * coef, d * 2
+    return y

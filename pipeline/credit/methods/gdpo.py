@@ -1,0 +1,92 @@
+"""GDPO, Group reward-Decoupled normalization (spec 2.2; NVIDIA arXiv 2601.05242, TRL and verl patches).
+
+Each reward component is group-normalised on its own, the weighted sum is whitened over the batch:
+    A_i^c = (R_i^c - mean_g^c) / (std_g^c + eps)          (std unbiased; size-1 group: A = R, verl)
+    pre_i = sum_c w_c A_i^c
+    A_i   = (pre_i - mean_batch) / (std_batch + eps)      (TRL; `whiten="tokens"`: verl masked_whiten)
+
+Components come from `trajectories.reward_components`; a trajectory without them (or a batch where none has
+them) uses its `reward` as the single component "reward". A missing or NaN component value counts as 0
+(TRL's nan_to_num). The batch is the processing batch (config `batch_groups` whole groups); a batch of fewer
+than 2 trajectories is not whitened (its std is undefined)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import polars as pl
+from pydantic import Field
+
+from pipeline.config import StageSettings, register_settings
+from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.ops import group_normalize
+from pipeline.credit.registry import estimator
+
+
+@register_settings("gdpo")
+class GDPOSettings(StageSettings):
+    weights: dict[str, float] = Field(
+        default_factory=dict, description="w_c per component name; components not named get 1.0"
+    )
+    components: list[str] | None = Field(None, description="components to use (None: every one in the batch)")
+    eps: float = Field(1e-4, description="added to the unbiased group std and the batch std")
+    whiten: Literal["trajectories", "tokens", "none"] = Field(
+        "trajectories", description="batch whitening: TRL over trajectories, verl masked_whiten over tokens, or none"
+    )
+
+
+def component_matrix(ctx: CreditContext, names: list[str] | None = None) -> tuple[list[str], np.ndarray]:
+    """R^c as a (trajectories x components) matrix; missing / NaN -> 0. No components at all: [reward]."""
+    traj = ctx.trajectories
+    long = pl.DataFrame()
+    if "reward_components" in traj.columns:
+        long = (
+            traj.select("traj_index", "reward_components")
+            .explode("reward_components")
+            .unnest("reward_components")
+            .drop_nulls("key")
+        )
+    if long.height == 0:
+        return ["reward"], np.nan_to_num(ctx.rewards())[:, None]
+    names = names or sorted(long["key"].unique().to_list())
+    col = pl.DataFrame({"key": names, "c": np.arange(len(names), dtype=np.int64)})
+    long = long.join(col, on="key", how="inner")
+    R_c = np.zeros((ctx.n_traj, len(names)), dtype=np.float64)
+    R_c[long["traj_index"].to_numpy(), long["c"].to_numpy()] = long["value"].fill_null(np.nan).to_numpy()
+    return names, np.nan_to_num(R_c, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@estimator("gdpo", settings="gdpo")
+def gdpo(ctx: CreditContext, settings: GDPOSettings) -> CreditResult:
+    """Per-component group normalisation, weighted sum, batch whitening."""
+    names, R_c = component_matrix(ctx, settings.components)
+    w = np.array([settings.weights.get(c, 1.0) for c in names], dtype=np.float64)
+    # A_i^c = (R_i^c - mean_g^c) / (std_g^c + eps)
+    A_c = np.column_stack([group_normalize(R_c[:, j], ctx.traj_group, eps=settings.eps) for j in range(len(names))])
+    # pre_i = sum_c w_c A_i^c
+    pre = A_c @ w if ctx.n_traj else np.zeros(0)
+    A = pre
+    if settings.whiten == "trajectories" and ctx.n_traj >= 2:
+        # A_i = (pre_i - mean_batch) / (std_batch + eps)
+        A = (pre - pre.mean()) / (pre.std(ddof=1) + settings.eps)
+    elif settings.whiten == "tokens":
+        # verl: masked_whiten over the batch's assistant tokens = trajectories weighted by their token count
+        L_i = np.bincount(ctx.tok_traj[ctx.tok_mask], minlength=ctx.n_traj).astype(np.float64)
+        A = token_weighted_whiten(pre, L_i)
+    score = R_c @ w
+    return CreditResult(
+        token_adv=ctx.broadcast_traj(A),
+        components={"a_hat": ctx.traj_to_steps(A), "score": ctx.traj_to_steps(score)},
+        notes={"components": float(len(names)), "singleton_batch": float(ctx.n_traj < 2)},
+    )
+
+
+def token_weighted_whiten(x: np.ndarray, L_i: np.ndarray) -> np.ndarray:
+    """ops.masked_whiten of x broadcast to L_i tokens each, computed per trajectory (Bessel var, +1e-8)."""
+    L = L_i.sum()
+    if L == 0:
+        return x.copy()
+    mean = (L_i * x).sum() / L
+    var = (L_i * (x - mean) ** 2).sum() / (L - 1) if L > 1 else 0.0
+    return (x - mean) / np.sqrt(var + 1e-8)

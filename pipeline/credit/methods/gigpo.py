@@ -1,0 +1,127 @@
+"""GiGPO (spec 2.4; Feng et al., verl-agent `compute_gigpo_outcome_advantage`). One row per assistant turn.
+
+Episode term, over all step rows of the prompt group (compute_mean_std_cross_steps=True):
+    A^E_i = (R_i - mu) / (sigma + eps)   (mean_std_norm)   or   R_i - mu   (mean_norm);  sigma unbiased.
+    A group with one trajectory (or one step row) has mu = 0, sigma = 1.
+Step return, per trajectory over its turns:
+    r_{i,k} = step reward (verifier_score by default) - invalid_action_penalty_coef * 1[invalid]
+    G_{i,k} = sum_{k' >= k} gamma^(k'-k) r_{i,k'}
+Step groups, within the prompt group, by the anchor observation (the content of the non-assistant step(s)
+right before the turn, joined by newlines): exact match, or with `enable_similarity` the first cluster whose
+representative has difflib.SequenceMatcher ratio >= similarity_thresh.
+    A^S = G - mean_sg   (or / (std_sg + eps) in mean_std_norm);  a singleton step group gives A^S = 0.
+    A   = A^E + omega * A^S, broadcast to the turn's tokens.
+An action is invalid when its assistant step has is_error = true."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Literal
+
+import numpy as np
+import polars as pl
+from pydantic import Field
+
+from pipeline.config import StageSettings, register_settings
+from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.ops import group_mean_std, segment_discounted_cumsum
+from pipeline.credit.registry import estimator
+
+
+@register_settings("gigpo")
+class GiGPOSettings(StageSettings):
+    mode: Literal["mean_std_norm", "mean_norm"] = Field("mean_std_norm", description="normalisation of A^E and A^S")
+    eps: float = Field(1e-6, description="added to the unbiased std")
+    gamma: float = Field(0.95, description="step-return discount")
+    step_advantage_w: float = Field(1.0, description="omega, weight of the step term")
+    step_reward: Literal["verifier_score", "outcome"] = Field(
+        "verifier_score", description="r_{i,k}: the turn's verifier score (null -> 0), or R_i on the last turn"
+    )
+    invalid_action_penalty_coef: float = Field(0.1, description="subtracted from r when the action is invalid")
+    enable_similarity: bool = Field(False, description="cluster anchors by similarity instead of exact match")
+    similarity_thresh: float = Field(0.9, description="SequenceMatcher ratio to join a cluster (IAPO: 0.9)")
+
+
+def anchor_observations(ctx: CreditContext) -> pl.DataFrame:
+    """Assistant steps (`step_row`, traj_index, group_index) with their anchor observation text."""
+    steps = ctx.steps.with_row_index("step_row").with_columns(
+        (pl.col("is_assistant").cum_sum() - pl.col("is_assistant")).over("traj_index").alias("turns_before")
+    )
+    obs = (
+        steps.filter(~pl.col("is_assistant"))
+        .group_by("traj_index", "turns_before", maintain_order=True)
+        .agg(pl.col("content").str.join("\n").alias("anchor"))
+    )
+    return (
+        steps.filter(pl.col("is_assistant"))
+        .select("step_row", "traj_index", "group_index", "turns_before", "is_error", "verifier_score")
+        .join(obs, on=["traj_index", "turns_before"], how="left")
+        .with_columns(pl.col("anchor").fill_null(""))
+        .sort("step_row")
+    )
+
+
+def step_groups(rows: pl.DataFrame, enable_similarity: bool, thresh: float) -> np.ndarray:
+    """Dense step-group id per row: exact anchor match within the prompt group, or similarity clusters."""
+    uniq = rows.select("group_index", "anchor").unique(maintain_order=True).with_row_index("anchor_id")
+    if enable_similarity:
+        # first-cluster assignment per prompt group; a loop over distinct anchors, off the token path
+        clusters: dict[int, list[tuple[str, int]]] = {}
+        cluster = np.empty(uniq.height, dtype=np.int64)
+        for i, (g, text) in enumerate(zip(uniq["group_index"].to_list(), uniq["anchor"].to_list(), strict=True)):
+            members = clusters.setdefault(g, [])
+            match = next(
+                (cid for rep, cid in members if difflib.SequenceMatcher(None, text, rep).ratio() >= thresh), None
+            )
+            if match is None:
+                match = i
+                members.append((text, i))
+            cluster[i] = match
+        uniq = uniq.with_columns(pl.Series("anchor_id", cluster))
+    return rows.join(uniq, on=["group_index", "anchor"], how="left", maintain_order="left")["anchor_id"].to_numpy()
+
+
+@estimator("gigpo", settings="gigpo")
+def gigpo(ctx: CreditContext, settings: GiGPOSettings) -> CreditResult:
+    """Episode-level group advantage plus anchor-state step advantage."""
+    rows = anchor_observations(ctx)
+    step_row = rows["step_row"].to_numpy()
+    traj = rows["traj_index"].to_numpy()
+    group = rows["group_index"].to_numpy()
+    eps, std_norm = settings.eps, settings.mode == "mean_std_norm"
+
+    # A^E over the step rows of the prompt group (trajectories weighted by their number of steps)
+    R = ctx.rewards()[traj]
+    mu, sigma, n_rows = group_mean_std(R, group, ctx.n_groups)
+    n_traj = np.bincount(ctx.traj_group, minlength=ctx.n_groups)[group]
+    single = (n_traj < 2) | (n_rows < 2)
+    mu, sigma = np.where(single, 0.0, mu), np.where(single, 1.0, sigma)
+    A_E = (R - mu) / (sigma + eps) if std_norm else R - mu
+
+    # r_{i,k} and G_{i,k} = sum_{k' >= k} gamma^(k'-k) r_{i,k'}
+    if settings.step_reward == "verifier_score":
+        r = rows["verifier_score"].fill_nan(None).fill_null(0.0).to_numpy().astype(np.float64)
+    else:
+        last = np.ones(len(traj), dtype=bool)
+        last[:-1] = traj[1:] != traj[:-1]
+        r = np.where(last, R, 0.0)
+    r = r - settings.invalid_action_penalty_coef * rows["is_error"].fill_null(False).to_numpy()
+    G = segment_discounted_cumsum(r, traj, settings.gamma)
+
+    # A^S within step groups (anchor-state groups); singleton step group -> 0
+    sg = step_groups(rows, settings.enable_similarity, settings.similarity_thresh)
+    sg_mean, sg_std, sg_n = group_mean_std(G, sg) if len(sg) else (G, G, G)
+    A_S = G - sg_mean
+    if std_norm:
+        A_S = np.divide(A_S, sg_std + eps, out=np.zeros_like(A_S), where=sg_n > 1)
+    A_S = np.where(sg_n > 1, A_S, 0.0)
+
+    A = A_E + settings.step_advantage_w * A_S
+    per_step = {name: np.full(ctx.n_steps, np.nan) for name in ("a_hat", "a_episode", "a_step", "score")}
+    for name, values in (("a_hat", A), ("a_episode", A_E), ("a_step", A_S), ("score", G)):
+        per_step[name][step_row] = values
+    return CreditResult(
+        token_adv=ctx.broadcast_step(np.nan_to_num(per_step["a_hat"])),
+        components=per_step,
+        notes={"step_groups": float(len(np.unique(sg))), "singleton_step_groups": float(np.sum(sg_n < 2))},
+    )

@@ -1,0 +1,125 @@
+"""MT-GRPO (spec 2.3; Zeng et al. 2025, code default `advantage_est="aae"`).
+
+Turn reward R^T and outcome R^O are each group-normalised, Â = (R - mean_g)/(std_g + eps) (std unbiased,
+eps 1e-4; a size-1 group gives Â = R, verl):
+  aae:   tokens before the trajectory's first tool-result message get Â^O + λ·Â^T, later tokens get Â^O;
+         a trajectory with no tool result gets Â^{T+O} = Norm(R^T + R^O) on every token.
+  cae:   tokens before the first tool result get Norm(R^T + γ·R^O), later tokens Â^O;
+         no tool result: Norm(R^T + γ·R^O) on every token.
+  kturn: [INF] TCPO's K-turn verifier setting: A_{i,k} = Â^O_i + λ·Â^T_{i,k}, R^T_{i,k} the verifier score of
+         turn k, normalised per (prompt, k) over the trajectories that have a turn k.
+
+R^T (aae/cae) comes from `turn_reward`: `verifier_score` (turn 1's steps.verifier_score), `tool_ok` (1 if the
+first tool result has is_error = false, else 0), or `component:<name>` (trajectories.reward_components).
+A missing turn reward counts as 0 (counted in the notes)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import polars as pl
+from pydantic import Field
+
+from pipeline.config import StageSettings, register_settings
+from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.ops import group_normalize
+from pipeline.credit.registry import MethodError, estimator
+
+
+@register_settings("mt_grpo")
+class MTGRPOSettings(StageSettings):
+    mode: Literal["aae", "cae", "kturn"] = Field("aae", description="aae | cae | kturn ([INF] K-turn verifier)")
+    turn_advantage_coef: float = Field(1.0, description="λ, weight of the turn advantage")
+    cae_gamma: float = Field(1.0, description="γ in the cae combined reward R^T + γ R^O")
+    turn_reward: str = Field(
+        "verifier_score", description="R^T source (aae/cae): verifier_score | tool_ok | component:<name>"
+    )
+    eps: float = Field(1e-4, description="added to the unbiased group std (MT-GRPO code)")
+
+
+def turn_reward(ctx: CreditContext, source: str) -> tuple[np.ndarray, int]:
+    """Per-trajectory R^T for aae/cae and the number of trajectories where it was missing (-> 0)."""
+    steps = ctx.steps.with_row_index("row")
+    if source == "verifier_score":
+        first = steps.filter(pl.col("is_assistant")).group_by("traj_index").agg(pl.col("verifier_score").first())
+        keys, vals = first["traj_index"].to_numpy(), first["verifier_score"].fill_nan(None).to_numpy()
+    elif source == "tool_ok":
+        first = steps.filter(pl.col("role") == "tool").group_by("traj_index").agg(pl.col("is_error").first())
+        keys, vals = first["traj_index"].to_numpy(), (~first["is_error"].to_numpy()).astype(np.float64)
+    elif source.startswith("component:"):
+        name = source.split(":", 1)[1]
+        long = (
+            ctx.trajectories.select("traj_index", "reward_components").explode("reward_components")
+            .unnest("reward_components").filter(pl.col("key") == name)
+            if "reward_components" in ctx.trajectories.columns
+            else pl.DataFrame({"traj_index": [], "value": []}, schema={"traj_index": pl.Int64, "value": pl.Float64})
+        )
+        keys, vals = long["traj_index"].to_numpy(), long["value"].to_numpy()
+    else:
+        raise MethodError(f"mt_grpo: unknown turn_reward {source!r} (verifier_score | tool_ok | component:<name>)")
+    R_T = np.full(ctx.n_traj, np.nan)
+    R_T[keys.astype(np.int64)] = np.asarray(vals, dtype=np.float64)
+    missing = int(np.isnan(R_T).sum())
+    return np.nan_to_num(R_T, nan=0.0), missing
+
+
+@estimator("mt_grpo", settings="mt_grpo")
+def mt_grpo(ctx: CreditContext, settings: MTGRPOSettings) -> CreditResult:
+    """Outcome advantage plus a turn-level advantage on the first turn (or on every turn, kturn)."""
+    g, lam, eps = ctx.traj_group, settings.turn_advantage_coef, settings.eps
+    steps = ctx.steps
+    is_asst = steps["is_assistant"].to_numpy()
+    R_O = ctx.rewards()
+    A_O = group_normalize(R_O, g, eps=eps)  # Â^O
+    if settings.mode == "kturn":
+        # Â^T_{i,k}: verifier score of turn k, normalised per (prompt, k)
+        rows = np.flatnonzero(is_asst)
+        turn = steps["turn"].fill_null(0).to_numpy()[rows].astype(np.int64)
+        _, key = np.unique(steps["group_index"].to_numpy()[rows] * (turn.max(initial=0) + 1) + turn, return_inverse=True)
+        r = steps["verifier_score"].fill_nan(None).to_numpy()[rows].astype(np.float64)
+        missing = int(np.isnan(r).sum())
+        R_T_step = np.full(ctx.n_steps, np.nan)
+        R_T_step[rows] = np.nan_to_num(r, nan=0.0)
+        A_T_step = np.full(ctx.n_steps, np.nan)
+        A_T_step[rows] = group_normalize(R_T_step[rows], key.reshape(-1), eps=eps)
+        per_step = ctx.traj_to_steps(A_O) + lam * np.nan_to_num(A_T_step)
+        return _result(ctx, per_step, R_T_step, A_T_step, missing)
+
+    R_T, missing = turn_reward(ctx, settings.turn_reward)
+    # tokens before the first tool-result message
+    is_tool = (steps["role"] == "tool").to_numpy()
+    tools_so_far = np.cumsum(is_tool) - _segment_start_values(np.cumsum(is_tool) - is_tool, ctx.step_traj)
+    before_tool = tools_so_far == 0
+    has_tool = np.bincount(ctx.step_traj[is_tool], minlength=ctx.n_traj) > 0
+    A_T = group_normalize(R_T, g, eps=eps)  # Â^T
+    if settings.mode == "aae":
+        first = A_O + lam * A_T  # Â^O + λ Â^T
+        no_tool = group_normalize(R_T + R_O, g, eps=eps)  # Â^{T+O}
+    else:  # cae
+        first = group_normalize(R_T + settings.cae_gamma * R_O, g, eps=eps)
+        no_tool = first
+    per_traj_first = np.where(has_tool, first, no_tool)
+    per_traj_later = np.where(has_tool, A_O, no_tool)
+    per_step = np.where(before_tool, ctx.traj_to_steps(per_traj_first), ctx.traj_to_steps(per_traj_later))
+    turn_term = np.where(before_tool & is_asst & has_tool[ctx.step_traj], ctx.traj_to_steps(A_T), np.nan)
+    return _result(ctx, per_step, np.where(is_asst, ctx.traj_to_steps(R_T), np.nan), turn_term, missing)
+
+
+def _segment_start_values(values: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """The value at the first row of each row's (contiguous) segment."""
+    if len(values) == 0:
+        return values
+    start = np.ones(len(segments), dtype=bool)
+    start[1:] = segments[1:] != segments[:-1]
+    first_idx = np.maximum.accumulate(np.where(start, np.arange(len(values)), 0))
+    return values[first_idx]
+
+
+def _result(ctx, per_step, score, turn_term, missing) -> CreditResult:
+    is_asst = ctx.steps["is_assistant"].to_numpy()
+    return CreditResult(
+        token_adv=ctx.broadcast_step(per_step),
+        components={"a_hat": np.where(is_asst, per_step, np.nan), "score": score, "a_step": turn_term},
+        notes={"missing_turn_reward": float(missing)},
+    )

@@ -1,0 +1,70 @@
+"""Turn-level PPO (spec 2.5; Li et al. 2512.17008, from summaries): one state per assistant turn.
+
+    V(s_h) = the critic value at the turn's first assistant token (the state: history up to the turn's start)
+    r_h    = R_i on the trajectory's last turn (`turn_reward="outcome"`), or the turn's verifier score
+             (`"verifier_score"`, null -> 0)
+    delta_h = r_h + gamma V(s_{h+1}) - V(s_h),   V(s_{H+1}) = 0
+    A_h     = sum_l (gamma lam)^l delta_{h+l},   broadcast to the turn's tokens; returns_h = A_h + V(s_h)
+    A <- masked_whiten over the batch's assistant tokens (as token PPO; `whiten=false` to skip)
+
+A turn with no tokens has no state and is skipped (its verifier score is dropped; an outcome reward moves
+to the last turn that has tokens)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from pipeline.config import StageSettings, register_settings
+from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.methods.gae import require_values
+from pipeline.credit.ops import masked_whiten, segment_discounted_cumsum
+from pipeline.credit.registry import estimator
+
+
+@register_settings("turn_ppo")
+class TurnPPOSettings(StageSettings):
+    gamma: float = Field(0.99, description="turn discount gamma (paper: about 0.99)")
+    lam: float = Field(0.9, description="turn GAE lambda (paper: about 0.9)")
+    turn_reward: Literal["outcome", "verifier_score"] = Field(
+        "outcome", description="r_h: outcome R on the last turn, or each turn's verifier score"
+    )
+    whiten: bool = Field(True, description="masked_whiten the token advantages over the batch")
+
+
+@estimator("turn_ppo", settings="turn_ppo")
+def turn_ppo(ctx: CreditContext, settings: TurnPPOSettings) -> CreditResult:
+    """GAE over turns, one value per turn."""
+    steps = ctx.steps
+    h = np.flatnonzero(steps["is_assistant"].to_numpy() & (steps["n_tokens"].to_numpy() > 0))  # the states
+    traj = ctx.step_traj[h]
+    V = require_values(ctx, steps["tok_start"].to_numpy()[h], "turn_ppo")
+    last = np.ones(len(h), dtype=bool)
+    last[:-1] = traj[1:] != traj[:-1]
+    if settings.turn_reward == "outcome":
+        r = np.where(last, ctx.rewards()[traj], 0.0)
+    else:
+        r = steps["verifier_score"].fill_null(0.0).fill_nan(0.0).to_numpy()[h]
+    V_next = np.where(last, 0.0, np.append(V[1:], 0.0))
+    # delta_h = r_h + gamma V(s_{h+1}) - V(s_h)
+    delta = r + settings.gamma * V_next - V
+    # A_h = sum_l (gamma lam)^l delta_{h+l}
+    A_turn = segment_discounted_cumsum(delta, traj, settings.gamma * settings.lam)
+    per_step_A = np.zeros(ctx.n_steps)
+    per_step_A[h] = A_turn
+    per_step_ret = np.zeros(ctx.n_steps)
+    per_step_ret[h] = A_turn + V
+    token_adv = ctx.broadcast_step(per_step_A)
+    if settings.whiten:
+        token_adv = np.where(ctx.tok_mask, masked_whiten(token_adv, ctx.tok_mask), 0.0)
+    a_hat = np.full(ctx.n_steps, np.nan)
+    a_hat[h] = token_adv[steps["tok_start"].to_numpy()[h]]
+    score = np.full(ctx.n_steps, np.nan)
+    score[h] = r
+    return CreditResult(
+        token_adv=token_adv,
+        components={"a_hat": a_hat, "score": score},
+        token_returns=ctx.broadcast_step(per_step_ret),
+    )
