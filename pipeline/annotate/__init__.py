@@ -1,0 +1,36 @@
+"""IAPO annotators: per assistant action an error flag and direct-user count (`nodes`), and typed signed
+dependency edges between actions (`edges`). `config.annotator` picks the annotator: `rules` (deterministic,
+the default, no model) or `llm` (a frozen model through the shared LLM client, pipeline/llm)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from pipeline.config import Config
+from pipeline.stages import StageOutput, annotation_stage
+
+ANNOTATORS = ("rules", "llm")
+
+
+def run_annotator(steps: pa.Table, config: Config, annotator: str | None = None,
+                  annotator_id: str | None = None) -> StageOutput:
+    """Annotate one batch with the named annotator (default: config.annotator)."""
+    import pipeline.annotate.settings  # noqa: F401  (registers the settings models)
+
+    kind = (annotator or config.annotator or "rules").strip()
+    if kind == "rules":
+        from pipeline.annotate.rules import ANNOTATOR_ID, annotate_rules
+
+        nodes, edges, notes = annotate_rules(steps, config.stage("annotate_rules"), annotator_id or ANNOTATOR_ID)
+        return StageOutput(tables={"nodes": nodes, "edges": edges}, notes=notes)
+    if kind == "llm":
+        from pipeline.annotate.llm import annotate_llm
+
+        return annotate_llm(steps, config, annotator_id=annotator_id)
+    raise ValueError(f"unknown IAPO annotator {kind!r}; choose one of {ANNOTATORS}")
+
+
+@annotation_stage("annotate", produces=("nodes", "edges"), order=20, uses_llm=True)
+def annotate(trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict[str, pa.Table]) -> StageOutput:
+    """IAPO dependency graphs for one batch (annotator from config.annotator)."""
+    return run_annotator(steps, config)
