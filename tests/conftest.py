@@ -37,3 +37,20 @@ def lake(tmp_path):
     from warehouse.lake import Lake
 
     return Lake(tmp_path / "lake")
+
+
+@pytest.fixture(scope="session")
+def _llm_standin_server():
+    from llm_standin import StandIn
+
+    with StandIn() as server:
+        yield server
+
+
+@pytest.fixture
+def llm_standin(_llm_standin_server):
+    """A running stand-in for an OpenAI-compatible server (tests/llm_standin.py), reset for each test:
+    `.url` is its base URL, `.behaviour`, `.fail_next`, `.latency_s`, `.calls`, `.max_inflight`, ..."""
+    _llm_standin_server.reset()
+    yield _llm_standin_server
+    _llm_standin_server.reset()
