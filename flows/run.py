@@ -65,3 +65,20 @@ def run_export(lake_dir: Path, round_: int, method: str, out: Path, layout: str 
     tmp.replace(out)
     print_kv("creditflow export", {"method": method, "round": round_, "trajectories": batch.num_rows, "out": str(out)})
     return out
+
+
+def run_report(lake_dir: Path, out: Path, rounds: list[int] | None = None, n_traj: int = 8) -> Path:
+    from pipeline.report import build_report
+    from warehouse.lake import Lake
+    from warehouse.report_data import gather
+
+    data = gather(Lake(lake_dir), rounds, n_traj=n_traj)
+    html = build_report(data)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}")
+    tmp.write_text(html, encoding="utf-8")
+    tmp.replace(out)
+    print_kv("creditflow report", {"rounds": data["rounds"], "trajectories shown": len(data["trajectories"]),
+                                   "size": f"{out.stat().st_size / 1e6:.2f} MB", "out": str(out.resolve())})
+    return out

@@ -69,9 +69,13 @@ class CreditContext:
             pl.int_range(pl.len(), dtype=pl.Int64).alias("traj_index"),
             pl.col("group_id").rank("dense").cast(pl.Int64).sub(1).alias("group_index"),
         )
+        for name, typ in (("logprobs", pa.list_(pa.float32())), ("values", pa.list_(pa.float32())),
+                          ("verifier_score", pa.float64()), ("turn", pa.int32())):
+            if name not in steps.column_names:  # optional columns of in-memory tables
+                steps = steps.append_column(name, pa.nulls(steps.num_rows, typ))
         steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
         lengths = pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        starts = (np.cumsum(lengths) - lengths).astype(np.int64)
         n_tokens = int(lengths.sum())
         scalar_cols = [
             c
