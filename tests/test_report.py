@@ -102,3 +102,20 @@ def test_report_in_headless_chromium(lake, tmp_path):
         browser.close()
     assert errors == []
     assert (ARTIFACTS / "report.png").stat().st_size > 10_000
+
+
+def test_report_views(lake):
+    from warehouse.catalog import query
+
+    _round(lake, 0)
+    rows = query(lake, "SELECT * FROM sign_disagreement WHERE method_a = 'flipped' AND method_b = 'grpo'").to_pylist()
+    assert len(rows) == 1
+    # flipped is -grpo: every nonzero token differs in sign, zeros (tied groups) do not
+    nonzero = query(lake, "SELECT sum(len(list_filter(token_adv, lambda x: x <> 0))) AS n FROM advantages "
+                          "WHERE method = 'grpo' AND role = 'assistant'").to_pylist()[0]["n"]
+    assert rows[0]["tokens_sign_differs"] == nonzero > 0
+    grpo_vs_dr = query(lake, "SELECT share_sign_differs FROM sign_disagreement WHERE method_a = 'dr_grpo' "
+                             "AND method_b = 'grpo'").to_pylist()
+    assert grpo_vs_dr == [{"share_sign_differs": 0.0}]
+    trends = query(lake, "SELECT * FROM reward_trends").to_pylist()
+    assert trends[0]["trajectories"] == 12 and trends[0]["success_rate"] == 0.5
