@@ -10,10 +10,10 @@ def group_mean_std(values: np.ndarray, groups: np.ndarray, n_groups: int | None 
     values = np.asarray(values, dtype=np.float64)
     n_groups = int(groups.max()) + 1 if n_groups is None and len(groups) else (n_groups or 0)
     count = np.bincount(groups, minlength=n_groups).astype(np.float64)
-    total = np.bincount(groups, weights=values, minlength=n_groups)
+    total = np.bincount(groups, weights=values, minlength=n_groups).astype(np.float64)  # (empty: int64)
     mean = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
     dev = values - mean[groups]
-    ss = np.bincount(groups, weights=dev * dev, minlength=n_groups)
+    ss = np.bincount(groups, weights=dev * dev, minlength=n_groups).astype(np.float64)
     denom = count - ddof
     var = np.divide(ss, denom, out=np.full_like(ss, np.nan), where=denom > 0)
     return mean[groups], np.sqrt(var)[groups], count[groups]
