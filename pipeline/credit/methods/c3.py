@@ -50,13 +50,17 @@ def span_confidence(logprob: np.ndarray, lo: np.ndarray, hi: np.ndarray, mode: s
     """Per-span confidence from the flat behaviour logprobs (prefix sums); spans with a NaN logprob (or no
     tokens) get `missing`. Returns (confidence, missing mask)."""
     nan = np.isnan(logprob)
-    vals = np.where(nan, 0.0, np.exp(logprob) if mode == "arithmetic" else logprob)
+    zero = logprob == -np.inf  # probability 0: the geometric mean is 0
+    vals = np.where(nan | zero, 0.0, np.exp(logprob) if mode == "arithmetic" else logprob)
     csum = np.concatenate([[0.0], np.cumsum(vals)])
     cnan = np.concatenate([[0], np.cumsum(nan, dtype=np.int64)])
+    czero = np.concatenate([[0], np.cumsum(zero, dtype=np.int64)])
     length = hi - lo
     miss = ((cnan[hi] - cnan[lo]) > 0) | (length == 0)
     mean = np.divide(csum[hi] - csum[lo], length, out=np.zeros(len(lo)), where=length > 0)
     conf = mean if mode == "arithmetic" else np.exp(mean)
+    if zero.any() and mode == "geometric":
+        conf = np.where((czero[hi] - czero[lo]) > 0, 0.0, conf)
     return np.where(miss, missing, np.clip(conf, 0.0, 1.0)), miss
 
 
