@@ -1,0 +1,148 @@
+"""C3 detectors on real third-party trajectories, against counts computed here from the raw JSON with simple
+independent parsing: FireAct HotpotQA (ReAct) and tau-bench v1 airline (OpenAI tool calls)."""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from collections import Counter
+
+import numpy as np
+import polars as pl
+import pytest
+
+from pipeline.config import Config
+from pipeline.credit.process import process_batch
+from pipeline.detect import detect_spans
+
+FIREACT = "fireact_hotpotqa/hotpotqa_dev_0_500_llama_models_lora_llama-2-7b-d_1000_0.7_2023-09-19-00-49-36.json"
+TAU = "tau_bench_v1/gpt-4o-airline.json"
+
+
+def _ingest(fmt, path):
+    import pipeline.ingest.react  # noqa: F401  (registers the adapters)
+    import pipeline.ingest.tau_bench  # noqa: F401
+    from pipeline.ingest.core import ingest
+
+    res = ingest(fmt, [(path.name, path.read_text())])
+    return res.trajectories, res.steps
+
+
+def _norm(s: str) -> str:
+    s = "".join(c for c in s.lower() if c not in string.punctuation)
+    return " ".join(w for w in s.split() if w not in ("a", "an", "the"))
+
+
+@pytest.fixture(scope="module")
+def fireact(real_data):
+    path = real_data / FIREACT
+    t, s = _ingest("react", path)
+    spans, notes = detect_spans(t, s)
+    return json.loads(path.read_text()), t, s, pl.from_arrow(spans), notes
+
+
+@pytest.fixture(scope="module")
+def tau(real_data):
+    path = real_data / TAU
+    t, s = _ingest("tau-bench", path)
+    spans, notes = detect_spans(t, s)
+    return json.loads(path.read_text()), t, s, pl.from_arrow(spans), notes
+
+
+def _by_traj(df: pl.DataFrame, rule: str) -> Counter:
+    return Counter(df.filter(pl.col("rule") == rule)["traj_id"].to_list())
+
+
+def test_fireact_counts(fireact):
+    raw, _, _, spans, _ = fireact
+    loops, bad, no_action, errors = Counter(), Counter(), Counter(), Counter()
+    for key, rec in raw.items():
+        tid = f"{FIREACT.split('/')[1][:-5]}:{key}"
+        body = rec["traj"].split("### Response:\n", 1)[1].split("\n")
+        seen = set()
+        for i, line in enumerate(body):
+            if line.startswith("Action"):
+                act = line.split(":", 1)[1].strip()
+                verb = act.split("[", 1)[0]
+                if verb not in ("search", "lookup", "finish") or not act.endswith("]") or "[" not in act:
+                    bad[tid] += 1
+                elif verb == "search":
+                    q = _norm(act[len("search["):-1])
+                    if q in seen:
+                        loops[tid] += 1
+                    seen.add(q)
+            if line.startswith("Thought") and not (i + 1 < len(body) and body[i + 1].startswith("Action")):
+                no_action[tid] += 1
+            if line.startswith("Observation") and ("Invalid action" in line or "generated an exception" in line):
+                errors[tid] += 1
+    # the README: 78 trajectories repeat a query, 27 have malformed actions
+    assert len(loops) == 78 and len(bad) == 27
+    assert _by_traj(spans, "query.exact") == loops
+    assert _by_traj(spans, "react.unparseable") == bad
+    assert _by_traj(spans, "react.no_action") == no_action
+    assert _by_traj(spans, "tool.error_return") == errors
+    assert sum(loops.values()) == 204 and sum(no_action.values()) == 1 and sum(errors.values()) == 26
+
+
+def test_fireact_spans_are_the_action_lines(fireact):
+    _, _, steps, spans, _ = fireact
+    content = {(r["traj_id"], r["step_idx"]): r["content"]
+               for r in pl.from_arrow(steps.select(["traj_id", "step_idx", "content"])).iter_rows(named=True)}
+    for r in spans.filter(pl.col("rule").is_in(["query.exact", "query.char_jaccard"])).iter_rows(named=True):
+        text = content[(r["traj_id"], r["step_idx"])][r["char_start"]:r["char_end"]]
+        assert re.fullmatch(r"Action:\s*search\[.*\]", text), text
+        assert r["token_end"] > r["token_start"]
+    near = spans.filter(pl.col("behavior") == "near_repetition")
+    assert near.height > 0 and set(near["severity"]) == {0.5}
+    assert all(json.loads(e)["jaccard"] >= 0.9 and len(json.loads(e)["query"]) >= 8 for e in near["evidence"])
+
+
+def test_tau_bench_counts(tau):
+    raw, _, _, spans, _ = tau
+    repeats, errors = Counter(), Counter()
+    for rec in raw:
+        tid = f"gpt-4o-airline:{rec['task_id']}:{rec['trial']}"
+        seen = set()
+        for m in rec["traj"]:
+            if m["role"] == "tool" and m["content"].startswith("Error:"):
+                errors[tid] += 1
+            turn_calls = set()
+            for c in m.get("tool_calls") or []:
+                key = (c["function"]["name"], json.dumps(json.loads(c["function"]["arguments"]), sort_keys=True))
+                if key in seen:
+                    repeats[tid] += 1
+                turn_calls.add(key)
+            seen |= turn_calls
+    assert sum(errors.values()) == 73 and len(errors) == 36
+    assert sum(repeats.values()) == 32 and len(repeats) == 16
+    assert _by_traj(spans, "tool.error_return") == errors
+    assert _by_traj(spans, "query.exact") == repeats
+
+
+def test_tau_bench_error_span_is_the_producing_call(tau):
+    _, _, steps, spans, _ = tau
+    df = pl.from_arrow(steps.select(["traj_id", "step_idx", "role", "content", "tool_call_id", "tool_calls"]))
+    content = {(r["traj_id"], r["step_idx"]): r for r in df.iter_rows(named=True)}
+    for r in spans.filter(pl.col("rule") == "tool.error_return").iter_rows(named=True):
+        step = content[(r["traj_id"], r["step_idx"])]
+        assert step["role"] == "assistant"
+        text = step["content"][r["char_start"]:r["char_end"]]
+        assert text.startswith("<tool_call>") and text.endswith("</tool_call>")
+        assert json.loads(text[len("<tool_call>"):-len("</tool_call>")])["name"] == step["tool_calls"][0]["name"]
+        # the next step is the error return of that call
+        nxt = content[(r["traj_id"], r["step_idx"] + 1)]
+        assert nxt["tool_call_id"] == step["tool_calls"][0]["id"] and nxt["content"].startswith("Error:")
+
+
+def test_c3_on_real_data_without_logprobs(fireact):
+    _, t, s, spans, _ = fireact
+    tables, notes = process_batch(t, s, ["grpo", "grpo+c3"], Config(), {"spans": spans.to_arrow()})
+    assert notes["grpo+c3"]["c3.missing_confidence_spans"] == spans.height  # no logprobs in these logs
+    a = np.concatenate([np.asarray(x) for x in tables["grpo"]["token_adv"].to_pylist()])
+    b = np.concatenate([np.asarray(x) for x in tables["grpo+c3"]["token_adv"].to_pylist()])
+    # one sample per question: singleton groups give A = R (verl), so successful trajectories carry positive
+    # credit; with the missing confidence 1.0, severity-1 spans lose all of it, near repeats half
+    assert np.all(b <= a) and np.array_equal(b[a <= 0], a[a <= 0])
+    assert (b < a).sum() == notes["grpo+c3"]["c3.tokens_changed"] > 0
+    assert set(np.round(b[b < a] / a[b < a], 6)) <= {0.0, 0.5}
