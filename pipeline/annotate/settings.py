@@ -40,5 +40,8 @@ class LLMAnnotatorSettings(StageSettings):
     structured_output: bool = Field(
         True, description="send response_format json_schema (servers that reject it get plain JSON mode)"
     )
-    max_chars: int = Field(60000, ge=1000, description="transcript characters sent per trajectory (tail cut)")
+    max_message_chars: int = Field(
+        4000, ge=100, description="characters of one message sent to the annotator (longer ones are cut in the middle)"
+    )
+    include_system: bool = Field(False, description="send system messages too (policy text; no action cites them)")
     annotator_id: str | None = Field(None, description="annotator id written to nodes/edges (None: llm:<model>)")
