@@ -1,0 +1,252 @@
+"""The trainer stage: a torch policy update on a Hugging Face causal LM from an exported batch Parquet
+(the flat layout of `creditflow export`), exactly as an external trainer would consume it.
+
+Clipped token-level surrogate with the batch's per-token advantages and old logprobs (clip low/high,
+optional dual clip), loss aggregation modes, optional KL to a reference model, optional value head for
+PPO/GAE, gradient accumulation over micro-batches packed by a token budget, bf16 on GPU / fp32 on CPU, and a
+checkpoint in Hugging Face format (what vLLM loads for the next collect). Metrics per optimizer step are
+returned as an Arrow table (`train_metrics`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import Field
+
+from pipeline.config import StageSettings, register_settings
+
+
+@register_settings("train")
+class TrainSettings(StageSettings):
+    lr: float = Field(1e-5, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, description="AdamW weight decay")
+    epochs: int = Field(1, ge=1, description="passes over the batch (PPO epochs)")
+    mini_batch_seqs: int = Field(16, ge=1, description="trajectories per optimizer step")
+    token_budget: int = Field(8192, ge=16, description="max padded tokens per micro-batch (grad accumulation)")
+    max_seq_len: int = Field(4096, ge=8, description="longer trajectories are truncated at the end")
+    clip_low: float = Field(0.2, description="ratio clip below 1")
+    clip_high: float = Field(0.2, description="ratio clip above 1 (clip-higher when > clip_low)")
+    dual_clip: float | None = Field(None, description="dual-clip constant c > 1 for negative advantages (None: off)")
+    loss_agg: str = Field("token-mean", description="token-mean | seq-mean-token-sum | seq-mean-token-mean")
+    kl_coef: float = Field(0.0, description="KL-to-reference loss coefficient (0: no reference model)")
+    kl_kind: str = Field("low_var_kl", description="kl | low_var_kl | mse")
+    entropy_coef: float = Field(0.0, description="entropy bonus coefficient")
+    value_head: bool = Field(False, description="train a value head (PPO/GAE batches with returns)")
+    vf_coef: float = Field(0.5, description="value loss coefficient")
+    clip_value: float = Field(0.5, description="value clip range")
+    grad_clip: float = Field(1.0, description="max gradient norm")
+    old_logprobs: str = Field("auto", description="batch | recompute | auto (recompute rows with no logprobs)")
+    seed: int = Field(0, description="shuffling and init seed")
+    device: str = Field("auto", description="auto | cpu | cuda")
+
+
+@dataclass
+class Sequence:
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    old_logprobs: np.ndarray
+    advantages: np.ndarray
+    values: np.ndarray | None
+    returns: np.ndarray | None
+    has_logprobs: bool
+
+
+def load_batch(path: str | Path, max_seq_len: int) -> tuple[list[Sequence], dict]:
+    table = pq.read_table(path)
+    needed = {"input_ids", "loss_mask", "old_logprobs", "advantages"}
+    missing = needed - set(table.column_names)
+    if missing:
+        raise ValueError(f"{path}: not a creditflow export batch, missing columns {sorted(missing)}")
+    cols = {c: table.column(c).to_pylist() for c in table.column_names if c in needed | {"values", "returns"}}
+    seqs = []
+    for i in range(table.num_rows):
+        mask = np.asarray(cols["loss_mask"][i][:max_seq_len], dtype=np.float32)
+        old = np.asarray(cols["old_logprobs"][i][:max_seq_len], dtype=np.float32)
+        vals = cols.get("values", [None] * table.num_rows)[i]
+        rets = cols.get("returns", [None] * table.num_rows)[i]
+        seqs.append(Sequence(
+            input_ids=np.asarray(cols["input_ids"][i][:max_seq_len], dtype=np.int64),
+            loss_mask=mask,
+            old_logprobs=old,
+            advantages=np.asarray(cols["advantages"][i][:max_seq_len], dtype=np.float32),
+            values=None if vals is None else np.asarray(vals[:max_seq_len], dtype=np.float32),
+            returns=None if rets is None else np.asarray(rets[:max_seq_len], dtype=np.float32),
+            has_logprobs=bool(np.any(old[mask > 0] != 0)) if mask.any() else False,
+        ))
+    info = {
+        "method": table.column("method")[0].as_py() if "method" in table.column_names and table.num_rows else None,
+        "round": table.column("round")[0].as_py() if "round" in table.column_names and table.num_rows else 0,
+    }
+    return seqs, info
+
+
+def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Greedy packing of sequence indices (longest first) so that padded tokens <= budget per micro-batch."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    current_max = 0
+    for i in order:
+        new_max = max(current_max, lengths[i])
+        if current and new_max * (len(current) + 1) > token_budget:
+            batches.append(current)
+            current, current_max = [], 0
+            new_max = lengths[i]
+        current.append(i)
+        current_max = new_max
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _pad(arrays: list[np.ndarray], length: int, dtype, fill=0):
+    out = np.full((len(arrays), length), fill, dtype=dtype)
+    for r, a in enumerate(arrays):
+        out[r, : len(a)] = a
+    return out
+
+
+class ValueHead:
+    """A linear value head on the last hidden state, saved next to the policy checkpoint."""
+
+    def __init__(self, hidden: int, device, dtype):
+        import torch
+
+        self.linear = torch.nn.Linear(hidden, 1).to(device=device, dtype=dtype)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def __call__(self, hidden_states):
+        return self.linear(hidden_states).squeeze(-1)
+
+
+def train(batch_path: str | Path, model_dir: str | Path, out_dir: str | Path, settings: TrainSettings | None = None,
+          ref_model_dir: str | Path | None = None, progress=None) -> pa.Table:
+    """One policy update on the batch; saves the new checkpoint to out_dir; returns train_metrics rows."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    s = settings or TrainSettings()
+    torch.manual_seed(s.seed)
+    device = torch.device("cuda" if (s.device == "auto" and torch.cuda.is_available()) or s.device == "cuda" else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    seqs, info = load_batch(batch_path, s.max_seq_len)
+    if not seqs:
+        raise ValueError(f"{batch_path}: empty batch")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype).to(device)
+    ref = None
+    if s.kl_coef > 0:
+        ref = AutoModelForCausalLM.from_pretrained(str(ref_model_dir or model_dir), torch_dtype=dtype).to(device).eval()
+    vhead = ValueHead(model.config.hidden_size, device, torch.float32) if s.value_head else None
+    if vhead is not None and any(q.returns is None for q in seqs):
+        raise ValueError("value_head needs a batch with `returns` (export a gae method)")
+    params = list(model.parameters()) + (list(vhead.linear.parameters()) if vhead else [])
+    optim = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+
+    def forward(idx: list[int], with_grad: bool):
+        L = max(len(seqs[i].input_ids) for i in idx)
+        ids = torch.from_numpy(_pad([seqs[i].input_ids for i in idx], L, np.int64)).to(device)
+        attn = torch.from_numpy(_pad([np.ones_like(seqs[i].input_ids) for i in idx], L, np.int64)).to(device)
+        from trainer.losses import token_logprobs_and_entropy
+
+        ctx = torch.enable_grad() if with_grad else torch.no_grad()
+        with ctx:
+            out = model(input_ids=ids, attention_mask=attn, output_hidden_states=vhead is not None)
+            logp, ent = token_logprobs_and_entropy(out.logits, ids)
+            vpred = vhead(out.hidden_states[-1].float()) if vhead is not None else None
+        return ids, attn, L, logp, ent, vpred
+
+    # old logprobs: from the batch, or recomputed with the current weights before any update
+    recompute = [i for i, q in enumerate(seqs) if s.old_logprobs == "recompute" or (s.old_logprobs == "auto" and not q.has_logprobs)]
+    model.eval()
+    for mb in pack_micro_batches([len(seqs[i].input_ids) for i in recompute], s.token_budget):
+        idx = [recompute[j] for j in mb]
+        _, _, _, logp, _, _ = forward(idx, with_grad=False)
+        for r, i in enumerate(idx):
+            seqs[i].old_logprobs = logp[r, : len(seqs[i].input_ids)].float().cpu().numpy()
+    model.train()
+
+    from trainer.losses import aggregate, kl_penalty, policy_loss, value_loss
+
+    rng = np.random.default_rng(s.seed)
+    rows = []
+    step = 0
+    for epoch in range(s.epochs):
+        order = rng.permutation(len(seqs))
+        for start in range(0, len(order), s.mini_batch_seqs):
+            t0 = time.perf_counter()
+            mini = [int(i) for i in order[start : start + s.mini_batch_seqs]]
+            norm_tokens = float(max(sum(seqs[i].loss_mask.sum() for i in mini), 1.0))
+            norm_seqs = float(max(sum(1 for i in mini if seqs[i].loss_mask.any()), 1))
+            micro = pack_micro_batches([len(seqs[i].input_ids) for i in mini], s.token_budget)
+            optim.zero_grad(set_to_none=True)
+            agg = {"loss": 0.0, "pg": 0.0, "vf": 0.0, "kl": 0.0, "clip": 0.0, "akl": 0.0, "ent": 0.0}
+            for mb in micro:
+                idx = [mini[j] for j in mb]
+                ids, attn, L, logp, ent, vpred = forward(idx, with_grad=True)
+                mask = torch.from_numpy(_pad([seqs[i].loss_mask for i in idx], L, np.float32)).to(device)
+                old = torch.from_numpy(_pad([seqs[i].old_logprobs for i in idx], L, np.float32)).to(device)
+                adv = torch.from_numpy(_pad([seqs[i].advantages for i in idx], L, np.float32)).to(device)
+                pg, clip_frac, approx_kl = policy_loss(logp, old, adv, mask, s.clip_low, s.clip_high, s.dual_clip,
+                                                       s.loss_agg, norm_tokens, norm_seqs)
+                loss = pg
+                share = float(mask.sum().item()) / norm_tokens
+                if ref is not None:
+                    with torch.no_grad():
+                        from trainer.losses import token_logprobs_and_entropy
+
+                        ref_logp, _ = token_logprobs_and_entropy(ref(input_ids=ids, attention_mask=attn).logits, ids)
+                    kl = aggregate(kl_penalty(logp, ref_logp, s.kl_kind), mask, s.loss_agg, norm_tokens, norm_seqs)
+                    loss = loss + s.kl_coef * kl
+                    agg["kl"] += float(kl.item())
+                ent_m = aggregate(ent, mask, "token-mean", norm_tokens)
+                if s.entropy_coef:
+                    loss = loss - s.entropy_coef * ent_m
+                if vhead is not None:
+                    vals = torch.from_numpy(_pad([seqs[i].values if seqs[i].values is not None else np.zeros(1) for i in idx], L, np.float32)).to(device)
+                    rets = torch.from_numpy(_pad([seqs[i].returns for i in idx], L, np.float32)).to(device)
+                    vf = value_loss(vpred, vals, rets, mask, s.clip_value, s.loss_agg, norm_tokens, norm_seqs)
+                    loss = loss + s.vf_coef * vf
+                    agg["vf"] += float(vf.item())
+                loss.backward()
+                agg["loss"] += float(loss.item())
+                agg["pg"] += float(pg.item())
+                agg["clip"] += float(clip_frac.item()) * share
+                agg["akl"] += float(approx_kl.item()) * share
+                agg["ent"] += float(ent_m.item())
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+            optim.step()
+            gn = float(grad_norm.item())
+            rows.append({
+                "round": int(info["round"] or 0), "method": info["method"], "step": step, "epoch": epoch,
+                "micro_batches": len(micro), "sequences": len(mini), "tokens": int(norm_tokens),
+                "loss": agg["loss"], "pg_loss": agg["pg"], "vf_loss": agg["vf"] if vhead is not None else None,
+                "kl": agg["kl"] if ref is not None else None, "clip_frac": agg["clip"], "approx_kl": agg["akl"],
+                "entropy": agg["ent"], "grad_norm": gn if math.isfinite(gn) else float("nan"), "lr": s.lr,
+                "seconds": time.perf_counter() - t0,
+            })
+            step += 1
+            if progress is not None:
+                progress(step)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(out_dir))
+    except Exception:  # noqa: BLE001 - a model folder without a tokenizer is still a valid checkpoint
+        pass
+    if vhead is not None:
+        import torch as _t
+
+        _t.save(vhead.linear.state_dict(), out_dir / "value_head.pt")
+    from schemas.train_metrics import SPEC
+
+    return SPEC.conform(pa.Table.from_pylist(rows))
