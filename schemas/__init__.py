@@ -25,4 +25,16 @@ def register_table(spec: TableSpec) -> TableSpec:
     return spec
 
 
+def _load_all() -> None:
+    """Import every other table module of this package: each registers itself (llm_calls, train_metrics, ...)."""
+    import importlib
+    import pkgutil
+
+    for mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+        if not mod.startswith("_"):
+            importlib.import_module(f"schemas.{mod}")
+
+
+_load_all()
+
 __all__ = ["TABLES", "SchemaError", "TableSpec", "register_table"]
