@@ -4,6 +4,11 @@ bounded by a part and an interrupted run resumes at the first missing part."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import uuid
+from collections.abc import Iterable
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -39,6 +44,42 @@ def write_round(lake: Lake, round_: int, trajectories: pa.Table, steps: pa.Table
     if quarantine is not None:
         lake.replace_partition("quarantine", round_, quarantine)
     return names
+
+
+def write_round_parts(lake: Lake, round_: int, batches: Iterable[tuple[pa.Table, pa.Table]]) -> list[str]:
+    """Streaming `write_round`: each (trajectories, steps) batch of whole groups becomes one aligned part
+    (b00000, b00001, ...), validated and written to staging folders as it arrives (memory is one batch); once all
+    are written the two partitions are swapped in, each in one rename. An error while writing leaves the lake as it was."""
+    tables = ("trajectories", "steps")
+    staging = {t: lake.table_dir(t) / f".staging-{uuid.uuid4().hex}" for t in tables}
+    try:
+        names: list[str] = []
+        for index, batch in enumerate(batches):
+            name = batch_name(index)
+            for table_name, table in zip(tables, batch, strict=True):
+                lake._write_file(lake._prepare(table_name, table), staging[table_name] / f"part-{name}.parquet")
+            names.append(name)
+        if not names:
+            from schemas import TABLES
+
+            for table_name in tables:
+                empty = lake._prepare(table_name, TABLES[table_name].empty())
+                lake._write_file(empty, staging[table_name] / f"part-{batch_name(0)}.parquet")
+            names.append(batch_name(0))
+        for table_name in tables:
+            final = lake.partition_dir(table_name, round_)
+            old = None
+            if final.exists():
+                old = lake.table_dir(table_name) / f".old-{uuid.uuid4().hex}"
+                os.replace(final, old)
+            os.replace(staging[table_name], final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        return names
+    finally:
+        for path in staging.values():
+            if path.exists():
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def batch_names(lake: Lake, round_: int) -> list[str]:
