@@ -45,6 +45,10 @@ values (float32) near 0.2 + 0.6 x the score before the turn. Both are on assista
 into one pool of template pieces and a filler corpus), chosen with NumPy over (trajectory, step); one gather
 produces every content's bytes; list columns are built from flat arrays + offsets.
 
+Limits: one tool call per assistant turn; a search group has 24 distinct queries, so beyond 24 fresh queries a
+trajectory starts repeating them (exact repeats on top of `repeat_rate`); the whole-batch offsets are int32, so a
+batch (batch_groups x samples x bytes) must stay under 2 GiB of text.
+
 Same settings -> bit-identical tables. Batches of whole groups are generated independently (the RNG of a batch
 is seeded with (seed, round, first group)), so memory is bounded by `batch_groups`.
 """
