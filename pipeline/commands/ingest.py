@@ -1,0 +1,78 @@
+"""`creditflow ingest`: read rollout logs of one format, write a round's trajectories, steps and quarantine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("ingest")
+    def ingest_cmd(
+        sources: list[Path] = typer.Argument(..., help="input file(s) or folder(s)"),
+        fmt: str = typer.Option(..., "--format", "-f", help="chat-jsonl | tau-bench | tau2-bench | react | ldb | parquet"),
+        lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
+        round_: int = typer.Option(..., "--round", help="round to write (replaces the round's ingest tables)"),
+        tokenizer: str | None = typer.Option(
+            None, "--tokenizer", help="tokenizer.json path, 'bytes', or default SmolLM2"),
+        batch_groups: int = typer.Option(64, "--batch-groups", help="groups per part (unit of processing)"),
+        strict: bool = typer.Option(False, "--strict", help="exit non-zero when any record was quarantined"),
+    ) -> None:
+        """Ingest rollouts: validate, quarantine bad records with a reason, tokenize, write the round."""
+        from pipeline.display import console, print_kv
+        from pipeline.ingest import get_adapter, ingest
+        from pipeline.tokenize import get_tokenizer
+        from warehouse.lake import Lake
+        from warehouse.rounds import write_round
+        from warehouse.sources import read_table_sources, read_text_sources
+
+        try:
+            spec = get_adapter(fmt)
+        except KeyError as exc:
+            typer.secho(str(exc.args[0]), fg="red", err=True)
+            raise typer.Exit(2) from exc
+        try:
+            inputs = read_table_sources(sources) if spec.kind == "tables" else read_text_sources(sources, spec.extensions)
+        except (FileNotFoundError, OSError, UnicodeDecodeError) as exc:
+            typer.secho(f"cannot read sources: {exc}", fg="red", err=True)
+            raise typer.Exit(2) from exc
+        if not inputs:
+            typer.secho(f"no {fmt} input found under {', '.join(map(str, sources))}", fg="red", err=True)
+            raise typer.Exit(2)
+        if batch_groups < 1:
+            typer.secho("--batch-groups must be >= 1", fg="red", err=True)
+            raise typer.Exit(2)
+
+        result = ingest(fmt, inputs, round_=round_, tokenizer=get_tokenizer(tokenizer))
+        store = Lake(lake)
+        parts = write_round(store, round_, result.trajectories, result.steps, batch_groups, result.quarantine)
+
+        steps = result.steps
+        roles = steps.column("role").to_pylist()
+        errors = steps.column("is_error").to_pylist()
+        groups = len(set(result.trajectories.column("group_id").to_pylist()))
+        summary = {
+            "format": fmt,
+            "sources": len(inputs),
+            "records read": result.stats.get("records_read"),
+            "trajectories": result.trajectories.num_rows,
+            "groups": groups,
+            "steps": steps.num_rows,
+            "assistant turns": roles.count("assistant"),
+            "tool steps": roles.count("tool"),
+            "tool errors": sum(1 for r, e in zip(roles, errors, strict=True) if e and r == "tool"),
+            "tokens": result.stats.get("tokens"),
+            "tokenizer": result.stats.get("tokenizer"),
+            "quarantined": result.quarantine.num_rows,
+        }
+        for reason, n in result.quarantined_by_reason().items():
+            summary[f"  quarantined: {reason}"] = n
+        if result.stats.get("offsets_approximate"):
+            summary["approximate token offsets"] = result.stats["offsets_approximate"]
+        summary["parts written"] = len(parts)
+        print_kv(f"ingest {fmt}", summary)
+        console.print(f"written: {store.root} (trajectories, steps, quarantine; round={round_})", soft_wrap=True)
+        if strict and result.quarantine.num_rows:
+            console.print(f"[red]--strict: {result.quarantine.num_rows} record(s) quarantined[/red]")
+            raise typer.Exit(1)

@@ -1,0 +1,601 @@
+"""The adapter-independent half of ingest: source records -> drafts -> checked, tokenized Arrow tables.
+
+An adapter only turns one parsed record into a `TrajectoryDraft` (plain Python, no tokens). Everything every
+format needs is done here, once: turn numbering, the tool-call links, reward and length checks, duplicate
+ids, default sample indices, one batched tokenizer call over every step, and the final schema validation.
+A record that fails any check goes to `quarantine` verbatim with its reason, field and location; the rest is
+ingested.
+
+Token ids given by the source are kept as they are (they are what the policy sampled). Their char offsets:
+1. if the tokenizer, run on the content, gives the same ids: its offsets (exact);
+2. else if the tokenizer can decode and the ids decode to the content: offsets from decoding token by token;
+3. else offsets spread evenly over the content (monotone, approximate), counted in
+   `stats["offsets_approximate"]`.
+Logprobs given by the source are kept with `logprob_source = "rollout"`; without token ids they must match
+the tokenizer's token count, or the record is quarantined.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from schemas import SchemaError
+from schemas import quarantine as quarantine_schema
+from schemas import steps as steps_schema
+from schemas import trajectories as trajectories_schema
+
+ROLES = steps_schema.ROLES
+
+# quarantine reason codes (the text after the colon says what exactly)
+MALFORMED_JSON = "malformed_json"
+MISSING_FIELD = "missing_field"
+INVALID_VALUE = "invalid_value"
+LENGTH_MISMATCH = "length_mismatch"
+NON_FINITE_REWARD = "non_finite_reward"
+DUPLICATE_TRAJ_ID = "duplicate_traj_id"
+UNKNOWN_ROLE = "unknown_role"
+UNMATCHED_TOOL_RESULT = "unmatched_tool_result"
+SCHEMA_VIOLATION = "schema_violation"
+ADAPTER_ERROR = "adapter_error"  # the adapter raised on this record: a shape it does not handle
+
+
+class Reject(Exception):
+    """A record cannot be ingested: it goes to quarantine with this reason code, detail and field."""
+
+    def __init__(self, code: str, detail: str = "", field: str | None = None):
+        self.code, self.detail, self.field = code, detail, field
+        super().__init__(f"{code}: {detail}" if detail else code)
+
+    @property
+    def reason(self) -> str:
+        return str(self)
+
+
+@dataclass
+class SourceRecord:
+    """One input record: parsed data (None when it could not be parsed), its verbatim text and location."""
+
+    source_file: str
+    location: str
+    raw: str
+    data: Any = None
+    error: Reject | None = None
+    context: dict = field(default_factory=dict)
+
+    @property
+    def stem(self) -> str:
+        from pathlib import PurePath
+
+        return PurePath(self.source_file).stem
+
+
+@dataclass
+class StepDraft:
+    role: str
+    content: str
+    tool_calls: list[dict] | None = None  # [{id, name, arguments (JSON text)}]
+    tool_call_id: str | None = None
+    is_error: bool = False
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    verifier_score: float | None = None
+    turn: int | None = None  # filled by `finalize`
+
+
+@dataclass
+class TrajectoryDraft:
+    traj_id: str
+    group_id: str
+    reward: float
+    steps: list[StepDraft]
+    sample_idx: int | None = None  # None: next free index of its group, in input order
+    reward_components: dict[str, float] | None = None
+    action_format: str | None = None
+    policy_version: str | None = None
+    meta: dict | None = None
+    source: str = ""
+
+
+@dataclass
+class IngestResult:
+    trajectories: pa.Table
+    steps: pa.Table
+    quarantine: pa.Table
+    stats: dict = field(default_factory=dict)
+
+    def quarantined_by_reason(self) -> dict[str, int]:
+        codes = [r.split(":", 1)[0] for r in self.quarantine.column("reason").to_pylist()]
+        return dict(Counter(codes).most_common())
+
+
+# ---- small helpers adapters share ----------------------------------------------------------------------
+
+
+def require(obj: Any, key: str, where: str = "") -> Any:
+    """`obj[key]`, or Reject(missing_field) naming `where.key`."""
+    name = f"{where}.{key}" if where else key
+    if not isinstance(obj, dict):
+        raise Reject(INVALID_VALUE, f"{where or 'record'} is {type(obj).__name__}, expected an object", where or None)
+    if key not in obj or obj[key] is None:
+        raise Reject(MISSING_FIELD, f"'{name}' is missing", name)
+    return obj[key]
+
+
+def as_reward(value: Any, field_name: str = "reward") -> float:
+    if isinstance(value, bool):
+        return float(value)
+    try:
+        reward = float(value)
+    except (TypeError, ValueError):
+        raise Reject(INVALID_VALUE, f"{field_name} {value!r} is not a number", field_name) from None
+    if not math.isfinite(reward):
+        raise Reject(NON_FINITE_REWARD, f"{field_name} is {reward}", field_name)
+    return reward
+
+
+def as_int(value: Any, field_name: str) -> int:
+    if isinstance(value, bool) or value is None:
+        raise Reject(INVALID_VALUE, f"{field_name} {value!r} is not an integer", field_name)
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise Reject(INVALID_VALUE, f"{field_name} {value!r} is not an integer", field_name) from None
+    if out != value and str(out) != str(value):
+        raise Reject(INVALID_VALUE, f"{field_name} {value!r} is not an integer", field_name)
+    return out
+
+
+def arguments_text(arguments: Any) -> str:
+    """Call arguments as JSON text (sources give a JSON string or an object)."""
+    if arguments is None:
+        return "{}"
+    if isinstance(arguments, str):
+        return arguments
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def content_text(content: Any, where: str) -> str:
+    """OpenAI message content: a string, null, or a list of parts ({type: text, text})."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise Reject(INVALID_VALUE, f"{where} has a non-text content part", where)
+        return "".join(parts)
+    raise Reject(INVALID_VALUE, f"{where} is {type(content).__name__}, expected text", where)
+
+
+def prompt_hash(texts: list[str]) -> str:
+    return "p" + hashlib.sha1("\x1e".join(texts).encode("utf-8")).hexdigest()[:16]
+
+
+# ---- readers: file text -> verbatim records ------------------------------------------------------------
+
+_DECODER = json.JSONDecoder()
+_WS = " \t\n\r"
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in _WS:
+        pos += 1
+    return pos
+
+
+def _malformed(source_file: str, location: str, raw: str, exc: Exception) -> SourceRecord:
+    return SourceRecord(source_file, location, raw, error=Reject(MALFORMED_JSON, str(exc)))
+
+
+def read_jsonl(text: str, source_file: str) -> Iterator[SourceRecord]:
+    """One record per non-blank line (location `line N`, 1-based)."""
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        location = f"line {lineno}"
+        try:
+            data = json.loads(line)
+        except ValueError as exc:
+            yield _malformed(source_file, location, line, exc)
+            continue
+        yield SourceRecord(source_file, location, line, data)
+
+
+def iter_json_array(text: str, pos: int, source_file: str, path: str = "") -> Iterator[tuple[SourceRecord, int]]:
+    """Items of the JSON array starting at `pos`, each with its verbatim text; yields (record, end)."""
+    pos = _skip_ws(text, pos)
+    if pos >= len(text) or text[pos] != "[":
+        yield _malformed(source_file, path or "$", text[pos:], ValueError("expected a JSON array")), len(text)
+        return
+    pos = _skip_ws(text, pos + 1)
+    index = 0
+    if pos < len(text) and text[pos] == "]":
+        return
+    while pos < len(text):
+        location = f"{path}[{index}]"
+        try:
+            data, end = _DECODER.raw_decode(text, pos)
+        except ValueError as exc:
+            # the rest of the array cannot be split reliably: quarantine it as one record
+            yield _malformed(source_file, f"{path}[{index}:]", text[pos:], exc), len(text)
+            return
+        yield SourceRecord(source_file, location, text[pos:end], data), end
+        pos = _skip_ws(text, end)
+        index += 1
+        if pos < len(text) and text[pos] == ",":
+            pos = _skip_ws(text, pos + 1)
+            continue
+        if pos < len(text) and text[pos] == "]":
+            return
+        yield _malformed(source_file, f"{path}[{index}:]", text[pos:], ValueError("expected ',' or ']'")), len(text)
+        return
+
+
+def iter_json_object(text: str, pos: int) -> Iterator[tuple[str, Any, int, int]]:
+    """Members of the JSON object at `pos`: (key, value, value start, value end). Raises ValueError when
+    malformed."""
+    pos = _skip_ws(text, pos)
+    if pos >= len(text) or text[pos] != "{":
+        raise ValueError(f"expected a JSON object at char {pos}")
+    pos = _skip_ws(text, pos + 1)
+    if pos < len(text) and text[pos] == "}":
+        return
+    while True:
+        key, pos = _DECODER.raw_decode(text, pos)
+        if not isinstance(key, str):
+            raise ValueError(f"expected a key at char {pos}")
+        pos = _skip_ws(text, pos)
+        if pos >= len(text) or text[pos] != ":":
+            raise ValueError(f"expected ':' at char {pos}")
+        start = _skip_ws(text, pos + 1)
+        value, end = _DECODER.raw_decode(text, start)
+        yield key, value, start, end
+        pos = _skip_ws(text, end)
+        if pos < len(text) and text[pos] == ",":
+            pos = _skip_ws(text, pos + 1)
+            continue
+        if pos < len(text) and text[pos] == "}":
+            return
+        raise ValueError(f"expected ',' or '}}' at char {pos}")
+
+
+def read_json_list(text: str, source_file: str) -> Iterator[SourceRecord]:
+    """A JSON array of records (location `[i]`)."""
+    for record, _ in iter_json_array(text, 0, source_file):
+        yield record
+
+
+def read_json_entries(text: str, source_file: str) -> Iterator[SourceRecord]:
+    """A JSON object id -> record (location `[id]`); the id is put in `context['key']`."""
+    pos = 0
+    members = iter_json_object(text, 0)
+    while True:
+        try:
+            key, value, start, end = next(members)
+        except StopIteration:
+            return
+        except ValueError as exc:
+            yield _malformed(source_file, "$[...]", text[pos:], exc)
+            return
+        pos = end
+        yield SourceRecord(source_file, f"[{json.dumps(key)}]", text[start:end], value, context={"key": key})
+
+
+# ---- checks and turn numbering -------------------------------------------------------------------------
+
+
+def finalize(draft: TrajectoryDraft) -> TrajectoryDraft:
+    """Number the turns and check roles, tool-call links, reward and token/logprob lengths."""
+    if not draft.traj_id:
+        raise Reject(MISSING_FIELD, "traj_id is empty", "traj_id")
+    draft.reward = as_reward(draft.reward)
+    if draft.reward_components:
+        draft.reward_components = {
+            str(k): as_reward(v, f"reward_components.{k}") for k, v in draft.reward_components.items()
+        }
+    if not draft.steps:
+        raise Reject(MISSING_FIELD, "trajectory has no steps", "messages")
+    turn = 0
+    call_ids: set[str] = set()
+    for i, step in enumerate(draft.steps):
+        if step.role not in ROLES:
+            raise Reject(UNKNOWN_ROLE, f"step {i} has role {step.role!r}", f"steps[{i}].role")
+        if step.role == "assistant":
+            turn += 1
+            step.turn = turn
+        else:
+            step.turn = turn or None
+        for call in step.tool_calls or ():
+            if not call.get("id"):
+                raise Reject(MISSING_FIELD, f"step {i} has a tool call without id", f"steps[{i}].tool_calls.id")
+            if not call.get("name"):
+                raise Reject(MISSING_FIELD, f"step {i} has a tool call without name", f"steps[{i}].tool_calls.name")
+            call_ids.add(call["id"])
+        if step.role == "tool" and step.tool_call_id is not None and step.tool_call_id not in call_ids:
+            raise Reject(
+                UNMATCHED_TOOL_RESULT,
+                f"tool step {i} answers call {step.tool_call_id!r}, which no earlier step made",
+                f"steps[{i}].tool_call_id",
+            )
+        if step.token_ids is not None and step.logprobs is not None and len(step.token_ids) != len(step.logprobs):
+            raise Reject(
+                LENGTH_MISMATCH,
+                f"step {i}: {len(step.token_ids)} token_ids but {len(step.logprobs)} logprobs",
+                f"steps[{i}].logprobs",
+            )
+        if step.logprobs is not None and not all(isinstance(x, (int, float)) for x in step.logprobs):
+            raise Reject(INVALID_VALUE, f"step {i}: logprobs are not numbers", f"steps[{i}].logprobs")
+        if step.token_ids is not None and not all(isinstance(x, int) and not isinstance(x, bool) for x in step.token_ids):
+            raise Reject(INVALID_VALUE, f"step {i}: token_ids are not integers", f"steps[{i}].token_ids")
+        if step.verifier_score is not None:
+            step.verifier_score = as_reward(step.verifier_score, f"steps[{i}].verifier_score")
+    return draft
+
+
+# ---- offsets of given token ids ------------------------------------------------------------------------
+
+
+def _even_offsets(n_tokens: int, n_chars: int) -> list[int]:
+    if n_tokens == 0:
+        return []
+    return (np.arange(n_tokens, dtype=np.int64) * n_chars // n_tokens).astype(np.int32).tolist()
+
+
+def offsets_by_decoding(decode, ids: list[int], content: str) -> list[int] | None:
+    """Char start of each token found by decoding token by token (tokens inside one char share its start).
+    None when the ids do not decode to `content`."""
+    if decode(ids) != content:
+        return None
+    offsets: list[int] = []
+    done, pending = 0, 0  # chars confirmed; first token whose text is not yet confirmed
+    for k in range(len(ids)):
+        piece = decode(ids[pending : k + 1])
+        if piece.endswith("\ufffd") and k + 1 < len(ids):
+            continue  # an incomplete UTF-8 char: wait for the next token
+        if content[done : done + len(piece)] != piece:
+            return None
+        offsets.append(done)
+        for j in range(pending + 1, k + 1):  # tokens that start inside the window: after its complete chars
+            offsets.append(done + len(decode(ids[pending:j]).rstrip("\ufffd")))
+        done += len(piece)
+        pending = k + 1
+    return offsets if done == len(content) else None
+
+
+# ---- building the tables -------------------------------------------------------------------------------
+
+
+@dataclass
+class Rejected:
+    record: SourceRecord
+    reject: Reject
+    record_id: str | None = None
+
+
+def quarantine_table(rejected: list[Rejected], round_: int, stage: str) -> pa.Table:
+    rows = {
+        "round": [round_] * len(rejected),
+        "source_file": [r.record.source_file for r in rejected],
+        "location": [r.record.location for r in rejected],
+        "record_id": [r.record_id for r in rejected],
+        "field": [r.reject.field for r in rejected],
+        "reason": [r.reject.reason for r in rejected],
+        "raw": [r.record.raw for r in rejected],
+        "stage": [f"ingest:{stage}"] * len(rejected),
+    }
+    return pa.Table.from_pydict(rows, schema=quarantine_schema.SCHEMA)
+
+
+def _assign_sample_idx(drafts: list[TrajectoryDraft]) -> None:
+    used: dict[str, set[int]] = {}
+    for d in drafts:
+        if d.sample_idx is not None:
+            used.setdefault(d.group_id, set()).add(d.sample_idx)
+    for d in drafts:
+        if d.sample_idx is None:
+            taken = used.setdefault(d.group_id, set())
+            nxt = 0
+            while nxt in taken:
+                nxt += 1
+            d.sample_idx = nxt
+            taken.add(nxt)
+
+
+def build_tables(
+    items: list[tuple[SourceRecord, TrajectoryDraft]], round_: int, tokenizer
+) -> tuple[pa.Table, pa.Table, list[Rejected], dict]:
+    """Tokenize every step in one batch and build the trajectories and steps tables."""
+    stats: Counter = Counter()
+    flat = [(i, s) for i, (_, d) in enumerate(items) for s in d.steps]
+    texts = [s.content for _, s in flat]
+    enc_ids, enc_offsets = tokenizer.encode_batch(texts) if texts else ([], [])
+    decode = getattr(tokenizer, "decode", None)
+
+    rejected: dict[int, Reject] = {}
+    token_ids: list[list[int]] = []
+    token_offsets: list[list[int]] = []
+    logprobs: list[list[float] | None] = []
+    for (item, step), ids, offs in zip(flat, enc_ids, enc_offsets, strict=True):
+        lp = step.logprobs
+        if step.token_ids is None:
+            if lp is not None and len(lp) != len(ids):
+                rejected.setdefault(item, Reject(
+                    LENGTH_MISMATCH,
+                    f"{len(lp)} logprobs without token_ids, but the content has {len(ids)} tokens "
+                    f"({getattr(tokenizer, 'name', 'tokenizer')})",
+                    "logprobs",
+                ))
+            token_ids.append(list(ids))
+            token_offsets.append(list(offs))
+        else:
+            given = list(step.token_ids)
+            stats["steps_with_given_token_ids"] += 1
+            if list(ids) == given:
+                found = list(offs)
+            else:
+                found = offsets_by_decoding(decode, given, step.content) if decode else None
+                if found is None:
+                    stats["offsets_approximate"] += 1
+                    found = _even_offsets(len(given), len(step.content))
+            token_ids.append(given)
+            token_offsets.append(found)
+        logprobs.append([float(x) for x in lp] if lp is not None else None)
+
+    keep = [i for i in range(len(items)) if i not in rejected]
+    bad = [Rejected(items[i][0], rejected[i], items[i][1].traj_id) for i in sorted(rejected)]
+    keep_set = set(keep)
+
+    traj_rows: dict[str, list] = {k: [] for k in trajectories_schema.SCHEMA.names}
+    for i in keep:
+        d = items[i][1]
+        traj_rows["round"].append(round_)
+        traj_rows["traj_id"].append(d.traj_id)
+        traj_rows["group_id"].append(d.group_id)
+        traj_rows["sample_idx"].append(d.sample_idx)
+        traj_rows["reward"].append(d.reward)
+        traj_rows["reward_components"].append(list(d.reward_components.items()) if d.reward_components else None)
+        traj_rows["source"].append(d.source)
+        traj_rows["action_format"].append(d.action_format)
+        traj_rows["policy_version"].append(d.policy_version)
+        traj_rows["meta"].append(json.dumps(d.meta, ensure_ascii=False, default=str) if d.meta is not None else None)
+    trajectories = pa.Table.from_pydict(traj_rows, schema=trajectories_schema.SCHEMA)
+
+    step_rows: dict[str, list] = {k: [] for k in steps_schema.SCHEMA.names}
+    step_idx_of: dict[int, int] = {}
+    for (item, step), ids, offs, lp in zip(flat, token_ids, token_offsets, logprobs, strict=True):
+        if item not in keep_set:
+            continue
+        idx = step_idx_of.get(item, 0)
+        step_idx_of[item] = idx + 1
+        step_rows["round"].append(round_)
+        step_rows["traj_id"].append(items[item][1].traj_id)
+        step_rows["step_idx"].append(idx)
+        step_rows["role"].append(step.role)
+        step_rows["turn"].append(step.turn)
+        step_rows["content"].append(step.content)
+        step_rows["tool_calls"].append(
+            [{"id": c["id"], "name": c["name"], "arguments": c.get("arguments")} for c in step.tool_calls]
+            if step.tool_calls is not None
+            else None
+        )
+        step_rows["tool_call_id"].append(step.tool_call_id)
+        step_rows["is_error"].append(bool(step.is_error))
+        step_rows["token_ids"].append(ids)
+        step_rows["token_offsets"].append(offs)
+        step_rows["logprobs"].append(lp)
+        step_rows["logprob_source"].append("rollout" if lp is not None else None)
+        step_rows["values"].append(None)
+        step_rows["verifier_score"].append(step.verifier_score)
+    steps = pa.Table.from_pydict(step_rows, schema=steps_schema.SCHEMA)
+    stats["tokens"] = int(sum(len(x) for x in token_ids))
+    return trajectories, steps, bad, dict(stats)
+
+
+def validate_or_quarantine(
+    trajectories: pa.Table, steps: pa.Table, items_by_id: dict[str, SourceRecord]
+) -> tuple[pa.Table, pa.Table, list[Rejected]]:
+    """Schema validation as a last safety net: a trajectory whose rows violate a schema is quarantined."""
+    import pyarrow.compute as pc
+
+    bad: list[Rejected] = []
+    for _ in range(len(items_by_id) + 1):
+        try:
+            trajectories = trajectories_schema.validate(trajectories)
+            steps = steps_schema.validate(steps)
+            return trajectories, steps, bad
+        except SchemaError as err:
+            table = trajectories if err.table == "trajectories" else steps
+            if err.row is None or not table.num_rows:
+                raise
+            traj_id = table.column("traj_id")[err.row].as_py()
+            record = items_by_id.get(traj_id)
+            if record is None:
+                raise
+            bad.append(Rejected(record, Reject(SCHEMA_VIOLATION, str(err), err.field), traj_id))
+            trajectories = trajectories.filter(pc.not_equal(trajectories.column("traj_id"), traj_id))
+            steps = steps.filter(pc.not_equal(steps.column("traj_id"), traj_id))
+    raise RuntimeError("schema validation did not converge")
+
+
+def ingest_records(records: list[SourceRecord], spec, round_: int, tokenizer) -> IngestResult:
+    """Convert, check and tokenize the records of one or more files of one format."""
+    rejected: list[Rejected] = []
+    items: list[tuple[SourceRecord, TrajectoryDraft]] = []
+    seen: set[str] = set()
+    for record in records:
+        if record.error is not None:
+            rejected.append(Rejected(record, record.error))
+            continue
+        try:
+            draft = spec.convert(record)
+            draft.action_format = draft.action_format or spec.action_format
+            draft.source = draft.source or f"{spec.name}:{record.source_file}"
+            finalize(draft)
+        except Reject as rej:
+            rejected.append(Rejected(record, rej, _record_id(record)))
+            continue
+        except Exception as exc:  # noqa: BLE001 -- one odd record must not stop the ingest; it is kept
+            rej = Reject(ADAPTER_ERROR, f"{type(exc).__name__}: {exc}")
+            rejected.append(Rejected(record, rej, _record_id(record)))
+            continue
+        if draft.traj_id in seen:
+            rejected.append(Rejected(record, Reject(
+                DUPLICATE_TRAJ_ID, f"traj_id {draft.traj_id!r} was already read", "traj_id"), draft.traj_id))
+            continue
+        seen.add(draft.traj_id)
+        items.append((record, draft))
+    _assign_sample_idx([d for _, d in items])
+    trajectories, steps, bad, stats = build_tables(items, round_, tokenizer)
+    rejected += bad
+    items_by_id = {d.traj_id: r for r, d in items}
+    trajectories, steps, bad = validate_or_quarantine(trajectories, steps, items_by_id)
+    rejected += bad
+    if bad:
+        stats["tokens"] = int(sum(len(x) for x in steps.column("token_ids").to_pylist()))
+    stats.update(records_read=len(records), tokenizer=getattr(tokenizer, "name", "?"))
+    return IngestResult(trajectories, steps, quarantine_table(rejected, round_, spec.name), stats)
+
+
+def _record_id(record: SourceRecord) -> str | None:
+    data = record.data
+    if isinstance(data, dict):
+        for key in ("traj_id", "id", "task_id"):
+            if data.get(key) is not None and not isinstance(data.get(key), (dict, list)):
+                return str(data[key])
+    return record.context.get("key")
+
+
+def ingest(
+    fmt: str,
+    sources: list[tuple[str, Any]],
+    round_: int = 0,
+    tokenizer=None,
+) -> IngestResult:
+    """Ingest sources of format `fmt`: for text formats a list of (source_file, text); for table formats
+    what the adapter's `ingest_tables` takes. `tokenizer` defaults to `get_tokenizer()`."""
+    from pipeline.ingest.registry import get_adapter
+    from pipeline.tokenize import get_tokenizer
+
+    spec = get_adapter(fmt)
+    tokenizer = tokenizer if tokenizer is not None else get_tokenizer(None)
+    if spec.kind == "tables":
+        return spec.ingest_tables(sources, round_, tokenizer)
+    records: list[SourceRecord] = []
+    for source_file, text in sources:
+        records.extend(spec.reader(text, source_file))
+    return ingest_records(records, spec, round_, tokenizer)

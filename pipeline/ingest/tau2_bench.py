@@ -1,0 +1,127 @@
+"""`tau2-bench`: tau2 Results JSON `{timestamp, info, tasks, simulations: [...]}`.
+
+Each simulation is a trajectory: traj_id = its `id`, group = task_id, sample_idx = trial, reward =
+`reward_info.reward`, reward_components = `reward_info.reward_breakdown` (DB, COMMUNICATE, ...) when present.
+Messages carry `tool_calls` with a `requestor`: calls requested by the assistant are agent actions (rendered
+into the assistant content); calls on a user message (requestor "user", the user simulator's own tools) stay
+on that user step (`tool_calls`, content not re-rendered) and are not agent actions. Tool messages link by
+`id` and carry `error` -> `is_error`. tau2's `errors` on an assistant message record attempts the
+orchestrator rejected before the accepted message; they go to `meta.rejected_attempts` (the step itself is
+the accepted message, not an error). The agent's system prompt is not in the messages: the domain policy is
+kept in `meta.policy`, with the task, reward_info, termination reason, costs and seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from pipeline.ingest.chat_jsonl import parse_tool_calls
+from pipeline.ingest.core import (
+    INVALID_VALUE,
+    MALFORMED_JSON,
+    MISSING_FIELD,
+    UNKNOWN_ROLE,
+    Reject,
+    SourceRecord,
+    StepDraft,
+    TrajectoryDraft,
+    as_int,
+    content_text,
+    iter_json_array,
+    iter_json_object,
+    require,
+)
+from pipeline.ingest.registry import adapter
+from pipeline.render import render_assistant
+
+_ROLES = {"system", "user", "assistant", "tool"}
+
+
+def read_tau2_results(text: str, source_file: str) -> Iterator[SourceRecord]:
+    """One record per simulation (location `simulations[i]`); `info` and `tasks` go to each record's context."""
+    context: dict = {"tasks": {}, "info": {}}
+    spans: tuple[int, int] | None = None
+    try:
+        for key, value, start, end in iter_json_object(text, 0):
+            if key == "simulations":
+                spans = (start, end)
+            elif key == "tasks" and isinstance(value, list):
+                context["tasks"] = {str(t.get("id")): t for t in value if isinstance(t, dict)}
+            elif key == "info" and isinstance(value, dict):
+                context["info"] = value
+    except ValueError as exc:
+        yield SourceRecord(source_file, "$", text, error=Reject(MALFORMED_JSON, str(exc)))
+        return
+    if spans is None:
+        yield SourceRecord(source_file, "$", text, error=Reject(MISSING_FIELD, "no 'simulations' list", "simulations"))
+        return
+    for record, _ in iter_json_array(text[: spans[1]], spans[0], source_file, "simulations"):
+        record.context = context
+        yield record
+
+
+def _steps(messages, where: str = "messages") -> tuple[list[StepDraft], list[dict]]:
+    if not isinstance(messages, list):
+        raise Reject(INVALID_VALUE, f"'{where}' is not a list", where)
+    steps, rejected_attempts = [], []
+    for i, msg in enumerate(messages):
+        w = f"{where}[{i}]"
+        role = require(msg, "role", w)
+        if role not in _ROLES:
+            raise Reject(UNKNOWN_ROLE, f"{w} has role {role!r}", f"{w}.role")
+        text = content_text(msg.get("content"), f"{w}.content")
+        step = StepDraft(role=role, content=text)
+        if msg.get("tool_calls"):
+            step.tool_calls = parse_tool_calls(msg["tool_calls"], f"{w}.tool_calls")
+            if role == "assistant":
+                step.content, _ = render_assistant(text, step.tool_calls)
+        if role == "tool":
+            step.tool_call_id = str(require(msg, "id", w))
+            step.is_error = bool(msg.get("error"))
+        if msg.get("errors"):
+            rejected_attempts.append({"step_idx": i, "turn_idx": msg.get("turn_idx"), "errors": msg["errors"]})
+        steps.append(step)
+    return steps, rejected_attempts
+
+
+@adapter("tau2-bench", reader=read_tau2_results, action_format="openai_tools", extensions=(".json",))
+def tau2_bench(record: SourceRecord) -> TrajectoryDraft:
+    """tau2-bench Results JSON (simulations of tasks)."""
+    sim = record.data
+    if not isinstance(sim, dict):
+        raise Reject(INVALID_VALUE, f"simulation is {type(sim).__name__}, expected an object")
+    task_id = str(require(sim, "task_id"))
+    trial = as_int(require(sim, "trial"), "trial")
+    reward_info = require(sim, "reward_info")
+    reward = require(reward_info, "reward", "reward_info")
+    steps, rejected_attempts = _steps(require(sim, "messages"))
+    breakdown = reward_info.get("reward_breakdown")
+    info = record.context.get("info", {})
+    agent = info.get("agent_info") if isinstance(info.get("agent_info"), dict) else {}
+    user = info.get("user_info") if isinstance(info.get("user_info"), dict) else {}
+    env = info.get("environment_info") if isinstance(info.get("environment_info"), dict) else {}
+    meta = {
+        "task_id": task_id,
+        "trial": trial,
+        "task": record.context.get("tasks", {}).get(task_id),
+        "reward_info": reward_info,
+        "rejected_attempts": rejected_attempts,
+        "domain": env.get("domain_name"),
+        "policy": env.get("policy"),
+        "tools": env.get("tool_defs"),
+        "agent_llm": agent.get("llm"),
+        "user_llm": user.get("llm"),
+    }
+    for key in ("termination_reason", "agent_cost", "user_cost", "duration", "seed", "timestamp"):
+        if key in sim:
+            meta[key] = sim[key]
+    return TrajectoryDraft(
+        traj_id=str(sim["id"]) if sim.get("id") else f"{record.stem}:{task_id}:{trial}",
+        group_id=task_id,
+        sample_idx=trial,
+        reward=reward,
+        reward_components=breakdown if isinstance(breakdown, dict) and breakdown else None,
+        policy_version=agent.get("llm"),
+        meta=meta,
+        steps=steps,
+    )
