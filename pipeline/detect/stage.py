@@ -22,9 +22,18 @@ def _col(table: pa.Table, name: str, default=None) -> list:
     return [default] * table.num_rows
 
 
+def sorted_steps(steps: pa.Table) -> pa.Table:
+    """Steps in (traj_id, step_idx) order; no copy when they already are."""
+    order = pc.sort_indices(steps.select(["traj_id", "step_idx"]),
+                            sort_keys=[("traj_id", "ascending"), ("step_idx", "ascending")])
+    order_np = order.to_numpy()
+    if len(order_np) and np.any(np.diff(order_np) != 1):
+        return steps.take(order)
+    return steps
+
+
 def traj_views(trajectories: pa.Table, steps: pa.Table) -> list[TrajView]:
-    """Plain-Python views of the batch (steps in step_idx order) for the detectors."""
-    steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
+    """Plain-Python views of the batch (steps sorted by (traj_id, step_idx)) for the detectors."""
     views: dict[str, TrajView] = {}
     for tid, fmt, meta, reward in zip(
         _col(trajectories, "traj_id"), _col(trajectories, "action_format"), _col(trajectories, "meta"),
@@ -81,8 +90,8 @@ def char_to_token(steps: pa.Table, rows: np.ndarray, char_start: np.ndarray, cha
 
 
 def spans_table(trajectories: pa.Table, steps: pa.Table, hits: list[tuple[str, Hit, float]],
-                settings: DetectSettings) -> pa.Table:
-    steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
+                settings: DetectSettings, views: list[TrajView] | None = None) -> pa.Table:
+    """The spans table of the hits; `steps` sorted by (traj_id, step_idx) (see `sorted_steps`)."""
     if not hits:
         return SPANS_SCHEMA.empty_table()
     row_of = {k: i for i, k in enumerate(zip(_col(steps, "traj_id"), _col(steps, "step_idx"), strict=True))}
@@ -91,12 +100,16 @@ def spans_table(trajectories: pa.Table, steps: pa.Table, hits: list[tuple[str, H
     ce_a = np.array([-1 if h.char_end is None else h.char_end for _, h, _ in hits], dtype=np.int64)
     whole = np.flatnonzero((cs_a < 0) | (settings.span_mode == "turn"))
     if len(whole):
-        texts = steps.column("content").take(pa.array(rows_a[whole])).to_pylist()
+        if views is not None:
+            step_of = {(v.traj_id, st.step_idx): st for v in views for st in v.steps}
+            texts = [step_of[(hits[i][0], hits[i][1].step_idx)].content for i in whole]
+        else:
+            texts = steps.column("content").take(pa.array(rows_a[whole])).to_pylist()
         ranges = np.array([turn_range(t or "", settings.exclude_think) for t in texts], dtype=np.int64)
         cs_a[whole], ce_a[whole] = ranges[:, 0], ranges[:, 1]
     take = pa.array(rows_a)
-    turn_col = pc.fill_null(steps.column("turn").take(take), 0)
-    round_col = (pc.fill_null(steps.column("round").take(take), 0) if "round" in steps.column_names
+    turn_col = pc.fill_null(steps.column("turn").combine_chunks().take(take), 0)
+    round_col = (pc.fill_null(steps.column("round").combine_chunks().take(take), 0) if "round" in steps.column_names
                  else pa.array(np.zeros(len(hits), dtype=np.int32)))
     tok_lo, tok_hi = char_to_token(steps, rows_a, cs_a, ce_a)
     table = pa.table(
@@ -122,8 +135,10 @@ def spans_table(trajectories: pa.Table, steps: pa.Table, hits: list[tuple[str, H
 def detect_spans(trajectories: pa.Table, steps: pa.Table, settings: DetectSettings | None = None
                  ) -> tuple[pa.Table, dict[str, float]]:
     settings = settings or DetectSettings()
-    hits = run_detectors(traj_views(trajectories, steps), settings)
-    table = spans_table(trajectories, steps, hits, settings)
+    steps = sorted_steps(steps)
+    views = traj_views(trajectories, steps)
+    hits = run_detectors(views, settings)
+    table = spans_table(trajectories, steps, hits, settings, views)
     notes: dict[str, float] = {"spans": float(table.num_rows)}
     for behavior, n in Counter(h.behavior for _, h, _ in hits).items():
         notes[f"spans.{behavior}"] = float(n)

@@ -46,41 +46,35 @@ def span_token_ranges(ctx: CreditContext, spans: pl.DataFrame) -> tuple[np.ndarr
     return lo, hi, row
 
 
-def span_confidence(logprob: np.ndarray, lo: np.ndarray, hi: np.ndarray, mode: str, missing: float):
-    """Per-span confidence from the flat behaviour logprobs (prefix sums); spans with a NaN logprob (or no
-    tokens) get `missing`. Returns (confidence, missing mask)."""
-    nan = np.isnan(logprob)
-    zero = logprob == -np.inf  # probability 0: the geometric mean is 0
-    vals = np.where(nan | zero, 0.0, np.exp(logprob) if mode == "arithmetic" else logprob)
-    csum = np.concatenate([[0.0], np.cumsum(vals)])
-    cnan = np.concatenate([[0], np.cumsum(nan, dtype=np.int64)])
-    czero = np.concatenate([[0], np.cumsum(zero, dtype=np.int64)])
-    length = hi - lo
-    miss = ((cnan[hi] - cnan[lo]) > 0) | (length == 0)
-    mean = np.divide(csum[hi] - csum[lo], length, out=np.zeros(len(lo)), where=length > 0)
-    conf = mean if mode == "arithmetic" else np.exp(mean)
-    if zero.any() and mode == "geometric":
-        conf = np.where((czero[hi] - czero[lo]) > 0, 0.0, conf)
-    return np.where(miss, missing, np.clip(conf, 0.0, 1.0)), miss
-
-
-def token_strength(n_tokens: int, lo: np.ndarray, hi: np.ndarray, strength: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token max of lambda*s*c over the spans covering it, and the in-span mask."""
-    length = hi - lo
-    keep = length > 0
-    lo, length, strength = lo[keep], length[keep], strength[keep]
+def expand_ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flat token indices of all ranges [lo, hi) laid end to end, and the range each index belongs to."""
+    length = np.maximum(hi - lo, 0)
     total = int(length.sum())
-    out = np.zeros(n_tokens, dtype=np.float64)
-    inside = np.zeros(n_tokens, dtype=bool)
-    if total == 0:
-        return out, inside
-    # expand span ranges to token indices: lo repeated, plus the position within the span
-    starts = np.repeat(lo, length)
+    owner = np.repeat(np.arange(len(lo), dtype=np.int64), length)
     local = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(length) - length, length)
-    idx = starts + local
-    np.maximum.at(out, idx, np.repeat(strength, length))
-    inside[idx] = True
-    return out, inside
+    return lo[owner] + local, owner
+
+
+def span_confidence(logprob: np.ndarray, lo: np.ndarray, hi: np.ndarray, mode: str, missing: float,
+                    idx: np.ndarray | None = None, owner: np.ndarray | None = None):
+    """Per-span confidence from the behaviour logprobs of the span's tokens only (O(span tokens)); spans with
+    a NaN logprob (or no tokens) get `missing`. Returns (confidence, missing mask)."""
+    if idx is None:
+        idx, owner = expand_ranges(lo, hi)
+    n = len(lo)
+    lp = logprob[idx]
+    nan = np.isnan(lp)
+    zero = lp == -np.inf  # probability 0: the geometric mean is 0
+    vals = np.where(nan | zero, 0.0, np.exp(lp) if mode == "arithmetic" else lp)
+    total = np.bincount(owner, weights=vals, minlength=n)
+    n_nan = np.bincount(owner, weights=nan, minlength=n)
+    length = hi - lo
+    miss = (n_nan > 0) | (length <= 0)
+    mean = np.divide(total, length, out=np.zeros(n), where=length > 0)
+    conf = mean if mode == "arithmetic" else np.exp(mean)
+    if mode == "geometric" and zero.any():
+        conf = np.where(np.bincount(owner, weights=zero, minlength=n) > 0, 0.0, conf)
+    return np.where(miss, missing, np.clip(conf, 0.0, 1.0)), miss
 
 
 @refiner("c3", settings="c3", needs=("spans",))
@@ -97,12 +91,19 @@ def c3(ctx: CreditContext, base: CreditResult, settings: C3Settings) -> CreditRe
     found = row >= 0
     lo, hi, row = lo[found], hi[found], row[found]
     severity = spans["severity"].to_numpy().astype(np.float64)[found]
-    conf, miss = span_confidence(ctx.tok_logprob, lo, hi, settings.confidence, settings.missing_confidence)
+    idx, owner = expand_ranges(lo, hi)
+    conf, miss = span_confidence(ctx.tok_logprob, lo, hi, settings.confidence, settings.missing_confidence,
+                                 idx, owner)
     strength = np.clip(settings.lam * severity * conf, 0.0, 1.0)
-    tok_g, inside = token_strength(ctx.n_tokens, lo, hi, strength)
-    change = inside & (adv > 0) & (tok_g > 0)
+    # per-token max of lambda*s*c over overlapping spans, touching span tokens only
+    tok_g = np.zeros(ctx.n_tokens)
+    np.maximum.at(tok_g, idx, strength[owner])
+    a_in = adv[idx]
+    g_in = tok_g[idx]
+    hit = (a_in > 0) & (g_in > 0)
     new_adv = adv.copy()
-    new_adv[change] = adv[change] * (1.0 - tok_g[change])
+    new_adv[idx[hit]] = a_in[hit] * (1.0 - g_in[hit])
+    n_changed = int(np.unique(idx[hit]).size) if hit.any() else 0
     # per-step components: max over the step's spans
     comp_s = np.full(ctx.n_steps, -np.inf)
     comp_c = np.full(ctx.n_steps, -np.inf)
@@ -119,7 +120,7 @@ def c3(ctx: CreditContext, base: CreditResult, settings: C3Settings) -> CreditRe
     notes = {
         **base.notes,
         "c3.spans": float(len(lo)),
-        "c3.tokens_changed": float(change.sum()),
+        "c3.tokens_changed": float(n_changed),
         "c3.missing_confidence_spans": float(miss.sum()),
     }
     if (~found).any():
