@@ -11,35 +11,52 @@ from pipeline.config import Config
 from pipeline.display import console, print_kv, print_table
 
 
-def run_process(cfg: Config, round_: int) -> dict:
-    from flows.process_round import process_credit_batch, round_batches
+def run_process(cfg: Config, round_: int, quiet: bool = False) -> dict:
+    """Run `process_round_flow` on the configured task runner, with a progress bar per stage, and print the
+    round summary and the credit statistics."""
+    from contextlib import nullcontext
+
+    from flows.process_round import WARNING_STATE, process_round_flow
+    from flows.progress import rich_progress
+    from flows.runners import make_task_runner, worker_api
+    from flows.summary import print_summary
     from warehouse.lake import Lake
 
     lake = Lake(cfg.lake)
     t0 = time.perf_counter()
-    batches = round_batches(lake, round_)
-    summaries = []
-    from rich.progress import Progress
-
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(f"credit round {round_}", total=len(batches))
-        for b in batches:
-            summaries.append(process_credit_batch(lake, round_, b, cfg.methods, cfg))
-            progress.advance(task)
-    summary = {
-        "round": round_,
-        "batches": len(batches),
-        "trajectories": sum(s.trajectories for s in summaries),
-        "tokens": sum(s.tokens for s in summaries),
-        "methods": ", ".join(cfg.methods),
-        "seconds": round(time.perf_counter() - t0, 2),
-        "advantages": str(lake.table_dir("advantages") / f"round={round_}"),
-    }
-    print_kv(f"creditflow process: round {round_}", summary)
+    with worker_api(cfg):
+        flow_ = process_round_flow.with_options(task_runner=make_task_runner(cfg))
+        with rich_progress(console) if cfg.flow.progress and not quiet else nullcontext():
+            state = flow_(round_=round_, config=cfg, return_state=True)
+    summary = state.result()  # raises the flow's error if it failed
+    summary.update({"state": state.name, "methods": ", ".join(cfg.methods),
+                    "seconds": round(time.perf_counter() - t0, 2),
+                    "advantages": str(lake.partition_dir("advantages", round_))})
+    if quiet:
+        return summary
+    title = f"creditflow process: round {round_}" + (" [yellow](completed with warnings)" if state.name == WARNING_STATE else "")
+    print_summary(summary, title=title)
     from warehouse.catalog import query
 
     stats = query(lake, f"SELECT * FROM credit_summary WHERE round = {int(round_)}")
     print_table(stats, title="credit by method")
+    return summary
+
+
+def run_stats(lake_dir: Path | str, round_: int) -> dict:
+    """The round summary from the lake alone (what `creditflow process` printed at the end)."""
+    from flows.summary import print_summary, round_summary
+    from warehouse.lake import Lake
+
+    lake = Lake(lake_dir)
+    if not lake.parts("trajectories", round_):
+        raise SystemExit(f"round {round_} has no trajectories in {lake.root}")
+    summary = round_summary(lake, round_)
+    print_summary(summary, title=f"creditflow stats: round {round_}")
+    if lake.parts("advantages", round_):
+        from warehouse.catalog import query
+
+        print_table(query(lake, f"SELECT * FROM credit_summary WHERE round = {int(round_)}"), title="credit by method")
     return summary
 
 
@@ -55,15 +72,22 @@ def run_export(lake_dir: Path, round_: int, method: str, out: Path, layout: str 
     steps = lake.read("steps", round_)
     traj = lake.read("trajectories", round_)
     batch = build_train_batch(traj, steps, adv)
-    if layout != "flat":
-        raise SystemExit(f"unknown layout {layout!r}")
-    import pyarrow.parquet as pq
+    from pipeline.layouts import LAYOUTS, save_padded, to_padded
 
+    if layout not in LAYOUTS:
+        raise SystemExit(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{out.name}")
-    pq.write_table(batch, tmp, compression="zstd")
+    if layout == "flat":
+        import pyarrow.parquet as pq
+
+        tmp = out.with_name(f".tmp-{out.name}")
+        pq.write_table(batch, tmp, compression="zstd")
+    else:
+        tmp = out.with_name(f".tmp-{out.stem}.npz")
+        save_padded(to_padded(batch, layout), tmp)
     tmp.replace(out)
-    print_kv("creditflow export", {"method": method, "round": round_, "trajectories": batch.num_rows, "out": str(out)})
+    print_kv("creditflow export", {"method": method, "round": round_, "layout": layout,
+                                   "trajectories": batch.num_rows, "out": str(out)})
     return out
 
 

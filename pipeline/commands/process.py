@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
         round_: int = typer.Option(..., "--round", help="round"),
         method: str = typer.Option(..., "--method", help="method chain to export"),
         out: Path = typer.Option(..., "--out", help="output Parquet file"),
-        layout: str = typer.Option("flat", "--layout", help="flat (verl/OpenRLHF-style per-trajectory rows)"),
+        layout: str = typer.Option("flat", "--layout", help="flat (Parquet, one row per trajectory) | verl | openrlhf | skyrl (padded NumPy .npz)"),
     ) -> None:
         """Write one method's advantages as a per-trajectory training batch."""
         from flows.run import run_export

@@ -1,0 +1,130 @@
+"""Export layouts (verl, OpenRLHF, SkyRL): read each back and check, token by token, that every advantage,
+logprob and mask lands on the token it belongs to."""
+
+import numpy as np
+import pyarrow as pa
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.layouts import save_padded, to_padded
+
+
+def _batch(rows_spec, with_returns=False):
+    """rows_spec: per trajectory, a list of (role_is_assistant, n_tokens, turn) segments."""
+    rows = []
+    tok = 1000
+    for i, segs in enumerate(rows_spec):
+        ids, mask, lp, adv, turns = [], [], [], [], []
+        for is_asst, n, turn in segs:
+            for _ in range(n):
+                tok += 1
+                ids.append(tok)  # unique ids: a token's identity tells where it came from
+                mask.append(1 if is_asst else 0)
+                lp.append(-(tok % 97) / 10.0 if is_asst else 0.0)
+                adv.append((tok % 13 - 6) / 3.0 if is_asst else 0.0)
+                turns.append(turn if is_asst else 0)
+        rows.append(dict(round=0, method="m", traj_id=f"t{i}", group_id=f"g{i // 2}", reward=1.0, input_ids=ids,
+                         loss_mask=mask, old_logprobs=lp, advantages=adv,
+                         values=[0.5 * a for a in adv] if with_returns else None,
+                         returns=[a + 1 for a in adv] if with_returns else None, turn_ids=turns))
+    schema = pa.schema([("round", pa.int32()), ("method", pa.string()), ("traj_id", pa.string()),
+                        ("group_id", pa.string()), ("reward", pa.float64()), ("input_ids", pa.list_(pa.int32())),
+                        ("loss_mask", pa.list_(pa.int8())), ("old_logprobs", pa.list_(pa.float32())),
+                        ("advantages", pa.list_(pa.float32())), ("values", pa.list_(pa.float32())),
+                        ("returns", pa.list_(pa.float32())), ("turn_ids", pa.list_(pa.int16()))])
+    return pa.Table.from_pylist(rows, schema=schema), rows
+
+
+segments = st.lists(st.tuples(st.booleans(), st.integers(0, 6)), min_size=1, max_size=6)
+
+
+def _with_turns(segs):
+    out, turn = [], 0
+    for is_asst, n in segs:
+        if is_asst:
+            turn += 1
+        out.append((is_asst, n, turn))
+    return out
+
+
+def _prompt_len(mask):
+    return next((j for j, m in enumerate(mask) if m == 1), len(mask))
+
+
+def _check_response_side(rows, resp_ids, resp_adv, resp_lp, resp_mask, resp_offset_of):
+    for r, row in enumerate(rows):
+        p = _prompt_len(row["loss_mask"])
+        for j in range(p, len(row["input_ids"])):
+            col = resp_offset_of(r, j - p)
+            assert resp_ids[r, col] == row["input_ids"][j]
+            assert resp_mask[r, col] == row["loss_mask"][j]
+            assert np.float32(resp_adv[r, col]) == np.float32(row["advantages"][j])
+            assert np.float32(resp_lp[r, col]) == np.float32(row["old_logprobs"][j])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(segments, min_size=1, max_size=5))
+def test_verl_layout_alignment(spec):
+    table, rows = _batch([_with_turns(s) for s in spec])
+    a = to_padded(table, "verl")
+    n, P = a["prompts"].shape
+    R = a["responses"].shape[1]
+    assert a["input_ids"].shape == (n, P + R) and a["input_ids"].flags["C_CONTIGUOUS"]
+    for r, row in enumerate(rows):
+        p = _prompt_len(row["loss_mask"])
+        # left-padded prompt
+        assert list(a["prompts"][r, P - p:]) == row["input_ids"][:p]
+        assert a["attention_mask"][r, : P - p].sum() == 0
+        assert a["attention_mask"][r].sum() == len(row["input_ids"])
+        # position ids count real tokens from 0
+        real = np.flatnonzero(a["attention_mask"][r])
+        assert list(a["position_ids"][r, real]) == list(range(len(real)))
+    _check_response_side(rows, a["responses"], a["advantages"], a["old_log_probs"], a["response_mask"], lambda r, j: j)
+    assert list(a["uid"]) == [row["group_id"] for row in rows]
+    # every advantage of the batch is somewhere, and nowhere else
+    assert np.isclose(a["advantages"].sum(), sum(sum(np.float32(x) for x in row["advantages"]) for row in rows), atol=1e-3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(segments, min_size=1, max_size=5))
+def test_openrlhf_layout_alignment(spec):
+    table, rows = _batch([_with_turns(s) for s in spec])
+    a = to_padded(table, "openrlhf")
+    n, T = a["sequences"].shape
+    A = int(a["num_actions"])
+    # action i of the response is token T - A + i of the sequence
+    _check_response_side(rows, a["sequences"][:, T - A:], a["advantages"], a["action_log_probs"], a["action_mask"],
+                         lambda r, j: j)
+    for r, row in enumerate(rows):
+        p = _prompt_len(row["loss_mask"])
+        turns = row["turn_ids"][p:]
+        for k in sorted({t for t in turns if t}):
+            cols = [j for j, t in enumerate(turns) if t == k]
+            assert tuple(a["action_ranges"][r, k - 1]) == (cols[0], cols[-1] + 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(segments, min_size=1, max_size=5))
+def test_skyrl_layout_alignment(spec):
+    table, rows = _batch([_with_turns(s) for s in spec], with_returns=True)
+    a = to_padded(table, "skyrl")
+    n, T = a["sequences"].shape
+    R = a["loss_mask"].shape[1]
+    _check_response_side(rows, a["sequences"][:, T - R:], a["advantages"], a["action_log_probs"], a["loss_mask"],
+                         lambda r, j: j)
+    for r, row in enumerate(rows):
+        p = _prompt_len(row["loss_mask"])
+        assert a["response_mask"][r].sum() == len(row["input_ids"]) - p
+        for j in range(p, len(row["input_ids"])):
+            assert np.float32(a["returns"][r, j - p]) == np.float32(row["returns"][j])
+
+
+def test_saved_npz_loads_without_copy(tmp_path):
+    torch = __import__("pytest").importorskip("torch")
+    table, rows = _batch([[(False, 3, 0), (True, 4, 1), (False, 2, 0), (True, 3, 2)], [(False, 1, 0), (True, 2, 1)]])
+    save_padded(to_padded(table, "verl"), tmp_path / "b.npz")
+    data = np.load(tmp_path / "b.npz")
+    adv = data["advantages"]
+    t = torch.from_numpy(adv)
+    assert t.data_ptr() == adv.__array_interface__["data"][0]  # shares memory: no copy
+    assert data["uid"].dtype.kind == "U"
