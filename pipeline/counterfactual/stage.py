@@ -18,6 +18,7 @@ M alternatives under the exact history h_{i,k} from the rollout policy and re-ve
 from __future__ import annotations
 
 import hashlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import polars as pl
@@ -38,7 +39,9 @@ class CounterfactualSettings(StageSettings):
         None, description="sampling temperature; None: the rollout's (meta sampling.temperature), else 1.0")
     top_p: float | None = Field(None, description="nucleus top_p; None: the rollout's (meta sampling.top_p), else 1.0")
     seed: int | None = Field(
-        None, description="base sampling seed (a per-turn seed is derived from it); None: unseeded")
+        0, description="base sampling seed; each turn gets its own seed derived from (seed, traj_id, turn), "
+        "so turns with identical histories (turn 1 of a group) get independent samples. None: unseeded "
+        "(identical requests then share one answer through the client's in-flight dedup and cache)")
     verify_workers: int = Field(8, ge=1, description="threads verifying alternatives (code runs in subprocesses)")
     purpose: str = Field("tcpo", description="purpose tag of the LLM call records")
 
@@ -132,10 +135,13 @@ def counterfactual(trajectories: pa.Table, steps: pa.Table, config: Config, inpu
         prior = [s["content"] for s in tsteps[:first] if s["role"] == "assistant"]
         jobs.append((t, meta, req, prior))
     client = LLMClient(LLMSettings.from_config(config))
+    t0 = time.perf_counter()
     results = client.run_batch([j[2] for j in jobs])
+    notes["llm_wall_s"] = time.perf_counter() - t0
     recs = client.records
     notes["llm_requests"] = float(len(recs))
     notes["llm_cache_hits"] = float(sum(r.cached for r in recs))
+    notes["llm_busy_s"] = float(sum(r.latency_s for r in recs))  # / llm_wall_s = achieved concurrency
 
     # ---- verification ---------------------------------------------------------------------------------
     def score_turn(job, res):
@@ -177,8 +183,10 @@ def counterfactual(trajectories: pa.Table, steps: pa.Table, config: Config, inpu
                          "verifier": None, "status": "sample_failed", "error": f"only {len(texts)} choices"})
         return rows
 
+    t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=cs.verify_workers) as pool:
         per_turn = list(pool.map(score_turn, jobs, results))
+    notes["verify_wall_s"] = time.perf_counter() - t0
     rows = [r for rs in per_turn for r in rs]
     table = pa.Table.from_pylist(rows, schema=CF_SCHEMA)
     for status in ("ok", "sample_failed", "verify_failed"):
