@@ -305,8 +305,9 @@ def free_port() -> int:
 def serve(model: str | Path = "default", *, port: int | None = None, host: str = "127.0.0.1",
           venv: Path | None = None, lake: str | Path | None = None, served_name: str | None = None,
           max_model_len: int = 2048, wait_s: float = 300.0, extra_args: list[str] | None = None,
-          log: Log = print) -> ServiceInfo:
-    """Start a vLLM OpenAI server from the service venv, wait until /health answers, record it."""
+          log: Log = print, record: bool = True) -> ServiceInfo:
+    """Start a vLLM OpenAI server from the service venv, wait until /health answers, record it in the
+    state file(s) unless `record=False` (tests; stop such a server with `kill(info.pid)`)."""
     venv = Path(venv or default_venv()).expanduser()
     py = venv_python(venv)
     if service_ready(venv) is None:
@@ -348,9 +349,15 @@ def serve(model: str | Path = "default", *, port: int | None = None, host: str =
         time.sleep(0.5)
     info = ServiceInfo(url=url, host=host, port=port, pid=proc.pid, model=served_name, model_dir=str(model_dir),
                        venv=str(venv), log=str(log_path), started_at=time.time())
-    _write_state(info, lake)
+    if record:
+        _write_state(info, lake)
     log(f"[llm serve] healthy after {time.time() - t0:.0f}s: {url} (model {served_name}, pid {proc.pid})")
     return info
+
+
+def kill(pid: int, grace_s: float = 15.0) -> None:
+    """Stop a server started by `serve` (SIGTERM to its process group, SIGKILL after `grace_s`)."""
+    _kill_group(pid, grace_s)
 
 
 def _kill_group(pid: int, grace_s: float = 15.0) -> None:
