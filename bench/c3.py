@@ -76,7 +76,7 @@ def main() -> None:
         f"steps, {n_tok / 1e6:.1f}M tokens ({n_asst / 1e6:.1f}M assistant).",
         f"Machine: {platform.processor() or platform.machine()}, python {platform.python_version()}.",
         "",
-        f"Spans found: {behaviours.get('spans', 0)} "
+        f"Spans found: {sum(behaviours.values())} "
         f"({', '.join(f'{k[6:]} {v}' for k, v in sorted(behaviours.items()) if k != 'spans')}).",
         "",
         "| stage | seconds | note |",

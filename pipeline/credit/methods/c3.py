@@ -103,7 +103,9 @@ def c3(ctx: CreditContext, base: CreditResult, settings: C3Settings) -> CreditRe
     hit = (a_in > 0) & (g_in > 0)
     new_adv = adv.copy()
     new_adv[idx[hit]] = a_in[hit] * (1.0 - g_in[hit])
-    n_changed = int(np.unique(idx[hit]).size) if hit.any() else 0
+    marked = np.zeros(ctx.n_tokens, dtype=bool)
+    marked[idx[hit]] = True
+    n_changed = int(np.count_nonzero(marked))
     # per-step components: max over the step's spans
     comp_s = np.full(ctx.n_steps, -np.inf)
     comp_c = np.full(ctx.n_steps, -np.inf)
