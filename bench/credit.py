@@ -109,7 +109,7 @@ def worker_reference(lake_dir: Path, round_: int, method: str, sample_groups: in
     tokens = int(pc.sum(pc.list_value_length(steps.filter(is_asst).column("token_ids"))).as_py())
     t0 = time.perf_counter()
     trajs, by_traj, grp = ref.load(traj, steps)
-    {
+    result = {
         "grpo": lambda: ref.ref_grpo(trajs, by_traj, grp),
         "rloo": lambda: ref.ref_rloo(trajs, by_traj, grp),
         "gdpo": lambda: ref.ref_gdpo(trajs, by_traj, grp),
@@ -118,6 +118,8 @@ def worker_reference(lake_dir: Path, round_: int, method: str, sample_groups: in
         "mt_grpo": lambda: ref.ref_mt_grpo(trajs, by_traj, grp),
         "gigpo": lambda: ref.ref_gigpo(trajs, by_traj, grp),
     }[method]()
+    out = result[0] if isinstance(result, tuple) else result
+    ref.token_layout(trajs, by_traj, out)  # the per-token advantages, as the engine produces
     return {"seconds": time.perf_counter() - t0, "assistant_tokens": tokens}
 
 

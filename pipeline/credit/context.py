@@ -26,6 +26,13 @@ def _flat_list_floats(col: pa.ChunkedArray, starts: np.ndarray, n_tokens: int) -
     values = pc.list_flatten(arr).to_numpy(zero_copy_only=False).astype(np.float64)
     if len(values) == 0:
         return out
+    lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy()
+    token_lengths = np.diff(np.append(starts, n_tokens))
+    valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    if np.array_equal(np.where(valid, token_lengths, 0), lengths):
+        # fast path: every non-null list has one value per token of its step
+        out[np.repeat(valid, token_lengths)] = values
+        return out
     parents = pc.list_parent_indices(arr).to_numpy()
     lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy()
     # position of each value inside its own list
