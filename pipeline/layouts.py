@@ -7,7 +7,9 @@ rest, so tool and user tokens between turns sit inside the response with mask 0,
 multi-turn rollouts.
 
 - verl:     prompts (left-padded), responses (right-padded), input_ids = [prompts | responses],
-            attention_mask, position_ids, response_mask, old_log_probs, advantages, returns, values, uid
+            attention_mask, position_ids, response_mask, old_log_probs, advantages, returns, values, uid,
+            token_level_scores (the trajectory reward on its last real response token, so `creditflow ingest
+            -f verl-batch` reads an export back)
 - openrlhf: sequences (left-padded prompt + right-padded response), attention_mask, action_mask (over the
             last `num_actions` positions), action_log_probs, advantages, returns, values, action_ranges
             (per turn [start, end) within the response, padded with -1)
@@ -90,9 +92,12 @@ def to_padded(table: pa.Table, layout: str, pad_token_id: int = 0) -> dict[str, 
     common = {"uid": uid, "traj_id": traj_id}
     if layout == "verl":
         position_ids = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
+        # verl's outcome reward: the scalar on the last real response token (as its reward managers place it)
+        scores = np.zeros((n, R), dtype=np.float32)
+        scores[np.arange(n), np.maximum(resp_len - 1, 0)] = table.column("reward").to_numpy(zero_copy_only=False)
         return {"prompts": prompts, "responses": responses, "input_ids": sequences, "attention_mask": attention,
                 "position_ids": position_ids, "response_mask": response_mask, "old_log_probs": old_lp,
-                "advantages": adv, "returns": returns, "values": values, **common}
+                "advantages": adv, "returns": returns, "values": values, "token_level_scores": scores, **common}
     if layout == "openrlhf":
         turns = resp("turn_ids", np.int64)
         max_turn = int(turns.max()) if turns.size else 0

@@ -11,7 +11,7 @@ def register(app: typer.Typer) -> None:
     @app.command("ingest")
     def ingest_cmd(
         sources: list[Path] = typer.Argument(..., help="input file(s) or folder(s)"),
-        fmt: str = typer.Option(..., "--format", "-f", help="chat-jsonl | tau-bench | tau2-bench | react | ldb | parquet"),
+        fmt: str = typer.Option(..., "--format", "-f", help="chat-jsonl | tau-bench | tau2-bench | react | ldb | parquet | rllm | areal | roll | trl | verl-batch"),
         lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
         round_: int = typer.Option(..., "--round", help="round to write (replaces the round's ingest tables)"),
         tokenizer: str | None = typer.Option(
@@ -33,7 +33,14 @@ def register(app: typer.Typer) -> None:
             typer.secho(str(exc.args[0]), fg="red", err=True)
             raise typer.Exit(2) from exc
         try:
-            inputs = read_table_sources(sources) if spec.kind == "tables" else read_text_sources(sources, spec.extensions)
+            if spec.options.get("raw_files"):  # framework dumps (Parquet / .npz) read as tables or arrays
+                from warehouse.interop_sources import read_raw_sources
+
+                inputs = read_raw_sources(sources, spec.extensions)
+            elif spec.kind == "tables":
+                inputs = read_table_sources(sources)
+            else:
+                inputs = read_text_sources(sources, spec.extensions)
         except (FileNotFoundError, OSError, UnicodeDecodeError) as exc:
             typer.secho(f"cannot read sources: {exc}", fg="red", err=True)
             raise typer.Exit(2) from exc

@@ -1,0 +1,255 @@
+"""`verl-batch`: a verl-style batch (the tensors of a `DataProto`) saved as NumPy `.npz` or Parquet (one row per
+sample, one list column per tensor), read without verl. Keys, as verl names them (verl/trainer/ppo/ray_trainer.py
+and core_algos.py, volcengine/verl main, read 2025):
+
+- `responses` (B, R) response token ids, `response_mask` (B, R) 1 on tokens the policy generated, 0 on tool /
+  user observation tokens inside the response (multi-turn agent loop) and on padding; required;
+- `prompts` (B, P) left-padded prompt ids; `attention_mask` (B, P + R) 1 on real tokens (optional: without it
+  every prompt position is real and the response ends at its last trained token);
+- `uid` (B,) the group id (verl's GRPO groups by it); required;
+- reward: `token_level_scores`, else `rm_scores`, else `token_level_rewards` (B, R); reward = the row's sum;
+- logprobs: `rollout_log_probs` (the sampler's), else `old_log_probs`; optional;
+- `traj_id` (B,) optional (creditflow's own export writes it), else `<file stem>:<row>`.
+
+Turns come from the 0->1 edges of `response_mask`: each maximal run of 1s among the real response tokens is one
+assistant step (turn 1, 2, ...), each run of 0s between them one `tool` step (the observation), and the real
+prompt tokens one `user` step. Token ids (and the logprobs of assistant steps) are kept exactly. Text: each token
+is decoded on its own with the ingest tokenizer when it can decode (`tokenizer.decode([id])`), else rendered as
+the placeholder `<id>`; a step's content is the concatenation of its token pieces, so its token offsets are
+exact (the pieces' start chars). The rows then go through the `parquet` adapter's schema checks.
+
+Quarantined: a file without a required key or with ragged rows (one record for the file), and per row: an empty
+uid, a non-finite reward, a response_mask value other than 0/1, a trained token on padding, a duplicate traj_id.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import PurePath
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.ingest.core import (
+    INVALID_VALUE,
+    MISSING_FIELD,
+    NON_FINITE_REWARD,
+    IngestResult,
+    Reject,
+    Rejected,
+    SourceRecord,
+    quarantine_table,
+)
+from pipeline.ingest.parquet import ingest_tables as canonical_ingest
+from pipeline.ingest.registry import AdapterSpec, register_adapter
+from schemas import steps as steps_schema
+from schemas import trajectories as trajectories_schema
+
+REWARD_KEYS = ("token_level_scores", "rm_scores", "token_level_rewards")
+LOGPROB_KEYS = ("rollout_log_probs", "old_log_probs")
+
+
+def _arrays(columns) -> dict[str, np.ndarray]:
+    """npz dict or Arrow table -> dict of NumPy arrays (list columns stacked to 2-D; ragged raises)."""
+    if isinstance(columns, dict):
+        return {k: np.asarray(v) for k, v in columns.items()}
+    out = {}
+    for name in columns.column_names:
+        col = columns.column(name).combine_chunks()
+        if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            lens = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+            if len(lens) and (lens != lens[0]).any():
+                raise Reject(INVALID_VALUE, f"column {name!r} has rows of different lengths (expected a padded batch)", name)
+            flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+            out[name] = flat.reshape(len(col), int(lens[0]) if len(lens) else 0)
+        else:
+            out[name] = np.asarray(col.to_pylist() if pa.types.is_string(col.type) else col.to_numpy(zero_copy_only=False))
+    return out
+
+
+def _pieces(tokenizer, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """Text piece of each unique id: (unique ids, pieces, inverse index of `ids`, decoded?)."""
+    uniq, inv = np.unique(ids, return_inverse=True)
+    decode = getattr(tokenizer, "decode", None)
+    pieces = None
+    if decode is not None and len(uniq):
+        try:
+            pieces = [decode([int(i)]) for i in uniq]
+        except Exception:  # noqa: BLE001 -- ids outside the tokenizer's vocabulary: placeholders instead
+            pieces = None
+    decoded = pieces is not None
+    if pieces is None:
+        pieces = [f"<{int(i)}>" for i in uniq]
+    return uniq, np.array(pieces, dtype=object), inv, decoded
+
+
+def _row_raw(a: dict[str, np.ndarray], r: int) -> str:
+    return json.dumps({k: (v[r].tolist() if v.ndim else v.tolist()) for k, v in a.items() if v.ndim and len(v) > r},
+                      default=str)
+
+
+def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], stats: dict):
+    a = _arrays(columns)
+    for key in ("responses", "response_mask", "uid"):
+        if key not in a:
+            raise Reject(MISSING_FIELD, f"verl batch has no {key!r}", key)
+    reward_key = next((k for k in REWARD_KEYS if k in a), None)
+    if reward_key is None:
+        raise Reject(MISSING_FIELD, f"verl batch has no reward ({' / '.join(REWARD_KEYS)})", REWARD_KEYS[0])
+    responses = a["responses"].astype(np.int64)
+    B, R = responses.shape
+    prompts = a["prompts"].astype(np.int64) if "prompts" in a else np.zeros((B, 0), np.int64)
+    P = prompts.shape[1]
+    rmask = a["response_mask"]
+    scores = a[reward_key].astype(np.float64).reshape(B, -1)
+    lp_key = next((k for k in LOGPROB_KEYS if k in a), None)
+    logprobs = a[lp_key].astype(np.float32) if lp_key else None
+    if "attention_mask" in a:
+        attn = a["attention_mask"].astype(np.int64)
+        p_real, r_real = attn[:, :P] == 1, attn[:, P:P + R] == 1
+    else:
+        p_real = np.ones((B, P), bool)
+        last = np.where(rmask == 1, np.arange(R)[None, :], -1).max(axis=1) if R else np.full(B, -1)
+        r_real = np.arange(R)[None, :] <= last[:, None]
+    uid = np.asarray(a["uid"]).astype(str)
+    traj_ids = (np.asarray(a["traj_id"]).astype(str) if "traj_id" in a
+                else np.array([f"{PurePath(source_file).stem}:{r}" for r in range(B)]))
+    reward = scores.sum(axis=1)
+
+    bad = np.zeros(B, bool)
+    reasons: dict[int, Reject] = {}
+
+    def flag(rows, reject_of):
+        for r in np.flatnonzero(rows & ~bad):
+            reasons[int(r)] = reject_of(int(r))
+        bad[rows] = True
+
+    flag(np.char.str_len(uid.astype(str)) == 0, lambda r: Reject(MISSING_FIELD, "uid is empty", "uid"))
+    flag(~np.isfinite(reward), lambda r: Reject(NON_FINITE_REWARD, f"reward ({reward_key} sum) is {reward[r]}", reward_key))
+    flag(~np.isin(rmask, (0, 1)).all(axis=1),
+         lambda r: Reject(INVALID_VALUE, "response_mask has values other than 0/1", "response_mask"))
+    flag(((rmask == 1) & ~r_real).any(axis=1),
+         lambda r: Reject(INVALID_VALUE, "response_mask is 1 on a padding token", "response_mask"))
+    for r, rej in sorted(reasons.items()):
+        rejected.append(Rejected(SourceRecord(source_file, f"row {r}", _row_raw(a, r)), rej, traj_ids[r]))
+    keep = np.flatnonzero(~bad)
+
+    # flat real tokens: per kept row the prompt tokens, then the response tokens
+    p_row, p_col = np.nonzero(p_real[keep])
+    r_row, r_col = np.nonzero(r_real[keep])
+    p_ids = prompts[keep][p_row, p_col]
+    r_ids = responses[keep][r_row, r_col]
+    r_m = rmask[keep][r_row, r_col].astype(np.int8)
+    # segments: the prompt (one per row with prompt tokens), then runs of equal mask in the response
+    r_new = np.ones(len(r_row), bool)
+    r_new[1:] = (r_row[1:] != r_row[:-1]) | (r_m[1:] != r_m[:-1])
+    p_new = np.ones(len(p_row), bool)
+    p_new[1:] = p_row[1:] != p_row[:-1]
+    # order: by (row, part[prompt=0 / response=1], position)
+    tok_row = np.concatenate([p_row, r_row])
+    part = np.concatenate([np.zeros(len(p_row), np.int8), np.ones(len(r_row), np.int8)])
+    pos = np.concatenate([p_col, r_col])
+    order = np.lexsort((pos, part, tok_row))
+    tok_row, part = tok_row[order], part[order]
+    ids = np.concatenate([p_ids, r_ids])[order]
+    new = np.concatenate([p_new, r_new])[order]
+    mask = np.concatenate([np.zeros(len(p_row), np.int8), r_m])[order]
+    lp_flat = (np.concatenate([np.zeros(len(p_row), np.float32), logprobs[keep][r_row, r_col]])[order]
+               if logprobs is not None else None)
+
+    seg_start = np.flatnonzero(new)
+    seg_end = np.append(seg_start[1:], len(ids))
+    seg_row = tok_row[seg_start]
+    seg_asst = mask[seg_start] == 1
+    seg_prompt = part[seg_start] == 0
+    n_seg = len(seg_start)
+    row_first = np.flatnonzero(np.r_[True, seg_row[1:] != seg_row[:-1]]) if n_seg else np.array([], np.int64)
+    seg_first = np.repeat(row_first, np.diff(np.append(row_first, n_seg)))
+    step_idx = np.arange(n_seg) - seg_first
+    asst_cum = np.cumsum(seg_asst)
+    turn = asst_cum - np.where(seg_first > 0, asst_cum[seg_first - 1], 0) if n_seg else np.array([], np.int64)
+    role = np.where(seg_prompt, "user", np.where(seg_asst, "assistant", "tool"))
+
+    uniq, piece, inv, decoded = _pieces(tokenizer, ids)
+    stats["text"] = "decoded" if decoded else "placeholder"
+    plen = np.fromiter((len(p) for p in piece), np.int64, len(piece))[inv]
+    cum = np.cumsum(plen) - plen  # char start of each token in the whole stream
+    offsets = (cum - cum[seg_start].repeat(seg_end - seg_start)).astype(np.int32) if len(ids) else np.zeros(0, np.int32)
+    tok_piece = piece[inv]
+    content = ["".join(tok_piece[s:e]) for s, e in zip(seg_start, seg_end, strict=True)]
+
+    tok_off = pa.array(np.append(seg_start, len(ids)).astype(np.int32))
+    lp_valid = seg_asst if lp_flat is not None else np.zeros(n_seg, bool)
+    kept_traj = traj_ids[keep]
+    steps = pa.table({
+        "traj_id": pa.array(kept_traj[seg_row], pa.string()),
+        "step_idx": pa.array(step_idx.astype(np.int32)),
+        "role": pa.array(role.astype(object), pa.string()),
+        "turn": pa.array(turn.astype(np.int32), mask=turn == 0),
+        "content": pa.array(content, pa.string()),
+        "tool_calls": pa.nulls(n_seg, steps_schema.SCHEMA.field("tool_calls").type),
+        "tool_call_id": pa.nulls(n_seg, pa.string()),
+        "is_error": pa.array(np.zeros(n_seg, bool)),
+        "token_ids": pa.ListArray.from_arrays(tok_off, pa.array(ids.astype(np.int32))),
+        "token_offsets": pa.ListArray.from_arrays(tok_off, pa.array(offsets)),
+        "logprobs": pa.ListArray.from_arrays(tok_off, pa.array(lp_flat if lp_flat is not None
+                                                               else np.zeros(len(ids), np.float32)),
+                                             mask=pa.array(~lp_valid)),
+        "logprob_source": pa.array(np.where(lp_valid, "rollout", None).astype(object), pa.string()),
+        "values": pa.nulls(n_seg, pa.list_(pa.float32())),
+        "verifier_score": pa.nulls(n_seg, pa.float64()),
+    })
+    kept_uid = uid[keep]
+    order_in_group = np.zeros(len(keep), np.int32)
+    seen: dict[str, int] = {}
+    for i, g in enumerate(kept_uid):
+        order_in_group[i] = seen.get(g, 0)
+        seen[g] = order_in_group[i] + 1
+    meta = [json.dumps({"uid": str(u), "row": int(r), "prompt_tokens": int(n)})
+            for u, r, n in zip(kept_uid, keep, p_real[keep].sum(axis=1), strict=True)]
+    trajectories = pa.table({
+        "traj_id": pa.array(kept_traj, pa.string()),
+        "group_id": pa.array(kept_uid, pa.string()),
+        "sample_idx": pa.array(order_in_group),
+        "reward": pa.array(reward[keep]),
+        "reward_components": pa.nulls(len(keep), trajectories_schema.SCHEMA.field("reward_components").type),
+        "source": pa.array([f"verl-batch:{source_file}"] * len(keep), pa.string()),
+        "action_format": pa.nulls(len(keep), pa.string()),
+        "policy_version": pa.nulls(len(keep), pa.string()),
+        "meta": pa.array(meta, pa.string()),
+    })
+    return trajectories, steps
+
+
+def ingest_tables(sources, round_: int, tokenizer) -> IngestResult:
+    rejected: list[Rejected] = []
+    stats: dict = {}
+    canonical = []
+    n_rows = 0
+    for source_file, columns in sources:
+        try:
+            t, s = _one_file(source_file, columns, tokenizer, rejected, stats)
+        except Reject as rej:
+            rejected.append(Rejected(SourceRecord(source_file, "$", f"<verl batch {source_file}>"), rej))
+            continue
+        n_rows += t.num_rows
+        canonical.append((source_file, {"trajectories": t, "steps": s}))
+    result = canonical_ingest(canonical, round_, tokenizer)
+    q = result.quarantine
+    q = q.set_column(q.column_names.index("stage"), q.schema.field("stage"), pa.array(["ingest:verl-batch"] * q.num_rows, pa.string()))
+    mine = quarantine_table(rejected, round_, "verl-batch")
+    result.quarantine = pa.concat_tables([mine, q])
+    result.stats.update(stats, records_read=n_rows + len(rejected))
+    return result
+
+
+register_adapter(AdapterSpec(
+    name="verl-batch",
+    kind="tables",
+    action_format=None,
+    description="verl-style batch (.npz or Parquet): prompts, responses, response_mask, uid, scores, log probs",
+    extensions=(".npz", ".parquet"),
+    ingest_tables=ingest_tables,
+    options={"raw_files": True},
+))
