@@ -1,73 +1,154 @@
-"""Processing a round: for each batch of whole groups, compute every method and write the advantages
-parts. (Prefect wiring lives in flows/; this module is the plain sequence the flow tasks call.)"""
+"""`process_round_flow`: detect -> annotate -> counterfactual -> credit -> export over a round's batches,
+then the round's stats.
+
+Each stage is one Prefect task mapped over the batches (aligned parts of whole groups) on the configured
+task runner; batch b's stage waits only for batch b's previous stage. Tasks call the plain functions in
+flows/batch.py and return small summaries; the outputs are the lake's tables. Caching (flows/caching.py)
+makes a re-run of a finished round do no work and an interrupted round resume at the missing batches. LLM
+stages retry with exponential backoff; a stage that degraded (endpoint down, fallbacks used) completes with
+warnings, and the flow run ends in the state `CompletedWithWarnings` instead of failing."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
 
+from prefect import flow, task, unmapped
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import as_completed
+from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+from prefect.states import Completed
+from prefect.tasks import exponential_backoff
+
+from flows import progress
+from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
+    CREDIT,
+    EXPORT,
+    BatchSummary,
+    advantages_part,
+    credit_batch,
+    export_batch,
+    method_slug,
+    process_credit_batch,
+    round_batches,
+    round_stages,
+    run_annotation_stages,
+    run_stage_batch,
+    stage_outputs,
+)
+from flows.caching import BatchStageCache, cache_dir, stage_cache_key
 from pipeline.config import Config
-from pipeline.credit.process import annotation_names, process_batch
-from warehouse.lake import Lake, safe_part_name
-from warehouse.rounds import batch_names, read_batch
+from warehouse.lake import Lake
+from warehouse.runlog import parts_present, prune_stale_parts
+
+WARNING_STATE = "CompletedWithWarnings"
+DERIVED_TABLES = ("spans", "nodes", "edges", "counterfactuals", "advantages", "train_batch", "stage_runs")
 
 
-def method_slug(method: str) -> str:
-    return safe_part_name(method.replace("+", "-"))
+@task(task_run_name="{stage}-{batch}", persist_result=True, result_serializer="json")
+def batch_stage_task(lake_root: str, round_: int, batch: str, stage: str, config: Config,
+                     upstream: dict | None = None) -> dict:
+    """One stage on one batch; `upstream` (the previous stage's summary of this batch) only orders the work."""
+    lake = Lake(lake_root)
+    key = stage_cache_key(lake_root, round_, batch, stage, config) if config.flow.cache else None
+    if stage == CREDIT:
+        return credit_batch(lake, round_, batch, config.methods, config, cache_key=key)
+    if stage == EXPORT:
+        return export_batch(lake, round_, batch, config.methods, cache_key=key)
+    return run_stage_batch(lake, round_, batch, stage, config, cache_key=key)
 
 
-def advantages_part(batch: str, method: str) -> str:
-    return f"{batch}.{method_slug(method)}"
+@task(task_run_name="stats-round-{round_}")
+def round_stats_task(lake_root: str, round_: int) -> dict:
+    """Refresh the DuckDB catalog and summarise the round from the lake."""
+    from flows.summary import round_summary
+    from warehouse.catalog import refresh
+
+    lake = Lake(lake_root)
+    refresh(lake)
+    return round_summary(lake, round_)
 
 
-@dataclass
-class BatchSummary:
-    batch: str
-    trajectories: int = 0
-    steps: int = 0
-    tokens: int = 0
-    notes: dict[str, dict[str, float]] = field(default_factory=dict)
+def _stage_task(stage: str, config: Config, lake: Lake, uses_llm: bool):
+    options: dict = {}
+    if config.flow.cache:
+        options["cache_policy"] = BatchStageCache(key_storage=str(cache_dir(lake)))
+    else:
+        options["cache_policy"] = NO_CACHE
+        options["persist_result"] = False
+    if uses_llm and config.flow.retries:
+        options["retries"] = config.flow.retries
+        options["retry_delay_seconds"] = exponential_backoff(backoff_factor=config.flow.retry_delay_s)
+    return batch_stage_task.with_options(**options)
 
 
-def run_annotation_stages(lake: Lake, round_: int, batch: str, needed: set[str], config: Config,
-                          traj=None, steps=None, force: bool = False) -> dict[str, float]:
-    """Run the stages that produce the needed tables for one batch; a stage whose parts exist is skipped."""
-    from pipeline.stages import stages_for
+def _uses_llm(stage: str) -> bool:
+    if stage in (CREDIT, EXPORT):
+        return False
+    from pipeline.stages import load_stages
 
-    notes: dict[str, float] = {}
-    for stage in stages_for(needed):
-        if not force and all(lake.has_part(t, round_, batch) for t in stage.produces):
-            continue
-        if traj is None:
-            traj = read_batch(lake, "trajectories", round_, batch)
-            steps = read_batch(lake, "steps", round_, batch)
-        inputs = {t: read_batch(lake, t, round_, batch) for t in stage.needs}
-        out = stage.fn(traj, steps, config, inputs)
-        for table in stage.produces:
-            lake.write_part(table, round_, out.tables[table], part=batch)
-        notes.update({f"{stage.name}.{k}": v for k, v in out.notes.items()})
-    return notes
+    return load_stages()[stage].uses_llm
 
 
-def process_credit_batch(lake: Lake, round_: int, batch: str, methods: list[str], config: Config) -> BatchSummary:
-    traj = read_batch(lake, "trajectories", round_, batch)
-    steps = read_batch(lake, "steps", round_, batch)
-    needed = annotation_names(methods)
-    stage_notes = run_annotation_stages(lake, round_, batch, needed, config, traj, steps) if needed else {}
-    annotations = {name: read_batch(lake, name, round_, batch) for name in needed}
-    tables, notes = process_batch(traj, steps, methods, config, annotations, round_=round_)
-    tokens = 0
-    for method, table in tables.items():
-        lake.write_part("advantages", round_, table, part=advantages_part(batch, method))
-    import pyarrow.compute as pc
+@flow(name="process-round", flow_run_name="process-round-{round_}", validate_parameters=False)
+def process_round_flow(round_: int, config: Config):
+    """Every stage of one round, batch by batch; returns the round summary (a warning state if degraded)."""
+    t0 = time.perf_counter()
+    lake = Lake(config.lake)
+    lake.cleanup()
+    batches = round_batches(lake, round_)
+    prune_stale_parts(lake, round_, list(DERIVED_TABLES), batches)
 
-    tokens = int(pc.sum(pc.list_value_length(steps.column("token_ids"))).as_py() or 0)
-    if stage_notes:
-        notes["stages"] = stage_notes
-    return BatchSummary(batch, traj.num_rows, steps.num_rows, tokens, notes)
+    # cache records and the small JSON summaries they point to both live in the lake
+    with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: cache_dir(lake) / "results"}):
+        run = _run_stages(lake, round_, batches, config)
+    summary = round_stats_task(str(lake.root), round_)
+    summary["this_run"] = run
+    summary["wall_seconds"] = round(time.perf_counter() - t0, 3)
+    summary["task_runner"] = config.task_runner
+    warnings = [f"{s}: {w}" for s, r in run.items() for w in r["warnings"]]
+    summary["warnings"] = warnings
+    if warnings:
+        return Completed(name=WARNING_STATE, data=summary,
+                         message=f"round {round_}: {len(warnings)} degraded batch stage(s); first: {warnings[0]}")
+    return summary
 
 
-def round_batches(lake: Lake, round_: int) -> list[str]:
-    names = batch_names(lake, round_)
-    if not names:
-        raise FileNotFoundError(f"round {round_} has no trajectories in {lake.root}")
-    return names
+def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> dict[str, dict]:
+    """Map every stage over the batches (batch b's stage waits for batch b's previous stage); report progress
+    as batches finish; return per stage: batches, cached, warnings, finished_after_s."""
+    t0 = time.perf_counter()
+    stages = round_stages(config)
+    previous: dict[str, object] = dict.fromkeys(batches)
+    submitted: dict[int, tuple[str, object]] = {}  # id(future) -> (stage, future)
+    for stage in stages:
+        progress.report("stage", stage, total=len(batches))
+        task_ = _stage_task(stage, config, lake, _uses_llm(stage))
+        done = {b for b in batches if parts_present(lake, round_, stage_outputs(stage, b, config.methods))}
+        current: dict[str, object] = {}
+        # a batch whose outputs are missing refreshes its cache record; the others may be served from it
+        for refresh, group in ((False, [b for b in batches if b in done]), (True, [b for b in batches if b not in done])):
+            if not group:
+                continue
+            futures = task_.with_options(refresh_cache=refresh).map(
+                lake_root=unmapped(str(lake.root)), round_=unmapped(round_), batch=group, stage=unmapped(stage),
+                config=unmapped(config), upstream=[previous[b] for b in group],
+            )
+            current.update(zip(group, futures, strict=True))
+        submitted.update({id(f): (stage, f) for f in current.values()})
+        previous = current
+
+    run = {s: {"batches": 0, "cached": 0, "warnings": []} for s in stages}
+    finished_at: dict[str, float] = {}
+    for future in as_completed([f for _, f in submitted.values()]):
+        stage = submitted[id(future)][0]
+        summary = future.result()
+        cached = future.state.name == "Cached"
+        run[stage]["batches"] += 1
+        run[stage]["cached"] += int(cached)
+        run[stage]["warnings"] += [f"{summary['batch']}: {w}" for w in summary.get("warnings", [])]
+        finished_at[stage] = time.perf_counter() - t0
+        progress.report("batch", stage, batch=summary["batch"], cached=cached)
+
+    for stage, seconds in finished_at.items():
+        run[stage]["finished_after_s"] = round(seconds, 3)
+    return run

@@ -35,6 +35,30 @@ class ConfigError(ValueError):
     pass
 
 
+class FlowSettings(BaseModel):
+    """How the Prefect flows run a round (flows/): caching, retries, the export stage."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cache: bool = Field(True, description="skip a batch stage whose inputs, settings and code are unchanged")
+    retries: int = Field(3, ge=0, description="retries of an LLM stage task (annotate with llm, counterfactual)")
+    retry_delay_s: float = Field(2.0, ge=0, description="first retry delay; doubles on each retry (backoff)")
+    export: bool = Field(True, description="write the train_batch table (per batch and method) after credit")
+    progress: bool = Field(True, description="rich progress bars per stage on the terminal")
+
+
+class ServeSettings(BaseModel):
+    """`creditflow serve`: the deployments it starts (a cron schedule and an incoming-folder trigger)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    incoming: str | None = Field(None, description="folder watched for new rounds (files or folders); None: off")
+    incoming_format: str = Field("auto", description="ingest format of incoming files (auto: by extension)")
+    poll_interval_s: int = Field(60, ge=1, description="how often the incoming folder is polled")
+    settle_s: float = Field(2.0, ge=0, description="a file is taken once unmodified for this long")
+    cron: str | None = Field(None, description="cron schedule of the process-pending-rounds deployment; None: off")
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -48,6 +72,8 @@ class Config(BaseModel):
     tokenizer: str | None = Field(None, description="tokenizer.json path; None: SmolLM2 (byte fallback)")
     llm: dict[str, Any] = Field(default_factory=dict, description="shared LLM client settings (endpoints, ...)")
     stages: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-stage settings")
+    flow: FlowSettings = Field(default_factory=FlowSettings, description="Prefect flow settings")
+    serve: ServeSettings = Field(default_factory=ServeSettings, description="`creditflow serve` deployments")
 
     def stage(self, name: str) -> BaseModel:
         """The validated settings model of one stage (defaults where the config is silent)."""
@@ -85,9 +111,8 @@ def apply_overrides(data: dict[str, Any], sets: list[str]) -> dict[str, Any]:
         value = _parse_value(raw)
         if "." in key:
             stage, skey = key.split(".", 1)
-            if stage == "llm":
-                data.setdefault("llm", {})
-                data["llm"] = {**data["llm"], skey: value}
+            if stage in ("llm", "flow", "serve"):  # nested top-level mappings, not stage settings
+                data[stage] = {**(data.get(stage) or {}), skey: value}
             else:
                 data["stages"].setdefault(stage, {})[skey] = value
         else:

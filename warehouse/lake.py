@@ -39,9 +39,24 @@ def safe_part_name(name: str) -> str:
     return cleaned[:180]
 
 
+def lake_path(root: str | os.PathLike) -> Path:
+    """A local folder or a `file://` URL. Other fsspec schemes (s3://, gs://, ...) lack the atomic rename the
+    writes rely on: mount them (s3fs-fuse, gcsfuse, NFS) and give the mount path."""
+    text = os.fspath(root)
+    if "://" in text:
+        from urllib.parse import unquote, urlparse
+
+        url = urlparse(text)
+        if url.scheme != "file":
+            raise ValueError(f"lake {text!r}: only local paths and file:// URLs are supported; mount {url.scheme}:// "
+                             "storage (s3fs-fuse, gcsfuse, NFS) and give the mount path")
+        text = unquote(url.path)
+    return Path(text).expanduser().resolve()
+
+
 class Lake:
     def __init__(self, root: str | os.PathLike):
-        self.root = Path(root).expanduser().resolve()
+        self.root = lake_path(root)
 
     # ---- paths ---------------------------------------------------------------------------------
     def table_dir(self, table: str) -> Path:

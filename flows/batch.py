@@ -1,0 +1,185 @@
+"""The plain per-batch work of a round, without Prefect: each function reads one batch of whole groups from
+the lake, calls pipeline/, writes its parts and a `stage_runs` row, and returns a small summary (a dict).
+The flow's tasks (flows/process_round.py) call exactly these; the benchmark runs them bare."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.config import Config
+from pipeline.credit.process import annotation_names, process_batch
+from warehouse.lake import Lake, safe_part_name
+from warehouse.rounds import batch_names, read_batch
+from warehouse.runlog import record_stage_run
+
+CREDIT, EXPORT = "credit", "export"
+
+
+def method_slug(method: str) -> str:
+    return safe_part_name(method.replace("+", "-"))
+
+
+def advantages_part(batch: str, method: str) -> str:
+    return f"{batch}.{method_slug(method)}"
+
+
+@dataclass
+class BatchSummary:
+    batch: str
+    trajectories: int = 0
+    steps: int = 0
+    tokens: int = 0
+    notes: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def _tokens(steps: pa.Table) -> int:
+    return int(pc.sum(pc.list_value_length(steps.column("token_ids"))).as_py() or 0)
+
+
+def _summary(stage: str, batch: str, seconds: float, traj: pa.Table, steps: pa.Table, rows_out: dict[str, int],
+             notes: dict[str, float], warnings: list[str]) -> dict:
+    return {"stage": stage, "batch": batch, "seconds": seconds, "trajectories": traj.num_rows,
+            "steps": steps.num_rows, "tokens": _tokens(steps), "rows_out": rows_out, "notes": notes,
+            "warnings": warnings}
+
+
+# ---- plain per-batch work (what the flow's tasks call; the benchmark's bare baseline) --------------------
+
+
+def run_stage_batch(lake: Lake, round_: int, batch: str, stage_name: str, config: Config,
+                    cache_key: str | None = None) -> dict:
+    """One annotation stage on one batch: its tables as parts named like the batch."""
+    from pipeline.stages import load_stages
+
+    stage = load_stages()[stage_name]
+    t0 = time.perf_counter()
+    traj = read_batch(lake, "trajectories", round_, batch)
+    steps = read_batch(lake, "steps", round_, batch)
+    inputs = {t: read_batch(lake, t, round_, batch) for t in stage.needs}
+    out = stage.fn(traj, steps, config, inputs)
+    for table in stage.produces:
+        lake.write_part(table, round_, out.tables[table], part=batch)
+    rows = {t: out.tables[t].num_rows for t in stage.produces}
+    summary = _summary(stage_name, batch, time.perf_counter() - t0, traj, steps, rows, dict(out.notes),
+                       list(out.warnings))
+    record_stage_run(lake, round_, stage_name, batch, seconds=summary["seconds"], trajectories=traj.num_rows,
+                     steps=steps.num_rows, tokens=summary["tokens"], rows_out=rows, notes=out.notes,
+                     warnings=out.warnings, cache_key=cache_key)
+    return summary
+
+
+def credit_batch(lake: Lake, round_: int, batch: str, methods: list[str], config: Config,
+                 cache_key: str | None = None) -> dict:
+    """Every method on one batch: one advantages part per (batch, method)."""
+    t0 = time.perf_counter()
+    traj = read_batch(lake, "trajectories", round_, batch)
+    steps = read_batch(lake, "steps", round_, batch)
+    annotations = {name: read_batch(lake, name, round_, batch) for name in sorted(annotation_names(methods))}
+    tables, method_notes = process_batch(traj, steps, methods, config, annotations, round_=round_)
+    for method, table in tables.items():
+        lake.write_part("advantages", round_, table, part=advantages_part(batch, method))
+    notes = {f"{m}.{k}": float(v) for m, n in method_notes.items() for k, v in n.items()}
+    rows = {"advantages": sum(t.num_rows for t in tables.values())}
+    summary = _summary(CREDIT, batch, time.perf_counter() - t0, traj, steps, rows, notes, [])
+    record_stage_run(lake, round_, CREDIT, batch, seconds=summary["seconds"], trajectories=traj.num_rows,
+                     steps=steps.num_rows, tokens=summary["tokens"], rows_out=rows, notes=notes,
+                     cache_key=cache_key)
+    return summary
+
+
+def export_batch(lake: Lake, round_: int, batch: str, methods: list[str], cache_key: str | None = None) -> dict:
+    """The flat per-trajectory training layout of every method on one batch (train_batch parts)."""
+    from pipeline.export import build_train_batch
+
+    t0 = time.perf_counter()
+    traj = read_batch(lake, "trajectories", round_, batch)
+    steps = read_batch(lake, "steps", round_, batch)
+    rows = 0
+    for method in methods:
+        part = advantages_part(batch, method)
+        adv = read_batch(lake, "advantages", round_, part)
+        table = build_train_batch(traj, steps, adv)
+        lake.write_part("train_batch", round_, table, part=part)
+        rows += table.num_rows
+    summary = _summary(EXPORT, batch, time.perf_counter() - t0, traj, steps, {"train_batch": rows}, {}, [])
+    record_stage_run(lake, round_, EXPORT, batch, seconds=summary["seconds"], trajectories=traj.num_rows,
+                     steps=steps.num_rows, tokens=summary["tokens"], rows_out={"train_batch": rows},
+                     cache_key=cache_key)
+    return summary
+
+
+def stage_outputs(stage: str, batch: str, methods: list[str]) -> list[tuple[str, str]]:
+    """(table, part) pairs a stage writes for a batch: all present = the stage's work is on disk."""
+    if stage == CREDIT:
+        return [("advantages", advantages_part(batch, m)) for m in methods]
+    if stage == EXPORT:
+        return [("train_batch", advantages_part(batch, m)) for m in methods]
+    from pipeline.stages import load_stages
+
+    return [(t, batch) for t in load_stages()[stage].produces]
+
+
+def round_stages(config: Config) -> list[str]:
+    """The stages a round runs, in order: the annotation stages the methods need, credit, export."""
+    from pipeline.stages import stages_for
+
+    needed = annotation_names(config.methods)
+    names = [s.name for s in stages_for(needed)] if needed else []
+    names.append(CREDIT)
+    if config.flow.export:
+        names.append(EXPORT)
+    return names
+
+
+def run_batch_plain(lake: Lake, round_: int, batch: str, config: Config) -> list[dict]:
+    """Every stage on one batch, in order, without Prefect."""
+    out = []
+    for stage in round_stages(config):
+        if stage == CREDIT:
+            out.append(credit_batch(lake, round_, batch, config.methods, config))
+        elif stage == EXPORT:
+            out.append(export_batch(lake, round_, batch, config.methods))
+        else:
+            out.append(run_stage_batch(lake, round_, batch, stage, config))
+    return out
+
+
+# ---- kept for callers of the first API -----------------------------------------------------------------
+
+
+def run_annotation_stages(lake: Lake, round_: int, batch: str, needed: set[str], config: Config,
+                          traj=None, steps=None, force: bool = False) -> dict[str, float]:
+    """Run the stages that produce the needed tables for one batch; a stage whose parts exist is skipped."""
+    from pipeline.stages import stages_for
+
+    notes: dict[str, float] = {}
+    for stage in stages_for(needed):
+        if not force and all(lake.has_part(t, round_, batch) for t in stage.produces):
+            continue
+        summary = run_stage_batch(lake, round_, batch, stage.name, config)
+        notes.update({f"{stage.name}.{k}": v for k, v in summary["notes"].items()})
+    return notes
+
+
+def process_credit_batch(lake: Lake, round_: int, batch: str, methods: list[str], config: Config) -> BatchSummary:
+    needed = annotation_names(methods)
+    stage_notes = run_annotation_stages(lake, round_, batch, needed, config) if needed else {}
+    s = credit_batch(lake, round_, batch, methods, config)
+    notes: dict[str, dict[str, float]] = {}
+    for key, value in s["notes"].items():
+        method, _, name = key.rpartition(".")
+        notes.setdefault(method, {})[name] = value
+    if stage_notes:
+        notes["stages"] = stage_notes
+    return BatchSummary(batch, s["trajectories"], s["steps"], s["tokens"], notes)
+
+
+def round_batches(lake: Lake, round_: int) -> list[str]:
+    names = batch_names(lake, round_)
+    if not names:
+        raise FileNotFoundError(f"round {round_} has no trajectories in {lake.root}")
+    return names

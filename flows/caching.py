@@ -1,0 +1,167 @@
+"""Task caching for batch stages. A stage's key is made of what decides its output:
+
+- input content: (path, size, mtime) of every part the stage reads for the batch (trajectories, steps and
+  the annotation / advantages parts it needs), so a re-ingested or re-annotated batch is recomputed;
+- settings: the JSON of the settings the stage reads (validated, with defaults);
+- code version: the package version and a hash of the stage's source files.
+
+The key says nothing about the outputs: the flow refreshes a batch whose output parts are missing, so a
+deleted partition is rebuilt. Cache records (small JSON summaries) live in the lake under `_flow/cache`, so
+they travel with the lake and a fresh lake starts cold; the results themselves are the lake's tables."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect.cache_policies import CachePolicy
+
+from pipeline.config import Config, ConfigError
+from warehouse.lake import Lake
+from warehouse.runlog import part_fingerprints
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE_DIR = "_flow/cache"
+
+
+def cache_dir(lake: Lake) -> Path:
+    return lake.root / CACHE_DIR
+
+
+@functools.cache
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("creditflow")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+@functools.cache
+def _source_hash(paths: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for rel in paths:
+        base = ROOT / rel
+        files = sorted(base.rglob("*.py")) if base.is_dir() else [base]
+        for f in files:
+            if f.exists():
+                h.update(str(f.relative_to(ROOT)).encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def code_version(stage: str) -> str:
+    """Package version + hash of the sources that decide the stage's output."""
+    from flows.batch import CREDIT, EXPORT
+
+    if stage == CREDIT:
+        paths = ("pipeline/credit", "schemas/advantages.py")
+    elif stage == EXPORT:
+        paths = ("pipeline/export.py", "schemas/train_batch.py")
+    else:
+        from pipeline.stages import load_stages
+
+        spec = load_stages()[stage]
+        module = spec.fn.__module__.split(".")
+        package = "/".join(module[:2]) if len(module) > 1 else module[0]
+        paths = (package, "pipeline/stages.py") + (("pipeline/llm",) if spec.uses_llm else ())
+    return f"{_package_version()}:{_source_hash(paths + ('flows/batch.py',))}"
+
+
+def stage_inputs(stage: str, batch: str, config: Config) -> list[tuple[str, str]]:
+    """(table, part) pairs the stage reads for the batch."""
+    from flows.batch import CREDIT, EXPORT, advantages_part
+    from pipeline.credit.process import annotation_names
+
+    pairs = [("trajectories", batch), ("steps", batch)]
+    if stage == CREDIT:
+        pairs += [(t, batch) for t in sorted(annotation_names(config.methods))]
+    elif stage == EXPORT:
+        pairs += [("advantages", advantages_part(batch, m)) for m in config.methods]
+    else:
+        from pipeline.stages import load_stages
+
+        pairs += [(t, batch) for t in load_stages()[stage].needs]
+    return pairs
+
+
+def stage_settings(stage: str, config: Config) -> dict[str, Any]:
+    """The settings a stage's output depends on, as plain JSON."""
+    from flows.batch import CREDIT, EXPORT
+
+    if stage == EXPORT:
+        return {"methods": list(config.methods)}
+    if stage == CREDIT:
+        from pipeline.credit.registry import parse_method
+
+        names: set[str] = set()
+        for method in config.methods:
+            est, refs = parse_method(method)
+            names |= {s.settings for s in (est, *refs) if s.settings}
+        return {"methods": list(config.methods),
+                "settings": {n: config.stage(n).model_dump(mode="json") for n in sorted(names)}}
+    from pipeline.stages import load_stages
+
+    spec = load_stages()[stage]
+    settings = {}
+    for name in sorted(_settings_read_by(stage)):
+        try:
+            settings[name] = config.stage(name).model_dump(mode="json")
+        except ConfigError:
+            settings[name] = config.stages.get(name)
+    out: dict[str, Any] = {"settings": settings, "annotator": config.annotator, "tokenizer": config.tokenizer}
+    if spec.uses_llm:
+        out["llm"] = config.llm
+    return out
+
+
+_STAGE_READ = re.compile(r"""\.stage\(\s*["']([A-Za-z0-9_]+)["']\s*\)""")
+
+
+@functools.cache
+def _settings_read_by(stage: str) -> frozenset[str]:
+    """The settings an annotation stage reads: its own and every `config.stage("name")` in its package's
+    source (the counterfactual stage reads `tcpo`, the annotate stage `annotate_rules` / `annotate_llm`)."""
+    from pipeline.stages import load_stages
+
+    module = load_stages()[stage].fn.__module__.split(".")
+    base = ROOT.joinpath(*module[:2]) if len(module) > 1 else ROOT / f"{module[0]}.py"
+    files = sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
+    names = {stage}
+    for f in files:
+        names |= set(_STAGE_READ.findall(f.read_text(encoding="utf-8")))
+    return frozenset(names)
+
+
+def stage_cache_key(lake_root: str, round_: int, batch: str, stage: str, config: Config) -> str:
+    lake = Lake(lake_root)
+    fingerprint = [(Path(p).name, size, mtime) for p, size, mtime in
+                   part_fingerprints(lake, round_, stage_inputs(stage, batch, config))]
+    payload = {
+        "stage": stage,
+        "lake": str(lake.root),
+        "round": int(round_),
+        "batch": batch,
+        "inputs": fingerprint,
+        "settings": stage_settings(stage, config),
+        "code": code_version(stage),
+    }
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return f"{stage}-r{int(round_)}-{batch}-{digest}"
+
+
+@dataclass
+class BatchStageCache(CachePolicy):
+    """Cache policy of the batch-stage tasks: reads `lake_root, round_, batch, stage, config` from the
+    task's inputs (upstream summaries only order the work and do not enter the key)."""
+
+    def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str | None:
+        return stage_cache_key(inputs["lake_root"], inputs["round_"], inputs["batch"], inputs["stage"],
+                               inputs["config"])

@@ -1,0 +1,99 @@
+"""The round summary: what went in, what each stage made and how long it took, what degraded, where the
+outputs are. Built from the lake alone (`stage_runs` + Parquet footers), so `creditflow stats` prints the
+same table after the fact as `creditflow process` does at the end of a run."""
+
+from __future__ import annotations
+
+from warehouse.lake import Lake
+from warehouse.runlog import count_rows, read_stage_runs, stage_seconds, total_notes
+
+OUTPUT_TABLES = ("spans", "nodes", "edges", "counterfactuals", "advantages", "train_batch")
+STAGE_ORDER = ("detect", "annotate", "counterfactual", "credit", "export")
+
+
+def round_summary(lake: Lake, round_: int) -> dict:
+    runs = read_stage_runs(lake, round_)
+    stages: dict[str, dict] = {}
+    if runs.num_rows:
+        seconds = stage_seconds(runs)
+        for stage, batch_warnings in zip(runs.column("stage").to_pylist(), runs.column("warnings").to_pylist(),
+                                         strict=True):
+            entry = stages.setdefault(stage, {"batches": 0, "seconds": round(seconds.get(stage, 0.0), 3),
+                                              "warnings": 0})
+            entry["batches"] += 1
+            entry["warnings"] += len(batch_warnings or [])
+    order = {s: i for i, s in enumerate(STAGE_ORDER)}
+    stages = dict(sorted(stages.items(), key=lambda kv: (order.get(kv[0], 2.5), kv[0])))
+    tokens = 0
+    if runs.num_rows:
+        import pyarrow.compute as pc
+
+        credit = runs.filter(pc.equal(runs.column("stage"), "credit"))
+        tokens = int(pc.sum(credit.column("tokens")).as_py() or 0)
+    notes = total_notes(runs, [s for s in stages if s not in ("credit", "export")])
+    return {
+        "round": int(round_),
+        "lake": str(lake.root),
+        "batches": len(lake.parts("trajectories", round_)),
+        "trajectories": count_rows(lake, "trajectories", round_),
+        "steps": count_rows(lake, "steps", round_),
+        "tokens": tokens,
+        "rows": {t: count_rows(lake, t, round_) for t in OUTPUT_TABLES},
+        "quarantined": count_rows(lake, "quarantine", round_),
+        "stages": stages,
+        "notes": {k: round(v, 3) for k, v in sorted(notes.items())},
+        "outputs": {t: str(lake.partition_dir(t, round_)) for t in ("advantages", "train_batch")
+                    if lake.parts(t, round_)},
+    }
+
+
+def print_summary(summary: dict, title: str | None = None, console=None) -> None:
+    """The summary as two rich tables: the round at a glance, then one row per stage."""
+    from rich.table import Table
+
+    from pipeline.display import console as default_console
+
+    console = console or default_console
+    rows = summary.get("rows", {})
+    notes = summary.get("notes", {})
+    overview = {
+        "trajectories": summary.get("trajectories"),
+        "steps": summary.get("steps"),
+        "tokens": summary.get("tokens"),
+        "batches": summary.get("batches"),
+        "spans": rows.get("spans"),
+        "nodes / edges": f"{rows.get('nodes', 0)} / {rows.get('edges', 0)}",
+        "counterfactuals": rows.get("counterfactuals"),
+        "advantages rows": rows.get("advantages"),
+        "train_batch rows": rows.get("train_batch"),
+        "quarantined records": summary.get("quarantined"),
+    }
+    llm = {k: v for k, v in notes.items() if any(w in k for w in ("call", "cache", "fallback", "error", "retr"))}
+    overview.update({k: (int(v) if float(v).is_integer() else v) for k, v in llm.items()})
+    if "wall_seconds" in summary:
+        overview["wall seconds"] = summary["wall_seconds"]
+        overview["task runner"] = summary.get("task_runner")
+    overview.update({f"out: {t}": p for t, p in summary.get("outputs", {}).items()})
+    head = Table(title=title or f"round {summary.get('round')}", show_header=False)
+    head.add_column("what", style="bold")
+    head.add_column("value", overflow="fold")
+    for k, v in overview.items():
+        head.add_row(str(k), "" if v is None else str(v))
+    console.print(head)
+
+    this_run = summary.get("this_run", {})
+    table = Table(title="stages")
+    for col in ("stage", "batches", "stage seconds (sum)", "warnings"):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    if this_run:
+        table.add_column("this run: cached", justify="right")
+        table.add_column("this run: done after s", justify="right")
+    for stage, entry in summary.get("stages", {}).items():
+        cells = [stage, str(entry["batches"]), f"{entry['seconds']:.2f}", str(entry["warnings"])]
+        if this_run:
+            r = this_run.get(stage, {})
+            cells += [str(r.get("cached", "")), str(r.get("finished_after_s", ""))]
+        table.add_row(*cells)
+    console.print(table)
+    for warning in summary.get("warnings", [])[:10]:
+        console.print(f"[yellow]warning:[/yellow] {warning}")

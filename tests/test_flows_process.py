@@ -1,0 +1,184 @@
+"""process_round_flow: same output as the plain per-batch functions, caching (a finished round re-runs with
+no work; deleted outputs and changed settings/inputs are recomputed), the warning state when the LLM
+endpoint is down, the Ray runner bit for bit, and `creditflow stats`."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pyarrow as pa
+import pytest
+
+from flows.batch import round_stages, run_batch_plain
+from flows.process_round import WARNING_STATE
+from flows.run import run_process
+from pipeline.config import load_config
+from pipeline.synth import SynthSettings, generate
+from warehouse.lake import Lake
+from warehouse.rounds import batch_names, write_round
+
+RULE_METHODS = ["grpo", "grpo+c3", "grpo+iapo"]
+
+
+def make_round(lake: Lake, round_: int = 0, groups: int = 8, batch_groups: int = 2, seed: int = 0) -> list[str]:
+    traj, steps = generate(SynthSettings(groups=groups, samples=4, turns=3, tokens=40, seed=seed, round=round_))
+    return write_round(lake, round_, traj, steps, batch_groups=batch_groups)
+
+
+def cfg_for(lake: Lake, methods=RULE_METHODS, sets=(), **fields):
+    return load_config(None, ["flow.progress=false", "flow.retry_delay_s=0", *sets], lake=str(lake.root),
+                       methods=list(methods), **fields)
+
+
+def sorted_table(lake: Lake, table: str, round_: int = 0) -> pa.Table:
+    keys = {"advantages": ["method", "traj_id", "step_idx"], "train_batch": ["method", "traj_id"],
+            "spans": ["traj_id", "step_idx", "token_start", "rule"], "nodes": ["traj_id", "turn"],
+            "edges": None}[table]
+    t = lake.read(table, round_)
+    if keys is None:
+        keys = [c for c in t.column_names if pa.types.is_string(t.schema.field(c).type)
+                or pa.types.is_integer(t.schema.field(c).type)]
+    return t.sort_by([(k, "ascending") for k in keys])
+
+
+def assert_same_tables(a: Lake, b: Lake, tables=("advantages", "train_batch", "spans", "nodes", "edges")):
+    for table in tables:
+        ta, tb = sorted_table(a, table), sorted_table(b, table)
+        assert ta.num_rows > 0, table
+        assert ta.equals(tb), f"{table} differs"
+
+
+def mtimes(lake: Lake, table: str) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in lake.parts(table, 0)}
+
+
+def test_flow_matches_plain_functions_and_reruns_cached(tmp_path, prefect_harness):
+    flow_lake, plain_lake = Lake(tmp_path / "flow"), Lake(tmp_path / "plain")
+    batches = make_round(flow_lake)
+    make_round(plain_lake)
+    assert len(batches) == 4
+
+    cfg = cfg_for(flow_lake)
+    summary = run_process(cfg, 0, quiet=True)
+    assert summary["state"] == "Completed"
+    assert list(summary["this_run"]) == ["detect", "annotate", "credit", "export"] == round_stages(cfg)
+    assert all(r["batches"] == 4 and r["cached"] == 0 for r in summary["this_run"].values())
+    assert summary["trajectories"] == 32 and summary["rows"]["train_batch"] == 32 * len(RULE_METHODS)
+    assert summary["stages"]["credit"]["batches"] == 4
+
+    plain_cfg = cfg_for(plain_lake)
+    for b in batch_names(plain_lake, 0):
+        run_batch_plain(plain_lake, 0, b, plain_cfg)
+    assert_same_tables(flow_lake, plain_lake)
+
+    # a finished round: every batch stage is served from the cache, no part is rewritten
+    before = {t: mtimes(flow_lake, t) for t in ("spans", "advantages", "train_batch", "stage_runs")}
+    again = run_process(cfg, 0, quiet=True)
+    assert all(r["cached"] == 4 for r in again["this_run"].values()), again["this_run"]
+    assert {t: mtimes(flow_lake, t) for t in before} == before
+
+    # a deleted output part is rebuilt (only that batch's credit and export run again)
+    victim = flow_lake.parts("advantages", 0)[0]
+    victim.unlink()
+    third = run_process(cfg, 0, quiet=True)
+    assert victim.exists()
+    assert third["this_run"]["credit"]["cached"] == 3 and third["this_run"]["export"]["cached"] == 3
+    assert third["this_run"]["detect"]["cached"] == 4
+    assert_same_tables(flow_lake, plain_lake)
+
+    # changed credit settings: credit and export run again, the annotation stages stay cached
+    changed = run_process(cfg_for(flow_lake, sets=["grpo.eps=0.001"]), 0, quiet=True)
+    assert changed["this_run"]["credit"]["cached"] == 0 and changed["this_run"]["export"]["cached"] == 0
+    assert changed["this_run"]["detect"]["cached"] == 4 and changed["this_run"]["annotate"]["cached"] == 4
+
+
+def test_reingested_round_is_recomputed_and_stale_parts_pruned(tmp_path, prefect_harness):
+    lake = Lake(tmp_path / "lake")
+    make_round(lake, batch_groups=2)
+    cfg = cfg_for(lake, methods=["grpo"])
+    run_process(cfg, 0, quiet=True)
+    assert len(lake.parts("advantages", 0)) == 4
+    # same round re-ingested with other data and fewer, larger batches
+    make_round(lake, batch_groups=4, seed=1)
+    second = run_process(cfg, 0, quiet=True)
+    assert second["this_run"]["credit"]["cached"] == 0
+    assert sorted(p.name for p in lake.parts("advantages", 0)) == ["part-b00000.grpo.parquet",
+                                                                   "part-b00001.grpo.parquet"]
+    other = Lake(tmp_path / "other")
+    make_round(other, batch_groups=4, seed=1)
+    for b in batch_names(other, 0):
+        run_batch_plain(other, 0, b, cfg_for(other, methods=["grpo"]))
+    assert_same_tables(lake, other, tables=("advantages", "train_batch"))
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_llm_endpoint_down_completes_with_warnings(tmp_path, prefect_harness):
+    lake = Lake(tmp_path / "lake")
+    make_round(lake, groups=4, batch_groups=2)
+    url = f"http://127.0.0.1:{_closed_port()}/v1"
+    cfg = cfg_for(lake, methods=["grpo", "tcpo"], sets=[f"llm.endpoints=[{url}]", "llm.max_retries=0",
+                                                      "llm.timeout_s=2", "llm.cache=false", "llm.model=m"])
+    summary = run_process(cfg, 0, quiet=True)
+    assert summary["state"] == WARNING_STATE
+    assert summary["warnings"] and all(w.startswith("counterfactual:") for w in summary["warnings"])
+    assert summary["stages"]["counterfactual"]["warnings"] >= 2
+    fallbacks = {k: v for k, v in summary["notes"].items() if "fallback" in k}
+    assert fallbacks and sum(fallbacks.values()) > 0
+    # the round is complete: every method of every batch, tcpo on its hindsight fallback
+    adv = lake.read("advantages", 0)
+    assert set(adv.column("method").to_pylist()) == {"grpo", "tcpo"}
+    assert adv.num_rows == 2 * lake.read("steps", 0).num_rows
+
+
+@pytest.mark.slow
+def test_ray_runner_matches_thread_runner(tmp_path, prefect_harness):
+    pytest.importorskip("prefect_ray")
+    threads, ray_lake = Lake(tmp_path / "threads"), Lake(tmp_path / "ray")
+    make_round(threads)
+    make_round(ray_lake)
+    run_process(cfg_for(threads), 0, quiet=True)
+    summary = run_process(cfg_for(ray_lake, task_runner="ray", max_workers=2), 0, quiet=True)
+    assert summary["task_runner"] == "ray" and summary["state"] == "Completed"
+    assert all(r["batches"] == 4 for r in summary["this_run"].values())
+    assert_same_tables(threads, ray_lake)
+    # bit for bit: the advantages Parquet parts hold the same data
+    for a, b in zip(threads.parts("advantages", 0), ray_lake.parts("advantages", 0), strict=True):
+        import pyarrow.parquet as pq
+
+        assert a.name == b.name and pq.read_table(a).equals(pq.read_table(b))
+
+
+def test_stats_command_prints_summary_from_lake(tmp_path, prefect_harness):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    lake = Lake(tmp_path / "lake")
+    make_round(lake, groups=4, batch_groups=2)
+    run_process(cfg_for(lake), 0, quiet=True)
+    result = CliRunner().invoke(app, ["stats", "--lake", str(lake.root), "--round", "0"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for word in ("trajectories", "spans", "nodes / edges", "quarantined records", "detect", "annotate", "credit",
+                 "export", str(lake.partition_dir("advantages", 0)), "credit by method"):
+        assert word in result.output, word
+    missing = CliRunner().invoke(app, ["stats", "--lake", str(lake.root), "--round", "7"])
+    assert missing.exit_code != 0
+
+
+def test_file_url_lake(tmp_path, prefect_harness):
+    lake = Lake(tmp_path / "lake")
+    make_round(lake, groups=4, batch_groups=2)
+    assert Lake(f"file://{lake.root}").root == lake.root
+    cfg = load_config(None, ["flow.progress=false"], lake=f"file://{lake.root}", methods=["grpo"])
+    summary = run_process(cfg, 0, quiet=True)
+    assert summary["rows"]["advantages"] == lake.read("steps", 0).num_rows
+    with pytest.raises(ValueError, match="mount"):
+        Lake("s3://bucket/lake")
+    assert os.path.isdir(lake.partition_dir("train_batch", 0))
