@@ -314,6 +314,7 @@ def test_export_alignment(seed, method):
 # ---- CLI end to end ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_process_and_export(tmp_path, lake, prefect_harness):
     from typer.testing import CliRunner
 
