@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
+from pydantic import BaseModel
 
 from pipeline.annotate.settings import LLMAnnotatorSettings
 from pipeline.config import Config
@@ -70,38 +71,30 @@ Answer with one JSON object and nothing else:
   branch or recovery it binds to"}}]}}]}}
 with one entry per assistant action, in order."""
 
-RESPONSE_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "actions": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {
-                    "action_id": {"type": "integer"},
-                    "error": {"type": "integer", "enum": [0, 1]},
-                    "error_kind": {"type": "string", "enum": list(ERROR_KINDS)},
-                    "sources": {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "properties": {
-                                "source": {"type": "string"},
-                                "type": {"type": "string", "enum": list(EDGE_TYPES)},
-                                "info_unit": {"type": "string"},
-                                "binding": {"type": "string"},
-                            },
-                            "required": ["source", "type", "info_unit", "binding"],
-                        },
-                    },
-                },
-                "required": ["action_id", "error", "error_kind", "sources"],
-            },
-        }
-    },
-    "required": ["actions"],
-}
-RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "iapo_graph", "schema": RESPONSE_SCHEMA}}
+class _Source(BaseModel):
+    source: str
+    type: Literal["input", "success_utilization", "failed_utilization"]
+    info_unit: str
+    binding: str
+
+
+class _Action(BaseModel):
+    action_id: int
+    error: Literal[0, 1]
+    error_kind: Literal["tool", "schema", "runtime", "rule", "rejection", "none"]
+    sources: list[_Source]
+
+
+class IAPOGraph(BaseModel):
+    """The answer schema (spec section 4), sent as response_format json_schema for constrained decoding. The
+    annotator validates answers itself (`parse_answer` + `validate_answer`: lenient on shape, item by item on
+    meaning), so a pydantic class is used here only because the client validates it cheaply."""
+
+    actions: list[_Action]
+
+
+RESPONSE_SCHEMA: dict[str, Any] = IAPOGraph.model_json_schema()
+RESPONSE_FORMAT = IAPOGraph
 
 
 class MalformedAnswer(ValueError):
