@@ -19,7 +19,8 @@ Pluggable behaviour:
 
 Tokens are whitespace-delimited chunks (`\\S+\\s*`); a token's id is a stable hash, its logprob a function of
 the id (`token_logprob`). A prompt given as token ids is echoed as tokens "t<id>".
-Counters: `calls` (HTTP requests to the two generation endpoints), `max_inflight`, `requests` (bodies).
+Counters: `calls` (HTTP requests to the two generation endpoints), `max_inflight`, `requests` (bodies);
+GET /standin/stats returns calls and max_inflight (for a stand-in in another process, as in bench/).
 """
 
 from __future__ import annotations
@@ -125,7 +126,9 @@ class StandIn:
         import uvicorn
 
         app = self._app()
-        sock = socket.socket()
+        # proto=IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose proto is TCP;
+        # without it Nagle + delayed ACK add ~40 ms to every keep-alive response
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.bind(("127.0.0.1", 0))
         sock.listen(512)
         self.port = sock.getsockname()[1]
@@ -167,6 +170,16 @@ class StandIn:
         @app.get("/health")
         async def health():
             return Response(status_code=200)
+
+        @app.get("/standin/stats")
+        async def stats():
+            return {"calls": standin.calls, "max_inflight": standin.max_inflight, "inflight": standin.inflight}
+
+        @app.post("/standin/reset_stats")
+        async def reset_stats():
+            with standin._lock:
+                standin.calls, standin.max_inflight = 0, 0
+            return {}
 
         @app.get("/v1/models")
         async def models():
