@@ -36,7 +36,7 @@ DOCS = {
     "endpoint": "base URL that answered (or last tried, on error); for a cache hit, the original one",
     "model": "served model name",
     "request_hash": "cache key: sha256 of model, request content, sampling params, seed, response format",
-    "latency_s": "seconds from request to answer, retries and backoff included (cache hit: lookup time)",
+    "latency_s": "seconds from the call to the answer: wait for a concurrency slot, retries and backoff included (cache hit: lookup time)",
     "prompt_tokens": "prompt tokens reported by the server (null on error)",
     "completion_tokens": "completion tokens reported by the server, all n choices (null on error)",
     "n": "choices asked for",
