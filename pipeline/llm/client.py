@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import itertools
 import json
@@ -245,10 +246,32 @@ class LLMRequest(BaseModel):
 # structured output helpers
 
 
+@functools.lru_cache(maxsize=64)
+def _model_schema(model_cls: type[BaseModel]) -> dict[str, Any]:
+    """A pydantic model's JSON schema, built once per class (it costs milliseconds per call)."""
+    return model_cls.model_json_schema()
+
+
+_VALIDATORS: dict[str, Any] = {}
+
+
+def _schema_validator(schema: dict[str, Any]):
+    """A compiled jsonschema validator per schema (checking the schema itself once, not per answer)."""
+    key = json.dumps(schema, sort_keys=True)
+    validator = _VALIDATORS.get(key)
+    if validator is None:
+        import jsonschema
+
+        cls = jsonschema.validators.validator_for(schema)
+        cls.check_schema(schema)
+        validator = _VALIDATORS[key] = cls(schema)
+    return validator
+
+
 def _response_format_parts(response_format: Any) -> tuple[str, dict[str, Any] | None, Any]:
     """-> (name, JSON schema or None for json_object, validator) from a pydantic class / schema / OpenAI dict."""
     if isinstance(response_format, type) and issubclass(response_format, BaseModel):
-        return response_format.__name__, response_format.model_json_schema(), response_format
+        return response_format.__name__, _model_schema(response_format), response_format
     if isinstance(response_format, dict):
         if response_format.get("type") == "json_schema":
             js = response_format.get("json_schema") or {}
@@ -276,9 +299,7 @@ def _validate_output(text: str, schema: dict[str, Any] | None, model_cls: Any) -
             return None, f"schema: {str(exc).splitlines()[0]}"
     if schema:
         try:
-            import jsonschema
-
-            jsonschema.validate(obj, schema)
+            _schema_validator(schema).validate(obj)
         except ImportError:
             pass
         except Exception as exc:  # jsonschema.ValidationError
