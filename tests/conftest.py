@@ -4,7 +4,11 @@ session-scoped Prefect test harness serves every flow test."""
 import os
 import tempfile
 
+import atexit
+import shutil
+
 _PREFECT_HOME = tempfile.mkdtemp(prefix="creditflow-prefect-")
+atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)
 os.environ["PREFECT_HOME"] = _PREFECT_HOME
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
