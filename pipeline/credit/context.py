@@ -42,6 +42,16 @@ def _flat_list_floats(col: pa.ChunkedArray, starts: np.ndarray, n_tokens: int) -
     return out
 
 
+def _sorted_by_traj_step(steps: pa.Table) -> bool:
+    if steps.num_rows < 2:
+        return True
+    keys = pl.from_arrow(steps.select(["traj_id", "step_idx"]))
+    tid, idx = keys["traj_id"], keys["step_idx"]
+    prev_tid, prev_idx = tid.shift(1), idx.shift(1)
+    ok = (tid > prev_tid) | ((tid == prev_tid) & (idx > prev_idx))
+    return bool(ok.slice(1).all())
+
+
 @dataclass
 class CreditContext:
     trajectories: pl.DataFrame  # one row per trajectory, sorted by traj_id; traj_index, group_index
@@ -80,7 +90,8 @@ class CreditContext:
                           ("verifier_score", pa.float64()), ("turn", pa.int32())):
             if name not in steps.column_names:  # optional columns of in-memory tables
                 steps = steps.append_column(name, pa.nulls(steps.num_rows, typ))
-        steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
+        if not _sorted_by_traj_step(steps):  # ingest and synth write steps in order: skip the big take
+            steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
         lengths = pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
         starts = (np.cumsum(lengths) - lengths).astype(np.int64)
         n_tokens = int(lengths.sum())

@@ -26,6 +26,12 @@ class Stage:
     settings: str | None  # settings stage name
     needs: tuple[str, ...]  # annotations the stage reads: spans, nodes, edges, counterfactuals
     doc: str
+    step_columns: tuple[str, ...] = ()  # steps columns beyond STEP_COLUMNS the stage reads (e.g. content)
+
+
+# the steps columns every method may read; others (content, offsets, tool calls) are read only on request
+STEP_COLUMNS = ("traj_id", "step_idx", "role", "turn", "is_error", "verifier_score", "token_ids", "logprobs",
+                "values")
 
 
 ESTIMATORS: dict[str, Stage] = {}
@@ -36,17 +42,19 @@ class MethodError(ValueError):
     pass
 
 
-def estimator(name: str, settings: str | None = None, needs: tuple[str, ...] = ()):
+def estimator(name: str, settings: str | None = None, needs: tuple[str, ...] = (), step_columns: tuple[str, ...] = ()):
     def deco(fn: Callable) -> Callable:
-        ESTIMATORS[name] = Stage(name, "estimator", fn, settings, tuple(needs), (fn.__doc__ or "").strip())
+        ESTIMATORS[name] = Stage(name, "estimator", fn, settings, tuple(needs), (fn.__doc__ or "").strip(),
+                                 tuple(step_columns))
         return fn
 
     return deco
 
 
-def refiner(name: str, settings: str | None = None, needs: tuple[str, ...] = ()):
+def refiner(name: str, settings: str | None = None, needs: tuple[str, ...] = (), step_columns: tuple[str, ...] = ()):
     def deco(fn: Callable) -> Callable:
-        REFINERS[name] = Stage(name, "refiner", fn, settings, tuple(needs), (fn.__doc__ or "").strip())
+        REFINERS[name] = Stage(name, "refiner", fn, settings, tuple(needs), (fn.__doc__ or "").strip(),
+                               tuple(step_columns))
         return fn
 
     return deco
@@ -74,6 +82,16 @@ def method_needs(method: str) -> set[str]:
     for r in refs:
         out |= set(r.needs)
     return out
+
+
+def method_step_columns(methods: list[str]) -> list[str]:
+    """The steps columns a set of methods reads (so a batch read skips content, offsets and tool calls)."""
+    cols = list(STEP_COLUMNS)
+    for method in methods:
+        est, refs = parse_method(method)
+        for stage in (est, *refs):
+            cols += [c for c in stage.step_columns if c not in cols]
+    return cols
 
 
 def _settings(ctx: CreditContext, stage: Stage):

@@ -81,7 +81,7 @@ def step_groups(rows: pl.DataFrame, enable_similarity: bool, thresh: float) -> n
     return rows.join(uniq, on=["group_index", "anchor"], how="left", maintain_order="left")["anchor_id"].to_numpy()
 
 
-@estimator("gigpo", settings="gigpo")
+@estimator("gigpo", settings="gigpo", step_columns=("content",))
 def gigpo(ctx: CreditContext, settings: GiGPOSettings) -> CreditResult:
     """Episode-level group advantage plus anchor-state step advantage."""
     rows = anchor_observations(ctx)
