@@ -36,6 +36,7 @@ from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
     stage_outputs,
 )
 from flows.caching import BatchStageCache, cache_dir, stage_cache_key
+from flows.config import as_config
 from pipeline.config import Config
 from warehouse.lake import Lake
 from warehouse.runlog import parts_present, prune_stale_parts
@@ -57,7 +58,7 @@ def batch_stage_task(lake_root: str, round_: int, batch: str, stage: str, config
     return run_stage_batch(lake, round_, batch, stage, config, cache_key=key)
 
 
-@task(task_run_name="stats-round-{round_}")
+@task(task_run_name="stats-round-{round_}", cache_policy=NO_CACHE, persist_result=False)
 def round_stats_task(lake_root: str, round_: int) -> dict:
     """Refresh the DuckDB catalog and summarise the round from the lake."""
     from flows.summary import round_summary
@@ -90,9 +91,10 @@ def _uses_llm(stage: str) -> bool:
 
 
 @flow(name="process-round", flow_run_name="process-round-{round_}", validate_parameters=False)
-def process_round_flow(round_: int, config: Config):
+def process_round_flow(round_: int, config: Config | dict):
     """Every stage of one round, batch by batch; returns the round summary (a warning state if degraded)."""
     t0 = time.perf_counter()
+    config = as_config(config)
     lake = Lake(config.lake)
     lake.cleanup()
     batches = round_batches(lake, round_)

@@ -53,7 +53,7 @@ class ServeSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     incoming: str | None = Field(None, description="folder watched for new rounds (files or folders); None: off")
-    incoming_format: str = Field("auto", description="ingest format of incoming files (auto: by extension)")
+    incoming_format: str = Field("chat-jsonl", description="ingest format of incoming files (`creditflow ingest --format`)")
     poll_interval_s: int = Field(60, ge=1, description="how often the incoming folder is polled")
     settle_s: float = Field(2.0, ge=0, description="a file is taken once unmodified for this long")
     cron: str | None = Field(None, description="cron schedule of the process-pending-rounds deployment; None: off")
@@ -93,8 +93,20 @@ class Config(BaseModel):
 
 
 def _load_stage_modules() -> None:
-    # importing the credit package registers every method's settings model
+    # importing the credit package registers every method's settings model, the annotation stage packages
+    # theirs (detect, annotate_rules / annotate_llm, counterfactual)
+    import importlib
+
     import pipeline.credit  # noqa: F401
+    from pipeline.stages import load_stages
+
+    load_stages()
+    for module in ("pipeline.annotate.settings",):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
 
 
 def _parse_value(raw: str) -> Any:

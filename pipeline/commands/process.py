@@ -16,19 +16,25 @@ def _methods(raw: str | None) -> list[str] | None:
 def register(app: typer.Typer) -> None:
     @app.command("process")
     def process_cmd(
-        lake: Path | None = typer.Option(None, "--lake", help="lake folder (config: lake)"),
+        lake: str | None = typer.Option(None, "--lake", help="lake folder or file:// URL (config: lake)"),
         round_: int = typer.Option(..., "--round", help="round to process"),
-        methods: str | None = typer.Option(None, "--methods", help="comma-separated method chains"),
-        config: Path | None = typer.Option(None, "--config", help="YAML config file"),
-        sets: list[str] = typer.Option([], "--set", help="override: stage.key=value (repeatable)"),
-        annotator: str | None = typer.Option(None, "--annotator", help="IAPO annotator: rules | llm"),
+        methods: str | None = typer.Option(None, "--methods", help="comma-separated method chains (config: methods)"),
+        config: Path | None = typer.Option(None, "--config", help="YAML config file (see config.example.yaml)"),
+        sets: list[str] = typer.Option([], "--set", help="override: key=value or stage.key=value (repeatable)"),
+        annotator: str | None = typer.Option(None, "--annotator", help="IAPO annotator: rules | llm (config: annotator)"),
+        task_runner: str | None = typer.Option(None, "--task-runner", help="threads | ray | dask (config: task_runner)"),
+        max_workers: int | None = typer.Option(None, "--max-workers", help="parallel batches (config: max_workers)"),
+        address: str | None = typer.Option(None, "--address", help="Ray/Dask cluster address (config: task_runner_address)"),
+        no_cache: bool = typer.Option(False, "--no-cache", help="recompute every stage (config: flow.cache=false)"),
     ) -> None:
-        """Compute every requested credit method on a round and write the advantages table."""
+        """Run the process-round flow: detect, annotate, counterfactuals, credit for every method, export."""
         from flows.run import run_process
         from pipeline.config import load_config
 
-        cfg = load_config(config, sets, lake=str(lake) if lake else None, methods=_methods(methods),
-                          annotator=annotator)
+        if no_cache:
+            sets = [*sets, "flow.cache=false"]
+        cfg = load_config(config, sets, lake=lake, methods=_methods(methods), annotator=annotator,
+                          task_runner=task_runner, max_workers=max_workers, task_runner_address=address)
         run_process(cfg, round_)
 
     @app.command("export")

@@ -1,0 +1,82 @@
+"""Flows the `creditflow serve` deployments run: `incoming_flow` ingests and processes each new round that
+appears in the incoming folder; `process_pending_flow` (the cron deployment) processes every round of the
+lake whose credit is incomplete."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from flows.batch import CREDIT, stage_outputs
+from flows.config import as_config
+from pipeline.config import Config
+from warehouse.lake import Lake
+
+
+def _process(config: Config, round_: int):
+    from flows.process_round import process_round_flow
+    from flows.runners import make_task_runner
+
+    return process_round_flow.with_options(task_runner=make_task_runner(config))(
+        round_=round_, config=config, return_state=True)
+
+
+@flow(name="incoming", validate_parameters=False)
+def incoming_flow(config: Config | dict) -> dict:
+    """Ingest + process every settled new entry of `serve.incoming`, oldest first; move it to done/ (or
+    failed/ with the error in the ledger). Running it again does nothing new."""
+    from flows.ingest import ingest_flow
+    from warehouse.incoming import assign_round, move_entry, new_entries, read_ledger, write_ledger
+
+    config = as_config(config)
+    if not config.serve.incoming:
+        raise ValueError("serve.incoming is not set: no incoming folder to poll")
+    incoming = Path(config.serve.incoming).expanduser().resolve()
+    incoming.mkdir(parents=True, exist_ok=True)
+    lake = Lake(config.lake)
+    logger = get_run_logger()
+    done: dict[str, dict] = {}
+    for entry in new_entries(incoming, config.serve.settle_s):
+        ledger = read_ledger(lake)
+        round_ = assign_round(lake, entry, ledger)
+        ledger[entry.name] = {"round": round_, "status": "started", "at": dt.datetime.now(dt.UTC).isoformat()}
+        write_ledger(lake, ledger)
+        try:
+            ingest_flow([str(entry)], config.serve.incoming_format, round_, config)
+            state = _process(config, round_)
+            state.result()
+            status, folder = state.name, "done"
+        except Exception as exc:  # one bad drop must not stop the others
+            logger.error("incoming %s (round %d) failed: %s", entry.name, round_, exc)
+            status, folder = f"failed: {type(exc).__name__}: {exc}"[:500], "failed"
+        moved = move_entry(entry, incoming, folder)
+        ledger = read_ledger(lake)
+        ledger[entry.name] = {**ledger[entry.name], "status": status, "moved_to": str(moved),
+                              "at": dt.datetime.now(dt.UTC).isoformat()}
+        write_ledger(lake, ledger)
+        done[entry.name] = ledger[entry.name]
+    return done
+
+
+def pending_rounds(config: Config) -> list[int]:
+    """Rounds whose advantages parts are incomplete for some batch or method."""
+    from warehouse.rounds import batch_names
+    from warehouse.runlog import parts_present
+
+    lake = Lake(config.lake)
+    out = []
+    for round_ in lake.rounds("trajectories"):
+        batches = batch_names(lake, round_)
+        if batches and not all(parts_present(lake, round_, stage_outputs(CREDIT, b, config.methods))
+                               for b in batches):
+            out.append(round_)
+    return out
+
+
+@flow(name="process-pending", validate_parameters=False)
+def process_pending_flow(config: Config | dict) -> dict[int, str]:
+    """Process every round of the lake whose credit is incomplete (the cron deployment)."""
+    config = as_config(config)
+    return {round_: _process(config, round_).name for round_ in pending_rounds(config)}

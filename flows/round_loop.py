@@ -1,0 +1,71 @@
+"""`round_loop_flow`: collect -> process -> train, round after round.
+
+Collect (rollout generation into the lake) and train (the policy update) are hooks the trainer provides:
+a module `trainer/hooks.py` defining `collect(config, round_) -> dict` and/or `train(config, round_) -> dict`,
+or hooks registered with `register_round_hook`. Without a trainer the loop runs process only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.config import as_config
+from pipeline.config import Config
+
+RoundHook = Callable[[Config, int], dict]
+HOOKS: dict[str, RoundHook] = {}
+HOOK_NAMES = ("collect", "train")
+
+
+def register_round_hook(name: str, fn: RoundHook) -> RoundHook:
+    if name not in HOOK_NAMES:
+        raise ValueError(f"round hook {name!r}: choose one of {HOOK_NAMES}")
+    HOOKS[name] = fn
+    return fn
+
+
+def round_hooks() -> dict[str, RoundHook]:
+    """Registered hooks, plus `collect` / `train` from trainer.hooks when the trainer provides them."""
+    import importlib
+
+    hooks = dict(HOOKS)
+    try:
+        module = importlib.import_module("trainer.hooks")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("trainer.hooks", "trainer"):
+            raise
+        module = None
+    for name in HOOK_NAMES:
+        if name not in hooks and module is not None and callable(getattr(module, name, None)):
+            hooks[name] = getattr(module, name)
+    return hooks
+
+
+@task(task_run_name="{name}-round-{round_}", cache_policy=NO_CACHE, persist_result=False)
+def round_hook_task(name: str, config: Config, round_: int) -> dict:
+    return round_hooks()[name](config, round_) or {}
+
+
+@flow(name="round-loop", validate_parameters=False)
+def round_loop_flow(config: Config | dict, start_round: int, rounds: int = 1) -> list[dict]:
+    """`rounds` rounds from `start_round`: collect (if a trainer provides it) -> process -> train (likewise)."""
+    from flows.process_round import process_round_flow
+    from flows.runners import make_task_runner
+
+    config = as_config(config)
+    hooks = round_hooks()
+    out = []
+    for round_ in range(start_round, start_round + rounds):
+        entry: dict = {"round": round_}
+        if "collect" in hooks:
+            entry["collect"] = round_hook_task("collect", config, round_)
+        state = process_round_flow.with_options(task_runner=make_task_runner(config))(
+            round_=round_, config=config, return_state=True)
+        entry["process"] = state.result()
+        entry["state"] = state.name
+        if "train" in hooks:
+            entry["train"] = round_hook_task("train", config, round_)
+        out.append(entry)
+    return out

@@ -1,0 +1,115 @@
+"""Scheduling: the incoming-folder flow (ingest + process each new drop, move it to done/, idempotent), the
+deployments `creditflow serve` builds, process-pending, round_loop_flow without and with trainer hooks, and
+the example config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from test_flows_faults import write_chat_files
+from test_flows_process import cfg_for, make_round
+from typer.testing import CliRunner
+
+from flows.incoming import incoming_flow, pending_rounds, process_pending_flow
+from flows.round_loop import HOOKS, register_round_hook, round_loop_flow
+from pipeline.cli import app
+from pipeline.config import load_config
+from warehouse.incoming import read_ledger
+from warehouse.lake import Lake
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_incoming_folder_ingests_and_processes_each_new_round_once(tmp_path, prefect_harness):
+    incoming = tmp_path / "incoming"
+    write_chat_files(incoming / "batch-a", n_files=1)
+    write_chat_files(incoming / "drop_round=5", n_files=1)
+    (incoming / "broken.jsonl").write_bytes(b"\xff\xfe")
+    lake = Lake(tmp_path / "lake")
+    cfg = cfg_for(lake, methods=["grpo", "grpo+c3"], sets=[f"serve.incoming={incoming}", "serve.settle_s=0"])
+
+    done = incoming_flow(cfg)
+    assert {k: v["round"] for k, v in done.items()} == {"batch-a": 0, "drop_round=5": 5, "broken.jsonl": 6}
+    assert done["batch-a"]["status"] == "Completed" and done["drop_round=5"]["status"] == "Completed"
+    assert done["broken.jsonl"]["status"].startswith("failed")
+    assert sorted(p.name for p in (incoming / "done").iterdir()) == ["batch-a", "drop_round=5"]
+    assert [p.name for p in (incoming / "failed").iterdir()] == ["broken.jsonl"]
+    assert lake.read("advantages", 0).num_rows == 2 * lake.read("steps", 0).num_rows
+    assert lake.read("advantages", 5).num_rows > 0
+    assert pending_rounds(cfg) == []
+
+    # idempotent: nothing new, nothing done; a new drop gets the next free round
+    assert incoming_flow(cfg) == {}
+    write_chat_files(incoming / "batch-b", n_files=1)
+    again = incoming_flow(cfg)
+    assert {k: v["round"] for k, v in again.items()} == {"batch-b": 7}  # after round 6 (the failed drop keeps its round)
+    assert set(read_ledger(lake)) == {"batch-a", "drop_round=5", "broken.jsonl", "batch-b"}
+
+
+def test_serve_once_cli_and_deployments(tmp_path, prefect_harness):
+    from pipeline.commands.serve import build_deployments
+
+    incoming = tmp_path / "in"
+    write_chat_files(incoming / "r", n_files=1)
+    lake = tmp_path / "lake"
+    result = CliRunner().invoke(app, ["serve", "--once", "--lake", str(lake), "--incoming", str(incoming),
+                                      "--methods", "grpo", "--set", "serve.settle_s=0",
+                                      "--set", "flow.progress=false"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "round 0: Completed" in result.output
+    assert (incoming / "done" / "r").exists()
+
+    cfg = load_config(None, [], lake=str(lake))
+    cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"cron": "*/30 * * * *",
+                                                                         "incoming": str(incoming)})})
+    deployments = build_deployments(cfg)
+    assert [d.name for d in deployments] == ["process-pending", "incoming"]
+    assert deployments[0].schedules[0].schedule.cron == "*/30 * * * *"
+    assert deployments[1].schedules[0].schedule.interval.total_seconds() == 60
+    assert deployments[1].parameters["config"]["lake"] == str(lake)
+    nothing = CliRunner().invoke(app, ["serve", "--lake", str(lake)])
+    assert nothing.exit_code == 2
+
+
+def test_process_pending_and_round_loop(tmp_path, prefect_harness):
+    lake = Lake(tmp_path / "lake")
+    make_round(lake, round_=0, groups=4, batch_groups=2)
+    make_round(lake, round_=1, groups=4, batch_groups=2, seed=1)
+    cfg = cfg_for(lake, methods=["grpo"])
+    assert pending_rounds(cfg) == [0, 1]
+    assert process_pending_flow(cfg.model_dump(mode="json")) == {0: "Completed", 1: "Completed"}
+    assert pending_rounds(cfg) == [] and process_pending_flow(cfg) == {}
+
+    # no trainer: the loop is process-only (here all cached)
+    out = round_loop_flow(cfg, start_round=0, rounds=2)
+    assert [o["round"] for o in out] == [0, 1] and all("collect" not in o and "train" not in o for o in out)
+    assert out[0]["process"]["this_run"]["credit"]["cached"] == 2
+
+    # a trainer's hooks: collect writes the round, train sees the advantages
+    calls = []
+
+    def collect(config, round_):
+        make_round(Lake(config.lake), round_=round_, groups=4, batch_groups=2, seed=round_)
+        calls.append(("collect", round_))
+        return {"trajectories": 16}
+
+    def train(config, round_):
+        calls.append(("train", round_, Lake(config.lake).read("advantages", round_).num_rows > 0))
+        return {"loss": 0.0}
+
+    register_round_hook("collect", collect)
+    register_round_hook("train", train)
+    try:
+        out = round_loop_flow(cfg, start_round=2, rounds=1)
+    finally:
+        HOOKS.clear()
+    assert calls == [("collect", 2), ("train", 2, True)]
+    assert out[0]["collect"] == {"trajectories": 16} and out[0]["train"] == {"loss": 0.0}
+
+
+def test_example_config_is_valid_and_maps_flags():
+    cfg = load_config(ROOT / "config.example.yaml", ["flow.retries=1", "serve.cron=0 * * * *", "tcpo.gamma=0.5"],
+                      task_runner="ray", max_workers=4)
+    assert cfg.task_runner == "ray" and cfg.max_workers == 4 and cfg.flow.retries == 1
+    assert cfg.serve.cron == "0 * * * *" and cfg.stage("tcpo").gamma == 0.5
+    assert set(cfg.methods) == {"grpo", "grpo+c3", "grpo+iapo", "tcpo"}
