@@ -36,6 +36,7 @@ from typing import Literal
 
 from pydantic import Field
 
+import trainer.collect  # noqa: F401 - registers the collect settings the loop reads
 from pipeline.config import Config, StageSettings, register_settings
 
 Log = Callable[[str], None]
