@@ -89,7 +89,12 @@ def _worker_api(config: Config) -> Iterator[str | None]:
     from prefect.server.api.server import SubprocessASGIServer
 
     server = SubprocessASGIServer()
-    server.start()
+    quiet = os.environ.get("PREFECT_SERVER_ANALYTICS_ENABLED")
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"  # the child server only: no telemetry calls
+    try:
+        server.start()
+    finally:
+        _restore("PREFECT_SERVER_ANALYTICS_ENABLED", quiet)
     saved = os.environ.get("PREFECT_API_URL")
     os.environ["PREFECT_API_URL"] = server.api_url
     try:
