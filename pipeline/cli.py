@@ -4,7 +4,13 @@ with `register(app)`, so adding a command never touches this file."""
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
+
+# Quiet defaults for an offline command line (each one a setting the user can override in the environment):
+# no telemetry calls to the internet, and Prefect's per-task INFO lines off (our own summaries say more).
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 import typer
 

@@ -70,8 +70,9 @@ def register(app: typer.Typer) -> None:
 
         stats = query(
             str(lake),
-            "SELECT round, method, trajectories, assistant_tokens, round(mean_adv, 4) AS mean_adv, "
-            "min_adv, max_adv, positive_tokens, negative_tokens FROM credit_summary ORDER BY round, method",
+            "SELECT round, method, round(mean_adv, 4) AS mean_adv, round(min_adv, 3) AS min_adv, "
+            "round(max_adv, 3) AS max_adv, round(positive_tokens / assistant_tokens, 3) AS pos_share, "
+            "round(negative_tokens / assistant_tokens, 3) AS neg_share FROM credit_summary ORDER BY round, method",
         )
         print_table(stats, title="credit statistics by method (view credit_summary)", limit=200)
         outputs = {"lake": str(lake.resolve()), "advantages": str((lake / "advantages").resolve())}
