@@ -119,3 +119,11 @@ def test_report_views(lake):
     assert grpo_vs_dr == [{"share_sign_differs": 0.0}]
     trends = query(lake, "SELECT * FROM reward_trends").to_pylist()
     assert trends[0]["trajectories"] == 12 and trends[0]["success_rate"] == 0.5
+
+
+def test_every_view_is_documented_in_the_readme():
+    from warehouse.views import VIEWS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [name for name in VIEWS if f"`{name}`" not in readme]
+    assert not missing, f"views without a README entry: {missing}"
