@@ -75,9 +75,12 @@ def run_stage_batch(lake: Lake, round_: int, batch: str, stage_name: str, config
 def credit_batch(lake: Lake, round_: int, batch: str, methods: list[str], config: Config,
                  cache_key: str | None = None) -> dict:
     """Every method on one batch: one advantages part per (batch, method)."""
+    from pipeline.credit.registry import method_step_columns
+
     t0 = time.perf_counter()
     traj = read_batch(lake, "trajectories", round_, batch)
-    steps = read_batch(lake, "steps", round_, batch)
+    # only the steps columns the methods read: content, offsets and tool calls stay on disk
+    steps = read_batch(lake, "steps", round_, batch, columns=method_step_columns(methods))
     annotations = {name: read_batch(lake, name, round_, batch) for name in sorted(annotation_names(methods))}
     tables, method_notes = process_batch(traj, steps, methods, config, annotations, round_=round_)
     for method, table in tables.items():
