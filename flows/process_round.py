@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from prefect import flow, task, unmapped
+from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
 from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
@@ -116,28 +116,30 @@ def process_round_flow(round_: int, config: Config | dict):
 
 
 def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> dict[str, dict]:
-    """Map every stage over the batches (batch b's stage waits for batch b's previous stage); report progress
-    as batches finish; return per stage: batches, cached, warnings, finished_after_s."""
+    """Submit every (stage, batch) task (batch b's stage waits for batch b's previous stage); report progress
+    as they finish; return per stage: batches, cached, warnings, finished_after_s.
+
+    Tasks go to the runner in wavefront order (diagonal b + s): the workers then run different stages at
+    once, so a Python-heavy stage (detect, annotate) overlaps an Arrow-heavy one (export) that releases the
+    GIL, and a task's upstream is always submitted (and started) before it, so a worker never waits long."""
     t0 = time.perf_counter()
     stages = round_stages(config)
-    previous: dict[str, object] = dict.fromkeys(batches)
-    submitted: dict[int, tuple[str, object]] = {}  # id(future) -> (stage, future)
+    variants = {}
     for stage in stages:
         progress.report("stage", stage, total=len(batches))
         task_ = _stage_task(stage, config, lake, _uses_llm(stage))
         done = {b for b in batches if parts_present(lake, round_, stage_outputs(stage, b, config.methods))}
-        current: dict[str, object] = {}
         # a batch whose outputs are missing refreshes its cache record; the others may be served from it
-        for refresh, group in ((False, [b for b in batches if b in done]), (True, [b for b in batches if b not in done])):
-            if not group:
-                continue
-            futures = task_.with_options(refresh_cache=refresh).map(
-                lake_root=unmapped(str(lake.root)), round_=unmapped(round_), batch=group, stage=unmapped(stage),
-                config=unmapped(config), upstream=[previous[b] for b in group],
-            )
-            current.update(zip(group, futures, strict=True))
-        submitted.update({id(f): (stage, f) for f in current.values()})
-        previous = current
+        variants[stage] = (task_.with_options(refresh_cache=False), task_.with_options(refresh_cache=True), done)
+    futures: dict[tuple[str, str], object] = {}
+    order = sorted(((s, b) for s in range(len(stages)) for b in range(len(batches))), key=lambda sb: (sum(sb), sb[0]))
+    for s, b in order:
+        stage, batch = stages[s], batches[b]
+        cached, refresh, done = variants[stage]
+        upstream = futures[(stages[s - 1], batch)] if s else None
+        futures[(stage, batch)] = (cached if batch in done else refresh).submit(
+            lake_root=str(lake.root), round_=round_, batch=batch, stage=stage, config=config, upstream=upstream)
+    submitted = {id(f): (stage, f) for (stage, _), f in futures.items()}
 
     run = {s: {"batches": 0, "cached": 0, "warnings": []} for s in stages}
     finished_at: dict[str, float] = {}

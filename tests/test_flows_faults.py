@@ -39,7 +39,7 @@ def test_sigkill_mid_round_resumes_to_the_same_result(tmp_path, prefect_harness)
                             start_new_session=True)
     try:
         deadline = time.time() + 240
-        # let a few batches finish credit (the stages run breadth-first: detect and annotate are done by then)
+        # let a few batches finish credit
         while len(lake.parts("advantages", 0)) < 9 and time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)
         assert proc.poll() is None, f"exited before any advantages part: {proc.stderr.read().decode()[-2000:]}"
@@ -53,8 +53,8 @@ def test_sigkill_mid_round_resumes_to_the_same_result(tmp_path, prefect_harness)
     summary = run_process(cfg_for(lake, methods=METHODS.split(",")), 0, quiet=True)
     credit = summary["this_run"]["credit"]
     assert credit["batches"] == n
-    # batches whose credit was on disk (and cached) before the kill are skipped
-    assert credit["cached"] >= 1 and summary["this_run"]["detect"]["cached"] == n
+    # batch stages finished before the kill are skipped (served from the cache)
+    assert sum(r["cached"] for r in summary["this_run"].values()) >= 3
     assert not list(lake.root.rglob(".tmp-*"))
 
     for b in batch_names(reference, 0):

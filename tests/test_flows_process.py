@@ -137,20 +137,21 @@ def test_llm_endpoint_down_completes_with_warnings(tmp_path, prefect_harness):
 
 
 @pytest.mark.slow
-def test_ray_runner_matches_thread_runner(tmp_path, prefect_harness):
-    pytest.importorskip("prefect_ray")
-    threads, ray_lake = Lake(tmp_path / "threads"), Lake(tmp_path / "ray")
+@pytest.mark.parametrize("runner", ["ray", "dask"])
+def test_process_runner_matches_thread_runner(tmp_path, prefect_harness, runner):
+    pytest.importorskip({"ray": "prefect_ray", "dask": "prefect_dask"}[runner])
+    threads, other = Lake(tmp_path / "threads"), Lake(tmp_path / runner)
     make_round(threads)
-    make_round(ray_lake)
+    make_round(other)
     run_process(cfg_for(threads), 0, quiet=True)
-    summary = run_process(cfg_for(ray_lake, task_runner="ray", max_workers=2), 0, quiet=True)
-    assert summary["task_runner"] == "ray" and summary["state"] == "Completed"
+    summary = run_process(cfg_for(other, task_runner=runner, max_workers=2), 0, quiet=True)
+    assert summary["task_runner"] == runner and summary["state"] == "Completed"
     assert all(r["batches"] == 4 for r in summary["this_run"].values())
-    assert_same_tables(threads, ray_lake)
+    assert_same_tables(threads, other)
     # bit for bit: the advantages Parquet parts hold the same data
-    for a, b in zip(threads.parts("advantages", 0), ray_lake.parts("advantages", 0), strict=True):
-        import pyarrow.parquet as pq
+    import pyarrow.parquet as pq
 
+    for a, b in zip(threads.parts("advantages", 0), other.parts("advantages", 0), strict=True):
         assert a.name == b.name and pq.read_table(a).equals(pq.read_table(b))
 
 
