@@ -82,3 +82,26 @@ def test_loop_two_rounds_and_resume(tmp_path, prefect_harness):
     text = "\n".join(logs)
     assert "round 1: rollouts exist, collect skipped" in text and "round 1: advantages exist, process skipped" in text
     assert checkpoint_done(checkpoint(work, 1))
+
+
+def test_round_loop_flow_runs_the_trainer_hooks(tmp_path, prefect_harness):
+    """The Prefect form of the loop: round_loop_flow finds trainer/hooks.py (collect, train) and runs
+    collect -> process_round_flow -> train for a round, leaving the round's checkpoint and metrics."""
+    import trainer.loop  # noqa: F401
+    import trainer.train  # noqa: F401
+    from flows.round_loop import round_hooks, round_loop_flow
+    from pipeline.config import load_config
+    from trainer.loop import checkpoint, checkpoint_done
+    from warehouse.lake import Lake
+
+    assert set(round_hooks()) == {"collect", "train"}
+    cfg = load_config(None, [f"lake={tmp_path / 'lake'}", "methods=[grpo]", "flow.progress=false",
+                             "loop.env=parity_test", "loop.prompts=2", "loop.samples=4", "loop.tiny_hidden=16",
+                             "loop.tiny_layers=1", "collect.max_new_tokens=8"])
+    out = round_loop_flow(cfg, start_round=0, rounds=1)
+    assert out[0]["round"] == 0 and out[0]["collect"]["episodes"] == 8
+    assert out[0]["train"]["train_steps"] >= 1
+    assert checkpoint_done(checkpoint(tmp_path / "lake" / "_loop", 0))
+    lake = Lake(cfg.lake)
+    assert lake.read("train_metrics", 0).num_rows == out[0]["train"]["train_steps"]
+    assert lake.read("advantages", 0).num_rows > 0

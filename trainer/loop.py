@@ -12,8 +12,8 @@ Round r (policy P_r = the base model for the first round, else the checkpoint of
 
 Resume: a round whose checkpoint exists is skipped; one whose trajectories+steps exist skips collect; one
 whose advantages for the method exist skips process; one whose batch file exists skips export.
-The flows helper's round_loop_flow did not exist when this was written: the loop is plain steps calling
-the flows' entry points (each stage is itself a Prefect flow where one exists).
+The stages are functions (`collect_round`, `train_round`) shared by this plain driver and by the Prefect
+form of the loop, `flows.round_loop.round_loop_flow`, which finds them through `trainer/hooks.py`.
 
 Models: `model: tiny` builds a tiny Llama from a config into WORKDIR/base (no download; tokenizer bytes or
 the SmolLM2 tokenizer), `smollm2` is the service's converted SmolLM2-135M-Instruct checkpoint
@@ -160,94 +160,126 @@ class ManagedServer:
             self.info = None
 
 
+class LoopState:
+    """Everything a round of the loop needs, derived once from the config."""
+
+    def __init__(self, cfg: Config, log: Log = print, server: ManagedServer | None = None):
+        from trainer.collect import CollectSettings, resolve_backend
+        from warehouse.lake import Lake
+
+        s: LoopSettings = cfg.stage("loop")
+        self.method = s.method or cfg.methods[0]
+        if self.method not in cfg.methods:
+            cfg = cfg.model_copy(update={"methods": [*cfg.methods, self.method]})
+        self.cfg, self.s, self.log = cfg, s, log
+        self.lake = Lake(cfg.lake)
+        self.work = workdir(cfg, s)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.base = base_model(s, self.work, log)
+        self.cs = CollectSettings(**{**cfg.stage("collect").model_dump(), "env": s.env, "prompts": s.prompts,
+                                     "samples": s.samples, "turns": s.turns, "backend": s.backend})
+        self.ts = cfg.stage("train")
+        self.endpoints = [s.endpoint] if s.endpoint else list(cfg.llm.get("endpoints") or [])
+        self.backend = resolve_backend(self.cs.backend, self.endpoints, cfg.lake)
+        if server is None and self.backend == "vllm" and not self.endpoints:
+            server = ManagedServer(s, log)
+        self.server = server
+
+    def policy(self, round_: int) -> Path:
+        """P_r: the base model for the first round, else the checkpoint of round r-1 (when complete)."""
+        prev = checkpoint(self.work, round_ - 1) if round_ > self.s.start_round else None
+        return prev if prev is not None and checkpoint_done(prev) else self.base
+
+
+def collect_round(st: LoopState, r: int) -> dict:
+    """Stage 1: P_r rolls out into the lake's round r (skipped when the rollouts exist)."""
+    from pipeline.llm.client import LLMSettings
+    from trainer.collect import collect_to_lake
+
+    t0 = time.perf_counter()
+    if has_rollouts(st.lake, r):
+        st.log(f"[loop] round {r}: rollouts exist, collect skipped")
+        return {"collect_s": 0.0}
+    policy = st.policy(r)
+    llm = None
+    if st.backend == "vllm":
+        eps = st.endpoints or [st.server.ensure(policy)]
+        llm = LLMSettings.from_config(st.cfg, endpoints=eps)
+    res = collect_to_lake(st.lake, policy, st.cs, r, backend=st.backend, llm_settings=llm,
+                          batch_groups=st.cfg.batch_groups)
+    row = {"collect_s": round(time.perf_counter() - t0, 2), "episodes": res.stats["episodes"],
+           "generated_tokens": res.stats["generated_tokens"], "mean_reward": round(res.stats["mean_reward"], 4),
+           "gen_tokens_per_s": res.stats["gen_tokens_per_s"]}
+    st.log(f"[loop] round {r}: collected {res.stats['episodes']} episodes "
+           f"({res.stats['generated_tokens']} tokens, mean reward {res.stats['mean_reward']:.3f}) in {row['collect_s']}s")
+    return row
+
+
+def train_round(st: LoopState, r: int) -> dict:
+    """Stages 3-4: export the method's batch, train P_r on it -> the round's checkpoint (atomic rename)."""
+    from flows.run import run_export
+    from trainer.train import train
+
+    ckpt = checkpoint(st.work, r)
+    if checkpoint_done(ckpt):
+        return {"train_s": 0.0, "checkpoint": str(ckpt)}
+    policy = st.policy(r)
+    t2 = time.perf_counter()
+    batch = st.work / f"batch-round{r}.parquet"
+    if not batch.exists():
+        run_export(Path(st.cfg.lake), r, st.method, batch)
+    row: dict = {"export_s": round(time.perf_counter() - t2, 2)}
+    t3 = time.perf_counter()
+    tmp = st.work / f".tmp-ckpt-round{r}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    metrics = train(batch, policy, tmp, st.ts)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (policy / f).exists() and not (tmp / f).exists():
+            shutil.copy2(policy / f, tmp / f)
+    st.lake.write_part("train_metrics", r, metrics, part=f"loop-{st.method}")
+    if ckpt.exists():
+        shutil.rmtree(ckpt)
+    tmp.replace(ckpt)
+    row.update({"train_s": round(time.perf_counter() - t3, 2), "train_steps": metrics.num_rows,
+                "train_tokens": int(sum(metrics.column("tokens").to_pylist())) if metrics.num_rows else 0,
+                "checkpoint": str(ckpt)})
+    st.log(f"[loop] round {r}: trained {metrics.num_rows} steps in {row['train_s']}s -> {ckpt}")
+    if st.s.keep_checkpoints:
+        old = sorted((p for p in st.work.glob("ckpt-round*") if checkpoint_done(p)),
+                     key=lambda p: int(p.name.removeprefix("ckpt-round")))
+        for p in old[: -st.s.keep_checkpoints]:
+            shutil.rmtree(p, ignore_errors=True)
+    return row
+
+
 def run_loop(cfg: Config, log: Log = print) -> list[dict]:
     """Run (or resume) the loop; returns one row of timings and outcomes per round."""
-    from flows.run import run_export, run_process
-    from pipeline.llm.client import LLMSettings
-    from trainer.collect import CollectSettings, collect_to_lake, resolve_backend
-    from trainer.train import train
-    from warehouse.lake import Lake
+    from flows.run import run_process
 
-    s: LoopSettings = cfg.stage("loop")
-    method = s.method or cfg.methods[0]
-    if method not in cfg.methods:
-        cfg = cfg.model_copy(update={"methods": [*cfg.methods, method]})
-    lake = Lake(cfg.lake)
-    work = workdir(cfg, s)
-    work.mkdir(parents=True, exist_ok=True)
-    base = base_model(s, work, log)
-    cs = CollectSettings(**{**cfg.stage("collect").model_dump(), "env": s.env, "prompts": s.prompts,
-                            "samples": s.samples, "turns": s.turns, "backend": s.backend})
-    ts = cfg.stage("train")
-    endpoints = [s.endpoint] if s.endpoint else list(cfg.llm.get("endpoints") or [])
-    backend = resolve_backend(cs.backend, endpoints, cfg.lake)
-    server = ManagedServer(s, log) if backend == "vllm" and not endpoints else None
+    st = LoopState(cfg, log)
     rows = []
     try:
-        for r in range(s.start_round, s.start_round + s.rounds):
-            ckpt = checkpoint(work, r)
-            prev = checkpoint(work, r - 1) if r > s.start_round else None
-            policy = prev if prev is not None and checkpoint_done(prev) else base
-            row: dict = {"round": r, "policy": policy.name, "method": method, "backend": backend}
-            if checkpoint_done(ckpt):
-                log(f"[loop] round {r}: checkpoint {ckpt} exists, skipped")
+        for r in range(st.s.start_round, st.s.start_round + st.s.rounds):
+            row: dict = {"round": r, "policy": st.policy(r).name, "method": st.method, "backend": st.backend}
+            if checkpoint_done(checkpoint(st.work, r)):
+                log(f"[loop] round {r}: checkpoint {checkpoint(st.work, r)} exists, skipped")
                 rows.append({**row, "skipped": True})
                 continue
             t0 = time.perf_counter()
-            if has_rollouts(lake, r):
-                log(f"[loop] round {r}: rollouts exist, collect skipped")
-                row["collect_s"] = 0.0
-            else:
-                llm = None
-                if backend == "vllm":
-                    eps = endpoints or [server.ensure(policy)]
-                    llm = LLMSettings.from_config(cfg, endpoints=eps)
-                res = collect_to_lake(lake, policy, cs, r, backend=backend, llm_settings=llm,
-                                      batch_groups=cfg.batch_groups)
-                row.update({"collect_s": round(time.perf_counter() - t0, 2), "episodes": res.stats["episodes"],
-                            "generated_tokens": res.stats["generated_tokens"],
-                            "mean_reward": round(res.stats["mean_reward"], 4),
-                            "gen_tokens_per_s": res.stats["gen_tokens_per_s"]})
-                log(f"[loop] round {r}: collected {res.stats['episodes']} episodes "
-                    f"({res.stats['generated_tokens']} tokens, mean reward {res.stats['mean_reward']:.3f}) "
-                    f"in {row['collect_s']}s")
+            row.update(collect_round(st, r))
             t1 = time.perf_counter()
-            if has_advantages(lake, r, method):
+            if has_advantages(st.lake, r, st.method):
                 log(f"[loop] round {r}: advantages exist, process skipped")
                 row["process_s"] = 0.0
             else:
-                summary = run_process(cfg, r, quiet=True)
+                summary = run_process(st.cfg, r, quiet=True)
                 row["process_s"] = round(time.perf_counter() - t1, 2)
                 row["process_state"] = summary.get("state")
                 log(f"[loop] round {r}: processed ({summary.get('state')}) in {row['process_s']}s")
-            t2 = time.perf_counter()
-            batch = work / f"batch-round{r}.parquet"
-            if not batch.exists():
-                run_export(Path(cfg.lake), r, method, batch)
-            row["export_s"] = round(time.perf_counter() - t2, 2)
-            t3 = time.perf_counter()
-            tmp = work / f".tmp-ckpt-round{r}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            metrics = train(batch, policy, tmp, ts)
-            for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                if (policy / f).exists() and not (tmp / f).exists():
-                    shutil.copy2(policy / f, tmp / f)
-            lake.write_part("train_metrics", r, metrics, part=f"loop-{method}")
-            if ckpt.exists():
-                shutil.rmtree(ckpt)
-            tmp.replace(ckpt)
-            row["train_s"] = round(time.perf_counter() - t3, 2)
-            row["train_steps"] = metrics.num_rows
-            row["train_tokens"] = int(sum(metrics.column("tokens").to_pylist())) if metrics.num_rows else 0
+            row.update(train_round(st, r))
             row["total_s"] = round(time.perf_counter() - t0, 2)
-            log(f"[loop] round {r}: trained {metrics.num_rows} steps in {row['train_s']}s -> {ckpt}")
             rows.append(row)
-            if s.keep_checkpoints:
-                old = sorted((p for p in work.glob("ckpt-round*") if checkpoint_done(p)),
-                             key=lambda p: int(p.name.removeprefix("ckpt-round")))
-                for p in old[: -s.keep_checkpoints]:
-                    shutil.rmtree(p, ignore_errors=True)
     finally:
-        if server is not None:
-            server.stop()
+        if st.server is not None:
+            st.server.stop()
     return rows
