@@ -2,7 +2,8 @@
 
 Collect (rollout generation into the lake) and train (the policy update) are hooks the trainer provides:
 a module `trainer/hooks.py` defining `collect(config, round_) -> dict` and/or `train(config, round_) -> dict`,
-or hooks registered with `register_round_hook`. Without a trainer the loop runs process only."""
+or hooks registered with `register_round_hook`. Without a trainer (no hooks, or a config without `loop`,
+`collect` or `train` settings) the loop runs process only."""
 
 from __future__ import annotations
 
@@ -26,11 +27,22 @@ def register_round_hook(name: str, fn: RoundHook) -> RoundHook:
     return fn
 
 
-def round_hooks() -> dict[str, RoundHook]:
-    """Registered hooks, plus `collect` / `train` from trainer.hooks when the trainer provides them."""
+TRAINER_SETTINGS = ("loop", "collect", "train")
+
+
+def trainer_configured(config: Config) -> bool:
+    """The config sets up the trainer: it has `loop`, `collect` or `train` settings."""
+    return any(name in config.stages for name in TRAINER_SETTINGS)
+
+
+def round_hooks(config: Config | None = None) -> dict[str, RoundHook]:
+    """Registered hooks, plus `collect` / `train` from trainer.hooks when the trainer provides them (and, given
+    a config, only when it configures the trainer: otherwise the loop is process-only)."""
     import importlib
 
     hooks = dict(HOOKS)
+    if config is not None and not trainer_configured(config):
+        return hooks
     try:
         module = importlib.import_module("trainer.hooks")
     except ModuleNotFoundError as exc:
@@ -55,7 +67,7 @@ def round_loop_flow(config: Config | dict, start_round: int, rounds: int = 1) ->
     from flows.runners import make_task_runner
 
     config = as_config(config)
-    hooks = round_hooks()
+    hooks = round_hooks(config)
     out = []
     for round_ in range(start_round, start_round + rounds):
         entry: dict = {"round": round_}

@@ -8,6 +8,7 @@ import os
 import socket
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from flows.batch import round_stages, run_batch_plain
@@ -22,7 +23,8 @@ RULE_METHODS = ["grpo", "grpo+c3", "grpo+iapo"]
 
 
 def make_round(lake: Lake, round_: int = 0, groups: int = 8, batch_groups: int = 2, seed: int = 0) -> list[str]:
-    traj, steps = generate(SynthSettings(groups=groups, samples=4, turns=3, tokens=40, seed=seed, round=round_))
+    # 6 turns: enough successes that groups have mixed rewards (non-zero GRPO advantages)
+    traj, steps = generate(SynthSettings(groups=groups, samples=4, turns=6, tokens=40, seed=seed, round=round_))
     return write_round(lake, round_, traj, steps, batch_groups=batch_groups)
 
 
@@ -71,6 +73,8 @@ def test_flow_matches_plain_functions_and_reruns_cached(tmp_path, prefect_harnes
     for b in batch_names(plain_lake, 0):
         run_batch_plain(plain_lake, 0, b, plain_cfg)
     assert_same_tables(flow_lake, plain_lake)
+    adv = flow_lake.read("advantages", 0)
+    assert pc.max(pc.list_flatten(adv.column("token_adv"))).as_py() > 0  # a real comparison, not of zeros
 
     # a finished round: every batch stage is served from the cache, no part is rewritten
     before = {t: mtimes(flow_lake, t) for t in ("spans", "advantages", "train_batch", "stage_runs")}
@@ -183,3 +187,19 @@ def test_file_url_lake(tmp_path, prefect_harness):
     with pytest.raises(ValueError, match="mount"):
         Lake("s3://bucket/lake")
     assert os.path.isdir(lake.partition_dir("train_batch", 0))
+
+
+def test_llm_stages_retry_with_exponential_backoff(tmp_path):
+    from flows.caching import BatchStageCache
+    from flows.process_round import _stage_task, _uses_llm
+
+    lake = Lake(tmp_path / "lake")
+    cfg = load_config(None, ["flow.retries=3", "flow.retry_delay_s=2"], lake=str(lake.root))
+    assert _uses_llm("counterfactual") and _uses_llm("annotate") and not _uses_llm("detect")
+    llm = _stage_task("counterfactual", cfg, lake, True)
+    assert llm.retries == 3 and llm.retry_delay_seconds == [2.0, 4.0, 8.0]
+    assert isinstance(llm.cache_policy, BatchStageCache) and llm.cache_policy.key_storage.startswith(str(lake.root))
+    plain = _stage_task("credit", cfg, lake, False)
+    assert plain.retries == 0
+    uncached = _stage_task("credit", load_config(None, ["flow.cache=false"], lake=str(lake.root)), lake, False)
+    assert not isinstance(uncached.cache_policy, BatchStageCache)
