@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 import pytest
 from c3_build import batch
 from hypothesis import given, settings
@@ -179,6 +180,28 @@ def test_c3_with_iapo_and_tcpo_chains():
     out = run_methods(ctx, ["grpo+iapo", "grpo+iapo+c3"])
     a, b = out["grpo+iapo"].token_adv, out["grpo+iapo+c3"].token_adv
     assert np.all((b == a) | ((a > 0) & (b < a)))
+    # tcpo+c3: turn-level credit, corrected only on positive tokens inside the spans (no CF rows: hindsight)
+    scores = {"t0": [0.1, 1.0, 1.0], "t1": [0.0, 0.2], "t2": [0.3, 0.3]}  # t0's looping turn 2 makes progress
+    rows_ = s.to_pylist()
+    for r in rows_:
+        if r["role"] == "assistant":
+            r["verifier_score"] = scores[r["traj_id"]][r["turn"] - 1]
+    s = pa.Table.from_pylist(rows_, schema=s.schema)
+    cfg = Config()
+    ctx = CreditContext.from_arrow(t, s, config=cfg, annotations={"spans": spans, "counterfactuals": _empty("counterfactuals")})
+    out = run_methods(ctx, ["tcpo", "tcpo+c3"])
+    a, b = out["tcpo"].token_adv, out["tcpo+c3"].token_adv
+    in_span = np.zeros(ctx.n_tokens, dtype=bool)
+    starts = ctx.steps["tok_start"].to_numpy()
+    rows = {(tid, si): i for i, (tid, si) in enumerate(zip(ctx.steps["traj_id"], ctx.steps["step_idx"], strict=True))}
+    for sp in spans.to_pylist():
+        base = starts[rows[(sp["traj_id"], sp["step_idx"])]]
+        in_span[base + sp["token_start"]: base + sp["token_end"]] = True
+    assert np.array_equal(a[~in_span], b[~in_span])  # bit-identical outside the spans
+    assert np.array_equal(a[in_span & (a <= 0)], b[in_span & (a <= 0)])
+    pos = in_span & (a > 0)
+    assert pos.any(), "the case must put positive tcpo credit inside a span"
+    assert np.all((b[pos] < a[pos]) & (b[pos] >= 0))
 
 
 def _empty(name):
