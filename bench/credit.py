@@ -1,41 +1,32 @@
 """Credit-engine benchmark: every estimator on a synthetic round, next to the Parquet I/O floor and the
 per-trajectory Python reference (tests/test_credit_reference.py).
 
-    python bench/credit.py [--groups 512 --samples 8 --turns 10 --tokens 400] [--lake DIR] [--double]
+    taskset -c 0,1 python bench/credit.py [--groups 512 --samples 8 --turns 10 --tokens 400] [--lake DIR]
+        [--double] [--baseline WORKTREE] [--reps 2]
 
 Each measurement runs in its own subprocess (peak RSS = that process's ru_maxrss), processing the round batch
-by batch with flows.process_round.process_credit_batch, as `creditflow process` does. The reference is timed
+by batch with flows.batch.credit_batch, as `creditflow process` does. `--baseline` times the engine of another
+checkout (e.g. `git worktree add /tmp/base HEAD~1`) interleaved with this one, on the same lake. The reference is timed
 on a subsample of groups and extrapolated by assistant tokens. Results: bench/results/credit.md."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-METHODS = ["grpo", "rloo", "gdpo", "gae", "turn_ppo", "mt_grpo", "gigpo"]
-# steps columns each method reads (the I/O floor reads exactly these)
-NEEDS = {
-    "grpo": ["traj_id", "step_idx", "role", "turn", "token_ids"],
-    "rloo": ["traj_id", "step_idx", "role", "turn", "token_ids"],
-    "gdpo": ["traj_id", "step_idx", "role", "turn", "token_ids"],
-    "gae": ["traj_id", "step_idx", "role", "turn", "token_ids", "values"],
-    "turn_ppo": ["traj_id", "step_idx", "role", "turn", "token_ids", "values"],
-    "mt_grpo": ["traj_id", "step_idx", "role", "turn", "token_ids", "verifier_score"],
-    "gigpo": ["traj_id", "step_idx", "role", "turn", "token_ids", "verifier_score", "content", "is_error"],
-}
+sys.path.insert(0, str(ROOT / "bench"))
+from _common import emit, machine_note, md_table, peak_rss_mb, run_worker, write_md  # noqa: E402
+
+METHODS = ["grpo", "dr_grpo", "rloo", "gdpo", "gae", "turn_ppo", "mt_grpo", "gigpo"]
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _use_root(root: str) -> None:
+    """Import pipeline/, flows/, warehouse/ from `root` (this checkout, or a baseline worktree)."""
+    sys.path.insert(0, str(Path(root).resolve()))
 
 
 def make_round(lake_dir: Path, round_: int, groups: int, samples: int, turns: int, tokens: int) -> dict:
@@ -51,7 +42,9 @@ def make_round(lake_dir: Path, round_: int, groups: int, samples: int, turns: in
 
 
 def worker_engine(lake_dir: Path, round_: int, method: str) -> dict:
-    from flows.process_round import process_credit_batch, round_batches
+    """The user path: flows.batch.credit_batch per batch (read the steps columns the method needs +
+    trajectories, build the context, estimate, write the advantages part and the stage_runs row)."""
+    from flows.batch import credit_batch, round_batches
     from pipeline.config import Config
     from warehouse.lake import Lake
 
@@ -62,29 +55,53 @@ def worker_engine(lake_dir: Path, round_: int, method: str) -> dict:
     t0 = time.perf_counter()
     tokens = 0
     for b in round_batches(lake, round_):
-        tokens += process_credit_batch(lake, round_, b, [method], cfg).tokens
+        tokens += credit_batch(lake, round_, b, [method], cfg)["tokens"]
     return {"seconds": time.perf_counter() - t0, "tokens": tokens, "rss_mb": peak_rss_mb()}
 
 
+def worker_compute(lake_dir: Path, round_: int, method: str) -> dict:
+    """The engine without I/O, what the reference does: from Arrow tables in memory (read first, not timed)
+    to the per-token advantages (context, estimate, advantages table)."""
+    from flows.batch import round_batches
+    from pipeline.config import Config
+    from pipeline.credit.process import process_batch
+    from pipeline.credit.registry import method_step_columns
+    from warehouse.lake import Lake
+    from warehouse.rounds import read_batch
+
+    lake, cfg = Lake(lake_dir), Config(lake=str(lake_dir), methods=[method])
+    seconds = 0.0
+    for b in round_batches(lake, round_):
+        traj = read_batch(lake, "trajectories", round_, b)
+        steps = read_batch(lake, "steps", round_, b, columns=method_step_columns([method]))
+        t0 = time.perf_counter()
+        process_batch(traj, steps, [method], cfg, round_=round_)
+        seconds += time.perf_counter() - t0
+    return {"seconds": seconds}
+
+
 def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
-    """Read the steps columns the method needs + trajectories, write its advantages part (same compression)."""
+    """pyarrow only: read the steps columns the method needs (registry.method_step_columns, what credit_batch
+    reads) + the trajectories, write the method's advantages part with the lake's compression."""
     import pyarrow.parquet as pq
 
-    from flows.process_round import advantages_part, round_batches
+    from flows.batch import advantages_part, round_batches
+    from pipeline.credit.registry import method_step_columns
     from warehouse.lake import COMPRESSION, Lake
 
     lake = Lake(lake_dir)
+    cols = method_step_columns([method])
     seconds = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for b in round_batches(lake, round_):
             adv = pq.read_table(lake.partition_dir("advantages", round_) / f"part-{advantages_part(b, method)}.parquet")
             t0 = time.perf_counter()
-            pq.read_table(lake.partition_dir("steps", round_) / f"part-{b}.parquet", columns=NEEDS[method])
+            pq.read_table(lake.partition_dir("steps", round_) / f"part-{b}.parquet", columns=cols)
             pq.read_table(lake.partition_dir("trajectories", round_) / f"part-{b}.parquet")
             pq.write_table(adv, Path(tmp) / "adv.parquet", compression=COMPRESSION)
             seconds += time.perf_counter() - t0
             del adv
-    return {"seconds": seconds, "rss_mb": peak_rss_mb()}
+    return {"seconds": seconds, "rss_mb": peak_rss_mb(), "columns": cols}
 
 
 def worker_reference(lake_dir: Path, round_: int, method: str, sample_groups: int) -> dict:
@@ -94,7 +111,7 @@ def worker_reference(lake_dir: Path, round_: int, method: str, sample_groups: in
     sys.path.insert(0, str(ROOT / "tests"))
     import test_credit_reference as ref
 
-    from flows.process_round import round_batches
+    from flows.batch import round_batches
     from warehouse.lake import Lake
     from warehouse.rounds import read_batch
 
@@ -111,6 +128,7 @@ def worker_reference(lake_dir: Path, round_: int, method: str, sample_groups: in
     trajs, by_traj, grp = ref.load(traj, steps)
     result = {
         "grpo": lambda: ref.ref_grpo(trajs, by_traj, grp),
+        "dr_grpo": lambda: ref.ref_grpo(trajs, by_traj, grp, by_std=False),
         "rloo": lambda: ref.ref_rloo(trajs, by_traj, grp),
         "gdpo": lambda: ref.ref_gdpo(trajs, by_traj, grp),
         "gae": lambda: ref.ref_gae(trajs, by_traj),
@@ -124,10 +142,7 @@ def worker_reference(lake_dir: Path, round_: int, method: str, sample_groups: in
 
 
 def sub(*args: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=False)
-    if out.returncode:
-        raise RuntimeError(f"{args}: {out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_worker(__file__, *args)
 
 
 def assistant_tokens(lake_dir: Path, round_: int) -> tuple[int, int]:
@@ -147,18 +162,25 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=400)
     p.add_argument("--lake", type=Path, default=None)
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--ref-groups", type=int, default=2)
+    p.add_argument("--ref-groups", type=int, default=8)
+    p.add_argument("--reps", type=int, default=2, help="runs per measurement; the table shows the fastest")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="a worktree of the code before this change (git worktree add DIR REV): its engine is "
+                        "timed in the same run, interleaved with this checkout's")
     p.add_argument("--double", action="store_true", help="also run a round of twice the groups (RSS growth)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "credit.md")
+    p.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
     p.add_argument("--worker", nargs=4, metavar=("KIND", "LAKE", "ROUND", "METHOD"))
     args = p.parse_args()
     if args.worker:
+        _use_root(args.root)
         kind, lake_dir, round_, method = args.worker
-        fn = {"engine": worker_engine, "floor": worker_floor}.get(kind)
+        fn = {"engine": worker_engine, "floor": worker_floor, "compute": worker_compute}.get(kind)
         res = fn(Path(lake_dir), int(round_), method) if fn else worker_reference(
             Path(lake_dir), int(round_), method, args.ref_groups)
-        print(json.dumps(res))
+        emit(res)
         return
+    _use_root(str(ROOT))
 
     lake_dir = args.lake or Path(tempfile.mkdtemp(prefix="creditflow-bench-"))
     methods = [m for m in args.methods.split(",") if m]
@@ -168,38 +190,55 @@ def main() -> None:
             info = make_round(lake_dir, r, g, args.samples, args.turns, args.tokens)
             print(f"round {r}: {g} groups synthesised in {info['seconds']:.1f} s", flush=True)
     asst, total = assistant_tokens(lake_dir, 0)
+
+    def best(kind: str, m: str, round_: int = 0, root: Path = ROOT) -> dict:
+        runs = [sub("--root", str(root), "--worker", kind, str(lake_dir), str(round_), m) for _ in range(args.reps)]
+        return min(runs, key=lambda r: r["seconds"])
+
+    headers = ["method", "wall s", "assistant tok/s", "peak RSS MB", "I/O floor s", "x floor",
+               "reference s (extrap.)", "x faster than ref", "engine compute s (no I/O)", "ref / compute"]
+    if args.baseline:
+        headers[1:1] = ["before: wall s", "before: x floor"]
+    if args.double:
+        headers += ["2x round: wall s", "2x round: peak RSS MB"]
+    rows = []
+    for m in methods:
+        base = best("engine", m, root=args.baseline) if args.baseline else None
+        e = best("engine", m)
+        f = best("floor", m)
+        cpu = best("compute", m)
+        rf = sub("--ref-groups", str(args.ref_groups), "--worker", "reference", str(lake_dir), "0", m)
+        ref_s = rf["seconds"] * asst / max(rf["assistant_tokens"], 1)
+        row = [m, f"{e['seconds']:.2f}", f"{asst / e['seconds']:,.0f}", f"{e['rss_mb']:.0f}", f"{f['seconds']:.2f}",
+               f"{e['seconds'] / f['seconds']:.2f}", f"{ref_s:.0f}", f"{ref_s / e['seconds']:.0f}",
+               f"{cpu['seconds']:.2f}", f"{ref_s / cpu['seconds']:.0f}"]
+        if base:
+            row[1:1] = [f"{base['seconds']:.2f}", f"{base['seconds'] / f['seconds']:.2f}"]
+        if args.double:
+            e2 = sub("--worker", "engine", str(lake_dir), "1", m)
+            row += [f"{e2['seconds']:.2f}", f"{e2['rss_mb']:.0f}"]
+        print("| " + " | ".join(row) + " |", flush=True)
+        rows.append(row)
     lines = [
         "# Credit engine benchmark",
         "",
         f"Round: {args.groups} groups x {args.samples} samples x {args.turns} turns x ~{args.tokens} tokens "
         f"(pipeline/synth.py, kind=mixed): {asst:,} assistant tokens, {total:,} tokens in all; "
-        f"batches of 64 groups, processed one by one with flows.process_round.process_credit_batch "
-        f"(read steps + trajectories, build the context, estimate, write the advantages part).",
-        f"Machine: {os.cpu_count()} CPUs. Each row is its own subprocess; peak RSS is its ru_maxrss.",
+        f"batches of 64 groups, processed one by one with flows.batch.credit_batch, the path `creditflow process` "
+        f"runs (read the steps columns the method needs + trajectories, build the context, estimate, write the "
+        f"advantages part and the stage_runs row).",
+        machine_note() + f" Each cell is its own subprocess (peak RSS = its ru_maxrss); times are the fastest of "
+                         f"{args.reps} runs.",
         "",
-        "I/O floor: pyarrow only, read the steps columns the method needs + the trajectories, write the "
-        "method's advantages part with the lake's compression (zstd). Reference: the per-trajectory Python "
-        f"oracle of tests/test_credit_reference.py, timed on {args.ref_groups} groups of the first batch and "
-        "**extrapolated** to the round by assistant tokens.",
+        "I/O floor: pyarrow only, read the steps columns the method needs (`registry.method_step_columns`, what "
+        "credit_batch reads) + the trajectories, write the method's advantages part with the lake's compression "
+        "(zstd). Reference: the per-trajectory Python oracle of tests/test_credit_reference.py (load + method + "
+        f"per-token layout), timed on {args.ref_groups} groups of the first batch and **extrapolated** to the round "
+        "by assistant tokens.",
         "",
-        "| method | wall s | assistant tok/s | peak RSS MB | I/O floor s | x floor | reference s (extrap.) "
-        "| x faster than ref |" + (" RSS MB at 2x round |" if args.double else ""),
-        "|---|---|---|---|---|---|---|---|" + ("---|" if args.double else ""),
+        *md_table(headers, rows),
     ]
-    for m in methods:
-        e = sub("--worker", "engine", str(lake_dir), "0", m)
-        f = sub("--worker", "floor", str(lake_dir), "0", m)
-        rf = sub("--ref-groups", str(args.ref_groups), "--worker", "reference", str(lake_dir), "0", m)
-        ref_s = rf["seconds"] * asst / max(rf["assistant_tokens"], 1)
-        row = (f"| {m} | {e['seconds']:.2f} | {asst / e['seconds']:,.0f} | {e['rss_mb']:.0f} | {f['seconds']:.2f} "
-               f"| {e['seconds'] / f['seconds']:.2f} | {ref_s:.0f} | {ref_s / e['seconds']:.0f} |")
-        if args.double:
-            e2 = sub("--worker", "engine", str(lake_dir), "1", m)
-            row += f" {e2['rss_mb']:.0f} ({e2['seconds']:.1f} s) |"
-        print(row, flush=True)
-        lines.append(row)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
+    write_md(args.out, lines)
     print(f"wrote {args.out}")
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from _common import machine_note
 
 from pipeline.annotate.rules import annotate_rules
 from pipeline.config import Config
@@ -156,11 +156,11 @@ def main() -> None:
     ap.add_argument("--llm-latency", default="2.0,0.25", help="stand-in latencies (s), comma-separated")
     ap.add_argument("--llm-concurrency", type=int, default=64)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-routing", action="store_true", help="only the llm annotator part")
     args = ap.parse_args()
     lines = ["# IAPO benchmark", "",
-             f"Machine: {platform.processor() or platform.machine()}, python {platform.python_version()}; "
-             "`taskset -c 0,1 python bench/iapo.py`.", ""]
-    r_lines, _ = bench_routing(args)
+             machine_note() + " `taskset -c 0,1 python bench/iapo.py`.", ""]
+    r_lines = [] if args.skip_routing else bench_routing(args)[0]
     l_lines = []
     for k, lat in enumerate(float(x) for x in args.llm_latency.split(",")):
         part, _ = bench_llm(args.llm_trajectories, lat, args.llm_concurrency)

@@ -1,25 +1,31 @@
 """Benchmark the export layouts: the synthetic round (default 512 groups x 8 samples x 10 turns x 400 tokens,
-~16M assistant tokens) written to a temporary lake and processed with grpo batch by batch, then exported per
-batch in each layout (flat Parquet-ready table vs verl / openrlhf / skyrl padded arrays + np.savez). Prints time
-and the peak RSS of each layout, each measured in a fresh child process.
+~16M assistant tokens) processed with grpo batch by batch, then exported per batch in each layout: flat
+(build_train_batch + Parquet zstd, what `train_batch` parts are) vs verl / openrlhf / skyrl (build_train_batch
++ to_padded + save_padded, an uncompressed .npz). Each (code, layout) is its own subprocess (time and peak RSS),
+the fastest of --reps runs; `--baseline WORKTREE` times another checkout the same way, interleaved.
 
-    python bench/interop.py [--groups 512 --samples 8 --turns 10 --tokens 400 --batch-groups 64]
+    taskset -c 0,1 python bench/interop.py [--groups 512 ...] [--lake DIR] [--baseline WORKTREE] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import resource
 import shutil
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-import pyarrow.compute as pc
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from _common import emit, machine_note, md_table, peak_rss_mb, run_worker, write_md  # noqa: E402
+
+LAYOUTS = ("flat", "verl", "openrlhf", "skyrl")
 
 
-def _export(root: str, layout: str, q) -> None:
+def worker_export(root: str, layout: str) -> dict:
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     from pipeline.export import build_train_batch
@@ -29,23 +35,29 @@ def _export(root: str, layout: str, q) -> None:
 
     lake = Lake(root)
     t_build = t_layout = 0.0
-    n_tok = 0
-    out = os.path.join(root, f"out-{layout}")
-    for name in batch_names(lake, 0):
-        traj, steps = read_batch(lake, "trajectories", 0, name), read_batch(lake, "steps", 0, name)
-        adv = read_batch(lake, "advantages", 0, f"{name}.grpo")
-        adv = adv.filter(pc.equal(adv.column("method"), "grpo"))
-        t0 = time.perf_counter()
-        batch = build_train_batch(traj, steps, adv)
-        t_build += time.perf_counter() - t0
-        n_tok += int(pc.sum(pc.list_value_length(batch.column("input_ids"))).as_py())
-        t0 = time.perf_counter()
-        if layout == "flat":
-            pq.write_table(batch, f"{out}-{name}.parquet", compression="zstd")
-        else:
-            save_padded(to_padded(batch, layout), f"{out}-{name}.npz")
-        t_layout += time.perf_counter() - t0
-    q.put((layout, t_build, t_layout, n_tok, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    n_tok = n_bytes = 0
+    out = tempfile.mkdtemp(prefix=f"export-{layout}-", dir=root)
+    try:
+        for name in batch_names(lake, 0):
+            traj, steps = read_batch(lake, "trajectories", 0, name), read_batch(lake, "steps", 0, name)
+            adv = read_batch(lake, "advantages", 0, f"{name}.grpo")
+            t0 = time.perf_counter()
+            batch = build_train_batch(traj, steps, adv)
+            t_build += time.perf_counter() - t0
+            n_tok += int(pc.sum(pc.list_value_length(batch.column("input_ids"))).as_py())
+            t0 = time.perf_counter()
+            path = os.path.join(out, f"{name}.{'parquet' if layout == 'flat' else 'npz'}")
+            if layout == "flat":
+                pq.write_table(batch, path, compression="zstd")
+            else:
+                save_padded(to_padded(batch, layout), path)
+            t_layout += time.perf_counter() - t0
+            n_bytes += os.path.getsize(path)
+            os.remove(path)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return {"build": t_build, "layout": t_layout, "seconds": t_build + t_layout, "tokens": n_tok,
+            "mb": n_bytes / 1e6, "rss_mb": peak_rss_mb()}
 
 
 def main() -> None:
@@ -55,42 +67,64 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=400)
     ap.add_argument("--batch-groups", type=int, default=64)
+    ap.add_argument("--lake", type=Path, default=None, help="a lake whose round 0 has grpo advantages parts")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--baseline", type=Path, default=None)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "interop.md"))
+    ap.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=2, metavar=("LAKE", "LAYOUT"))
     args = ap.parse_args()
-
-    from flows.batch import process_credit_batch
-    from pipeline.config import load_config
+    if args.worker:
+        sys.path.insert(0, str(Path(args.root).resolve()))
+        emit(worker_export(*args.worker))
+        return
+    sys.path.insert(0, str(ROOT))
+    from flows.batch import credit_batch
+    from pipeline.config import Config
     from pipeline.synth import SynthSettings, iter_batches
     from warehouse.lake import Lake
     from warehouse.rounds import batch_names, write_round_parts
 
-    s = SynthSettings(groups=args.groups, samples=args.samples, turns=args.turns, tokens=args.tokens,
-                      batch_groups=args.batch_groups)
-    root = tempfile.mkdtemp(prefix="interop-bench-")
-    try:
-        lake = Lake(root)
-        t0 = time.perf_counter()
+    lake_dir = args.lake or Path(tempfile.mkdtemp(prefix="interop-bench-"))
+    lake = Lake(lake_dir)
+    if not (lake_dir / "steps" / "round=0").exists():
+        s = SynthSettings(groups=args.groups, samples=args.samples, turns=args.turns, tokens=args.tokens,
+                          batch_groups=args.batch_groups)
         write_round_parts(lake, 0, iter_batches(s, prefetch=True))
-        cfg = load_config(None, [], lake=root, methods=["grpo"])
-        for name in batch_names(lake, 0):
-            process_credit_batch(lake, 0, name, ["grpo"], cfg)
-        print(f"round {args.groups}x{args.samples}x{args.turns}x{args.tokens}: synth + grpo {time.perf_counter() - t0:.1f} s")
-        ctx = mp.get_context("spawn")
-        rows = []
-        for layout in ("flat", "verl", "openrlhf", "skyrl"):
-            q = ctx.Queue()
-            p = ctx.Process(target=_export, args=(root, layout, q))
-            p.start()
-            rows.append(q.get())
-            p.join()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    flat = rows[0]
-    print("| layout | build flat batch (s) | layout + write (s) | total (s) | x flat | peak RSS (MiB) | x flat |")
-    print("|---|---|---|---|---|---|---|")
-    for layout, tb, tl, _n_tok, rss in rows:
-        tot, ftot = tb + tl, flat[1] + flat[2]
-        print(f"| {layout} | {tb:.2f} | {tl:.2f} | {tot:.2f} | {tot / ftot:.2f} | {rss:.0f} | {rss / max(flat[4], 1):.2f} |")
-    print(f"tokens exported per layout: {rows[0][3]:,}")
+    cfg = Config(lake=str(lake_dir), methods=["grpo"])
+    for name in batch_names(lake, 0):
+        if not lake.has_part("advantages", 0, f"{name}.grpo"):
+            credit_batch(lake, 0, name, ["grpo"], cfg)
+
+    def best(layout: str, root: Path) -> dict:
+        runs = [run_worker(__file__, "--root", str(root), "--worker", str(lake_dir), layout) for _ in range(args.reps)]
+        return min(runs, key=lambda r: r["seconds"])
+
+    codes = ((("before", args.baseline),) if args.baseline else ()) + (("after", ROOT),)
+    res = {(c, lay): best(lay, root) for lay in LAYOUTS for c, root in codes}
+    rows = []
+    for c, _ in codes:
+        flat = res[(c, "flat")]
+        for lay in LAYOUTS:
+            r = res[(c, lay)]
+            rows.append([c, lay, f"{r['build']:.2f}", f"{r['layout']:.2f}", f"{r['seconds']:.2f}",
+                         f"{r['seconds'] / flat['seconds']:.2f}", f"{r['mb']:,.0f}", f"{r['rss_mb']:.0f}",
+                         f"{r['rss_mb'] / flat['rss_mb']:.2f}"])
+            print(rows[-1], flush=True)
+    lines = [
+        "# Export layouts vs flat (bench/interop.py)",
+        "",
+        f"Round: {args.groups} groups x {args.samples} samples x {args.turns} turns x ~{args.tokens} tokens "
+        f"({res[('after', 'flat')]['tokens']:,} tokens exported per layout), processed with grpo per batch of "
+        f"{args.batch_groups} groups, exported per batch in each layout. Flat = build_train_batch + Parquet (zstd); "
+        "padded = build_train_batch + to_padded + save_padded (uncompressed .npz).",
+        machine_note() + f" Each row is its own subprocess, the fastest of {args.reps} runs.",
+        "",
+        *md_table(["code", "layout", "build flat batch s", "layout + write s", "total s", "x flat", "MB written",
+                   "peak RSS MiB", "RSS x flat"], rows),
+    ]
+    write_md(args.out, lines)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ venv (`creditflow llm setup`) and stops it afterwards; without a service venv on
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -24,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from _common import machine_note  # noqa: E402
 from llm_standin import StandIn  # noqa: E402
 
 from pipeline.llm.client import LLMClient, LLMError, LLMRequest, LLMSettings  # noqa: E402
@@ -101,8 +100,7 @@ def main() -> None:
     args = ap.parse_args()
 
     lines = ["# LLM client benchmark", "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
-             f"{time.strftime('%Y-%m-%d %H:%M')}. Produced by `python bench/llm_client.py`.", ""]
+             f"{machine_note()} {time.strftime('%Y-%m-%d %H:%M')}. Produced by `python bench/llm_client.py`.", ""]
     st = bench_standin()
     lines += ["## 1. Stand-in server (own process), fixed latency 1 s per request", "",
               "achieved concurrency = requests x latency / wall time; ideal = the limit.", "",

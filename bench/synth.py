@@ -8,13 +8,13 @@ Run it pinned to 2 cores (`taskset -c 0,1 python bench/synth.py`) to match CI.""
 from __future__ import annotations
 
 import argparse
-import os
-import resource
 import shutil
 import tempfile
 import time
 
 import pyarrow.compute as pc
+from _common import cores as n_cores
+from _common import peak_rss_mb
 
 from pipeline.synth import SynthSettings, iter_batches
 from warehouse.lake import Lake
@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     s = SynthSettings(groups=args.groups, samples=args.samples, turns=args.turns, tokens=args.tokens,
                       kind=args.kind, batch_groups=args.batch_groups)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = n_cores()
 
     # 1. generation only (tables built, then dropped)
     t0 = time.perf_counter()
@@ -53,7 +53,7 @@ def main() -> None:
         size = sum(f.stat().st_size for f in Lake(root).root.rglob("*.parquet"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_mb = peak_rss_mb()
     print(f"round: {args.groups} groups x {args.samples} samples x {args.turns} turns x {args.tokens} tokens "
           f"({args.kind}), batch_groups {args.batch_groups}, {cores} cores")
     print(f"steps {n_steps:,}  tokens {n_tok:,} (assistant {n_asst:,})  parts {len(parts)}  parquet {size / 2**20:.0f} MiB")

@@ -15,8 +15,6 @@ Run pinned to 2 cores (`taskset -c 0,1 python bench/tcpo.py`) to match CI."""
 from __future__ import annotations
 
 import argparse
-import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -28,6 +26,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from _common import cores as n_cores  # noqa: E402
+from _common import machine_note, peak_rss_mb  # noqa: E402
 
 from pipeline.config import Config  # noqa: E402
 from pipeline.credit import CreditContext, run_methods  # noqa: E402
@@ -129,8 +130,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--skip-estimator", action="store_true")
     args = ap.parse_args()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = n_cores()
     print(f"cores {cores}, numpy {np.__version__}, pyarrow {pa.__version__}")
+    print(machine_note())
     if not args.skip_estimator:
         e = bench_estimator(args)
         f, t = e["floor"], e["tcpo"]
@@ -147,7 +149,7 @@ def main() -> None:
     n = c["notes"]
     llm_eff = c["requests"] * c["latency_s"] / c["concurrency"] / n["llm_wall_s"]
     print(f"  of which LLM phase {n['llm_wall_s']:.2f} s (efficiency {llm_eff:.2f}), verification {n['verify_wall_s']:.2f} s")
-    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    print(f"peak RSS {peak_rss_mb():.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ def _recut(steps_col: pa.ChunkedArray | pa.Array, traj_offsets: np.ndarray, dtyp
 def build_train_batch(trajectories: pa.Table, steps: pa.Table, advantages: pa.Table) -> pa.Table:
     """Join steps with one method's advantages and lay each trajectory out flat."""
     methods = pc.unique(advantages.column("method")).to_pylist()
-    if len(methods) != 1:
+    if len(methods) > 1:
         raise ValueError(f"build_train_batch expects one method, got {methods}")
-    method = methods[0]
+    method = methods[0] if methods else ""  # no rows (a batch without steps): an empty layout
     steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
     adv = advantages.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
     s_keys = pl.from_arrow(steps.select(["traj_id", "step_idx"]))
@@ -63,7 +63,7 @@ def build_train_batch(trajectories: pa.Table, steps: pa.Table, advantages: pa.Ta
     off = pa.array(traj_offsets.astype(np.int32))
 
     traj = pl.from_arrow(trajectories.select(["traj_id", "group_id", "reward"]))
-    meta = pl.DataFrame({"traj_id": traj_order}).join(traj, on="traj_id", how="left")
+    meta = pl.DataFrame({"traj_id": pl.Series(traj_order, dtype=pl.String)}).join(traj, on="traj_id", how="left")
     has_returns = adv.column("token_returns").null_count < adv.num_rows
     has_values = steps.column("values").null_count < steps.num_rows
     round_col = adv.column("round")[0].as_py() if adv.num_rows else 0

@@ -42,6 +42,56 @@ def _flat_list_floats(col: pa.ChunkedArray, starts: np.ndarray, n_tokens: int) -
     return out
 
 
+class _Deferred:
+    """A per-token array computed on first use (a method that never reads it never pays for it)."""
+
+    __slots__ = ("make", "lists")
+
+    def __init__(self, make, lists=None):
+        self.make = make
+        self.lists = lists  # (list column, step token starts, n_tokens): lets values_at read a few tokens
+
+
+def _list_values_at(col: pa.ChunkedArray, starts: np.ndarray, n_tokens: int, positions: np.ndarray) -> np.ndarray | None:
+    """`_flat_list_floats(col, starts, n_tokens)[positions]` without building the per-token array, when every
+    non-null list has one value per token of its step (else None: the caller flattens)."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    positions = np.asarray(positions, dtype=np.int64)
+    if arr.null_count == len(arr):
+        return np.full(len(positions), np.nan)
+    lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy()
+    token_lengths = np.diff(np.append(starts, n_tokens))
+    valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    if not np.array_equal(np.where(valid, token_lengths, 0), lengths):
+        return None
+    offsets = arr.offsets.to_numpy()[:-1].astype(np.int64)  # value offset of each step's list
+    values = arr.values.to_numpy(zero_copy_only=False)
+    step = np.searchsorted(starts, positions, side="right") - 1
+    ok = valid[step]
+    out = np.full(len(positions), np.nan)
+    out[ok] = values[offsets[step[ok]] + positions[ok] - starts[step[ok]]]
+    return out
+
+
+class _LazyArray:
+    """Dataclass field descriptor: stores the value in the instance dict; a `_Deferred` is computed on first read
+    and replaced by its result."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return None  # the field's default
+        value = obj.__dict__.get(self.name)
+        if isinstance(value, _Deferred):
+            value = obj.__dict__[self.name] = value.make()
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.name] = value
+
+
 def _sorted_by_traj_step(steps: pa.Table) -> bool:
     if steps.num_rows < 2:
         return True
@@ -56,11 +106,13 @@ def _sorted_by_traj_step(steps: pa.Table) -> bool:
 class CreditContext:
     trajectories: pl.DataFrame  # one row per trajectory, sorted by traj_id; traj_index, group_index
     steps: pl.DataFrame  # one row per step, sorted by (traj_index, step_idx); tok_start, n_tokens
-    tok_step: np.ndarray  # int64 step row of each token
-    tok_traj: np.ndarray  # int64 trajectory row of each token
-    tok_mask: np.ndarray  # bool: assistant token (gets credit, in the loss)
-    tok_logprob: np.ndarray  # float64 behaviour logprob, NaN where unknown
-    tok_value: np.ndarray  # float64 critic value, NaN where unknown
+    # int64 step row / trajectory row of each token (from_arrow builds them on first use)
+    tok_step: np.ndarray = _LazyArray()  # type: ignore[assignment]
+    tok_traj: np.ndarray = _LazyArray()  # type: ignore[assignment]
+    tok_mask: np.ndarray = _LazyArray()  # type: ignore[assignment]  # bool: assistant token (gets credit, in the loss)
+    # float64 behaviour logprob / critic value, NaN where unknown; built from the steps' list columns on first use
+    tok_logprob: np.ndarray = _LazyArray()  # type: ignore[assignment]
+    tok_value: np.ndarray = _LazyArray()  # type: ignore[assignment]
     config: Config = field(default_factory=Config)
     annotations: dict[str, pl.DataFrame] = field(default_factory=dict)
     round: int = 0
@@ -109,11 +161,13 @@ class CreditContext:
             raise ValueError(f"steps: traj_id {bad!r} has no row in trajectories")
         step_frame = step_frame.with_columns((pl.col("role") == "assistant").alias("is_assistant"))
         step_traj = step_frame["traj_index"].to_numpy().astype(np.int64)
-        tok_step = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-        tok_traj = step_traj[tok_step]
-        tok_mask = step_frame["is_assistant"].to_numpy()[tok_step]
-        tok_logprob = _flat_list_floats(steps.column("logprobs"), starts, n_tokens)
-        tok_value = _flat_list_floats(steps.column("values"), starts, n_tokens)
+        # per-token arrays as runs of per-step values (np.repeat: sequential copies, no gathers)
+        tok_step = _Deferred(lambda: np.repeat(np.arange(len(lengths), dtype=np.int64), lengths))
+        tok_traj = _Deferred(lambda: np.repeat(step_traj, lengths))
+        tok_mask = np.repeat(step_frame["is_assistant"].to_numpy(), lengths)
+        lp_col, v_col = steps.column("logprobs"), steps.column("values")
+        tok_logprob = _Deferred(lambda: _flat_list_floats(lp_col, starts, n_tokens), (lp_col, starts, n_tokens))
+        tok_value = _Deferred(lambda: _flat_list_floats(v_col, starts, n_tokens), (v_col, starts, n_tokens))
         anns = {}
         for name, t in (annotations or {}).items():
             anns[name] = t if isinstance(t, pl.DataFrame) else pl.from_arrow(t)
@@ -141,7 +195,7 @@ class CreditContext:
 
     @property
     def n_tokens(self) -> int:
-        return len(self.tok_step)
+        return len(self.tok_mask)
 
     @property
     def n_groups(self) -> int:
@@ -169,11 +223,13 @@ class CreditContext:
     # ---- broadcasting ---------------------------------------------------------------------------
     def broadcast_traj(self, per_traj: np.ndarray) -> np.ndarray:
         """A per-trajectory value on every assistant token of the trajectory (0 elsewhere)."""
-        return np.where(self.tok_mask, np.asarray(per_traj, dtype=np.float64)[self.tok_traj], 0.0)
+        return self.broadcast_step(np.asarray(per_traj, dtype=np.float64)[self.step_traj])
 
     def broadcast_step(self, per_step: np.ndarray) -> np.ndarray:
         """A per-step value on every assistant token of the step (0 elsewhere)."""
-        return np.where(self.tok_mask, np.asarray(per_step, dtype=np.float64)[self.tok_step], 0.0)
+        # tokens of a step are contiguous: repeat each step's value (0 off the assistant steps) over its tokens
+        per_step = np.where(self.steps["is_assistant"].to_numpy(), np.asarray(per_step, dtype=np.float64), 0.0)
+        return np.repeat(per_step, self.steps["n_tokens"].to_numpy())
 
     def traj_to_steps(self, per_traj: np.ndarray) -> np.ndarray:
         return np.asarray(per_traj, dtype=np.float64)[self.step_traj]
@@ -181,6 +237,16 @@ class CreditContext:
     def assistant_steps(self) -> pl.DataFrame:
         """Assistant steps with their row index (`step_row`), in (trajectory, turn) order."""
         return self.steps.with_row_index("step_row").filter(pl.col("is_assistant"))
+
+    def values_at(self, name: str, positions: np.ndarray) -> np.ndarray:
+        """`getattr(self, name)[positions]` for a per-token array (`tok_logprob`, `tok_value`); while it has not
+        been built, reads just those tokens from the steps' list column (O(positions), for span-local work)."""
+        raw = self.__dict__.get(name)
+        if isinstance(raw, _Deferred) and raw.lists is not None:
+            out = _list_values_at(*raw.lists, positions)
+            if out is not None:
+                return out
+        return getattr(self, name)[positions]
 
     def annotation(self, name: str) -> pl.DataFrame | None:
         return self.annotations.get(name)

@@ -82,9 +82,20 @@ def segment_discounted_cumsum(values: np.ndarray, segments: np.ndarray, discount
     segments = np.asarray(segments)
     bounds = np.concatenate([[0], np.flatnonzero(segments[1:] != segments[:-1]) + 1, [n]])
     lengths = np.diff(bounds)
+    longest = int(lengths.max())
+    if float(discount) == 1.0 and len(lengths) * longest <= 4 * n:
+        # undiscounted: y_t = x_t + y_{t+1}, a reverse running sum per segment. One row per segment (zero
+        # padded), np.cumsum along the reversed rows: the same sequential additions as the recursion, in one pass
+        rows = np.zeros((len(lengths), longest))
+        real = np.arange(longest)[None, :] < lengths[:, None]
+        rows[real] = y  # segments are contiguous: row-major order of the real cells is the flat order
+        return np.cumsum(rows[:, ::-1], axis=1)[:, ::-1][real]
     remaining = np.repeat(bounds[1:], lengths) - np.arange(n)  # positions left in the segment, incl. self
-    coef, d, longest = float(discount), 1, int(lengths.max())
+    coef, d = float(discount), 1
     while d < longest:
-        y[:-d] += np.where(remaining[:-d] > d, y[d:], 0.0) * coef
+        # y[:-d] += where(remaining > d, y[d:], 0) * coef, adding only where the term is in the segment (the
+        # other positions keep their value; the ufunc buffers the overlapping y[d:] as if copied first)
+        term = y[d:] if coef == 1.0 else y[d:] * coef
+        np.add(y[:-d], term, out=y[:-d], where=remaining[:-d] > d)
         coef, d = coef * coef, d * 2
     return y

@@ -29,9 +29,11 @@ class Stage:
     step_columns: tuple[str, ...] = ()  # steps columns beyond STEP_COLUMNS the stage reads (e.g. content)
 
 
-# the steps columns every method may read; others (content, offsets, tool calls) are read only on request
-STEP_COLUMNS = ("traj_id", "step_idx", "role", "turn", "is_error", "verifier_score", "token_ids", "logprobs",
-                "values")
+# the steps columns every method may read; others are read only when a stage lists them in `step_columns`:
+# the per-token lists `logprobs` (ctx.tok_logprob) and `values` (ctx.tok_value), which cost as much to read as
+# token_ids, and content, offsets and tool calls. A stage that reads ctx.tok_logprob / ctx.tok_value without
+# declaring the column sees NaN (unknown) there.
+STEP_COLUMNS = ("traj_id", "step_idx", "role", "turn", "is_error", "verifier_score", "token_ids")
 
 
 ESTIMATORS: dict[str, Stage] = {}
@@ -120,7 +122,7 @@ def _finish(ctx: CreditContext, result: CreditResult) -> CreditResult:
     if adv.shape != (ctx.n_tokens,):
         raise MethodError(f"estimator returned {adv.shape} token advantages for {ctx.n_tokens} tokens")
     adv = np.where(ctx.tok_mask, adv, 0.0)
-    if not np.isfinite(adv).all():
+    if not np.isfinite(adv.sum()) and not np.isfinite(adv).all():  # the sum is NaN/inf if any value is
         bad = int(np.flatnonzero(~np.isfinite(adv))[0])
         traj = ctx.trajectories["traj_id"][int(ctx.tok_traj[bad])]
         raise MethodError(f"non-finite advantage on trajectory {traj!r} (token {bad})")

@@ -77,7 +77,7 @@ def span_confidence(logprob: np.ndarray, lo: np.ndarray, hi: np.ndarray, mode: s
     return np.where(miss, missing, np.clip(conf, 0.0, 1.0)), miss
 
 
-@refiner("c3", settings="c3", needs=("spans",))
+@refiner("c3", settings="c3", needs=("spans",), step_columns=("logprobs",))
 def c3(ctx: CreditContext, base: CreditResult, settings: C3Settings) -> CreditResult:
     """Scale positive advantages inside detected spans by 1 - lambda*severity*confidence (max over overlaps)."""
     settings = settings or C3Settings()
@@ -92,8 +92,9 @@ def c3(ctx: CreditContext, base: CreditResult, settings: C3Settings) -> CreditRe
     lo, hi, row = lo[found], hi[found], row[found]
     severity = spans["severity"].to_numpy().astype(np.float64)[found]
     idx, owner = expand_ranges(lo, hi)
-    conf, miss = span_confidence(ctx.tok_logprob, lo, hi, settings.confidence, settings.missing_confidence,
-                                 idx, owner)
+    # the logprobs of the span tokens only (the batch's per-token logprob array is not built for them)
+    conf, miss = span_confidence(ctx.values_at("tok_logprob", idx), lo, hi, settings.confidence,
+                                 settings.missing_confidence, np.arange(len(idx)), owner)
     strength = np.clip(settings.lam * severity * conf, 0.0, 1.0)
     # per-token max of lambda*s*c over overlapping spans, touching span tokens only
     tok_g = np.zeros(ctx.n_tokens)

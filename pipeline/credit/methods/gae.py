@@ -46,12 +46,13 @@ def require_values(ctx: CreditContext, positions: np.ndarray, method: str) -> np
 def step_mean(ctx: CreditContext, token_values: np.ndarray) -> np.ndarray:
     """Mean of a token array over each step's assistant tokens (NaN for steps without any)."""
     m = ctx.tok_mask
-    total = np.bincount(ctx.tok_step[m], weights=token_values[m], minlength=ctx.n_steps)
-    count = np.bincount(ctx.tok_step[m], minlength=ctx.n_steps)
+    step = ctx.tok_step[m]
+    total = np.bincount(step, weights=token_values[m], minlength=ctx.n_steps)
+    count = np.bincount(step, minlength=ctx.n_steps)
     return np.divide(total, count, out=np.full(ctx.n_steps, np.nan), where=count > 0)
 
 
-@estimator("gae", settings="gae")
+@estimator("gae", settings="gae", step_columns=("values",))
 def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
     """Token-level GAE over assistant tokens; returns before whitening."""
     t = np.flatnonzero(ctx.tok_mask)  # the assistant tokens, in trajectory order
@@ -72,10 +73,15 @@ def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
     token_adv[t] = A
     token_returns = np.zeros(ctx.n_tokens)
     token_returns[t] = returns
-    score = np.bincount(ctx.tok_step[t], weights=r, minlength=ctx.n_steps)
+    step = ctx.tok_step[t]
+    score = np.bincount(step, weights=r, minlength=ctx.n_steps)
     score = np.where(ctx.steps["is_assistant"].to_numpy(), score, np.nan)
+    # = step_mean(ctx, token_adv): token_adv on the assistant tokens is A, in the same order
+    count = np.bincount(step, minlength=ctx.n_steps)
+    a_hat = np.divide(np.bincount(step, weights=A, minlength=ctx.n_steps), count, out=np.full(ctx.n_steps, np.nan),
+                      where=count > 0)
     return CreditResult(
         token_adv=token_adv,
-        components={"a_hat": step_mean(ctx, token_adv), "score": score},
+        components={"a_hat": a_hat, "score": score},
         token_returns=token_returns,
     )

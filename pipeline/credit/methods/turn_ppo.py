@@ -34,7 +34,7 @@ class TurnPPOSettings(StageSettings):
     whiten: bool = Field(True, description="masked_whiten the token advantages over the batch")
 
 
-@estimator("turn_ppo", settings="turn_ppo")
+@estimator("turn_ppo", settings="turn_ppo", step_columns=("values",))
 def turn_ppo(ctx: CreditContext, settings: TurnPPOSettings) -> CreditResult:
     """GAE over turns, one value per turn."""
     steps = ctx.steps
