@@ -65,10 +65,11 @@ def test_rescore_ids_exact(llm_standin, tmp_path):
             assert r["logprob_source"] == "rescore:standin-model"
             assert r["logprobs"] == pytest.approx([token_logprob(t) for t in r["token_ids"]], abs=1e-6)
     # the request was the ChatML rendering of the trajectory, as token ids
-    sent = llm_standin.requests[0]["prompt"]
+    # (the two requests run concurrently: they arrive in either order)
     im_start = tok.encode_batch(["<|im_start|>"])[0][0]
-    assert sent.count(im_start[0]) == 5
-    assert llm_standin.requests[0]["echo"] is True and llm_standin.requests[0]["max_tokens"] == 1
+    counts = sorted(req["prompt"].count(im_start[0]) for req in llm_standin.requests)
+    assert counts == [2, 5]  # one <|im_start|> per message of each trajectory
+    assert all(req["echo"] is True and req["max_tokens"] == 1 for req in llm_standin.requests)
 
 
 def test_rescore_long_trajectory_left_truncated(llm_standin, tmp_path):
