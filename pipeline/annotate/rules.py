@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections import defaultdict
 
 import pyarrow as pa
@@ -61,15 +62,24 @@ _REJECTION = re.compile(
 
 
 # ---- value extraction -------------------------------------------------------------------------------
+# every character str.isdigit() accepts (a superset of \d: superscripts, circled digits, ...), as one class,
+# so digit tests run in the regex engine instead of a Python loop over characters
+_DIGIT = re.compile("[" + "".join(re.escape(chr(c)) for c in range(sys.maxunicode + 1) if chr(c).isdigit()) + "]")
+# the `_TOKEN` runs that hold a digit, '@', an ASCII capital or a non-ASCII character: the only runs that can be
+# specific values, found in one regex pass (anchored at run starts, so linear), so that plain lower-case words
+# never cost a Python call
+_CANDIDATE = re.compile(r"(?<![\w@.+:/-])[\w@.+:/-]*?(?=[\w@.+:/-])(?:[\d@A-Z]|[^\x00-\x7f])[\w@.+:/-]*")
+
+
 def _specific_token(tok: str, s: RulesAnnotatorSettings) -> str | None:
     tok = tok.strip(_STRIP)
     if len(tok) < 1:
         return None
     if "@" in tok:
         return tok.casefold() if _EMAIL.match(tok) else None
-    if any(ch.isdigit() for ch in tok):
+    if _DIGIT.search(tok):
         if _NUMERIC.match(tok):
-            return _number(float(tok), s) if sum(ch.isdigit() for ch in tok) >= s.min_number_digits else None
+            return _number(float(tok), s) if len(_DIGIT.findall(tok)) >= s.min_number_digits else None
         return tok.casefold() if len(tok) >= s.min_value_chars else None
     if _UPPER_CODE.match(tok) and tok not in _UPPER_STOP and len(tok) >= s.min_value_chars:
         return tok.casefold()
@@ -89,8 +99,8 @@ def _number(x: float, s: RulesAnnotatorSettings) -> str | None:
 def text_values(text: str, s: RulesAnnotatorSettings) -> set[str]:
     """Specific values mentioned in free text."""
     out = set()
-    for m in _TOKEN.finditer(text or ""):
-        v = _specific_token(m.group(0), s)
+    for tok in _CANDIDATE.findall(text or ""):
+        v = _specific_token(tok, s)
         if v is not None:
             out.add(v)
     return out
