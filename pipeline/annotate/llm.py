@@ -28,6 +28,7 @@ import pyarrow as pa
 from pydantic import BaseModel
 
 from pipeline.annotate.settings import LLMAnnotatorSettings
+from pipeline.annotate.tables import graph_tables
 from pipeline.config import Config
 from pipeline.stages import StageOutput
 
@@ -371,40 +372,10 @@ def annotate_llm(steps: pa.Table, config: Config, annotator_id: str | None = Non
             e["type"].append(typ)
             e["info_unit"].append(info)
             e["binding"].append(binding)
-    nodes_t, edges_t = _tables(n, e, round_, ann_id, PROMPT_VERSION)
+    nodes_t, edges_t = graph_tables(n, e, round_, ann_id, PROMPT_VERSION)
     notes["edges"] = float(edges_t.num_rows)
     warnings = []
     if notes.get("llm_errors"):
         warnings.append(f"iapo llm annotator: {int(notes['llm_errors'])} request(s) failed; those trajectories "
                         "fall back to uniform weights")
     return StageOutput(tables={"nodes": nodes_t, "edges": edges_t}, notes=dict(notes), warnings=warnings)
-
-
-def _tables(n: dict, e: dict, round_: int, ann_id: str, prompt_version: str | None) -> tuple[pa.Table, pa.Table]:
-    from schemas.edges import SPEC as EDGES
-    from schemas.nodes import SPEC as NODES
-
-    nn, ne = len(n["traj_id"]), len(e["traj_id"])
-    nodes_t = NODES.conform(pa.table({
-        "round": pa.array([round_] * nn, pa.int32()),
-        "traj_id": pa.array(n["traj_id"], pa.string()),
-        "turn": pa.array(n["turn"], pa.int32()),
-        "error": pa.array(n["error"], pa.int8()),
-        "error_kind": pa.array(n["error_kind"], pa.string()),
-        "u_dir": pa.array(n["u_dir"], pa.int32()),
-        "annotator": pa.array([ann_id] * nn, pa.string()),
-        "parse_failed": pa.array(n["parse_failed"], pa.bool_()),
-    }))
-    edges_t = EDGES.conform(pa.table({
-        "round": pa.array([round_] * ne, pa.int32()),
-        "traj_id": pa.array(e["traj_id"], pa.string()),
-        "src_turn": pa.array(e["src_turn"], pa.int32()),
-        "dst_turn": pa.array(e["dst_turn"], pa.int32()),
-        "sign": pa.array(e["sign"], pa.int8()),
-        "type": pa.array(e["type"], pa.string()),
-        "info_unit": pa.array(e["info_unit"], pa.string()),
-        "binding": pa.array(e["binding"], pa.string()),
-        "annotator": pa.array([ann_id] * ne, pa.string()),
-        "prompt_version": pa.array([prompt_version] * ne, pa.string()),
-    }))
-    return nodes_t, edges_t

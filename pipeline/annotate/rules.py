@@ -36,6 +36,7 @@ from collections import defaultdict
 import pyarrow as pa
 
 from pipeline.annotate.settings import RulesAnnotatorSettings
+from pipeline.annotate.tables import graph_tables
 from pipeline.render import canonical_arguments, tool_call_spans
 
 ANNOTATOR_ID = "rules"
@@ -307,9 +308,6 @@ def _cover(turn: int, bound: dict[str, str], sources, nodes, add_edge) -> None:
 def annotate_rules(steps: pa.Table, settings: RulesAnnotatorSettings | None = None,
                    annotator_id: str = ANNOTATOR_ID) -> tuple[pa.Table, pa.Table, dict[str, float]]:
     """The rules annotator over a batch of steps -> (nodes, edges, notes)."""
-    from schemas.edges import SPEC as EDGES
-    from schemas.nodes import SPEC as NODES
-
     s = settings or RulesAnnotatorSettings()
     cols = ["traj_id", "step_idx", "role", "turn", "content", "tool_calls", "tool_call_id", "is_error"]
     present = [c for c in cols if c in steps.column_names]
@@ -343,28 +341,7 @@ def annotate_rules(steps: pa.Table, settings: RulesAnnotatorSettings | None = No
             e["info_unit"].append(info)
             e["binding"].append(binding)
         start = end
-    nn, ne = len(n["traj_id"]), len(e["traj_id"])
-    nodes_t = NODES.conform(pa.table({
-        "round": pa.array([round_] * nn, pa.int32()),
-        "traj_id": pa.array(n["traj_id"], pa.string()),
-        "turn": pa.array(n["turn"], pa.int32()),
-        "error": pa.array(n["error"], pa.int8()),
-        "error_kind": pa.array(n["error_kind"], pa.string()),
-        "u_dir": pa.array(n["u_dir"], pa.int32()),
-        "annotator": pa.array([annotator_id] * nn, pa.string()),
-        "parse_failed": pa.array([False] * nn, pa.bool_()),
-    }))
-    edges_t = EDGES.conform(pa.table({
-        "round": pa.array([round_] * ne, pa.int32()),
-        "traj_id": pa.array(e["traj_id"], pa.string()),
-        "src_turn": pa.array(e["src_turn"], pa.int32()),
-        "dst_turn": pa.array(e["dst_turn"], pa.int32()),
-        "sign": pa.array(e["sign"], pa.int8()),
-        "type": pa.array(e["type"], pa.string()),
-        "info_unit": pa.array(e["info_unit"], pa.string()),
-        "binding": pa.array(e["binding"], pa.string()),
-        "annotator": pa.array([annotator_id] * ne, pa.string()),
-        "prompt_version": pa.nulls(ne, pa.string()),
-    }))
+    nodes_t, edges_t = graph_tables(n, e, round_, annotator_id, None)
+    nn, ne = nodes_t.num_rows, edges_t.num_rows
     notes = {"edges": float(ne), "errors": float(sum(n["error"])), "actions": float(nn)}
     return nodes_t, edges_t, notes
