@@ -65,6 +65,21 @@ def _logprob_list(raw: Any, where: str) -> list[float] | None:
     return raw
 
 
+def message_step(msg: Any, w: str) -> tuple[StepDraft, str]:
+    """One OpenAI-style message -> its step (role checked, tool calls parsed and rendered into an assistant's
+    content) and the message's own text. Shared by the chat-shaped adapters (chat-jsonl, tau-bench, tau2)."""
+    role = require(msg, "role", w)
+    if role not in _ROLES:
+        raise Reject(UNKNOWN_ROLE, f"{w} has role {role!r}", f"{w}.role")
+    text = content_text(msg.get("content"), f"{w}.content")
+    step = StepDraft(role=role, content=text)
+    if msg.get("tool_calls"):
+        step.tool_calls = parse_tool_calls(msg["tool_calls"], f"{w}.tool_calls")
+        if role == "assistant":
+            step.content, _ = render_assistant(text, step.tool_calls)
+    return step, text
+
+
 def convert_messages(messages: Any, where: str = "messages", tool_error_prefix: str | None = None) -> list[StepDraft]:
     """OpenAI chat messages -> steps. Assistant tool calls are rendered into the content (render_assistant)
     and kept structured in `tool_calls`. A tool message is an error when it says so (`is_error`/`error`),
@@ -74,15 +89,8 @@ def convert_messages(messages: Any, where: str = "messages", tool_error_prefix: 
     steps = []
     for i, msg in enumerate(messages):
         w = f"{where}[{i}]"
-        role = require(msg, "role", w)
-        if role not in _ROLES:
-            raise Reject(UNKNOWN_ROLE, f"{w} has role {role!r}", f"{w}.role")
-        text = content_text(msg.get("content"), f"{w}.content")
-        step = StepDraft(role=role, content=text)
-        if msg.get("tool_calls"):
-            step.tool_calls = parse_tool_calls(msg["tool_calls"], f"{w}.tool_calls")
-            if role == "assistant":
-                step.content, _ = render_assistant(text, step.tool_calls)
+        step, text = message_step(msg, w)
+        role = step.role
         if role == "tool":
             step.tool_call_id = str(require(msg, "tool_call_id", w))
             flagged = msg.get("is_error", msg.get("error"))

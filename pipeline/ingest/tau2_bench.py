@@ -15,26 +15,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from pipeline.ingest.chat_jsonl import parse_tool_calls
+from pipeline.ingest.chat_jsonl import message_step
 from pipeline.ingest.core import (
     INVALID_VALUE,
     MALFORMED_JSON,
     MISSING_FIELD,
-    UNKNOWN_ROLE,
     Reject,
     SourceRecord,
     StepDraft,
     TrajectoryDraft,
     as_int,
-    content_text,
     iter_json_array,
     iter_json_object,
     require,
 )
 from pipeline.ingest.registry import adapter
-from pipeline.render import render_assistant
-
-_ROLES = {"system", "user", "assistant", "tool"}
 
 
 def read_tau2_results(text: str, source_file: str) -> Iterator[SourceRecord]:
@@ -66,16 +61,8 @@ def _steps(messages, where: str = "messages") -> tuple[list[StepDraft], list[dic
     steps, rejected_attempts = [], []
     for i, msg in enumerate(messages):
         w = f"{where}[{i}]"
-        role = require(msg, "role", w)
-        if role not in _ROLES:
-            raise Reject(UNKNOWN_ROLE, f"{w} has role {role!r}", f"{w}.role")
-        text = content_text(msg.get("content"), f"{w}.content")
-        step = StepDraft(role=role, content=text)
-        if msg.get("tool_calls"):
-            step.tool_calls = parse_tool_calls(msg["tool_calls"], f"{w}.tool_calls")
-            if role == "assistant":
-                step.content, _ = render_assistant(text, step.tool_calls)
-        if role == "tool":
+        step, _ = message_step(msg, w)
+        if step.role == "tool":
             step.tool_call_id = str(require(msg, "id", w))
             step.is_error = bool(msg.get("error"))
         if msg.get("errors"):
