@@ -28,7 +28,7 @@ import pyarrow as pa
 from pydantic import BaseModel
 
 from pipeline.annotate.settings import LLMAnnotatorSettings
-from pipeline.annotate.tables import graph_tables
+from pipeline.annotate.tables import add_edges, graph_tables
 from pipeline.config import Config
 from pipeline.stages import StageOutput
 
@@ -364,14 +364,7 @@ def annotate_llm(steps: pa.Table, config: Config, annotator_id: str | None = Non
             n["error_kind"].append(kind)
             n["u_dir"].append(u_dir)
             n["parse_failed"].append(failed)
-        for i, j, typ, info, binding in edges:
-            e["traj_id"].append(tid)
-            e["src_turn"].append(i)
-            e["dst_turn"].append(j)
-            e["sign"].append(-1 if typ == "failed_utilization" else 1)
-            e["type"].append(typ)
-            e["info_unit"].append(info)
-            e["binding"].append(binding)
+        add_edges(e, tid, edges)
     nodes_t, edges_t = graph_tables(n, e, round_, ann_id, PROMPT_VERSION)
     notes["edges"] = float(edges_t.num_rows)
     warnings = []

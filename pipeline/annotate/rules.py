@@ -36,7 +36,7 @@ from collections import defaultdict
 import pyarrow as pa
 
 from pipeline.annotate.settings import RulesAnnotatorSettings
-from pipeline.annotate.tables import graph_tables
+from pipeline.annotate.tables import add_edges, graph_tables
 from pipeline.render import canonical_arguments, tool_call_spans
 
 ANNOTATOR_ID = "rules"
@@ -332,14 +332,7 @@ def annotate_rules(steps: pa.Table, settings: RulesAnnotatorSettings | None = No
             n["error"].append(int(kind != "none"))
             n["error_kind"].append(kind)
             n["u_dir"].append(u_dir)
-        for i, j, typ, info, binding in edges:
-            e["traj_id"].append(tid)
-            e["src_turn"].append(i)
-            e["dst_turn"].append(j)
-            e["sign"].append(-1 if typ == "failed_utilization" else 1)
-            e["type"].append(typ)
-            e["info_unit"].append(info)
-            e["binding"].append(binding)
+        add_edges(e, tid, edges)
         start = end
     nodes_t, edges_t = graph_tables(n, e, round_, annotator_id, None)
     nn, ne = nodes_t.num_rows, edges_t.num_rows

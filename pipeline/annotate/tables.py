@@ -6,6 +6,19 @@ from __future__ import annotations
 import pyarrow as pa
 
 
+def add_edges(e: dict, traj_id: str, edges) -> None:
+    """Append one trajectory's (src, dst, type, info_unit, binding) edges to the edge columns; E- (type
+    failed_utilization) gets sign -1, E+ (input, success_utilization) +1."""
+    for i, j, typ, info, binding in edges:
+        e["traj_id"].append(traj_id)
+        e["src_turn"].append(i)
+        e["dst_turn"].append(j)
+        e["sign"].append(-1 if typ == "failed_utilization" else 1)
+        e["type"].append(typ)
+        e["info_unit"].append(info)
+        e["binding"].append(binding)
+
+
 def graph_tables(n: dict, e: dict, round_: int, annotator_id: str, prompt_version: str | None
                  ) -> tuple[pa.Table, pa.Table]:
     """`n`: traj_id, turn, error, error_kind, u_dir (+ parse_failed); `e`: traj_id, src_turn, dst_turn, sign, type,
