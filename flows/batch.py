@@ -115,6 +115,27 @@ def export_batch(lake: Lake, round_: int, batch: str, methods: list[str], cache_
     return summary
 
 
+def run_batch_stage(lake_root: str, round_: int, batch: str, stage: str, config: Config,
+                    cache_key: str | None = None) -> dict:
+    """One stage (an annotation stage, credit or export) on one batch, from the lake's root: what a flow task
+    runs, in its thread or in a worker process (flows/workers.py)."""
+    lake = Lake(lake_root)
+    if stage == CREDIT:
+        return credit_batch(lake, round_, batch, config.methods, config, cache_key=cache_key)
+    if stage == EXPORT:
+        return export_batch(lake, round_, batch, config.methods, cache_key=cache_key)
+    return run_stage_batch(lake, round_, batch, stage, config, cache_key=cache_key)
+
+
+def stage_calls_llm(stage: str, config: Config) -> bool:
+    """Whether a round stage talks to an LLM endpoint under this config."""
+    if stage in (CREDIT, EXPORT):
+        return False
+    from pipeline.stages import load_stages
+
+    return load_stages()[stage].calls_llm(config)
+
+
 def stage_outputs(stage: str, batch: str, methods: list[str]) -> list[tuple[str, str]]:
     """(table, part) pairs a stage writes for a batch: all present = the stage's work is on disk."""
     if stage == CREDIT:

@@ -19,7 +19,7 @@ from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 from prefect.states import Completed
 from prefect.tasks import exponential_backoff
 
-from flows import progress
+from flows import progress, workers
 from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
     CREDIT,
     EXPORT,
@@ -32,7 +32,9 @@ from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
     round_batches,
     round_stages,
     run_annotation_stages,
+    run_batch_stage,
     run_stage_batch,
+    stage_calls_llm,
     stage_outputs,
 )
 from flows.caching import BatchStageCache, cache_dir, stage_cache_key
@@ -49,13 +51,10 @@ DERIVED_TABLES = ("spans", "nodes", "edges", "counterfactuals", "advantages", "t
 def batch_stage_task(lake_root: str, round_: int, batch: str, stage: str, config: Config,
                      upstream: dict | None = None) -> dict:
     """One stage on one batch; `upstream` (the previous stage's summary of this batch) only orders the work."""
-    lake = Lake(lake_root)
     key = stage_cache_key(lake_root, round_, batch, stage, config) if config.flow.cache else None
-    if stage == CREDIT:
-        return credit_batch(lake, round_, batch, config.methods, config, cache_key=key)
-    if stage == EXPORT:
-        return export_batch(lake, round_, batch, config.methods, cache_key=key)
-    return run_stage_batch(lake, round_, batch, stage, config, cache_key=key)
+    if workers.use_processes(config) and not stage_calls_llm(stage, config):
+        return workers.run(config.max_workers, run_batch_stage, lake_root, round_, batch, stage, config, key)
+    return run_batch_stage(lake_root, round_, batch, stage, config, key)
 
 
 @task(task_run_name="stats-round-{round_}", cache_policy=NO_CACHE, persist_result=False)
@@ -69,25 +68,17 @@ def round_stats_task(lake_root: str, round_: int) -> dict:
     return round_summary(lake, round_)
 
 
-def _stage_task(stage: str, config: Config, lake: Lake, uses_llm: bool):
+def _stage_task(stage: str, config: Config, lake: Lake, calls_llm: bool):
     options: dict = {}
     if config.flow.cache:
         options["cache_policy"] = BatchStageCache(key_storage=str(cache_dir(lake)))
     else:
         options["cache_policy"] = NO_CACHE
         options["persist_result"] = False
-    if uses_llm and config.flow.retries:
+    if calls_llm and config.flow.retries:
         options["retries"] = config.flow.retries
         options["retry_delay_seconds"] = exponential_backoff(backoff_factor=config.flow.retry_delay_s)
     return batch_stage_task.with_options(**options)
-
-
-def _uses_llm(stage: str) -> bool:
-    if stage in (CREDIT, EXPORT):
-        return False
-    from pipeline.stages import load_stages
-
-    return load_stages()[stage].uses_llm
 
 
 @flow(name="process-round", flow_run_name="process-round-{round_}", validate_parameters=False)
@@ -95,6 +86,8 @@ def process_round_flow(round_: int, config: Config | dict):
     """Every stage of one round, batch by batch; returns the round summary (a warning state if degraded)."""
     t0 = time.perf_counter()
     config = as_config(config)
+    if workers.use_processes(config):
+        workers.warm(config.max_workers)  # the worker processes start while the round is prepared
     lake = Lake(config.lake)
     lake.cleanup()
     batches = round_batches(lake, round_)
@@ -102,7 +95,10 @@ def process_round_flow(round_: int, config: Config | dict):
 
     # cache records and the small JSON summaries they point to both live in the lake
     with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: cache_dir(lake) / "results"}):
-        run = _run_stages(lake, round_, batches, config)
+        try:
+            run = _run_stages(lake, round_, batches, config)
+        finally:
+            workers.shutdown()  # worker processes (flow.processes) hold a batch's memory; free it
     summary = round_stats_task(str(lake.root), round_)
     summary["this_run"] = run
     summary["wall_seconds"] = round(time.perf_counter() - t0, 3)
@@ -127,7 +123,7 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
     variants = {}
     for stage in stages:
         progress.report("stage", stage, total=len(batches))
-        task_ = _stage_task(stage, config, lake, _uses_llm(stage))
+        task_ = _stage_task(stage, config, lake, stage_calls_llm(stage, config))
         done = {b for b in batches if parts_present(lake, round_, stage_outputs(stage, b, config.methods))}
         # a batch whose outputs are missing refreshes its cache record; the others may be served from it
         variants[stage] = (task_.with_options(refresh_cache=False), task_.with_options(refresh_cache=True), done)

@@ -5,7 +5,7 @@ defaults); `--set stage.key=value` on the command line overrides any of them."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -45,6 +45,9 @@ class FlowSettings(BaseModel):
     retry_delay_s: float = Field(2.0, ge=0, description="first retry delay; doubles on each retry (backoff)")
     export: bool = Field(True, description="write the train_batch table (per batch and method) after credit")
     progress: bool = Field(True, description="rich progress bars per stage on the terminal")
+    processes: Literal["auto"] | bool = Field(
+        "auto", description="run the thread runner's batch stages in worker processes (the stages hold the GIL); "
+                            "auto: when max_workers > 1; true / false: always / never; LLM stages stay in threads")
 
 
 class ServeSettings(BaseModel):

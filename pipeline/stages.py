@@ -31,15 +31,20 @@ class AnnotationStage:
     order: int  # detect 10, annotate 20, counterfactual 30
     uses_llm: bool
     needs: tuple[str, ...]  # tables from earlier stages it reads
+    llm_if: Callable[..., bool] | None = None  # config -> whether this run calls a model (default: uses_llm)
+
+    def calls_llm(self, config) -> bool:
+        """Whether the stage talks to an LLM endpoint under this config (the IAPO `rules` annotator does not)."""
+        return self.uses_llm if self.llm_if is None else bool(self.llm_if(config))
 
 
 STAGES: dict[str, AnnotationStage] = {}
 
 
 def annotation_stage(name: str, produces: tuple[str, ...], order: int, uses_llm: bool = False,
-                     needs: tuple[str, ...] = ()):
+                     needs: tuple[str, ...] = (), llm_if: Callable[..., bool] | None = None):
     def deco(fn: Callable[..., StageOutput]) -> Callable[..., StageOutput]:
-        STAGES[name] = AnnotationStage(name, tuple(produces), fn, order, uses_llm, tuple(needs))
+        STAGES[name] = AnnotationStage(name, tuple(produces), fn, order, uses_llm, tuple(needs), llm_if)
         return fn
 
     return deco

@@ -140,6 +140,33 @@ def test_llm_endpoint_down_completes_with_warnings(tmp_path, prefect_harness):
     assert adv.num_rows == 2 * lake.read("steps", 0).num_rows
 
 
+def test_worker_processes_match_threads_only(tmp_path, prefect_harness, monkeypatch):
+    """flow.processes: the batch stages run in worker processes with the same output as in the flow's threads;
+    a worker is another process, sees this process's environment as of the call, and its errors arrive here."""
+    from flows import workers
+
+    threads, procs = Lake(tmp_path / "threads"), Lake(tmp_path / "procs")
+    make_round(threads)
+    make_round(procs)
+    run_process(cfg_for(threads, sets=["flow.processes=false"], max_workers=2), 0, quiet=True)
+    summary = run_process(cfg_for(procs, sets=["flow.processes=true"], max_workers=2), 0, quiet=True)
+    assert summary["state"] == "Completed" and all(r["batches"] == 4 for r in summary["this_run"].values())
+    assert_same_tables(threads, procs)
+    assert not workers._pools  # shut down with the flow run
+
+    assert workers.use_processes(cfg_for(procs, max_workers=2))  # auto: on with two workers
+    assert not workers.use_processes(cfg_for(procs, max_workers=1))
+    assert not workers.use_processes(cfg_for(procs, task_runner="ray", max_workers=2))
+    try:
+        assert workers.run(1, os.getpid) != os.getpid()
+        monkeypatch.setenv("CREDITFLOW_PROBE", "set after the pool started")
+        assert workers.run(1, os.getenv, "CREDITFLOW_PROBE") == "set after the pool started"
+        with pytest.raises(ValueError, match="invalid literal"):
+            workers.run(1, int, "not a number")
+    finally:
+        workers.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("runner", ["ray", "dask"])
 def test_process_runner_matches_thread_runner(tmp_path, prefect_harness, runner):
@@ -190,12 +217,16 @@ def test_file_url_lake(tmp_path, prefect_harness):
 
 
 def test_llm_stages_retry_with_exponential_backoff(tmp_path):
+    from flows.batch import stage_calls_llm
     from flows.caching import BatchStageCache
-    from flows.process_round import _stage_task, _uses_llm
+    from flows.process_round import _stage_task
 
     lake = Lake(tmp_path / "lake")
     cfg = load_config(None, ["flow.retries=3", "flow.retry_delay_s=2"], lake=str(lake.root))
-    assert _uses_llm("counterfactual") and _uses_llm("annotate") and not _uses_llm("detect")
+    llm_cfg = load_config(None, [], lake=str(lake.root), annotator="llm")
+    assert stage_calls_llm("counterfactual", cfg) and not stage_calls_llm("detect", cfg)
+    # the annotate stage calls a model only with the llm annotator (rules: no retries, may run in a worker process)
+    assert stage_calls_llm("annotate", llm_cfg) and not stage_calls_llm("annotate", cfg)
     llm = _stage_task("counterfactual", cfg, lake, True)
     assert llm.retries == 3 and llm.retry_delay_seconds == [2.0, 4.0, 8.0]
     assert isinstance(llm.cache_policy, BatchStageCache) and llm.cache_policy.key_storage.startswith(str(lake.root))

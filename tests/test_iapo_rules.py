@@ -9,8 +9,10 @@ import json
 import polars as pl
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pipeline.annotate.rules import annotate_rules, annotate_trajectory
+from pipeline.annotate.rules import _has_digit, annotate_rules, annotate_trajectory, text_values
 from pipeline.annotate.settings import RulesAnnotatorSettings
 
 
@@ -188,3 +190,17 @@ def test_annotate_stage_writes_schema_tables(real_data):
     EDGES.validate(out.tables["edges"])
     NODES.validate(out.tables["nodes"])
     assert isinstance(out.tables["edges"], pa.Table) and out.tables["edges"].num_rows > 0
+
+
+@given(st.text(max_size=40) | st.sampled_from(["²", "HAT069", "①②", "x³", "٣٤٥", "abc", "Ⅻ", "𝟘𝟙"]))
+@settings(max_examples=300, deadline=None)
+def test_digit_test_is_str_isdigit(tok):
+    """The regex-first digit test agrees with str.isdigit() on every character (superscripts, circled,
+    Arabic-Indic and mathematical digits included; Roman numerals are not digits)."""
+    assert _has_digit(tok) == any(c.isdigit() for c in tok)
+
+
+def test_unicode_digit_values():
+    s = RulesAnnotatorSettings()
+    # an Arabic-Indic number is a number (normalised), circled digits are a code, "x²" is too short
+    assert text_values("booking ٣٤٥٦٧ and x² and ①②③ codes", s) == {"34567", "①②③"}

@@ -30,7 +30,8 @@ def run_annotator(steps: pa.Table, config: Config, annotator: str | None = None,
     raise ValueError(f"unknown IAPO annotator {kind!r}; choose one of {ANNOTATORS}")
 
 
-@annotation_stage("annotate", produces=("nodes", "edges"), order=20, uses_llm=True)
+@annotation_stage("annotate", produces=("nodes", "edges"), order=20, uses_llm=True,
+                  llm_if=lambda config: (config.annotator or "rules").strip() == "llm")
 def annotate(trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict[str, pa.Table]) -> StageOutput:
     """IAPO dependency graphs for one batch (annotator from config.annotator)."""
     return run_annotator(steps, config)

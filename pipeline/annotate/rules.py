@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from collections import defaultdict
 
 import pyarrow as pa
@@ -63,9 +62,16 @@ _REJECTION = re.compile(
 
 
 # ---- value extraction -------------------------------------------------------------------------------
-# every character str.isdigit() accepts (a superset of \d: superscripts, circled digits, ...), as one class,
-# so digit tests run in the regex engine instead of a Python loop over characters
-_DIGIT = re.compile("[" + "".join(re.escape(chr(c)) for c in range(sys.maxunicode + 1) if chr(c).isdigit()) + "]")
+# \d (Unicode decimal digits) is a subset of what str.isdigit() accepts; the rest (superscripts, circled
+# digits, ...) is not ASCII, so only non-ASCII tokens without a \d need the per-character test
+_DECIMAL = re.compile(r"\d")
+
+
+def _has_digit(tok: str) -> bool:
+    """Whether any character of `tok` is a digit by str.isdigit()."""
+    return _DECIMAL.search(tok) is not None or (not tok.isascii() and any(c.isdigit() for c in tok))
+
+
 # the `_TOKEN` runs that hold a digit, '@', an ASCII capital or a non-ASCII character: the only runs that can be
 # specific values, found in one regex pass (anchored at run starts, so linear), so that plain lower-case words
 # never cost a Python call
@@ -78,9 +84,9 @@ def _specific_token(tok: str, s: RulesAnnotatorSettings) -> str | None:
         return None
     if "@" in tok:
         return tok.casefold() if _EMAIL.match(tok) else None
-    if _DIGIT.search(tok):
-        if _NUMERIC.match(tok):
-            return _number(float(tok), s) if len(_DIGIT.findall(tok)) >= s.min_number_digits else None
+    if _has_digit(tok):
+        if _NUMERIC.match(tok):  # only signs, a point and \d characters: every digit is a \d match
+            return _number(float(tok), s) if len(_DECIMAL.findall(tok)) >= s.min_number_digits else None
         return tok.casefold() if len(tok) >= s.min_value_chars else None
     if _UPPER_CODE.match(tok) and tok not in _UPPER_STOP and len(tok) >= s.min_value_chars:
         return tok.casefold()

@@ -1,0 +1,95 @@
+"""Worker processes behind the thread runner.
+
+The batch stages spend most of their time holding the GIL (the rule detectors and the IAPO rules annotator
+are Python; the credit and export stages convert between Arrow, NumPy and Python in many small steps), so
+two threads on two cores reach only ~1.3-1.5x one. With `flow.processes` on, each thread-runner worker hands
+its batch stage to a worker process and waits for the small summary it returns: Prefect still orchestrates
+the task runs (states, caching, retries, progress) from its threads, while the work runs on every core. The
+worker reads its inputs from the lake and writes its parts there itself, so nothing but paths, the config and
+the summary crosses the process boundary.
+
+Processes are forked from a forkserver that imports the pipeline once (workers start in milliseconds after the
+first); each call carries the parent's environment, so settings changed after the server started still apply.
+Stages that call an LLM stay in the flow's process: they wait on HTTP, not the GIL.
+
+    flow.processes: auto   # on for the thread runner with max_workers > 1 (default)
+    flow.processes: true   # always (also with one worker)
+    flow.processes: false  # threads only
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from pipeline.config import Config
+
+# imported once by the forkserver, so a worker starts with them (and their registries) loaded
+PRELOAD = ["flows.batch", "pipeline.stages", "pipeline.detect", "pipeline.detect.builtin", "pipeline.annotate",
+           "pipeline.annotate.rules", "pipeline.credit", "pipeline.export", "warehouse.rounds"]
+
+_lock = threading.Lock()
+_pools: dict[int, ProcessPoolExecutor] = {}
+
+
+def use_processes(config: Config) -> bool:
+    """Whether batch stages run in worker processes under this config."""
+    mode = config.flow.processes
+    if mode is False or config.task_runner != "threads":  # Ray / Dask workers are processes already
+        return False
+    return mode is True or config.max_workers > 1
+
+
+def _pool(size: int) -> ProcessPoolExecutor:
+    with _lock:
+        pool = _pools.get(size)
+        if pool is None:
+            import multiprocessing as mp
+
+            ctx = mp.get_context("forkserver")  # never fork a process that runs Prefect's threads
+            ctx.set_forkserver_preload(PRELOAD)
+            pool = _pools[size] = ProcessPoolExecutor(size, mp_context=ctx)
+        return pool
+
+
+def warm(size: int) -> None:
+    """Start the pool's processes now (the forkserver's imports take a second or two), without waiting."""
+    pool = _pool(size)
+    for _ in range(size):
+        pool.submit(int)
+
+
+def shutdown() -> None:
+    """Stop the worker processes (the forkserver stays for the next run; it exits with this process)."""
+    with _lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _call(env: dict[str, str], fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
+    return fn(*args, **kwargs)
+
+
+def run(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) in a worker process of a pool of `size`; its result (or its exception) here.
+
+    A pool whose worker died (killed, out of memory) is dropped, so the task's retry or the next run gets a
+    fresh one; the error names what happened."""
+    pool = _pool(size)
+    try:
+        return pool.submit(_call, dict(os.environ), fn, args, kwargs).result()
+    except BrokenProcessPool as exc:
+        with _lock:
+            if _pools.get(size) is pool:
+                del _pools[size]
+        raise RuntimeError(f"a creditflow worker process died while running {getattr(fn, '__name__', fn)}"
+                           f"{args[2:4] if len(args) >= 4 else ''}: {exc}") from exc
