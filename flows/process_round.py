@@ -14,7 +14,6 @@ import time
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import as_completed
 from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 from prefect.states import Completed
 from prefect.tasks import exponential_backoff
@@ -112,12 +111,16 @@ def process_round_flow(round_: int, config: Config | dict):
 
 
 def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> dict[str, dict]:
-    """Submit every (stage, batch) task (batch b's stage waits for batch b's previous stage); report progress
-    as they finish; return per stage: batches, cached, warnings, finished_after_s.
+    """Run every (stage, batch) task, batch b's stage after batch b's previous stage; report progress as they
+    finish; return per stage: batches, cached, warnings, finished_after_s.
 
-    Tasks go to the runner in wavefront order (diagonal b + s): the workers then run different stages at
-    once, so a Python-heavy stage (detect, annotate) overlaps an Arrow-heavy one (export) that releases the
-    GIL, and a task's upstream is always submitted (and started) before it, so a worker never waits long."""
+    A task is submitted only once its upstream has finished, so no worker ever blocks waiting for one. On the
+    thread runner at most `max_workers` tasks are in flight and the ready task of the earliest batch goes first
+    (depth first: batches complete one after another and a finished batch's memory is freed); Ray and Dask get
+    every ready task at once and schedule them on their cluster."""
+    import heapq
+    import queue
+
     t0 = time.perf_counter()
     stages = round_stages(config)
     variants = {}
@@ -127,27 +130,38 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
         done = {b for b in batches if parts_present(lake, round_, stage_outputs(stage, b, config.methods))}
         # a batch whose outputs are missing refreshes its cache record; the others may be served from it
         variants[stage] = (task_.with_options(refresh_cache=False), task_.with_options(refresh_cache=True), done)
-    futures: dict[tuple[str, str], object] = {}
-    order = sorted(((s, b) for s in range(len(stages)) for b in range(len(batches))), key=lambda sb: (sum(sb), sb[0]))
-    for s, b in order:
-        stage, batch = stages[s], batches[b]
-        cached, refresh, done = variants[stage]
-        upstream = futures[(stages[s - 1], batch)] if s else None
-        futures[(stage, batch)] = (cached if batch in done else refresh).submit(
-            lake_root=str(lake.root), round_=round_, batch=batch, stage=stage, config=config, upstream=upstream)
-    submitted = {id(f): (stage, f) for (stage, _), f in futures.items()}
+    limit = config.max_workers if config.task_runner == "threads" else len(batches) * len(stages)
+    ready = [(b, 0) for b in range(len(batches))]  # a heap of (batch index, stage index)
+    futures: dict[tuple[int, int], object] = {}
+    finished: queue.Queue = queue.Queue()
+    in_flight = 0
 
     run = {s: {"batches": 0, "cached": 0, "warnings": []} for s in stages}
     finished_at: dict[str, float] = {}
-    for future in as_completed([f for _, f in submitted.values()]):
-        stage = submitted[id(future)][0]
-        summary = future.result()
-        cached = future.state.name == "Cached"
+    while ready or in_flight:
+        while ready and in_flight < limit:
+            b, s = heapq.heappop(ready)
+            stage, batch = stages[s], batches[b]
+            cached, refresh, done = variants[stage]
+            future = (cached if batch in done else refresh).submit(
+                lake_root=str(lake.root), round_=round_, batch=batch, stage=stage, config=config,
+                upstream=futures.get((b, s - 1)))  # finished already: keeps the dependency in Prefect's graph
+            futures[(b, s)] = future
+            future.add_done_callback(lambda _f, key=(b, s): finished.put(key))
+            in_flight += 1
+        b, s = finished.get()
+        in_flight -= 1
+        future = futures[(b, s)]
+        summary = future.result()  # a failed task raises here and fails the flow run
+        stage = stages[s]
+        is_cached = future.state.name == "Cached"
         run[stage]["batches"] += 1
-        run[stage]["cached"] += int(cached)
+        run[stage]["cached"] += int(is_cached)
         run[stage]["warnings"] += [f"{summary['batch']}: {w}" for w in summary.get("warnings", [])]
         finished_at[stage] = time.perf_counter() - t0
-        progress.report("batch", stage, batch=summary["batch"], cached=cached)
+        progress.report("batch", stage, batch=summary["batch"], cached=is_cached)
+        if s + 1 < len(stages):
+            heapq.heappush(ready, (b, s + 1))
 
     for stage, seconds in finished_at.items():
         run[stage]["finished_after_s"] = round(seconds, 3)
