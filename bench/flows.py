@@ -183,6 +183,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode (the best wall time is kept)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "flows.md"))
     ap.add_argument("--quick", action="store_true", help="do not write the results file")
+    ap.add_argument("--modes", default=None, help="comma-separated subset of the modes (with --quick)")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.lake)))
@@ -201,6 +202,8 @@ def main() -> None:
         write_round_parts(Lake(base), 0, iter_batches(settings))
         synth_s = time.perf_counter() - t0
         modes = ["bare-1", "bare-2", "flow-1", "flow-2", "flow-2t"] + (["ray-2", "dask-2"] if args.ray else [])
+        if args.modes:
+            modes = args.modes.split(",")
         results: dict[str, dict] = {}
         for rep in range(args.repeat):  # interleaved, so a slow spell of the machine hits every mode alike
             for mode in modes:
@@ -211,6 +214,8 @@ def main() -> None:
                     results[mode] = r
                 print(f"[{rep + 1}/{args.repeat}] {mode:8s} {r['wall_s']:8.2f} s  peak RSS {r['peak_rss_mb']:7.0f} MB",
                       flush=True)
+        if args.modes:
+            return
         results["rerun"] = run_child("flow-2", work / "flow-2", work / "home-flow-2")
         print(f"rerun    {results['rerun']['wall_s']:8.2f} s  cached {results['rerun']['cached']}", flush=True)
         same = _same_outputs(work / "bare-1", work / "flow-2")

@@ -53,6 +53,8 @@ def batch_stage_task(lake_root: str, round_: int, batch: str, stage: str, config
     key = stage_cache_key(lake_root, round_, batch, stage, config) if config.flow.cache else None
     if workers.use_processes(config) and not stage_calls_llm(stage, config):
         return workers.run(config.max_workers, run_batch_stage, lake_root, round_, batch, stage, config, key)
+    if config.task_runner == "threads":
+        return workers.run_here(config.max_workers, run_batch_stage, lake_root, round_, batch, stage, config, key)
     return run_batch_stage(lake_root, round_, batch, stage, config, key)
 
 
@@ -130,7 +132,7 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
         done = {b for b in batches if parts_present(lake, round_, stage_outputs(stage, b, config.methods))}
         # a batch whose outputs are missing refreshes its cache record; the others may be served from it
         variants[stage] = (task_.with_options(refresh_cache=False), task_.with_options(refresh_cache=True), done)
-    limit = config.max_workers if config.task_runner == "threads" else len(batches) * len(stages)
+    limit = workers.dispatch_slots(config) if config.task_runner == "threads" else len(batches) * len(stages)
     ready = [(b, 0) for b in range(len(batches))]  # a heap of (batch index, stage index)
     futures: dict[tuple[int, int], object] = {}
     finished: queue.Queue = queue.Queue()

@@ -34,7 +34,9 @@ def make_task_runner(config: Config):
     if kind == "threads":
         from prefect.task_runners import ThreadPoolTaskRunner
 
-        return ThreadPoolTaskRunner(max_workers=config.max_workers)
+        from flows.workers import dispatch_slots
+
+        return ThreadPoolTaskRunner(max_workers=dispatch_slots(config))
     if kind == "ray":
         from prefect_ray import RayTaskRunner
 

@@ -44,6 +44,24 @@ def use_processes(config: Config) -> bool:
     return mode is True or config.max_workers > 1
 
 
+def dispatch_slots(config: Config) -> int:
+    """Thread-runner threads (= tasks in flight): two per worker, so the next task's orchestration (task run,
+    cache key, state changes) happens while the worker computes, not in between. At most `max_workers` of
+    them compute at once: the process pool's size, or `run_here`'s semaphore."""
+    return 2 * config.max_workers
+
+
+_slots: dict[int, threading.BoundedSemaphore] = {}
+
+
+def run_here(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) in this process, at most `size` at a time (the thread runner's workers)."""
+    with _lock:
+        slots = _slots.setdefault(size, threading.BoundedSemaphore(size))
+    with slots:
+        return fn(*args, **kwargs)
+
+
 def _pool(size: int) -> ProcessPoolExecutor:
     with _lock:
         pool = _pools.get(size)
