@@ -10,6 +10,7 @@ mode:
 - flow-2:   thread runner, 2 workers (speed-up = flow-1 / flow-2), the batch stages in 2 worker processes
             (flow.processes=auto, the default with more than one worker);
 - flow-2t:  thread runner, 2 workers, stages in the threads themselves (flow.processes=false);
+- flow-1p:  (--modes only) thread runner, 1 worker, its stages in a worker process (flow.processes=true);
 - rerun:    flow-2 again on its finished lake (every batch stage cached);
 - ray-2, dask-2: (--ray) the process-based runners: a local Ray with 2 CPUs, a local Dask cluster with 2
             single-threaded worker processes.
@@ -121,8 +122,8 @@ def child(mode: str, lake_dir: str) -> dict:
         warmup()  # starts the ephemeral API
         out["api_startup_s"] = time.perf_counter() - t0
         runner = {"ray-2": "ray", "dask-2": "dask"}.get(mode, "threads")
-        workers = int(mode.split("-")[1].rstrip("t"))
-        cfg = _config(lake_dir, workers, runner, "false" if mode.endswith("t") else "auto")
+        workers = int(mode.split("-")[1].rstrip("tp"))
+        cfg = _config(lake_dir, workers, runner, {"t": "false", "p": "true"}.get(mode[-1], "auto"))
         t0 = time.perf_counter()
         with TreeRSS() as tree:
             summary = run_process(cfg, 0, quiet=True)

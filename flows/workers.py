@@ -12,6 +12,10 @@ Processes are forked from a forkserver that imports the pipeline once (workers s
 first); each call carries the parent's environment, so settings changed after the server started still apply.
 Stages that call an LLM stay in the flow's process: they wait on HTTP, not the GIL.
 
+The thread runner gets two threads per worker (`dispatch_slots`): while one computes, the other does Prefect's
+bookkeeping of the next task, and at most `max_workers` compute at once (the pool's size, or `run_here`'s
+semaphore for work in the flow's process).
+
     flow.processes: auto   # on for the thread runner with max_workers > 1 (default)
     flow.processes: true   # always (also with one worker)
     flow.processes: false  # threads only

@@ -730,13 +730,15 @@ def _tables(b: _Built, s: SynthSettings, group_ids: np.ndarray, pool: _Pool,
 
 
 def generate_batch(settings: SynthSettings, first_group: int, n_groups: int) -> tuple[pa.Table, pa.Table]:
-    """Groups [first_group, first_group + n_groups) of the round: (trajectories, steps), sorted by traj_id within
-    each environment (mixed: search groups first)."""
+    """Groups [first_group, first_group + n_groups) of the round: (trajectories, steps), sorted by traj_id
+    (mixed: the search groups take the lower ids, the tool groups the rest, so the two pieces concatenate in
+    order and readers never sort)."""
     s = settings
     rng = np.random.default_rng([s.seed, s.round, first_group])
     text, word_starts = _corpus(max(8 * s.tokens, 1))
     if s.kind == "mixed":
-        is_tool = rng.random(n_groups) < 0.5
+        n_search = int((rng.random(n_groups) >= 0.5).sum())
+        is_tool = np.arange(n_groups) >= n_search
     else:
         is_tool = np.full(n_groups, s.kind == "tool")
     group_ids = np.arange(first_group, first_group + n_groups)
@@ -751,7 +753,7 @@ def generate_batch(settings: SynthSettings, first_group: int, n_groups: int) -> 
         pieces.append(_tables(built, s, chosen, pool, rng))
     if len(pieces) == 1:
         return pieces[0]
-    # search groups first, then tool groups (sorting 20 MB of list columns per batch is not worth it)
+    # search groups (lower ids) first, then tool groups: in traj_id order
     return (pa.concat_tables([p[0] for p in pieces]).combine_chunks(),
             pa.concat_tables([p[1] for p in pieces]).combine_chunks())
 

@@ -73,6 +73,16 @@ def _list_values_at(col: pa.ChunkedArray, starts: np.ndarray, n_tokens: int, pos
     return out
 
 
+def _list_values_on_rows(col: pa.ChunkedArray, rows: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
+    """The values of the lists at `rows`, end to end, when none is null and each has `lengths` values (else
+    None: the caller flattens the whole column)."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    sub = arr.take(pa.array(rows, pa.int64()))
+    if sub.null_count or not np.array_equal(pc.list_value_length(sub).to_numpy(zero_copy_only=False), lengths):
+        return None
+    return pc.list_flatten(sub).to_numpy(zero_copy_only=False).astype(np.float64)
+
+
 class _LazyArray:
     """Dataclass field descriptor: stores the value in the instance dict; a `_Deferred` is computed on first read
     and replaced by its result."""
@@ -247,6 +257,19 @@ class CreditContext:
             if out is not None:
                 return out
         return getattr(self, name)[positions]
+
+    def mask_values(self, name: str) -> np.ndarray:
+        """`getattr(self, name)[self.tok_mask]`: a per-token array (`tok_logprob`, `tok_value`) on the assistant
+        tokens, in order; while it has not been built, read from the assistant steps' lists alone when each holds
+        one value per token (no per-token array of the whole batch)."""
+        raw = self.__dict__.get(name)
+        if isinstance(raw, _Deferred) and raw.lists is not None:
+            n_tok = self.steps["n_tokens"].to_numpy()
+            rows = np.flatnonzero(self.steps["is_assistant"].to_numpy() & (n_tok > 0))
+            out = _list_values_on_rows(raw.lists[0], rows, n_tok[rows])
+            if out is not None:
+                return out
+        return getattr(self, name)[self.tok_mask]
 
     def annotation(self, name: str) -> pl.DataFrame | None:
         return self.annotations.get(name)

@@ -71,6 +71,18 @@ def masked_whiten(values: np.ndarray, mask: np.ndarray, shift_mean: bool = True)
     return out
 
 
+def whiten(values: np.ndarray) -> np.ndarray:
+    """masked_whiten over every entry (no mask to apply): (x - mean) * rsqrt(var + 1e-8), Bessel-corrected var."""
+    values = np.asarray(values, dtype=np.float64)
+    n = len(values)
+    if n == 0:
+        return values.copy()
+    dev = values - values.mean()
+    var = float(np.dot(dev, dev)) / (n - 1) if n > 1 else 0.0
+    dev /= np.sqrt(var + 1e-8)
+    return dev
+
+
 def segment_discounted_cumsum(values: np.ndarray, segments: np.ndarray, discount: float) -> np.ndarray:
     """y_t = sum_{s >= t in t's segment} discount^(s - t) x_s, for contiguous segments (e.g. the assistant
     tokens of one trajectory, in order). A log-step (Hillis-Steele) scan: ceil(log2(longest segment))

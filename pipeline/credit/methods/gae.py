@@ -19,7 +19,7 @@ from pydantic import Field
 
 from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
-from pipeline.credit.ops import masked_whiten, segment_discounted_cumsum
+from pipeline.credit.ops import segment_discounted_cumsum, whiten
 from pipeline.credit.registry import MethodError, estimator
 
 
@@ -54,34 +54,61 @@ def step_mean(ctx: CreditContext, token_values: np.ndarray) -> np.ndarray:
 
 @estimator("gae", settings="gae", step_columns=("values",))
 def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
-    """Token-level GAE over assistant tokens; returns before whitening."""
-    t = np.flatnonzero(ctx.tok_mask)  # the assistant tokens, in trajectory order
-    traj = ctx.tok_traj[t]
-    V = require_values(ctx, t, "gae")
-    last = np.ones(len(t), dtype=bool)
-    last[:-1] = traj[1:] != traj[:-1]  # last assistant token of its trajectory
-    r = np.where(last, ctx.rewards()[traj], 0.0)
-    V_next = np.where(last, 0.0, np.append(V[1:], 0.0))
-    # delta_t = r_t + gamma V_{t+1} - V_t
-    delta = r + settings.gamma * V_next - V
-    # A_t = delta_t + gamma lam A_{t+1}, within the trajectory
-    A = segment_discounted_cumsum(delta, traj, settings.gamma * settings.lam)
-    returns = A + V
+    """Token-level GAE over assistant tokens; returns before whitening.
+
+    Works on the assistant tokens only (in token order: the steps' runs laid end to end). With lam = 1 the
+    recursion telescopes, A_t = gamma^(T-t) R - V_t (T: the trajectory's last assistant token), and needs no
+    scan; otherwise a segmented discounted cumsum over each trajectory's tokens."""
+    steps = ctx.steps
+    n_tok = steps["n_tokens"].to_numpy()
+    is_asst = steps["is_assistant"].to_numpy()
+    a = np.flatnonzero(is_asst & (n_tok > 0))  # assistant steps with tokens: their tokens are the mask's, in order
+    lengths = n_tok[a]
+    traj = ctx.step_traj[a]
+    V = ctx.mask_values("tok_value")
+    n = len(V)
+    score = np.where(is_asst, 0.0, np.nan)
+    a_hat = np.full(ctx.n_steps, np.nan)
+    if n == 0:
+        zeros = np.zeros(ctx.n_tokens)
+        return CreditResult(token_adv=zeros, components={"a_hat": a_hat, "score": score}, token_returns=zeros.copy())
+    missing = ~np.isfinite(V)
+    if missing.any():
+        bad = int(np.searchsorted(np.cumsum(lengths), int(np.argmax(missing)), side="right"))
+        name = ctx.trajectories["traj_id"][int(traj[bad])]
+        raise MethodError(f"gae: trajectory {name!r} has assistant tokens without critic values (steps.values); "
+                          f"{int(missing.sum())} such tokens in this batch")
+    first = np.ones(len(a), dtype=bool)
+    first[1:] = traj[1:] != traj[:-1]
+    last = np.ones(len(a), dtype=bool)  # the trajectory's last assistant step (with tokens)
+    last[:-1] = first[1:]
+    run = np.cumsum(first) - 1  # the trajectory run of each assistant step
+    end = np.cumsum(lengths)  # exclusive end of each assistant step's tokens
+    R = ctx.rewards()[traj]  # per assistant step
+    gamma, lam = float(settings.gamma), float(settings.lam)
+    if lam == 1.0:
+        # A_t = sum_s gamma^(s-t) (r_s + gamma V_{s+1} - V_s) = gamma^(T-t) R - V_t, since V_{T+1} = 0
+        returns = np.repeat(R, lengths)
+        if gamma != 1.0:
+            returns *= np.power(gamma, np.repeat(end[last][run], lengths) - 1 - np.arange(n))
+        A = returns - V
+    else:
+        T = end[last] - 1  # the last assistant token of each trajectory
+        r = np.zeros(n)
+        r[T] = R[last]
+        V_next = np.empty(n)
+        V_next[:-1] = V[1:]
+        V_next[T] = 0.0
+        delta = r + gamma * V_next - V  # delta_t = r_t + gamma V_{t+1} - V_t
+        A = segment_discounted_cumsum(delta, np.repeat(run, lengths), gamma * lam)  # A_t = delta_t + gamma lam A_{t+1}
+        returns = A + V
     if settings.whiten:
-        A = masked_whiten(A, np.ones(len(A), dtype=bool))
+        A = whiten(A)
     token_adv = np.zeros(ctx.n_tokens)
-    token_adv[t] = A
+    token_adv[ctx.tok_mask] = A
     token_returns = np.zeros(ctx.n_tokens)
-    token_returns[t] = returns
-    step = ctx.tok_step[t]
-    score = np.bincount(step, weights=r, minlength=ctx.n_steps)
-    score = np.where(ctx.steps["is_assistant"].to_numpy(), score, np.nan)
-    # = step_mean(ctx, token_adv): token_adv on the assistant tokens is A, in the same order
-    count = np.bincount(step, minlength=ctx.n_steps)
-    a_hat = np.divide(np.bincount(step, weights=A, minlength=ctx.n_steps), count, out=np.full(ctx.n_steps, np.nan),
-                      where=count > 0)
-    return CreditResult(
-        token_adv=token_adv,
-        components={"a_hat": a_hat, "score": score},
-        token_returns=token_returns,
-    )
+    token_returns[ctx.tok_mask] = returns
+    score[a[last]] = R[last]
+    a_hat[a] = np.add.reduceat(A, end - lengths) / lengths  # = step mean of token_adv
+    return CreditResult(token_adv=token_adv, components={"a_hat": a_hat, "score": score},
+                        token_returns=token_returns)
