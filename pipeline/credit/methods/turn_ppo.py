@@ -20,7 +20,7 @@ from pydantic import Field
 from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.methods.gae import require_values
-from pipeline.credit.ops import masked_whiten, segment_discounted_cumsum
+from pipeline.credit.ops import segment_discounted_cumsum
 from pipeline.credit.registry import estimator
 
 
@@ -52,15 +52,24 @@ def turn_ppo(ctx: CreditContext, settings: TurnPPOSettings) -> CreditResult:
     delta = r + settings.gamma * V_next - V
     # A_h = sum_l (gamma lam)^l delta_{h+l}
     A_turn = segment_discounted_cumsum(delta, traj, settings.gamma * settings.lam)
+    if settings.whiten and len(h):
+        # masked_whiten over the assistant tokens, where each turn's n_h tokens share A_h: the token mean and
+        # Bessel variance in closed form over the turns (no per-token pass)
+        n = steps["n_tokens"].to_numpy()[h].astype(np.float64)
+        N = float(n.sum())
+        mean = float(np.dot(n, A_turn)) / N
+        dev = A_turn - mean
+        var = float(np.dot(n, dev * dev)) / (N - 1) if N > 1 else 0.0
+        A_out = dev / np.sqrt(var + 1e-8)
+    else:
+        A_out = A_turn
     per_step_A = np.zeros(ctx.n_steps)
-    per_step_A[h] = A_turn
+    per_step_A[h] = A_out
     per_step_ret = np.zeros(ctx.n_steps)
     per_step_ret[h] = A_turn + V
     token_adv = ctx.broadcast_step(per_step_A)
-    if settings.whiten:
-        token_adv = np.where(ctx.tok_mask, masked_whiten(token_adv, ctx.tok_mask), 0.0)
     a_hat = np.full(ctx.n_steps, np.nan)
-    a_hat[h] = token_adv[steps["tok_start"].to_numpy()[h]]
+    a_hat[h] = A_out
     score = np.full(ctx.n_steps, np.nan)
     score[h] = r
     return CreditResult(
