@@ -49,12 +49,16 @@ def test_sigkill_mid_round_resumes_to_the_same_result(tmp_path, prefect_harness)
         proc.stderr.close()
     done_before = len(lake.parts("train_batch", 0))
     assert done_before < 3 * n, "the run finished before the kill"
+    # every batch stage that finished writes its stage_runs part last, just before Prefect's cache record
+    finished_before = len(lake.parts("stage_runs", 0))
 
     summary = run_process(cfg_for(lake, methods=METHODS.split(",")), 0, quiet=True)
     credit = summary["this_run"]["credit"]
     assert credit["batches"] == n
-    # batch stages finished before the kill are skipped (served from the cache)
-    assert sum(r["cached"] for r in summary["this_run"].values()) >= 3
+    # batch stages finished before the kill are skipped (served from the cache): all of them but the one
+    # (max_workers=1) that may have been between its stage_runs part and its cache record at the kill
+    cached = sum(r["cached"] for r in summary["this_run"].values())
+    assert finished_before >= 3 and cached >= finished_before - 1, (cached, finished_before)
     assert not list(lake.root.rglob(".tmp-*"))
 
     for b in batch_names(reference, 0):

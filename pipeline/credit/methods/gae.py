@@ -31,8 +31,9 @@ class GAESettings(StageSettings):
 
 
 def require_values(ctx: CreditContext, positions: np.ndarray, method: str) -> np.ndarray:
-    """Critic values at the given token positions; a missing one names its trajectory."""
-    V = ctx.tok_value[positions]
+    """Critic values at the given token positions (read from the steps' lists: no per-token array of the whole
+    batch); a missing one names its trajectory."""
+    V = ctx.values_at("tok_value", positions)
     missing = ~np.isfinite(V)
     if missing.any():
         traj = ctx.trajectories["traj_id"][int(ctx.tok_traj[positions[np.argmax(missing)]])]
