@@ -12,6 +12,7 @@ on a subsample of groups and extrapolated by assistant tokens. Results: bench/re
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -163,7 +164,7 @@ def main() -> None:
     p.add_argument("--lake", type=Path, default=None)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ref-groups", type=int, default=8)
-    p.add_argument("--reps", type=int, default=2, help="runs per measurement; the table shows the fastest")
+    p.add_argument("--reps", type=int, default=3, help="runs per measurement (interleaved); the table shows the fastest")
     p.add_argument("--baseline", type=Path, default=None,
                    help="a worktree of the code before this change (git worktree add DIR REV): its engine is "
                         "timed in the same run, interleaved with this checkout's")
@@ -189,11 +190,17 @@ def main() -> None:
         if not (lake_dir / "steps" / f"round={r}").exists():
             info = make_round(lake_dir, r, g, args.samples, args.turns, args.tokens)
             print(f"round {r}: {g} groups synthesised in {info['seconds']:.1f} s", flush=True)
+    os.sync()  # the rounds just written: their writeback must not land inside the first measurement
     asst, total = assistant_tokens(lake_dir, 0)
 
-    def best(kind: str, m: str, round_: int = 0, root: Path = ROOT) -> dict:
-        runs = [sub("--root", str(root), "--worker", kind, str(lake_dir), str(round_), m) for _ in range(args.reps)]
-        return min(runs, key=lambda r: r["seconds"])
+    def best_of(m: str, kinds: list[tuple[str, Path]]) -> list[dict]:
+        """The fastest of `reps` runs of each (kind, root), interleaved (engine, floor, compute, engine, ...), so
+        a slow spell of this shared machine hits the engine and its floor alike."""
+        runs: list[list[dict]] = [[] for _ in kinds]
+        for _ in range(args.reps):
+            for i, (kind, root) in enumerate(kinds):
+                runs[i].append(sub("--root", str(root), "--worker", kind, str(lake_dir), "0", m))
+        return [min(r, key=lambda x: x["seconds"]) for r in runs]
 
     headers = ["method", "wall s", "assistant tok/s", "peak RSS MB", "I/O floor s", "x floor",
                "reference s (extrap.)", "x faster than ref", "engine compute s (no I/O)", "ref / compute"]
@@ -203,10 +210,9 @@ def main() -> None:
         headers += ["2x round: wall s", "2x round: peak RSS MB"]
     rows = []
     for m in methods:
-        base = best("engine", m, root=args.baseline) if args.baseline else None
-        e = best("engine", m)
-        f = best("floor", m)
-        cpu = best("compute", m)
+        kinds = [("engine", ROOT), ("floor", ROOT), ("compute", ROOT)]
+        e, f, cpu, *rest = best_of(m, kinds + ([("engine", args.baseline)] if args.baseline else []))
+        base = rest[0] if rest else None
         rf = sub("--ref-groups", str(args.ref_groups), "--worker", "reference", str(lake_dir), "0", m)
         ref_s = rf["seconds"] * asst / max(rf["assistant_tokens"], 1)
         row = [m, f"{e['seconds']:.2f}", f"{asst / e['seconds']:,.0f}", f"{e['rss_mb']:.0f}", f"{f['seconds']:.2f}",
@@ -228,7 +234,7 @@ def main() -> None:
         f"runs (read the steps columns the method needs + trajectories, build the context, estimate, write the "
         f"advantages part and the stage_runs row).",
         machine_note() + f" Each cell is its own subprocess (peak RSS = its ru_maxrss); times are the fastest of "
-                         f"{args.reps} runs.",
+                         f"{args.reps} runs, engine / floor / compute interleaved.",
         "",
         "I/O floor: pyarrow only, read the steps columns the method needs (`registry.method_step_columns`, what "
         "credit_batch reads) + the trajectories, write the method's advantages part with the lake's compression "
