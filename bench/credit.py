@@ -175,6 +175,12 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         _use_root(args.root)
+        try:  # what the CLI and the flows do at start (pipeline/runtime.py), for every kind of worker alike
+            from pipeline.runtime import tune_allocator
+
+            tune_allocator()
+        except ImportError:  # a baseline checkout from before it existed
+            pass
         kind, lake_dir, round_, method = args.worker
         fn = {"engine": worker_engine, "floor": worker_floor, "compute": worker_compute}.get(kind)
         res = fn(Path(lake_dir), int(round_), method) if fn else worker_reference(

@@ -92,6 +92,9 @@ def child(mode: str, lake_dir: str) -> dict:
     from warehouse.lake import Lake
     from warehouse.rounds import batch_names
 
+    from pipeline.runtime import tune_allocator
+
+    tune_allocator()  # as the CLI and the flow do, for the bare modes too
     lake = Lake(lake_dir)
     out: dict = {"mode": mode}
     if mode.startswith("bare"):

@@ -39,6 +39,7 @@ from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
 from flows.caching import BatchStageCache, cache_dir, stage_cache_key
 from flows.config import as_config
 from pipeline.config import Config
+from pipeline.runtime import tune_allocator
 from warehouse.lake import Lake
 from warehouse.runlog import parts_present, prune_stale_parts
 
@@ -87,6 +88,7 @@ def process_round_flow(round_: int, config: Config | dict):
     """Every stage of one round, batch by batch; returns the round summary (a warning state if degraded)."""
     t0 = time.perf_counter()
     config = as_config(config)
+    tune_allocator()  # per-batch arrays stay on the heap (pipeline/runtime.py)
     if workers.use_processes(config):
         workers.warm(config.max_workers)  # the worker processes start while the round is prepared
     lake = Lake(config.lake)

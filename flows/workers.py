@@ -95,6 +95,9 @@ def shutdown() -> None:
 
 
 def _call(env: dict[str, str], fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    from pipeline.runtime import tune_allocator
+
+    tune_allocator()
     if os.environ != env:
         os.environ.clear()
         os.environ.update(env)

@@ -29,6 +29,9 @@ app = typer.Typer(
 @app.callback()
 def _root() -> None:
     """creditflow: ingest rollouts, compute credit, query it in SQL, export it to a trainer."""
+    from pipeline.runtime import tune_allocator
+
+    tune_allocator()
 
 
 for _mod in sorted(m.name for m in pkgutil.iter_modules(_commands.__path__)):

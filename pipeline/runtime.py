@@ -1,0 +1,44 @@
+"""Process-level tuning for batch work.
+
+`tune_allocator()`: the credit engine and the stages allocate and free arrays of 10-30 MB per batch (a float64
+value per token of a 3M-token batch). glibc serves blocks that large with mmap and unmaps them on free, so every
+batch pays a page fault per 4 KiB on first touch again: measured on the gae path, 0.38 s per batch before and
+0.25 s after keeping them on the heap. This raises glibc's mmap threshold to its maximum (32 MiB on 64-bit) and
+stops it trimming the heap, so freed blocks are reused by the next batch. Peak memory is unchanged (the same
+arrays are alive at the peak); the process keeps its peak heap until it exits.
+
+Called by the CLI, the process_round flow and its worker processes; a no-op off glibc, when called twice, or
+with CREDITFLOW_MALLOC_TUNE=0 (or the MALLOC_MMAP_THRESHOLD_ environment variable of glibc set by the user)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_MAX = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)  # glibc's upper limit (32 MiB on 64-bit)
+
+_done = False
+
+
+def tune_allocator() -> bool:
+    """Keep large freed blocks on the heap for reuse (glibc only); True when the setting was applied."""
+    global _done
+    if _done:
+        return False
+    _done = True
+    if (not sys.platform.startswith("linux") or os.environ.get("CREDITFLOW_MALLOC_TUNE", "1") == "0"
+            or "MALLOC_MMAP_THRESHOLD_" in os.environ):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and other libcs have no mallopt
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
+    ok = mallopt(M_TRIM_THRESHOLD, 2**30) == 1 and ok
+    return ok
