@@ -89,10 +89,9 @@ def _stats(lake) -> dict:
 
 def child(mode: str, lake_dir: str) -> dict:
     from flows.batch import run_batch_plain
+    from pipeline.runtime import tune_allocator
     from warehouse.lake import Lake
     from warehouse.rounds import batch_names
-
-    from pipeline.runtime import tune_allocator
 
     tune_allocator()  # as the CLI and the flow do, for the bare modes too
     lake = Lake(lake_dir)
