@@ -2,7 +2,7 @@
 per-trajectory Python reference (tests/test_credit_reference.py).
 
     taskset -c 0,1 python bench/credit.py [--groups 512 --samples 8 --turns 10 --tokens 400] [--lake DIR]
-        [--double] [--baseline WORKTREE] [--reps 2]
+        [--double] [--baseline WORKTREE] [--reps 3]
 
 Each measurement runs in its own subprocess (peak RSS = that process's ru_maxrss), processing the round batch
 by batch with flows.batch.credit_batch, as `creditflow process` does. `--baseline` times the engine of another

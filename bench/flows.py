@@ -293,8 +293,9 @@ def render(args, settings, synth_s: float, r: dict[str, dict], same: bool, same_
         "so two of them side by side each take much longer (bare-2 column) and threads alone reach ~1.3-1.5x. "
         "With flow.processes (auto: on when max_workers > 1) each thread-runner worker hands its batch stage to a "
         "worker process (forkserver, pipeline preloaded; the worker reads and writes the lake itself, only paths, "
-        "the config and the summary cross over) while Prefect orchestrates from the threads. The flow submits "
-        "tasks in wavefront order (batch b's stage s on diagonal b + s), so a task's upstream always starts first.",
+        "the config and the summary cross over) while Prefect orchestrates from the threads. A stage task is "
+        "submitted only once its batch's previous stage has finished (earliest batch first), so no worker waits on "
+        "an unfinished upstream.",
         "- Process-based runners avoid the GIL but pay a start-up (local Ray ~10-15 s, a local Dask cluster a few "
         "seconds, both inside the wall time here) and a pickled round trip per task; on a 16M-token round on 2 "
         "cores they do not beat the thread runner. They are for more cores or several machines (a shared lake "

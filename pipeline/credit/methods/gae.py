@@ -34,14 +34,20 @@ def require_values(ctx: CreditContext, positions: np.ndarray, method: str) -> np
     """Critic values at the given token positions (read from the steps' lists: no per-token array of the whole
     batch); a missing one names its trajectory."""
     V = ctx.values_at("tok_value", positions)
+    check_values(ctx, V, lambda i: ctx.tok_traj[positions[i]], method)
+    return V
+
+
+def check_values(ctx: CreditContext, V: np.ndarray, traj_row_of, method: str) -> None:
+    """Raise naming the first trajectory with a missing critic value in V (`traj_row_of(i)`: V[i]'s trajectory
+    row)."""
     missing = ~np.isfinite(V)
     if missing.any():
-        traj = ctx.trajectories["traj_id"][int(ctx.tok_traj[positions[np.argmax(missing)]])]
+        traj = ctx.trajectories["traj_id"][int(traj_row_of(int(np.argmax(missing))))]
         raise MethodError(
             f"{method}: trajectory {traj!r} has assistant tokens without critic values (steps.values); "
             f"{int(missing.sum())} such tokens in this batch"
         )
-    return V
 
 
 def step_mean(ctx: CreditContext, token_values: np.ndarray) -> np.ndarray:
@@ -73,12 +79,8 @@ def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
     if n == 0:
         zeros = np.zeros(ctx.n_tokens)
         return CreditResult(token_adv=zeros, components={"a_hat": a_hat, "score": score}, token_returns=zeros.copy())
-    missing = ~np.isfinite(V)
-    if missing.any():
-        bad = int(np.searchsorted(np.cumsum(lengths), int(np.argmax(missing)), side="right"))
-        name = ctx.trajectories["traj_id"][int(traj[bad])]
-        raise MethodError(f"gae: trajectory {name!r} has assistant tokens without critic values (steps.values); "
-                          f"{int(missing.sum())} such tokens in this batch")
+    # V[i]'s assistant step: the first whose token end lies past i
+    check_values(ctx, V, lambda i: traj[np.searchsorted(np.cumsum(lengths), i, side="right")], "gae")
     first = np.ones(len(a), dtype=bool)
     first[1:] = traj[1:] != traj[:-1]
     last = np.ones(len(a), dtype=bool)  # the trajectory's last assistant step (with tokens)

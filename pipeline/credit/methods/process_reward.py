@@ -23,7 +23,7 @@ from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.methods.c3 import span_token_ranges
 from pipeline.credit.methods.gae import gae, step_mean
 from pipeline.credit.methods.grpo import grpo_traj_advantage
-from pipeline.credit.ops import masked_whiten, segment_discounted_cumsum
+from pipeline.credit.ops import segment_discounted_cumsum, whiten
 from pipeline.credit.registry import estimator
 
 
@@ -96,7 +96,7 @@ def gae_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
     returns = raw.token_returns.copy()
     returns[t] = returns[t] + contrib
     if gs.whiten:
-        A = masked_whiten(A, np.ones(len(A), dtype=bool))
+        A = whiten(A)
     token_adv = np.zeros(ctx.n_tokens)
     token_adv[t] = A
     score = raw.components["score"] + np.bincount(ctx.tok_step, weights=penalty, minlength=ctx.n_steps)
