@@ -83,12 +83,12 @@ def worker_compute(lake_dir: Path, round_: int, method: str) -> dict:
 
 def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
     """pyarrow only: read the steps columns the method needs (registry.method_step_columns, what credit_batch
-    reads) + the trajectories, write the method's advantages part with the lake's compression."""
+    reads) + the trajectories, write the method's advantages part with the lake's writer options."""
     import pyarrow.parquet as pq
 
     from flows.batch import advantages_part, round_batches
     from pipeline.credit.registry import method_step_columns
-    from warehouse.lake import COMPRESSION, Lake
+    from warehouse.lake import Lake, write_options
 
     lake = Lake(lake_dir)
     cols = method_step_columns([method])
@@ -99,7 +99,7 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
             t0 = time.perf_counter()
             pq.read_table(lake.partition_dir("steps", round_) / f"part-{b}.parquet", columns=cols)
             pq.read_table(lake.partition_dir("trajectories", round_) / f"part-{b}.parquet")
-            pq.write_table(adv, Path(tmp) / "adv.parquet", compression=COMPRESSION)
+            pq.write_table(adv, Path(tmp) / "adv.parquet", **write_options(adv.schema))
             seconds += time.perf_counter() - t0
             del adv
     return {"seconds": seconds, "rss_mb": peak_rss_mb(), "columns": cols}
@@ -243,7 +243,7 @@ def main() -> None:
                          f"{args.reps} runs, engine / floor / compute interleaved.",
         "",
         "I/O floor: pyarrow only, read the steps columns the method needs (`registry.method_step_columns`, what "
-        "credit_batch reads) + the trajectories, write the method's advantages part with the lake's compression "
+        "credit_batch reads) + the trajectories, write the method's advantages part with the lake's writer options "
         "(zstd). Reference: the per-trajectory Python oracle of tests/test_credit_reference.py (load + method + "
         f"per-token layout), timed on {args.ref_groups} groups of the first batch and **extrapolated** to the round "
         "by assistant tokens.",

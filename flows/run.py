@@ -80,8 +80,10 @@ def run_export(lake_dir: Path, round_: int, method: str, out: Path, layout: str 
     if layout == "flat":
         import pyarrow.parquet as pq
 
+        from warehouse.lake import write_options
+
         tmp = out.with_name(f".tmp-{out.name}")
-        pq.write_table(batch, tmp, compression="zstd")
+        pq.write_table(batch, tmp, **write_options(batch.schema))
     else:
         tmp = out.with_name(f".tmp-{out.stem}.npz")
         save_padded(to_padded(batch, layout), tmp)

@@ -32,16 +32,28 @@ def _recut(steps_col: pa.ChunkedArray | pa.Array, traj_offsets: np.ndarray, dtyp
     return pa.ListArray.from_arrays(pa.array(traj_offsets.astype(np.int32)), values_arr)
 
 
+def _in_step_order(table: pa.Table) -> tuple[pa.Table, pl.DataFrame]:
+    """The table sorted by (traj_id, step_idx), and those keys; a table already in that order (the lake's
+    parts are written so) is returned as it is, without a take of every column."""
+    keys = pl.from_arrow(table.select(["traj_id", "step_idx"]))
+    if keys.height > 1:
+        tid, idx = keys["traj_id"], keys["step_idx"]
+        same = tid.slice(1) == tid.slice(0, keys.height - 1)
+        ordered = tid.is_sorted() and not (same & (idx.slice(1) <= idx.slice(0, keys.height - 1))).any()
+        if not ordered:
+            table = table.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
+            keys = pl.from_arrow(table.select(["traj_id", "step_idx"]))
+    return table, keys
+
+
 def build_train_batch(trajectories: pa.Table, steps: pa.Table, advantages: pa.Table) -> pa.Table:
     """Join steps with one method's advantages and lay each trajectory out flat."""
     methods = pc.unique(advantages.column("method")).to_pylist()
     if len(methods) > 1:
         raise ValueError(f"build_train_batch expects one method, got {methods}")
     method = methods[0] if methods else ""  # no rows (a batch without steps): an empty layout
-    steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
-    adv = advantages.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
-    s_keys = pl.from_arrow(steps.select(["traj_id", "step_idx"]))
-    a_keys = pl.from_arrow(adv.select(["traj_id", "step_idx"]))
+    steps, s_keys = _in_step_order(steps)
+    adv, a_keys = _in_step_order(advantages)
     if not s_keys.equals(a_keys):
         raise ValueError(f"advantages of method {method!r} do not cover the same steps as the steps table")
     lengths = pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)

@@ -283,6 +283,11 @@ def test_export_alignment(seed, method):
     traj, steps = random_round(seed, max_groups=3, max_group_size=4, max_steps=6)
     adv = process_batch(traj, steps, [method])[0][method]
     batch = build_train_batch(traj, steps, adv)
+    # the rows' order in the inputs does not matter (sorted inputs skip the sort, shuffled ones take it)
+    rng = np.random.default_rng(seed)
+    shuffled = build_train_batch(traj, steps.take(rng.permutation(steps.num_rows)),
+                                 adv.take(rng.permutation(adv.num_rows)))
+    assert shuffled.equals(batch)
     steps_sorted = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
     adv_sorted = adv.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
     by_traj: dict[str, dict[str, list]] = {}
