@@ -59,6 +59,8 @@ class TreeRSS:
         self.interval, self.peak, self._stop = interval, 0, threading.Event()
         self._page = os.sysconf("SC_PAGE_SIZE")
         self._skip: dict[int, bool] = {}
+        self._cpu: dict[int, tuple[float, str]] = {}  # last CPU reading and role of every descendant seen
+        self._cpu0: dict[int, float] = {}
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _tree(self, pid: int) -> list[int]:
@@ -86,18 +88,48 @@ class TreeRSS:
         except OSError:
             return 0
 
-    def _run(self) -> None:
+    def _sample(self) -> None:
         me = os.getpid()
+        pids = self._tree(me)
+        self.peak = max(self.peak, sum(self._rss(p) for p in pids))
+        for p in pids:
+            if p != me and (c := _proc_cpu(p)) is not None:
+                self._cpu[p] = c
+
+    def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, sum(self._rss(p) for p in self._tree(me)))
+            self._sample()
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds spent during the block by this process, Prefect's API server and the worker processes
+        (descendants sampled with the memory; one that ended between two samples loses < interval)."""
+        out = {"self": sum(os.times()[:2]) - self._self0, "api": 0.0, "workers": 0.0}
+        for pid, (cpu, role) in self._cpu.items():
+            out[role] += cpu - self._cpu0.get(pid, 0.0)
+        return {k: round(v, 2) for k, v in out.items()}
 
     def __enter__(self):
+        self._sample()
+        self._cpu0 = {p: c for p, (c, _) in self._cpu.items()}
+        self._self0 = sum(os.times()[:2])
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _proc_cpu(pid: int) -> tuple[float, str] | None:
+    """(CPU seconds so far, role) of one process from /proc; role: api (Prefect's uvicorn server) or workers."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmd = fh.read()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), "api" if b"uvicorn" in cmd else "workers"
 
 
 def _stats(lake) -> dict:
@@ -133,6 +165,7 @@ def child(mode: str, lake_dir: str) -> dict:
                     list(pool.map(lambda b: run_batch_plain(lake, 0, b, cfg), batches))
             summary = _stats(lake)
         out["wall_s"] = time.perf_counter() - t0
+        out["cpu_s"] = tree.cpu_seconds()
         out["tree_rss_mb"] = tree.peak / 2**20
     else:
         from prefect import flow
@@ -153,6 +186,7 @@ def child(mode: str, lake_dir: str) -> dict:
         with TreeRSS() as tree:
             summary = run_process(cfg, 0, quiet=True)
         out["wall_s"] = time.perf_counter() - t0
+        out["cpu_s"] = tree.cpu_seconds()
         out["tree_rss_mb"] = tree.peak / 2**20
         out["cached"] = sum(r["cached"] for r in summary["this_run"].values())
         out["stage_tasks"] = sum(r["batches"] for r in summary["this_run"].values())
@@ -238,8 +272,10 @@ def main() -> None:
                 r = run_child(mode, lake, work / f"home-{mode}")
                 if mode not in results or r["wall_s"] < results[mode]["wall_s"]:
                     results[mode] = r
-                print(f"[{rep + 1}/{args.repeat}] {mode:8s} {r['wall_s']:8.2f} s  peak RSS {r['peak_rss_mb']:7.0f} MB",
-                      flush=True)
+                cpu = r.get("cpu_s", {})
+                print(f"[{rep + 1}/{args.repeat}] {mode:8s} {r['wall_s']:8.2f} s  peak RSS {r['peak_rss_mb']:7.0f} MB  "
+                      f"CPU s: self {cpu.get('self', 0):.1f} api {cpu.get('api', 0):.1f} "
+                      f"workers {cpu.get('workers', 0):.1f}", flush=True)
         if args.modes:
             return
         results["rerun"] = run_child("flow-2", work / "flow-2", work / "home-flow-2")

@@ -40,3 +40,44 @@ def test_lazy_token_arrays_match_eager(seed):
     np.testing.assert_array_equal(ctx.broadcast_step(per_step), np.where(ctx.tok_mask, per_step[tok_step], 0.0))
     np.testing.assert_array_equal(ctx.broadcast_traj(per_traj),
                                   np.where(ctx.tok_mask, per_traj[ctx.step_traj[tok_step]], 0.0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000))
+def test_per_step_results_lay_out_as_their_token_arrays(seed):
+    """A per-step result (CreditResult.per_step) gives the advantages table that its materialised per-token
+    array gives, bit for bit, and token_adv read by a refiner is ctx.broadcast_step of it."""
+    from pipeline.credit.context import CreditResult
+    from pipeline.credit.process import advantages_table
+    from pipeline.credit.registry import _finish
+
+    traj, steps = random_round(seed, max_groups=3, max_group_size=4, max_steps=6)
+    ctx = CreditContext.from_arrow(traj, steps)
+    rng = np.random.default_rng(seed)
+    per_step = rng.normal(size=ctx.n_steps)
+    lazy = _finish(ctx, CreditResult.per_step(ctx, per_step, {"a_hat": per_step}))
+    assert not isinstance(lazy.raw_token_adv(), np.ndarray)  # not built by _finish
+    eager = _finish(ctx, CreditResult(ctx.broadcast_step(per_step), {"a_hat": per_step}))
+    assert advantages_table(ctx, "m", lazy).equals(advantages_table(ctx, "m", eager))
+    np.testing.assert_array_equal(lazy.token_adv, eager.token_adv)
+    np.testing.assert_array_equal(lazy.with_components(x=per_step).token_adv, eager.token_adv)
+
+
+def test_per_step_result_checks():
+    """A non-finite step advantage is an error naming the trajectory, except on a step without tokens (no token
+    carries it) or off the assistant steps (zeroed); a wrong shape is an error."""
+    import pytest
+
+    from pipeline.credit.context import CreditResult
+    from pipeline.credit.registry import MethodError, _finish
+
+    traj = pa.table({"traj_id": ["t0"], "group_id": ["g"], "reward": [1.0]})
+    steps = pa.table({"traj_id": ["t0"] * 4, "step_idx": [0, 1, 2, 3], "role": ["user", "assistant", "assistant", "assistant"],
+                      "token_ids": pa.array([[1, 2], [3, 4, 5], [], [6]], pa.list_(pa.int32()))})
+    ctx = CreditContext.from_arrow(traj, steps)
+    ok = _finish(ctx, CreditResult.per_step(ctx, np.array([np.nan, 2.0, np.inf, -1.0])))
+    assert ok.token_adv.tolist() == [0.0, 0.0, 2.0, 2.0, 2.0, -1.0]
+    with pytest.raises(MethodError, match=r"trajectory 't0' \(token 2\)"):
+        _finish(ctx, CreditResult.per_step(ctx, np.array([0.0, np.nan, 0.0, 1.0])))
+    with pytest.raises(MethodError, match="3 steps|step advantages"):
+        _finish(ctx, CreditResult(None, step_adv=np.zeros(3)))

@@ -277,12 +277,34 @@ class CreditContext:
 
 @dataclass
 class CreditResult:
-    """Token advantages (flat, aligned with the context's tokens) and the per-step components."""
+    """Token advantages (flat, aligned with the context's tokens) and the per-step components.
 
-    token_adv: np.ndarray
+    An estimator whose advantage is constant over each step's tokens (GRPO, RLOO, GDPO, MT-GRPO, GiGPO, ...)
+    returns `CreditResult.per_step(ctx, step_adv, ...)`: the per-token array is then built only if something
+    reads `token_adv` (a refiner), and the advantages table repeats the per-step float32 values straight into
+    its list column."""
+
+    token_adv: np.ndarray = _LazyArray()  # type: ignore[assignment]
     components: dict[str, np.ndarray] = field(default_factory=dict)  # per step row; NaN = null
     token_returns: np.ndarray | None = None
     notes: dict[str, float] = field(default_factory=dict)  # counts for the summary (fallbacks, ...)
+    # per step row (0 on non-assistant steps) when token_adv is that value on each of the step's tokens
+    step_adv: np.ndarray | None = None
+
+    @classmethod
+    def per_step(cls, ctx: CreditContext, step_adv: np.ndarray, components: dict[str, np.ndarray] | None = None,
+                 notes: dict[str, float] | None = None, token_returns: np.ndarray | None = None) -> CreditResult:
+        """A per-step advantage on every assistant token of the step (0 elsewhere); `ctx.broadcast_step` of it
+        is `token_adv`, built on first read."""
+        per_step = np.where(ctx.steps["is_assistant"].to_numpy(), np.asarray(step_adv, dtype=np.float64), 0.0)
+        lengths = ctx.steps["n_tokens"].to_numpy()
+        return cls(_Deferred(lambda: np.repeat(per_step, lengths)), dict(components or {}), token_returns,
+                   dict(notes or {}), per_step)
+
+    def raw_token_adv(self):
+        """token_adv as stored: the array, or its deferred builder (not built by this call)."""
+        return self.__dict__.get("token_adv")
 
     def with_components(self, **comps: np.ndarray) -> CreditResult:
-        return CreditResult(self.token_adv, {**self.components, **comps}, self.token_returns, dict(self.notes))
+        return CreditResult(self.raw_token_adv(), {**self.components, **comps}, self.token_returns, dict(self.notes),
+                            self.step_adv)

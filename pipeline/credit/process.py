@@ -15,6 +15,15 @@ def _list_column(flat: np.ndarray, offsets: np.ndarray, dtype=pa.float32()) -> p
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat.astype(np.float32), type=dtype))
 
 
+def _token_adv_column(ctx: CreditContext, result: CreditResult, offsets: np.ndarray) -> pa.Array:
+    """The token_adv list column; a per-step result is repeated straight into float32 (the same values as
+    building its float64 token array and casting it)."""
+    if result.step_adv is not None and not isinstance(result.raw_token_adv(), np.ndarray):
+        flat = np.repeat(result.step_adv.astype(np.float32), ctx.steps["n_tokens"].to_numpy())
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, type=pa.float32()))
+    return _list_column(result.token_adv, offsets)
+
+
 def _components_struct(ctx: CreditContext, comps: dict[str, np.ndarray]) -> pa.StructArray:
     arrays = []
     for name in COMPONENT_FIELDS:
@@ -43,7 +52,7 @@ def advantages_table(ctx: CreditContext, method: str, result: CreditResult) -> p
             "step_idx": steps["step_idx"].to_arrow().cast(pa.int32()),
             "role": steps["role"].to_arrow().cast(pa.string()),
             "turn": steps["turn"].to_arrow().cast(pa.int32()),
-            "token_adv": _list_column(result.token_adv, offsets),
+            "token_adv": _token_adv_column(ctx, result, offsets),
             "token_returns": returns if returns is not None else pa.nulls(ctx.n_steps, pa.list_(pa.float32())),
             "components": _components_struct(ctx, result.components),
         }

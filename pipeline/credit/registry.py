@@ -118,6 +118,21 @@ def run_methods(ctx: CreditContext, methods: list[str]) -> dict[str, CreditResul
 
 def _finish(ctx: CreditContext, result: CreditResult) -> CreditResult:
     """Enforce the contract: one value per token, zero off the assistant mask, finite."""
+    for name, comp in result.components.items():
+        if np.shape(comp) != (ctx.n_steps,):
+            raise MethodError(f"component {name!r} has shape {np.shape(comp)}, expected ({ctx.n_steps},)")
+    if result.step_adv is not None and not isinstance(result.raw_token_adv(), np.ndarray):
+        # per step (CreditResult.per_step): check the steps, the tokens follow; steps without tokens hold 0
+        step = np.asarray(result.step_adv, dtype=np.float64)
+        if step.shape != (ctx.n_steps,):
+            raise MethodError(f"estimator returned {step.shape} step advantages for {ctx.n_steps} steps")
+        n_tok = ctx.steps["n_tokens"].to_numpy()
+        step = np.where(ctx.steps["is_assistant"].to_numpy() & (n_tok > 0), step, 0.0)
+        if not np.isfinite(step.sum()) and not np.isfinite(step).all():
+            bad = int(np.flatnonzero(~np.isfinite(step))[0])
+            traj = ctx.trajectories["traj_id"][int(ctx.step_traj[bad])]
+            raise MethodError(f"non-finite advantage on trajectory {traj!r} (token {int(ctx.steps['tok_start'][bad])})")
+        return CreditResult.per_step(ctx, step, result.components, result.notes, result.token_returns)
     adv = np.asarray(result.token_adv, dtype=np.float64)
     if adv.shape != (ctx.n_tokens,):
         raise MethodError(f"estimator returned {adv.shape} token advantages for {ctx.n_tokens} tokens")
@@ -126,7 +141,4 @@ def _finish(ctx: CreditContext, result: CreditResult) -> CreditResult:
         bad = int(np.flatnonzero(~np.isfinite(adv))[0])
         traj = ctx.trajectories["traj_id"][int(ctx.tok_traj[bad])]
         raise MethodError(f"non-finite advantage on trajectory {traj!r} (token {bad})")
-    for name, comp in result.components.items():
-        if np.shape(comp) != (ctx.n_steps,):
-            raise MethodError(f"component {name!r} has shape {np.shape(comp)}, expected ({ctx.n_steps},)")
     return CreditResult(adv, result.components, result.token_returns, result.notes)

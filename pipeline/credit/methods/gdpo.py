@@ -75,11 +75,9 @@ def gdpo(ctx: CreditContext, settings: GDPOSettings) -> CreditResult:
         L_i = np.bincount(ctx.tok_traj[ctx.tok_mask], minlength=ctx.n_traj).astype(np.float64)
         A = token_weighted_whiten(pre, L_i)
     score = R_c @ w
-    return CreditResult(
-        token_adv=ctx.broadcast_traj(A),
-        components={"a_hat": ctx.traj_to_steps(A), "score": ctx.traj_to_steps(score)},
-        notes={"components": float(len(names)), "singleton_batch": float(ctx.n_traj < 2)},
-    )
+    a_step = ctx.traj_to_steps(A)
+    return CreditResult.per_step(ctx, a_step, {"a_hat": a_step, "score": ctx.traj_to_steps(score)},
+                                 notes={"components": float(len(names)), "singleton_batch": float(ctx.n_traj < 2)})
 
 
 def token_weighted_whiten(x: np.ndarray, L_i: np.ndarray) -> np.ndarray:

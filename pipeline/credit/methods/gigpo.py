@@ -120,8 +120,7 @@ def gigpo(ctx: CreditContext, settings: GiGPOSettings) -> CreditResult:
     per_step = {name: np.full(ctx.n_steps, np.nan) for name in ("a_hat", "a_episode", "a_step", "score")}
     for name, values in (("a_hat", A), ("a_episode", A_E), ("a_step", A_S), ("score", G)):
         per_step[name][step_row] = values
-    return CreditResult(
-        token_adv=ctx.broadcast_step(np.nan_to_num(per_step["a_hat"])),
-        components=per_step,
+    return CreditResult.per_step(
+        ctx, np.nan_to_num(per_step["a_hat"]), per_step,
         notes={"step_groups": float(len(np.unique(sg))), "singleton_step_groups": float(np.sum(sg_n < 2))},
     )

@@ -24,10 +24,8 @@ def grpo_traj_advantage(ctx: CreditContext, settings: GRPOSettings, rewards: np.
 
 
 def _result(ctx: CreditContext, a_traj: np.ndarray, score: np.ndarray) -> CreditResult:
-    return CreditResult(
-        token_adv=ctx.broadcast_traj(a_traj),
-        components={"a_hat": ctx.traj_to_steps(a_traj), "score": ctx.traj_to_steps(score)},
-    )
+    a_step = ctx.traj_to_steps(a_traj)
+    return CreditResult.per_step(ctx, a_step, {"a_hat": a_step, "score": ctx.traj_to_steps(score)})
 
 
 @estimator("grpo", settings="grpo")

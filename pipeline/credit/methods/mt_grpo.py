@@ -118,8 +118,6 @@ def _segment_start_values(values: np.ndarray, segments: np.ndarray) -> np.ndarra
 
 def _result(ctx, per_step, score, turn_term, missing) -> CreditResult:
     is_asst = ctx.steps["is_assistant"].to_numpy()
-    return CreditResult(
-        token_adv=ctx.broadcast_step(per_step),
-        components={"a_hat": np.where(is_asst, per_step, np.nan), "score": score, "a_step": turn_term},
-        notes={"missing_turn_reward": float(missing)},
-    )
+    return CreditResult.per_step(ctx, per_step,
+                                 {"a_hat": np.where(is_asst, per_step, np.nan), "score": score, "a_step": turn_term},
+                                 notes={"missing_turn_reward": float(missing)})

@@ -65,10 +65,9 @@ def grpo_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult
     rewards = penalised_rewards(ctx, settings.beta, s_step)
     a = grpo_traj_advantage(ctx, ctx.stage("grpo"), rewards)
     has = s_step > 0
-    return CreditResult(
-        token_adv=ctx.broadcast_traj(a),
-        components={"a_hat": ctx.traj_to_steps(a), "score": ctx.traj_to_steps(rewards),
-                    "severity": np.where(has, s_step, np.nan)},
+    return CreditResult.per_step(
+        ctx, ctx.traj_to_steps(a),
+        {"a_hat": ctx.traj_to_steps(a), "score": ctx.traj_to_steps(rewards), "severity": np.where(has, s_step, np.nan)},
         notes={"process_reward.penalised_turns": float(has.sum())},
     )
 

@@ -33,8 +33,6 @@ def rloo(ctx: CreditContext, settings: RLOOSettings) -> CreditResult:
     A = R - baseline
     if settings.singleton == "zero":
         A = np.where(G > 1, A, 0.0)
-    return CreditResult(
-        token_adv=ctx.broadcast_traj(A),
-        components={"a_hat": ctx.traj_to_steps(A), "score": ctx.traj_to_steps(R)},
-        notes={"singleton_groups": float(np.sum(G == 1))},
-    )
+    a_step = ctx.traj_to_steps(A)
+    return CreditResult.per_step(ctx, a_step, {"a_hat": a_step, "score": ctx.traj_to_steps(R)},
+                                 notes={"singleton_groups": float(np.sum(G == 1))})

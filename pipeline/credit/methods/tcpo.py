@@ -312,7 +312,7 @@ def _broadcast(ctx: CreditContext, turns: pl.DataFrame, per_turn: dict[str, np.n
         comp[on_turn] = np.asarray(values, dtype=np.float64)[rows[on_turn]]
         components[name] = comp
     adv_step = np.nan_to_num(components["a_hat"], nan=0.0)
-    return CreditResult(ctx.broadcast_step(adv_step), components, notes=notes)
+    return CreditResult.per_step(ctx, adv_step, components, notes=notes)
 
 
 # ---- registered methods: TCPO and the ablations of Tables 3 and 4 ----------------------------------

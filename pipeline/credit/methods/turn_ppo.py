@@ -67,13 +67,9 @@ def turn_ppo(ctx: CreditContext, settings: TurnPPOSettings) -> CreditResult:
     per_step_A[h] = A_out
     per_step_ret = np.zeros(ctx.n_steps)
     per_step_ret[h] = A_turn + V
-    token_adv = ctx.broadcast_step(per_step_A)
     a_hat = np.full(ctx.n_steps, np.nan)
     a_hat[h] = A_out
     score = np.full(ctx.n_steps, np.nan)
     score[h] = r
-    return CreditResult(
-        token_adv=token_adv,
-        components={"a_hat": a_hat, "score": score},
-        token_returns=ctx.broadcast_step(per_step_ret),
-    )
+    return CreditResult.per_step(ctx, per_step_A, {"a_hat": a_hat, "score": score},
+                                 token_returns=ctx.broadcast_step(per_step_ret))
