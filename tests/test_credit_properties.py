@@ -231,6 +231,59 @@ def test_gigpo_singleton_step_groups_and_shared_anchors(seed, similarity):
                 assert sg[i] == sg[j]
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.lists(st.sampled_from(["a", "b", "a\nb", "", None, "page 1"]), min_size=1, max_size=6))
+def test_gigpo_anchors_match_a_plain_loop(seed, contents):
+    _anchor_case(seed, contents)
+
+
+def _anchor_case(seed, contents):
+    """anchor_observations against a loop over the steps (the non-assistant contents since the previous assistant
+    step, nulls skipped, joined by newlines), with null, empty and newline-holding contents and runs of several
+    observation steps; exact step groups are the (prompt group, anchor) pairs numbered by first appearance."""
+    import polars as pl
+
+    from pipeline.credit.methods.gigpo import anchor_observations, step_groups
+
+    traj, steps = gigpo_round(seed)
+    rng = np.random.default_rng(seed)
+    content = [contents[i] for i in rng.integers(0, len(contents), steps.num_rows)]
+    steps = steps.set_column(steps.column_names.index("content"), "content", pa.array(content, pa.string()))
+    ctx = CreditContext.from_arrow(traj, steps)
+    expect, parts, prev = [], [], None
+    for row, (t, is_asst, text) in enumerate(zip(ctx.step_traj.tolist(), ctx.steps["is_assistant"].to_list(),
+                                                  ctx.steps["content"].to_list(), strict=True)):
+        if t != prev:
+            parts, prev = [], t
+        if is_asst:
+            expect.append((row, "\n".join(p for p in parts if p is not None)))
+            parts = []
+        else:
+            parts.append(text)
+    rows = anchor_observations(ctx)
+    assert list(zip(rows["step_row"].to_list(), rows["anchor"].to_list(), strict=True)) == expect
+    turns = rows.with_columns(pl.int_range(pl.len()).over("traj_index").alias("k"))
+    assert turns["turns_before"].to_list() == turns["k"].to_list()
+    pairs = list(zip(rows["group_index"].to_list(), rows["anchor"].to_list(), strict=True))
+    first = {}
+    for key in pairs:
+        first.setdefault(key, len(first))
+    assert step_groups(rows, False, 0.9).tolist() == [first[k] for k in pairs]
+    return rows, [first[k] for k in pairs]
+
+
+def test_gigpo_step_groups_survive_hash_collisions(monkeypatch):
+    """Every anchor hashing alike (a forced 64-bit collision) still gives the exact (group, text) numbering."""
+    import polars as pl
+
+    from pipeline.credit.methods.gigpo import step_groups
+
+    rows, expect = _anchor_case(7, ["a", "b", "a\nb", "", None])
+    assert len(set(expect)) > 1
+    monkeypatch.setattr(pl.Series, "hash", lambda self, seed=0: pl.Series([0] * len(self), dtype=pl.UInt64))
+    assert step_groups(rows, False, 0.9).tolist() == expect
+
+
 def test_gigpo_by_hand():
     trajs = [{"id": "a", "group": "g", "reward": 1.0}, {"id": "b", "group": "g", "reward": 0.0}]
     steps = []

@@ -16,6 +16,7 @@ An action is invalid when its assistant step has is_error = true."""
 from __future__ import annotations
 
 import difflib
+import itertools
 from typing import Literal
 
 import numpy as np
@@ -43,41 +44,78 @@ class GiGPOSettings(StageSettings):
 
 
 def anchor_observations(ctx: CreditContext) -> pl.DataFrame:
-    """Assistant steps (`step_row`, traj_index, group_index) with their anchor observation text."""
-    steps = ctx.steps.with_row_index("step_row").with_columns(
-        (pl.col("is_assistant").cum_sum() - pl.col("is_assistant")).over("traj_index").alias("turns_before")
-    )
-    obs = (
-        steps.filter(~pl.col("is_assistant"))
-        .group_by("traj_index", "turns_before", maintain_order=True)
-        .agg(pl.col("content").str.join("\n").alias("anchor"))
-    )
-    return (
-        steps.filter(pl.col("is_assistant"))
-        .select("step_row", "traj_index", "group_index", "turns_before", "is_error", "verifier_score")
-        .join(obs, on=["traj_index", "turns_before"], how="left")
-        .with_columns(pl.col("anchor").fill_null(""))
-        .sort("step_row")
-    )
+    """Assistant steps (`step_row`, traj_index, group_index, turns_before) with their anchor observation text:
+    the contents (nulls skipped) of the non-assistant steps between the previous assistant step of the
+    trajectory (or its start) and this one, joined by newlines; "" when there are none.
+
+    Whole-column: each anchor is a run of rows, so a one-step anchor is that step's content (a take) and only
+    the anchors of several steps are joined."""
+    steps = ctx.steps
+    is_asst = steps["is_assistant"].to_numpy()
+    traj = ctx.step_traj
+    n = len(is_asst)
+    idx = np.arange(n)
+    traj_first = np.ones(n, dtype=bool)
+    traj_first[1:] = traj[1:] != traj[:-1]
+    traj_start = np.maximum.accumulate(np.where(traj_first, idx, 0)) if n else idx
+    # the last assistant row before each row (-1: none)
+    last_asst = np.maximum.accumulate(np.where(is_asst, idx, -1)) if n else idx
+    prev_asst = np.concatenate([[-1], last_asst[:-1]]) if n else idx
+    rows = np.flatnonzero(is_asst)
+    run_start = np.maximum(prev_asst[rows] + 1, traj_start[rows])
+    run_len = rows - run_start
+    content = steps["content"] if "content" in steps.columns else pl.Series("content", [None] * n, pl.String)
+    anchor = content.gather(np.where(run_len > 0, run_start, 0)).fill_null("") if n else content.clear()
+    anchor = pl.select(pl.when(pl.Series(run_len) > 0).then(anchor).otherwise(pl.lit(""))).to_series()
+    multi = np.flatnonzero(run_len > 1)
+    if len(multi):  # several observation steps: join them (a loop over those anchors, not over tokens)
+        lens = run_len[multi]
+        member = np.repeat(run_start[multi] - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
+        texts = iter(content.gather(member).to_list())  # the runs' rows only, in order
+        joined = ["\n".join(t for t in itertools.islice(texts, k) if t is not None) for k in lens.tolist()]
+        anchor = anchor.scatter(multi, pl.Series(joined, dtype=pl.String))
+    asst = steps.filter(pl.col("is_assistant"))
+    turns_before = idx[: len(rows)] - np.searchsorted(rows, traj_start[rows])  # assistant steps before, same trajectory
+    return pl.DataFrame({
+        "step_row": pl.Series(rows, dtype=pl.UInt32),
+        "traj_index": asst["traj_index"],
+        "group_index": asst["group_index"],
+        "turns_before": pl.Series(turns_before, dtype=pl.Int64),
+        "is_error": asst["is_error"] if "is_error" in asst.columns else pl.Series([None] * len(rows), dtype=pl.Boolean),
+        "verifier_score": asst["verifier_score"],
+        "anchor": anchor.rename("anchor"),
+    })
 
 
 def step_groups(rows: pl.DataFrame, enable_similarity: bool, thresh: float) -> np.ndarray:
     """Dense step-group id per row: exact anchor match within the prompt group, or similarity clusters."""
+    if not enable_similarity:
+        # exact: (prompt group, hash of the anchor text), every text checked against its key's first text (a
+        # collision falls back to numbering the distinct texts); numbered in order of first appearance
+        anchor, group = rows["anchor"], rows["group_index"].to_numpy()
+        with np.errstate(over="ignore"):
+            key = anchor.hash(seed=0).to_numpy() ^ (group.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        rep = first[inverse]
+        if not ((anchor == anchor.gather(rep)).all() and np.array_equal(group, group[rep])):
+            # a 64-bit collision: number the distinct texts exactly instead
+            text_id = anchor.unique(maintain_order=True)
+            tid = anchor.replace_strict(text_id, np.arange(len(text_id)), return_dtype=pl.Int64).to_numpy()
+            _, first, inverse = np.unique(group.astype(np.int64) * max(len(text_id), 1) + tid, return_index=True,
+                                          return_inverse=True)
+        order = np.argsort(np.argsort(first))  # number the keys by their first row
+        return order[inverse.reshape(-1)].astype(np.int64)
     uniq = rows.select("group_index", "anchor").unique(maintain_order=True).with_row_index("anchor_id")
-    if enable_similarity:
-        # first-cluster assignment per prompt group; a loop over distinct anchors, off the token path
-        clusters: dict[int, list[tuple[str, int]]] = {}
-        cluster = np.empty(uniq.height, dtype=np.int64)
-        for i, (g, text) in enumerate(zip(uniq["group_index"].to_list(), uniq["anchor"].to_list(), strict=True)):
-            members = clusters.setdefault(g, [])
-            match = next(
-                (cid for rep, cid in members if difflib.SequenceMatcher(None, text, rep).ratio() >= thresh), None
-            )
-            if match is None:
-                match = i
-                members.append((text, i))
-            cluster[i] = match
-        uniq = uniq.with_columns(pl.Series("anchor_id", cluster))
+    clusters: dict[int, list[tuple[str, int]]] = {}
+    cluster = np.empty(uniq.height, dtype=np.int64)
+    for i, (g, text) in enumerate(zip(uniq["group_index"].to_list(), uniq["anchor"].to_list(), strict=True)):
+        members = clusters.setdefault(g, [])
+        match = next((cid for rep, cid in members if difflib.SequenceMatcher(None, text, rep).ratio() >= thresh), None)
+        if match is None:
+            match = i
+            members.append((text, i))
+        cluster[i] = match
+    uniq = uniq.with_columns(pl.Series("anchor_id", cluster))
     return rows.join(uniq, on=["group_index", "anchor"], how="left", maintain_order="left")["anchor_id"].to_numpy()
 
 
