@@ -252,7 +252,8 @@ def main() -> None:
         "credit_batch reads) + the trajectories, write the method's advantages part with the lake's writer options "
         "(zstd). Reference: the per-trajectory Python oracle of tests/test_credit_reference.py (load + method + "
         f"per-token layout), timed on {args.ref_groups} groups of the first batch and **extrapolated** to the round "
-        "by assistant tokens.",
+        "by assistant tokens. Engine compute: the engine from the same Arrow tables in memory (no I/O), after one "
+        "untimed warm-up call (the process's one-off imports and first heap growth).",
         "",
         *md_table(headers, rows),
     ]

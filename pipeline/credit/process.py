@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
 
 from pipeline.config import Config
@@ -39,16 +40,16 @@ def _components_struct(ctx: CreditContext, comps: dict[str, np.ndarray]) -> pa.S
 def advantages_table(ctx: CreditContext, method: str, result: CreditResult) -> pa.Table:
     offsets = ctx.step_offsets
     steps = ctx.steps
-    group_ids = ctx.trajectories["group_id"].to_numpy()[ctx.step_traj]
+    group_ids = ctx.trajectories["group_id"].cast(pl.String).gather(ctx.step_traj).to_arrow()
     returns = None
     if result.token_returns is not None:
         returns = _list_column(np.where(ctx.tok_mask, result.token_returns, 0.0), offsets)
     return pa.table(
         {
             "round": pa.array(np.full(ctx.n_steps, ctx.round, dtype=np.int32)),
-            "method": pa.array([method] * ctx.n_steps, pa.string()),
+            "method": pa.repeat(pa.scalar(method, pa.string()), ctx.n_steps),
             "traj_id": steps["traj_id"].to_arrow().cast(pa.string()),
-            "group_id": pa.array(group_ids, pa.string()),
+            "group_id": group_ids.cast(pa.string()),
             "step_idx": steps["step_idx"].to_arrow().cast(pa.int32()),
             "role": steps["role"].to_arrow().cast(pa.string()),
             "turn": steps["turn"].to_arrow().cast(pa.int32()),
