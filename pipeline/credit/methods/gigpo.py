@@ -65,8 +65,9 @@ def anchor_observations(ctx: CreditContext) -> pl.DataFrame:
     run_start = np.maximum(prev_asst[rows] + 1, traj_start[rows])
     run_len = rows - run_start
     content = steps["content"] if "content" in steps.columns else pl.Series("content", [None] * n, pl.String)
-    anchor = content.gather(np.where(run_len > 0, run_start, 0)).fill_null("") if n else content.clear()
-    anchor = pl.select(pl.when(pl.Series(run_len) > 0).then(anchor).otherwise(pl.lit(""))).to_series()
+    # a null index (no observation before the turn) gathers a null: "" like a null content
+    first = pl.Series(np.where(run_len > 0, run_start, 0), dtype=pl.Int64).scatter(np.flatnonzero(run_len == 0), None)
+    anchor = content.gather(first).fill_null("")
     multi = np.flatnonzero(run_len > 1)
     if len(multi):  # several observation steps: join them (a loop over those anchors, not over tokens)
         lens = run_len[multi]
@@ -74,7 +75,8 @@ def anchor_observations(ctx: CreditContext) -> pl.DataFrame:
         texts = iter(content.gather(member).to_list())  # the runs' rows only, in order
         joined = ["\n".join(t for t in itertools.islice(texts, k) if t is not None) for k in lens.tolist()]
         anchor = anchor.scatter(multi, pl.Series(joined, dtype=pl.String))
-    asst = steps.filter(pl.col("is_assistant"))
+    cols = [c for c in ("traj_index", "group_index", "is_error", "verifier_score") if c in steps.columns]
+    asst = steps.select(*cols, "is_assistant").filter(pl.col("is_assistant"))  # not the content
     turns_before = idx[: len(rows)] - np.searchsorted(rows, traj_start[rows])  # assistant steps before, same trajectory
     return pl.DataFrame({
         "step_row": pl.Series(rows, dtype=pl.UInt32),
