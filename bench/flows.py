@@ -321,7 +321,7 @@ def render(args, settings, synth_s: float, r: dict[str, dict], same: bool, same_
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (other jobs share this machine: absolute times are noisy).",
         "",
         f"Each mode ran {args.repeat} time(s), interleaved with the others; the table keeps each mode's fastest run. "
-        "peak RSS: the mode's process (ru_maxrss); tree RSS: it plus its worker processes, sampled every 50 ms.",
+        "peak RSS: the mode's process (ru_maxrss); tree RSS: it plus its worker processes, sampled every 100 ms.",
         "",
         "| mode | wall s | M tokens/s | peak RSS MB | tree RSS MB | API start-up s | cached stage tasks |",
         "|---|---|---|---|---|---|---|",
