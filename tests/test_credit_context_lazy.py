@@ -28,6 +28,8 @@ def test_lazy_token_arrays_match_eager(seed):
     starts = ctx.steps["tok_start"].to_numpy()
     for name, col in (("tok_logprob", "logprobs"), ("tok_value", "values")):
         eager = _flat_list_floats(sorted_steps.column(col), starts, ctx.n_tokens)
+        fresh = CreditContext.from_arrow(traj, steps)  # mask_values before anything builds the token array
+        np.testing.assert_array_equal(fresh.mask_values(name), eager[fresh.tok_mask])
         np.testing.assert_array_equal(ctx.values_at(name, pos), eager[pos])  # before the array is built
         np.testing.assert_array_equal(getattr(ctx, name), eager)
         np.testing.assert_array_equal(ctx.values_at(name, pos), eager[pos])  # after

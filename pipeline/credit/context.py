@@ -74,13 +74,20 @@ def _list_values_at(col: pa.ChunkedArray, starts: np.ndarray, n_tokens: int, pos
 
 
 def _list_values_on_rows(col: pa.ChunkedArray, rows: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
-    """The values of the lists at `rows`, end to end, when none is null and each has `lengths` values (else
-    None: the caller flattens the whole column)."""
+    """The values of the lists at `rows` (increasing), end to end, when none is null and each has `lengths`
+    values (else None: the caller flattens the whole column). A mask over the flat values, no take of the lists."""
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    sub = arr.take(pa.array(rows, pa.int64()))
-    if sub.null_count or not np.array_equal(pc.list_value_length(sub).to_numpy(zero_copy_only=False), lengths):
+    rows = np.asarray(rows, dtype=np.int64)
+    if arr.null_count and not arr.is_valid().to_numpy(zero_copy_only=False)[rows].all():
         return None
-    return pc.list_flatten(sub).to_numpy(zero_copy_only=False).astype(np.float64)
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    list_len = np.diff(offsets)
+    if not np.array_equal(list_len[rows], lengths):
+        return None
+    chosen = np.zeros(len(arr), dtype=bool)
+    chosen[rows] = True
+    flat = arr.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
+    return flat[np.repeat(chosen, list_len)].astype(np.float64)
 
 
 class _LazyArray:
