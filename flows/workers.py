@@ -116,4 +116,16 @@ def run(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             if _pools.get(size) is pool:
                 del _pools[size]
         raise RuntimeError(f"a creditflow worker process died while running {getattr(fn, '__name__', fn)}"
-                           f"{args[2:4] if len(args) >= 4 else ''}: {exc}") from exc
+                           f"{args[2:4] if len(args) >= 4 else ''}: {str(exc).rstrip('.')}{_script_hint()}") from exc
+
+
+def _script_hint() -> str:
+    """When the flow was started from a script: its workers import that script (multiprocessing's rule for
+    forkserver and spawn), so unguarded top-level code runs again in each worker, and usually kills it."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    if getattr(main, "__spec__", None) is None and getattr(main, "__file__", None):
+        return (f". The worker processes import the main script {main.__file__}: put its top-level code under "
+                "`if __name__ == \"__main__\":` (multiprocessing's rule), or set flow.processes: false")
+    return ""

@@ -163,8 +163,26 @@ def test_worker_processes_match_threads_only(tmp_path, prefect_harness, monkeypa
         assert workers.run(1, os.getenv, "CREDITFLOW_PROBE") == "set after the pool started"
         with pytest.raises(ValueError, match="invalid literal"):
             workers.run(1, int, "not a number")
+        with pytest.raises(RuntimeError, match="worker process died while running _exit"):
+            workers.run(1, os._exit, 3)
+        assert workers.run(1, os.getpid) != os.getpid()  # the broken pool was replaced
     finally:
         workers.shutdown()
+
+
+def test_worker_death_names_an_unguarded_main_script(monkeypatch):
+    """Started from a plain script, the error says why workers may die: they import that script."""
+    import sys
+    import types
+
+    from flows import workers
+
+    script = types.ModuleType("__main__")
+    script.__file__, script.__spec__ = "/somewhere/train.py", None
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    assert "/somewhere/train.py" in workers._script_hint() and "__name__" in workers._script_hint()
+    script.__spec__ = types.SimpleNamespace(name="train")  # python -m train, a console script: no hint
+    assert workers._script_hint() == ""
 
 
 @pytest.mark.slow
