@@ -74,6 +74,7 @@ _WS_ACTION = re.compile(r"<action>(.*?)</action>", re.S)
 _WS_VERB = re.compile(r"(search|click)\[(.*)\]", re.S)
 _CJK = re.compile(r"[\u2e80-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]")
 _ADMISSIBLE = re.compile(r"admissible actions[^\[]*\[(.*?)\]\s*\.?\s*$", re.S | re.I)
+_QUOTED = re.compile(r"'([^']*)'|\"([^\"]*)\"")
 
 
 def webshop_available(traj: TrajView, step: StepView) -> tuple[bool, set[str]] | None:
@@ -98,7 +99,7 @@ def webshop_available(traj: TrajView, step: StepView) -> tuple[bool, set[str]] |
     m = _ADMISSIBLE.search(obs.content)
     if m is None:
         return None
-    items = re.findall(r"'([^']*)'|\"([^\"]*)\"", m.group(1))
+    items = _QUOTED.findall(m.group(1))
     items = [a or b for a, b in items]
     has_search = any(i.startswith("search[") for i in items)
     clicks = {i[6:-1].lower() for i in items if i.startswith("click[") and i.endswith("]")}

@@ -8,6 +8,7 @@ import string
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _THINK = re.compile(r"<think>.*?</think>", re.S)
+_LEADING_THINK = re.compile(r"\s*<think>.*?</think>\s*", re.S)
 
 
 def normalize_answer(s: str) -> str:
@@ -43,7 +44,7 @@ def turn_range(content: str, exclude_think: bool) -> tuple[int, int]:
     """Char range of the whole turn; with exclude_think, a leading <think>...</think> block is left out."""
     start, end = 0, len(content)
     if exclude_think:
-        m = re.match(r"\s*<think>.*?</think>\s*", content, re.S)
+        m = _LEADING_THINK.match(content)
         if m and m.end() < end:
             start = m.end()
     return start, end
