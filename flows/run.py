@@ -20,8 +20,10 @@ def run_process(cfg: Config, round_: int, quiet: bool = False) -> dict:
     from flows.progress import rich_progress
     from flows.runners import make_task_runner, worker_api
     from flows.summary import print_summary
+    from flows.workers import warm_in_background
     from warehouse.lake import Lake
 
+    warm_in_background(cfg)  # worker processes start while the API (ephemeral: seconds) comes up
     lake = Lake(cfg.lake)
     t0 = time.perf_counter()
     with worker_api(cfg):

@@ -170,6 +170,29 @@ def test_worker_processes_match_threads_only(tmp_path, prefect_harness, monkeypa
         workers.shutdown()
 
 
+def test_worker_processes_warm_in_background(tmp_path):
+    """`creditflow process` starts the worker processes from a thread before the API comes up: a config that
+    uses them gets a warm pool, one that does not starts nothing."""
+    import threading
+
+    from flows import workers
+
+    lake = Lake(tmp_path / "lake")
+
+    def warm_threads():
+        return [t for t in threading.enumerate() if t.name == "creditflow-warm"]
+
+    workers.warm_in_background(cfg_for(lake, sets=["flow.processes=false"], max_workers=2))
+    assert not warm_threads() and not workers._pools
+    try:
+        workers.warm_in_background(cfg_for(lake, sets=["flow.processes=true"], max_workers=1))
+        for t in warm_threads():
+            t.join(timeout=60)
+        assert 1 in workers._pools and workers.run(1, os.getpid) != os.getpid()
+    finally:
+        workers.shutdown()
+
+
 def test_worker_death_names_an_unguarded_main_script(monkeypatch):
     """Started from a plain script, the error says why workers may die: they import that script."""
     import sys
