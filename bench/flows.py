@@ -76,13 +76,20 @@ class TreeRSS:
                 pass
         return pids
 
-    def _rss(self, pid: int) -> int:
-        try:
-            if pid not in self._skip:
+    def _is_api(self, pid: int) -> bool:
+        """Prefect's API server (uvicorn), from the process's command line (read once per process)."""
+        if pid not in self._skip:
+            try:
                 with open(f"/proc/{pid}/cmdline", "rb") as fh:
                     self._skip[pid] = b"uvicorn" in fh.read()
-            if self._skip[pid]:
-                return 0
+            except OSError:
+                return False
+        return self._skip[pid]
+
+    def _rss(self, pid: int) -> int:
+        if self._is_api(pid):
+            return 0
+        try:
             with open(f"/proc/{pid}/statm") as fh:
                 return int(fh.read().split()[1]) * self._page
         except OSError:
@@ -94,7 +101,7 @@ class TreeRSS:
         self.peak = max(self.peak, sum(self._rss(p) for p in pids))
         for p in pids:
             if p != me and (c := _proc_cpu(p)) is not None:
-                self._cpu[p] = c
+                self._cpu[p] = (c, "api" if self._is_api(p) else "workers")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -120,16 +127,14 @@ class TreeRSS:
         self._thread.join()
 
 
-def _proc_cpu(pid: int) -> tuple[float, str] | None:
-    """(CPU seconds so far, role) of one process from /proc; role: api (Prefect's uvicorn server) or workers."""
+def _proc_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system) so far of one process, from /proc."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
             fields = fh.read().rsplit(")", 1)[1].split()
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            cmd = fh.read()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), "api" if b"uvicorn" in cmd else "workers"
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _stats(lake) -> dict:

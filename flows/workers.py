@@ -24,6 +24,7 @@ semaphore for work in the flow's process).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -138,8 +139,6 @@ def run(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def _script_hint() -> str:
     """When the flow was started from a script: its workers import that script (multiprocessing's rule for
     forkserver and spawn), so unguarded top-level code runs again in each worker, and usually kills it."""
-    import sys
-
     main = sys.modules.get("__main__")
     if getattr(main, "__spec__", None) is None and getattr(main, "__file__", None):
         return (f". The worker processes import the main script {main.__file__}: put its top-level code under "

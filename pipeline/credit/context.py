@@ -295,7 +295,8 @@ class CreditResult:
     components: dict[str, np.ndarray] = field(default_factory=dict)  # per step row; NaN = null
     token_returns: np.ndarray | None = None
     notes: dict[str, float] = field(default_factory=dict)  # counts for the summary (fallbacks, ...)
-    # per step row (0 on non-assistant steps) when token_adv is that value on each of the step's tokens
+    # per step row (0 on non-assistant steps) when token_adv is that value on each of the step's tokens; set only
+    # by per_step and carried by with_components, so step_adv present means token_adv == its broadcast
     step_adv: np.ndarray | None = None
 
     @classmethod

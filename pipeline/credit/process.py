@@ -19,7 +19,7 @@ def _list_column(flat: np.ndarray, offsets: np.ndarray, dtype=pa.float32()) -> p
 def _token_adv_column(ctx: CreditContext, result: CreditResult, offsets: np.ndarray) -> pa.Array:
     """The token_adv list column; a per-step result is repeated straight into float32 (the same values as
     building its float64 token array and casting it)."""
-    if result.step_adv is not None and not isinstance(result.raw_token_adv(), np.ndarray):
+    if result.step_adv is not None:
         flat = np.repeat(result.step_adv.astype(np.float32), ctx.steps["n_tokens"].to_numpy())
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, type=pa.float32()))
     return _list_column(result.token_adv, offsets)

@@ -121,7 +121,7 @@ def _finish(ctx: CreditContext, result: CreditResult) -> CreditResult:
     for name, comp in result.components.items():
         if np.shape(comp) != (ctx.n_steps,):
             raise MethodError(f"component {name!r} has shape {np.shape(comp)}, expected ({ctx.n_steps},)")
-    if result.step_adv is not None and not isinstance(result.raw_token_adv(), np.ndarray):
+    if result.step_adv is not None:
         # per step (CreditResult.per_step): check the steps, the tokens follow; steps without tokens hold 0
         step = np.asarray(result.step_adv, dtype=np.float64)
         if step.shape != (ctx.n_steps,):
