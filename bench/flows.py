@@ -6,11 +6,12 @@ Each mode runs in its own subprocess (a fresh copy of the round's trajectories/s
 mode:
 - bare-1:   the plain functions (flows/batch.py) batch after batch, then the stats, no Prefect;
 - bare-2:   the same with 2 threads over batches (does the work itself release the GIL?);
-- flow-1:   process_round_flow, thread runner, 1 worker (orchestration overhead = flow-1 / bare-1);
-- flow-2:   thread runner, 2 workers (speed-up = flow-1 / flow-2), the batch stages in 2 worker processes
-            (flow.processes=auto, the default with more than one worker);
-- flow-2t:  thread runner, 2 workers, stages in the threads themselves (flow.processes=false);
-- flow-1p:  (--modes only) thread runner, 1 worker, its stages in a worker process (flow.processes=true);
+- bare-2p:  the same in 2 worker processes (forkserver), a batch's stages in one of them: what two processes
+            reach on this machine without Prefect (the ceiling for flow-2 / flow-1);
+- flow-1:   process_round_flow, thread runner, 1 worker (orchestration overhead = flow-1 / bare-1), its
+            batch stages in a worker process (flow.processes=auto, the default);
+- flow-2:   thread runner, 2 workers (speed-up = flow-1 / flow-2), the batch stages in 2 worker processes;
+- flow-2t, flow-1t: thread runner, 2 / 1 workers, stages in the flow's threads (flow.processes=false);
 - rerun:    flow-2 again on its finished lake (every batch stage cached);
 - ray-2, dask-2: (--ray) the process-based runners: a local Ray with 2 CPUs, a local Dask cluster with 2
             single-threaded worker processes.
@@ -155,14 +156,28 @@ def child(mode: str, lake_dir: str) -> dict:
     lake = Lake(lake_dir)
     out: dict = {"mode": mode}
     if mode.startswith("bare"):
-        workers = int(mode.split("-")[1])
+        workers = int(mode.split("-")[1].rstrip("p"))
         cfg = _config(lake_dir, workers)
         batches = batch_names(lake, 0)
+        pool = None
+        if mode.endswith("p"):  # started and its imports done before the clock, as the flow's worker processes
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+
+            from flows.workers import PRELOAD
+
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(PRELOAD)
+            pool = ProcessPoolExecutor(workers, mp_context=ctx)
+            list(pool.map(_warm, range(workers)))
         t0 = time.perf_counter()
         with TreeRSS() as tree:
             if workers == 1:
                 for b in batches:
                     run_batch_plain(lake, 0, b, cfg)
+            elif pool is not None:
+                with pool:
+                    list(pool.map(_bare_batch, [(lake_dir, b, workers) for b in batches]))
             else:
                 from concurrent.futures import ThreadPoolExecutor
 
@@ -184,11 +199,13 @@ def child(mode: str, lake_dir: str) -> dict:
         runner = {"ray-2": "ray", "dask-2": "dask"}.get(mode, "threads")
         workers = int(mode.split("-")[1].rstrip("tp"))
         cfg = _config(lake_dir, workers, runner, {"t": "false", "p": "true"}.get(mode[-1], "auto"))
+        from flows.runners import worker_api
         from flows.workers import warm_in_background
 
         warm_in_background(cfg)  # as `creditflow process` does first: worker processes start with the API
         t0 = time.perf_counter()
-        warmup()  # starts the ephemeral API
+        with worker_api(cfg):  # the settings `creditflow process` gives its own API
+            warmup()  # starts the ephemeral API
         out["api_startup_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         with TreeRSS() as tree:
@@ -204,6 +221,23 @@ def child(mode: str, lake_dir: str) -> dict:
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out["children_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return out
+
+
+def _warm(_: int) -> None:
+    import time as _time
+
+    _time.sleep(0.2)  # each worker takes one
+
+
+def _bare_batch(args: tuple[str, str, int]) -> None:
+    """One batch's stages in a worker process of the bare-2p mode (allocator tuned as the flow's workers are)."""
+    from flows.batch import run_batch_plain
+    from pipeline.runtime import tune_allocator
+    from warehouse.lake import Lake
+
+    lake_dir, batch, workers = args
+    tune_allocator()
+    run_batch_plain(Lake(lake_dir), 0, batch, _config(lake_dir, workers))
 
 
 def _copy_round(base: Path, dest: Path) -> None:
@@ -269,15 +303,18 @@ def main() -> None:
         t0 = time.perf_counter()
         write_round_parts(Lake(base), 0, iter_batches(settings))
         synth_s = time.perf_counter() - t0
-        modes = ["bare-1", "bare-2", "flow-1", "flow-2", "flow-2t"] + (["ray-2", "dask-2"] if args.ray else [])
+        modes = (["bare-1", "bare-2", "bare-2p", "flow-1", "flow-2", "flow-1t", "flow-2t"]
+                 + (["ray-2", "dask-2"] if args.ray else []))
         if args.modes:
             modes = args.modes.split(",")
         results: dict[str, dict] = {}
+        walls: dict[str, list[float]] = {m: [] for m in modes}
         for rep in range(args.repeat):  # interleaved, so a slow spell of the machine hits every mode alike
             for mode in modes:
                 lake = work / mode
                 _copy_round(base, lake)
                 r = run_child(mode, lake, work / f"home-{mode}")
+                walls[mode].append(r["wall_s"])
                 if mode not in results or r["wall_s"] < results[mode]["wall_s"]:
                     results[mode] = r
                 cpu = r.get("cpu_s", {})
@@ -291,7 +328,7 @@ def main() -> None:
         same = _same_outputs(work / "bare-1", work / "flow-2")
         same_ray = (_same_outputs(work / "flow-2", work / "ray-2") and _same_outputs(work / "flow-2", work / "dask-2")
                     if args.ray else None)
-        report = render(args, settings, synth_s, results, same, same_ray)
+        report = render(args, settings, synth_s, results, walls, same, same_ray)
         print(report)
         if not args.quick:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -300,20 +337,37 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def render(args, settings, synth_s: float, r: dict[str, dict], same: bool, same_ray: bool | None) -> str:
+def _paired(walls: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over repetitions of wall(a) / wall(b), each pair run back to back (the machine's slow spells
+    hit both)."""
+    import statistics
+
+    return statistics.median(x / y for x, y in zip(walls[a], walls[b], strict=True))
+
+
+def render(args, settings, synth_s: float, r: dict[str, dict], walls: dict[str, list[float]], same: bool,
+           same_ray: bool | None) -> str:
     tokens = r["bare-1"]["tokens"]
     rows = []
     for mode, res in r.items():
         tree = res.get("tree_rss_mb")
-        rows.append(f"| {mode} | {res['wall_s']:.2f} | {tokens / res['wall_s'] / 1e6:.2f} | {res['peak_rss_mb']:.0f} | "
-                    f"{f'{tree:.0f}' if tree else ''} | {res.get('api_startup_s', 0):.1f} | {res.get('cached', '')} |")
+        cpu_s = res.get("cpu_s", {})
+        runs = " / ".join(f"{w:.2f}" for w in walls.get(mode, []))
+        rows.append(f"| {mode} | {res['wall_s']:.2f} | {runs} | {tokens / res['wall_s'] / 1e6:.2f} | "
+                    f"{res['peak_rss_mb']:.0f} | {f'{tree:.0f}' if tree else ''} | "
+                    f"{cpu_s.get('self', 0):.1f} / {cpu_s.get('api', 0):.1f} / {cpu_s.get('workers', 0):.1f} | "
+                    f"{res.get('api_startup_s', 0):.1f} | {res.get('cached', '')} |")
     overhead = r["flow-1"]["wall_s"] / r["bare-1"]["wall_s"] - 1
+    overhead_paired = _paired(walls, "flow-1", "bare-1") - 1
     speed_flow = r["flow-1"]["wall_s"] / r["flow-2"]["wall_s"]
+    speed_flow_paired = _paired(walls, "flow-1", "flow-2")
+    speed_ceiling = r["bare-1"]["wall_s"] / r["bare-2p"]["wall_s"]
     speed_bare = r["bare-1"]["wall_s"] / r["bare-2"]["wall_s"]
-    speed_threads = r["flow-1"]["wall_s"] / r["flow-2t"]["wall_s"]
+    speed_threads = r["flow-1t"]["wall_s"] / r["flow-2t"]["wall_s"]
+    overhead_threads = r["flow-1t"]["wall_s"] / r["bare-1"]["wall_s"] - 1
     stage_rows = []
     for stage, secs in r["bare-1"]["stage_seconds"].items():
-        stage_rows.append(f"| {stage} | {secs:.2f} | {r['bare-2']['stage_seconds'].get(stage, 0):.2f} | "
+        stage_rows.append(f"| {stage} | {secs:.2f} | {r['bare-2p']['stage_seconds'].get(stage, 0):.2f} | "
                           f"{r['flow-1']['stage_seconds'].get(stage, 0):.2f} | "
                           f"{r['flow-2']['stage_seconds'].get(stage, 0):.2f} |")
     cpu = platform.processor() or platform.machine()
@@ -331,17 +385,21 @@ def render(args, settings, synth_s: float, r: dict[str, dict], same: bool, same_
         f"Each mode ran {args.repeat} time(s), interleaved with the others; the table keeps each mode's fastest run. "
         "peak RSS: the mode's process (ru_maxrss); tree RSS: it plus its worker processes, sampled every 100 ms.",
         "",
-        "| mode | wall s | M tokens/s | peak RSS MB | tree RSS MB | API start-up s | cached stage tasks |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | wall s (fastest) | every run, in order | M tokens/s | peak RSS MB | tree RSS MB | "
+        "CPU s: flow / API / workers | API start-up s | cached stage tasks |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         f"- **Orchestration overhead** (flow-1 vs bare-1, same work, one worker): **{overhead * 100:+.1f}%** "
-        "(target < 15%). The flow adds per stage task: a Prefect task run (state events to the API server, a "
-        "subprocess that shares the CPUs), the cache key (stat of the input parts, settings JSON, source hash) "
-        "and the cache record.",
-        f"- **Thread runner, 2 workers vs 1**: **{speed_flow:.2f}x** with the stages in worker processes (flow-2, "
-        f"the default), {speed_threads:.2f}x with the stages in the threads (flow-2t); bare functions on 2 threads "
-        f"{speed_bare:.2f}x (target >= 1.6x).",
+        f"fastest against fastest, {overhead_paired * 100:+.1f}% the median of the back-to-back pairs (target < 15%); "
+        f"with the stages in the flow's thread (flow-1t) {overhead_threads * 100:+.1f}%. The flow adds per stage "
+        "task: a Prefect task run (three state events to the API server, a subprocess that shares the CPUs), the "
+        "cache key (stat of the input parts, settings JSON, source hash) and the cache record.",
+        f"- **Thread runner, 2 workers vs 1**: **{speed_flow:.2f}x** fastest against fastest, "
+        f"{speed_flow_paired:.2f}x the median of the pairs (flow-2 / flow-1, the default: stages in worker "
+        f"processes; target >= 1.6x). The machine's own ceiling, the bare functions in 2 processes against 1 "
+        f"(bare-2p): {speed_ceiling:.2f}x. Stages in the threads (flow-1t / flow-2t): {speed_threads:.2f}x; "
+        f"bare functions on 2 threads {speed_bare:.2f}x.",
         f"- **Re-run of the finished round**: {r['rerun']['wall_s']:.2f} s, {r['rerun']['cached']} of "
         f"{r['rerun']['stage_tasks']} stage tasks served from the cache, nothing rewritten.",
         f"- Outputs of flow-2 and bare-1 identical (every advantages / train_batch / spans / nodes / edges part): "
@@ -349,7 +407,7 @@ def render(args, settings, synth_s: float, r: dict[str, dict], same: bool, same_
         "",
         "Stage seconds (sum over batches of each stage's wall time, from `stage_runs`):",
         "",
-        "| stage | bare-1 | bare-2 | flow-1 | flow-2 |",
+        "| stage | bare-1 | bare-2p | flow-1 | flow-2 |",
         "|---|---|---|---|---|",
         *stage_rows,
         "",
@@ -358,7 +416,7 @@ def render(args, settings, synth_s: float, r: dict[str, dict], same: bool, same_
         "- Two threads on two cores: the stages hold the GIL most of the time (detect's rules and the IAPO rule "
         "annotator are Python; credit and export convert between Arrow, NumPy and Python in many small steps), "
         "so two of them side by side each take much longer (bare-2 column) and threads alone reach ~1.3-1.5x. "
-        "With flow.processes (auto: on when max_workers > 1) each thread-runner worker hands its batch stage to a "
+        "With flow.processes (auto: on with the thread runner) each thread-runner worker hands its batch stage to a "
         "worker process (forkserver, pipeline preloaded; the worker reads and writes the lake itself, only paths, "
         "the config and the summary cross over) while Prefect orchestrates from the threads. A stage task is "
         "submitted only once its batch's previous stage has finished (earliest batch first), so no worker waits on "

@@ -47,7 +47,7 @@ class FlowSettings(BaseModel):
     progress: bool = Field(True, description="rich progress bars per stage on the terminal")
     processes: Literal["auto"] | bool = Field(
         "auto", description="run the thread runner's batch stages in worker processes (the stages hold the GIL); "
-                            "auto: when max_workers > 1; true / false: always / never; LLM stages stay in threads")
+                            "auto / true: with the thread runner; false: never; LLM stages stay in threads")
 
 
 class ServeSettings(BaseModel):

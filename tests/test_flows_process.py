@@ -155,7 +155,8 @@ def test_worker_processes_match_threads_only(tmp_path, prefect_harness, monkeypa
     assert not workers._pools  # shut down with the flow run
 
     assert workers.use_processes(cfg_for(procs, max_workers=2))  # auto: on with two workers
-    assert not workers.use_processes(cfg_for(procs, max_workers=1))
+    assert workers.use_processes(cfg_for(procs, max_workers=1))  # one worker too: off the flow's threads
+    assert not workers.use_processes(cfg_for(procs, sets=["flow.processes=false"], max_workers=2))
     assert not workers.use_processes(cfg_for(procs, task_runner="ray", max_workers=2))
     try:
         assert workers.run(1, os.getpid) != os.getpid()
@@ -275,3 +276,35 @@ def test_llm_stages_retry_with_exponential_backoff(tmp_path):
     assert plain.retries == 0
     uncached = _stage_task("credit", load_config(None, ["flow.cache=false"], lake=str(lake.root)), lake, False)
     assert not isinstance(uncached.cache_policy, BatchStageCache)
+
+
+@pytest.mark.slow
+def test_own_ephemeral_api_records_every_task_run_without_heartbeats(tmp_path):
+    """`creditflow process` with no PREFECT_API_URL: its own ephemeral API records task runs in batches and the
+    flow sends no heartbeats (flows/runners.py); every task run is in Prefect's database once the command has
+    exited (the recorder's last batch is written when the server stops), with its final state."""
+    import sqlite3
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    lake = Lake(tmp_path / "lake")
+    n_batches = len(make_round(lake))
+    home = tmp_path / "prefect-home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120", "PREFECT_LOGGING_LEVEL": "WARNING"})
+    cmd = [str(Path(sys.executable).parent / "creditflow"), "process", "--lake", str(lake.root), "--round", "0",
+           "--methods", ",".join(RULE_METHODS), "--set", "flow.progress=false"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stages = round_stages(cfg_for(lake))
+    with sqlite3.connect(home / "prefect.db") as db:
+        runs = db.execute("SELECT task_run.name, task_run.state_type FROM task_run JOIN flow_run "
+                          "ON task_run.flow_run_id = flow_run.id WHERE flow_run.name = 'process-round-0'").fetchall()
+        heartbeats = db.execute("SELECT count(*) FROM events WHERE event = 'prefect.flow-run.heartbeat'").fetchone()
+    names = sorted(name for name, _ in runs)
+    assert names == sorted([f"{s}-{b}" for s in stages for b in batch_names(lake, 0)] + ["stats-round-0"])
+    assert len(names) == n_batches * len(stages) + 1
+    assert {state for _, state in runs} == {"COMPLETED"}
+    assert heartbeats == (0,)
