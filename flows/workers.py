@@ -21,9 +21,10 @@ semaphore for work in the flow's process).
     flow.processes: false  # threads only: the stages run in the flow's process
 
 With one worker too: a stage in the flow process's thread runs next to Prefect's threads (its event loops, the
-events worker, the other dispatch thread) and in a thread's own malloc arena; measured on the 16M-token round,
-the flow process then spent 18.0-19.0 s of CPU where the bare functions spent 15.0-15.1 s, and one worker
-process 15.2-16.6 s (+ 1.8 s of orchestration in the flow process, on the other core).
+events worker, the other dispatch thread) and in a thread's own malloc arena; measured on the 16M-token round
+(bench/results/flows.md), the flow process then spent 16.6-19.1 s of CPU where the bare functions spent
+15.0-18.4 s and one worker process 13.7-16.3 s (the ~1.7 s of orchestration in the flow process and ~1.2 s in
+Prefect's API then run on the other core); overhead against the bare functions +10.7% in the thread, +2.1% so.
 """
 
 from __future__ import annotations
