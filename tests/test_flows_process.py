@@ -308,3 +308,29 @@ def test_own_ephemeral_api_records_every_task_run_without_heartbeats(tmp_path):
     assert len(names) == n_batches * len(stages) + 1
     assert {state for _, state in runs} == {"COMPLETED"}
     assert heartbeats == (0,)
+
+
+def test_own_api_settings_leave_a_server_and_the_users_settings_alone(monkeypatch):
+    """The heartbeat / recorder settings apply only to an API this process owns, and never over the user's."""
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE,
+        temporary_settings,
+    )
+
+    from flows.runners import OWN_API_RECORDER_BATCH, _own_api_settings
+
+    for key in ("PREFECT_API_URL", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY",
+                "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        own = _own_api_settings()
+        assert own[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] is None
+        assert own[PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE] == OWN_API_RECORDER_BATCH
+        monkeypatch.setenv("PREFECT_RUNNER_HEARTBEAT_FREQUENCY", "60")  # the legacy name counts as the user's
+        monkeypatch.setenv("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE", "5")
+        assert set(_own_api_settings()) == set(own) - {PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+                                                       PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE}
+    with temporary_settings(updates={PREFECT_API_URL: "http://prefect.example:4200/api"}):
+        assert _own_api_settings() == {}
