@@ -6,8 +6,8 @@ Each mode runs in its own subprocess (a fresh copy of the round's trajectories/s
 mode:
 - bare-1:   the plain functions (flows/batch.py) batch after batch, then the stats, no Prefect;
 - bare-2:   the same with 2 threads over batches (does the work itself release the GIL?);
-- bare-2p:  the same in 2 worker processes (forkserver), a batch's stages in one of them: what two processes
-            reach on this machine without Prefect (the ceiling for flow-2 / flow-1);
+- bare-2p:  the same in 2 worker processes (flows/workers.py's pool, a batch's stages per call, no Prefect):
+            what two processes reach on this machine (the ceiling for flow-2 / flow-1);
 - flow-1:   process_round_flow, thread runner, 1 worker (orchestration overhead = flow-1 / bare-1), its
             batch stages in a worker process (flow.processes=auto, the default);
 - flow-2:   thread runner, 2 workers (speed-up = flow-1 / flow-2), the batch stages in 2 worker processes;
@@ -159,28 +159,23 @@ def child(mode: str, lake_dir: str) -> dict:
         workers = int(mode.split("-")[1].rstrip("p"))
         cfg = _config(lake_dir, workers)
         batches = batch_names(lake, 0)
-        pool = None
-        if mode.endswith("p"):  # started and its imports done before the clock, as the flow's worker processes
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures import ThreadPoolExecutor
 
-            from flows.workers import PRELOAD
+        from flows import workers as worker_procs
 
-            ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(PRELOAD)
-            pool = ProcessPoolExecutor(workers, mp_context=ctx)
-            list(pool.map(_warm, range(workers)))
+        if mode.endswith("p"):  # the flow's worker processes (flows/workers.py), started before the clock
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(lambda _: worker_procs.run(workers, time.sleep, 0.2), range(workers)))
         t0 = time.perf_counter()
         with TreeRSS() as tree:
             if workers == 1:
                 for b in batches:
                     run_batch_plain(lake, 0, b, cfg)
-            elif pool is not None:
-                with pool:
-                    list(pool.map(_bare_batch, [(lake_dir, b, workers) for b in batches]))
+            elif mode.endswith("p"):  # a whole batch's stages per call, no Prefect
+                with ThreadPoolExecutor(workers) as pool:
+                    list(pool.map(lambda b: worker_procs.run(workers, run_batch_plain, lake, 0, b, cfg), batches))
+                worker_procs.shutdown()
             else:
-                from concurrent.futures import ThreadPoolExecutor
-
                 with ThreadPoolExecutor(workers) as pool:
                     list(pool.map(lambda b: run_batch_plain(lake, 0, b, cfg), batches))
             summary = _stats(lake)
@@ -221,23 +216,6 @@ def child(mode: str, lake_dir: str) -> dict:
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out["children_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return out
-
-
-def _warm(_: int) -> None:
-    import time as _time
-
-    _time.sleep(0.2)  # each worker takes one
-
-
-def _bare_batch(args: tuple[str, str, int]) -> None:
-    """One batch's stages in a worker process of the bare-2p mode (allocator tuned as the flow's workers are)."""
-    from flows.batch import run_batch_plain
-    from pipeline.runtime import tune_allocator
-    from warehouse.lake import Lake
-
-    lake_dir, batch, workers = args
-    tune_allocator()
-    run_batch_plain(Lake(lake_dir), 0, batch, _config(lake_dir, workers))
 
 
 def _copy_round(base: Path, dest: Path) -> None:
