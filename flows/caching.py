@@ -33,6 +33,11 @@ def cache_dir(lake: Lake) -> Path:
     return lake.root / CACHE_DIR
 
 
+def result_dir(lake: Lake) -> Path:
+    """Where the stage tasks' results (the small JSON summaries the cache records point to) are kept."""
+    return cache_dir(lake) / "results"
+
+
 @functools.cache
 def _package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version

@@ -14,7 +14,7 @@ import time
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
-from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
 from prefect.states import Completed
 from prefect.tasks import exponential_backoff
 
@@ -36,8 +36,9 @@ from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
     stage_calls_llm,
     stage_outputs,
 )
-from flows.caching import BatchStageCache, cache_dir, stage_cache_key
+from flows.caching import BatchStageCache, cache_dir, result_dir, stage_cache_key
 from flows.config import as_config
+from flows.runners import settings_scope
 from pipeline.config import Config
 from pipeline.runtime import tune_allocator
 from warehouse.lake import Lake
@@ -51,7 +52,7 @@ DERIVED_TABLES = ("spans", "nodes", "edges", "counterfactuals", "advantages", "t
 def batch_stage_task(lake_root: str, round_: int, batch: str, stage: str, config: Config,
                      upstream: dict | None = None) -> dict:
     """One stage on one batch; `upstream` (the previous stage's summary of this batch) only orders the work."""
-    key = stage_cache_key(lake_root, round_, batch, stage, config) if config.flow.cache else None
+    key = _cache_key(lake_root, round_, batch, stage, config) if config.flow.cache else None
     if workers.use_processes(config) and not stage_calls_llm(stage, config):
         return workers.run(config.max_workers, run_batch_stage, lake_root, round_, batch, stage, config, key)
     if config.task_runner == "threads":
@@ -59,15 +60,33 @@ def batch_stage_task(lake_root: str, round_: int, batch: str, stage: str, config
     return run_batch_stage(lake_root, round_, batch, stage, config, key)
 
 
+def _cache_key(lake_root: str, round_: int, batch: str, stage: str, config: Config) -> str:
+    """This task run's cache key: the one Prefect's transaction holds (BatchStageCache computed it a moment
+    ago from the same inputs), else computed here."""
+    from prefect.transactions import get_transaction
+
+    txn = get_transaction()
+    key = getattr(txn, "key", None)
+    if isinstance(key, str) and key.startswith(f"{stage}-r{int(round_)}-{batch}-"):
+        return key
+    return stage_cache_key(lake_root, round_, batch, stage, config)
+
+
 @task(task_run_name="stats-round-{round_}", cache_policy=NO_CACHE, persist_result=False)
 def round_stats_task(lake_root: str, round_: int) -> dict:
-    """Refresh the DuckDB catalog and summarise the round from the lake."""
+    """Refresh the DuckDB catalog and summarise the round from the lake, side by side (DuckDB and Arrow work
+    outside the GIL; nothing else runs at the end of a round)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from flows.summary import round_summary
     from warehouse.catalog import refresh
 
     lake = Lake(lake_root)
-    refresh(lake)
-    return round_summary(lake, round_)
+    with ThreadPoolExecutor(1, thread_name_prefix="creditflow-catalog") as pool:
+        catalog = pool.submit(refresh, lake)
+        summary = round_summary(lake, round_)
+        catalog.result()
+    return summary
 
 
 def _stage_task(stage: str, config: Config, lake: Lake, calls_llm: bool):
@@ -97,7 +116,7 @@ def process_round_flow(round_: int, config: Config | dict):
     prune_stale_parts(lake, round_, list(DERIVED_TABLES), batches)
 
     # cache records and the small JSON summaries they point to both live in the lake
-    with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: cache_dir(lake) / "results"}):
+    with settings_scope({PREFECT_LOCAL_STORAGE_PATH: result_dir(lake)}):  # `worker_api` set it already
         try:
             run = _run_stages(lake, round_, batches, config)
         finally:

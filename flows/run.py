@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +26,9 @@ def run_process(cfg: Config, round_: int, quiet: bool = False) -> dict:
     from warehouse.lake import Lake
 
     warm_in_background(cfg)  # worker processes start while the API (ephemeral: seconds) comes up
+    # and DuckDB (the round's stats task, the summary) is imported meanwhile, not at the end of the round
+    threading.Thread(target=importlib.import_module, args=("warehouse.catalog",), name="creditflow-imports",
+                     daemon=True).start()
     lake = Lake(cfg.lake)
     t0 = time.perf_counter()
     with worker_api(cfg):

@@ -8,6 +8,7 @@ own ephemeral API (and leave it running), so `worker_api` gives every worker one
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -15,6 +16,35 @@ from pipeline.config import Config, ConfigError
 
 RUNNERS = ("threads", "ray", "dask")
 OWN_API_RECORDER_BATCH = 100
+
+_scopes: dict[tuple, tuple] = {}
+_scopes_lock = threading.Lock()
+
+
+@contextmanager
+def settings_scope(updates: dict) -> Iterator[object]:
+    """`prefect.settings.temporary_settings(updates=...)`, with the derived settings built once per process.
+
+    Prefect builds a whole new `Settings` for every `temporary_settings` (~100 nested pydantic-settings models
+    that each read the environment again: 0.1-0.15 s of CPU on this machine, paid by every round a flow or the
+    CLI runs in the same process). Settings are immutable, so the derived object is kept and reused when the
+    same updates are applied to the same settings; the environment is read when the base settings were built,
+    as with `temporary_settings`. Updates that are already in effect enter no new scope at all."""
+    import prefect.context
+
+    context = prefect.context.get_settings_context()
+    base = context.settings
+    current = {setting: setting.value_from(base) for setting in updates}
+    if all(current[s] == v or (v is not None and str(current[s]) == str(v)) for s, v in updates.items()):
+        yield base
+        return
+    key = (id(base), tuple(sorted((s.name, repr(v)) for s, v in updates.items())))
+    with _scopes_lock:
+        hit = _scopes.get(key)
+        if hit is None or hit[0] is not base:  # the entry keeps `base` alive, so its id is not reused
+            hit = _scopes[key] = (base, base.copy_with_update(updates=updates))
+    with prefect.context.SettingsContext(profile=context.profile, settings=hit[1]):
+        yield hit[1]
 
 
 def _worker_env() -> dict[str, str]:
@@ -58,18 +88,19 @@ def make_task_runner(config: Config):
 @contextmanager
 def worker_api(config: Config) -> Iterator[str | None]:
     """Make sure process-based workers share one Prefect API; yields its URL (None for threads without one)."""
-    from prefect.settings import (
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
-        temporary_settings,
-    )
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
 
-    updates: dict = {}
+    from flows.caching import result_dir
+    from warehouse.lake import Lake
+
+    # where process_round_flow keeps its task results (it sets this itself when called some other way)
+    updates: dict = {PREFECT_LOCAL_STORAGE_PATH: result_dir(Lake(config.lake))}
     # a loaded 2-core machine needs more than the default 20 s to start the ephemeral API
     timeout = PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
     if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" not in os.environ:
         updates[timeout] = max(timeout.value(), 120)
     updates.update(_own_api_settings())
-    with temporary_settings(updates=updates):
+    with settings_scope(updates):
         with _worker_api(config) as url:
             yield url
 
@@ -105,7 +136,7 @@ def _own_api_settings() -> dict:
 
 @contextmanager
 def _worker_api(config: Config) -> Iterator[str | None]:
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_URL
 
     url = PREFECT_API_URL.value()
     if config.task_runner == "threads" or url:
@@ -130,7 +161,7 @@ def _worker_api(config: Config) -> Iterator[str | None]:
     saved = os.environ.get("PREFECT_API_URL")
     os.environ["PREFECT_API_URL"] = server.api_url
     try:
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        with settings_scope({PREFECT_API_URL: server.api_url}):
             yield server.api_url
     finally:
         _restore("PREFECT_API_URL", saved)

@@ -334,3 +334,51 @@ def test_own_api_settings_leave_a_server_and_the_users_settings_alone(monkeypatc
                                                        PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE}
     with temporary_settings(updates={PREFECT_API_URL: "http://prefect.example:4200/api"}):
         assert _own_api_settings() == {}
+
+
+def test_stage_runs_record_the_cache_key_prefect_computed(tmp_path, prefect_harness, monkeypatch):
+    """The stage task takes its cache key from Prefect's transaction (BatchStageCache computed it a moment
+    before from the same inputs) instead of hashing the inputs a second time; the key it records is the one
+    the inputs give."""
+    import flows.process_round as pr
+    from flows.caching import stage_cache_key
+    from warehouse.runlog import read_stage_runs
+
+    lake = Lake(tmp_path / "lake")
+    batches = make_round(lake)
+    cfg = cfg_for(lake)
+
+    def again(*args, **kwargs):
+        raise AssertionError("the task body hashed the inputs again")
+
+    monkeypatch.setattr(pr, "stage_cache_key", again)
+    run_process(cfg, 0, quiet=True)
+    runs = read_stage_runs(lake, 0).to_pylist()
+    assert len(runs) == len(batches) * len(round_stages(cfg))
+    for run in runs:
+        assert run["cache_key"] == stage_cache_key(str(lake.root), 0, run["batch"], run["stage"], cfg), run
+
+
+def test_settings_scope_builds_the_derived_settings_once(monkeypatch):
+    """`settings_scope` is `temporary_settings` with the derived Settings kept: the same updates on the same
+    settings reuse it, updates already in effect enter no scope, and leaving restores the settings before."""
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, Settings, get_current_settings
+
+    from flows.runners import settings_scope
+
+    built = []
+    copy = Settings.copy_with_update
+    monkeypatch.setattr(Settings, "copy_with_update", lambda self, **kw: built.append(kw) or copy(self, **kw))
+    base = get_current_settings()
+    with settings_scope({PREFECT_LOCAL_STORAGE_PATH: "/tmp/creditflow-a"}) as a:
+        assert str(PREFECT_LOCAL_STORAGE_PATH.value()) == "/tmp/creditflow-a"
+        with settings_scope({PREFECT_LOCAL_STORAGE_PATH: "/tmp/creditflow-a"}) as inner:
+            assert inner is a
+    assert get_current_settings() is base
+    with settings_scope({PREFECT_LOCAL_STORAGE_PATH: "/tmp/creditflow-a"}) as again:
+        assert again is a
+        with settings_scope({PREFECT_LOCAL_STORAGE_PATH: "/tmp/creditflow-b"}) as b:
+            assert str(PREFECT_LOCAL_STORAGE_PATH.value()) == "/tmp/creditflow-b" and b is not a
+        assert str(PREFECT_LOCAL_STORAGE_PATH.value()) == "/tmp/creditflow-a"
+    assert len(built) == 2
+    assert str(PREFECT_LOCAL_STORAGE_PATH.value()) == str(PREFECT_LOCAL_STORAGE_PATH.value_from(base))
