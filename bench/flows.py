@@ -288,7 +288,7 @@ def main() -> None:
         results: dict[str, dict] = {}
         walls: dict[str, list[float]] = {m: [] for m in modes}
         for rep in range(args.repeat):  # interleaved, so a slow spell of the machine hits every mode alike
-            for mode in modes:
+            for mode in (modes if rep % 2 == 0 else modes[::-1]):  # every other rep reversed: drift cancels
                 lake = work / mode
                 _copy_round(base, lake)
                 r = run_child(mode, lake, work / f"home-{mode}")
@@ -340,6 +340,8 @@ def render(args, settings, synth_s: float, r: dict[str, dict], walls: dict[str, 
     speed_flow = r["flow-1"]["wall_s"] / r["flow-2"]["wall_s"]
     speed_flow_paired = _paired(walls, "flow-1", "flow-2")
     speed_ceiling = r["bare-1"]["wall_s"] / r["bare-2p"]["wall_s"]
+    speed_ceiling_paired = _paired(walls, "bare-1", "bare-2p")
+    pairs = " / ".join(f"{a / b:.2f}" for a, b in zip(walls["flow-1"], walls["flow-2"], strict=True))
     speed_bare = r["bare-1"]["wall_s"] / r["bare-2"]["wall_s"]
     speed_threads = r["flow-1t"]["wall_s"] / r["flow-2t"]["wall_s"]
     overhead_threads = r["flow-1t"]["wall_s"] / r["bare-1"]["wall_s"] - 1
@@ -360,7 +362,8 @@ def render(args, settings, synth_s: float, r: dict[str, dict], walls: dict[str, 
         f"Machine: {os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}; load average at the end "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (other jobs share this machine: absolute times are noisy).",
         "",
-        f"Each mode ran {args.repeat} time(s), interleaved with the others; the table keeps each mode's fastest run. "
+        f"Each mode ran {args.repeat} time(s), interleaved with the others (every other repetition in reverse "
+        "order); the table keeps each mode's fastest run. "
         "peak RSS: the mode's process (ru_maxrss); tree RSS: it plus its worker processes, sampled every 100 ms.",
         "",
         "| mode | wall s (fastest) | every run, in order | M tokens/s | peak RSS MB | tree RSS MB | "
@@ -374,9 +377,10 @@ def render(args, settings, synth_s: float, r: dict[str, dict], walls: dict[str, 
         "task: a Prefect task run (three state events to the API server, a subprocess that shares the CPUs), the "
         "cache key (stat of the input parts, settings JSON, source hash) and the cache record.",
         f"- **Thread runner, 2 workers vs 1**: **{speed_flow:.2f}x** fastest against fastest, "
-        f"{speed_flow_paired:.2f}x the median of the pairs (flow-2 / flow-1, the default: stages in worker "
-        f"processes; target >= 1.6x). The machine's own ceiling, the bare functions in 2 processes against 1 "
-        f"(bare-2p): {speed_ceiling:.2f}x. Stages in the threads (flow-1t / flow-2t): {speed_threads:.2f}x; "
+        f"{speed_flow_paired:.2f}x the median of the pairs ({pairs}; flow-1 / flow-2, the default: stages in "
+        f"worker processes; target >= 1.6x). The machine's own ceiling, the bare functions in 2 processes against "
+        f"1 (bare-2p): {speed_ceiling:.2f}x fastest against fastest, {speed_ceiling_paired:.2f}x the median of the "
+        f"pairs. Stages in the threads (flow-1t / flow-2t): {speed_threads:.2f}x; "
         f"bare functions on 2 threads {speed_bare:.2f}x.",
         f"- **Re-run of the finished round**: {r['rerun']['wall_s']:.2f} s, {r['rerun']['cached']} of "
         f"{r['rerun']['stage_tasks']} stage tasks served from the cache, nothing rewritten.",
