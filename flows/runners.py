@@ -17,6 +17,7 @@ from pipeline.config import Config, ConfigError
 RUNNERS = ("threads", "ray", "dask")
 OWN_API_RECORDER_BATCH = 100
 
+SETTINGS_SCOPES_KEPT = 16
 _scopes: dict[tuple, tuple] = {}
 _scopes_lock = threading.Lock()
 
@@ -42,6 +43,8 @@ def settings_scope(updates: dict) -> Iterator[object]:
     with _scopes_lock:
         hit = _scopes.get(key)
         if hit is None or hit[0] is not base:  # the entry keeps `base` alive, so its id is not reused
+            while len(_scopes) >= SETTINGS_SCOPES_KEPT:  # a server that sees many lakes: keep the newest
+                del _scopes[next(iter(_scopes))]
             hit = _scopes[key] = (base, base.copy_with_update(updates=updates))
     with prefect.context.SettingsContext(profile=context.profile, settings=hit[1]):
         yield hit[1]

@@ -382,3 +382,11 @@ def test_settings_scope_builds_the_derived_settings_once(monkeypatch):
         assert str(PREFECT_LOCAL_STORAGE_PATH.value()) == "/tmp/creditflow-a"
     assert len(built) == 2
     assert str(PREFECT_LOCAL_STORAGE_PATH.value()) == str(PREFECT_LOCAL_STORAGE_PATH.value_from(base))
+
+    # a long-lived process that sees many lakes keeps only the newest derived settings
+    from flows import runners
+
+    for i in range(runners.SETTINGS_SCOPES_KEPT + 3):
+        with settings_scope({PREFECT_LOCAL_STORAGE_PATH: f"/tmp/creditflow-{i}"}):
+            pass
+    assert len(runners._scopes) == runners.SETTINGS_SCOPES_KEPT
