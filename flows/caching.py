@@ -158,7 +158,12 @@ def stage_cache_key(lake_root: str, round_: int, batch: str, stage: str, config:
         "code": code_version(stage),
     }
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
-    return f"{stage}-r{int(round_)}-{batch}-{digest}"
+    return stage_key_prefix(round_, batch, stage) + digest
+
+
+def stage_key_prefix(round_: int, batch: str, stage: str) -> str:
+    """What every cache key of this (stage, round, batch) starts with; the input digest follows."""
+    return f"{stage}-r{int(round_)}-{batch}-"
 
 
 @dataclass

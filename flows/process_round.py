@@ -36,7 +36,7 @@ from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
     stage_calls_llm,
     stage_outputs,
 )
-from flows.caching import BatchStageCache, cache_dir, result_dir, stage_cache_key
+from flows.caching import BatchStageCache, cache_dir, result_dir, stage_cache_key, stage_key_prefix
 from flows.config import as_config
 from flows.runners import settings_scope
 from pipeline.config import Config
@@ -67,7 +67,7 @@ def _cache_key(lake_root: str, round_: int, batch: str, stage: str, config: Conf
 
     txn = get_transaction()
     key = getattr(txn, "key", None)
-    if isinstance(key, str) and key.startswith(f"{stage}-r{int(round_)}-{batch}-"):
+    if isinstance(key, str) and key.startswith(stage_key_prefix(round_, batch, stage)):
         return key
     return stage_cache_key(lake_root, round_, batch, stage, config)
 
