@@ -41,11 +41,11 @@ sys.path.insert(0, str(ROOT))
 METHODS = ["grpo", "grpo+c3", "grpo+iapo", "tcpo_retro_hin"]
 
 
-def _config(lake: str, workers: int, runner: str = "threads", processes: str = "auto"):
+def _config(lake: str, workers: int, runner: str = "threads", processes: str = "auto", api_idle: bool = True):
     from pipeline.config import load_config
 
-    return load_config(None, ["flow.progress=false", f"flow.processes={processes}"], lake=lake, methods=METHODS,
-                       task_runner=runner, max_workers=workers)
+    return load_config(None, ["flow.progress=false", f"flow.processes={processes}", f"flow.api_idle={api_idle}"],
+                       lake=lake, methods=METHODS, task_runner=runner, max_workers=workers)
 
 
 class TreeRSS:
@@ -192,8 +192,9 @@ def child(mode: str, lake_dir: str) -> dict:
             return 1
 
         runner = {"ray-2": "ray", "dask-2": "dask"}.get(mode, "threads")
-        workers = int(mode.split("-")[1].rstrip("tp"))
-        cfg = _config(lake_dir, workers, runner, {"t": "false", "p": "true"}.get(mode[-1], "auto"))
+        workers = int(mode.split("-")[1].rstrip("tpn"))
+        cfg = _config(lake_dir, workers, runner, {"t": "false", "p": "true"}.get(mode[-1], "auto"),
+                      api_idle=not mode.endswith("n"))
         from flows.runners import worker_api
         from flows.workers import warm_in_background
 

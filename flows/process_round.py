@@ -19,6 +19,7 @@ from prefect.states import Completed
 from prefect.tasks import exponential_backoff
 
 from flows import progress, workers
+from flows.api_priority import api_waits_for_idle_cpu, stages_fill_cpus
 from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
     CREDIT,
     EXPORT,
@@ -118,13 +119,18 @@ def process_round_flow(round_: int, config: Config | dict):
     # cache records and the small JSON summaries they point to both live in the lake
     with settings_scope({PREFECT_LOCAL_STORAGE_PATH: result_dir(lake)}):  # `worker_api` set it already
         try:
-            run = _run_stages(lake, round_, batches, config)
+            # with every core taken by a stage worker, the run's own API server records the task runs when a
+            # core is free (flows/api_priority.py)
+            with api_waits_for_idle_cpu(config.flow.api_idle and config.task_runner == "threads"
+                                        and stages_fill_cpus(config.max_workers)) as idle_api:
+                run = _run_stages(lake, round_, batches, config)
         finally:
             workers.shutdown()  # worker processes (flow.processes) hold a batch's memory; free it
     summary = round_stats_task(str(lake.root), round_)
     summary["this_run"] = run
     summary["wall_seconds"] = round(time.perf_counter() - t0, 3)
     summary["task_runner"] = config.task_runner
+    summary["api_idle_during_stages"] = idle_api is not None
     warnings = [f"{s}: {w}" for s, r in run.items() for w in r["warnings"]]
     summary["warnings"] = warnings
     if warnings:

@@ -48,6 +48,10 @@ class FlowSettings(BaseModel):
     processes: Literal["auto"] | bool = Field(
         "auto", description="run the thread runner's batch stages in worker processes (the stages hold the GIL); "
                             "auto / true: with the thread runner; false: never; LLM stages stay in threads")
+    api_idle: bool = Field(
+        True, description="when the stage workers fill every CPU, the run's own Prefect API server (ephemeral) gets "
+                          "only idle CPU while the batch stages run (Linux SCHED_IDLE), its bookkeeping catching up "
+                          "in the gaps and after them; never a server named by PREFECT_API_URL (flows/api_priority.py)")
 
 
 class ServeSettings(BaseModel):

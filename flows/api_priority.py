@@ -1,0 +1,142 @@
+"""While a round's batch stages run, the run's own Prefect API server waits for idle CPU.
+
+`creditflow process` without PREFECT_API_URL talks to an ephemeral Prefect API server, a subprocess that
+lives and dies with the run. Every finished task run sends it three state events, and on a machine whose
+cores the stage workers fill it takes its share of them in short bursts (its event handlers, the task-run
+recorder's and the event persister's SQLite writes): ~1 s of CPU per 49 task runs, on the cores the stages
+need. Nothing in the round waits for that bookkeeping: the thread runner orchestrates task runs client-side
+and sends their events over a websocket.
+
+So when the stage workers alone fill every core this process may use, the server's threads run under Linux's
+SCHED_IDLE policy during the stage phase: the kernel gives them a core only when no normal thread wants it
+(and they never preempt one). The events queue up in the server and are recorded in the gaps and once the
+stages finish, when the server's threads go back to the normal policy (before the round's stats and the flow
+run's final state, which do call the API). Measured on 2 cores (bench/results/flows.md): with 2 workers the
+round takes ~0.7-1.3 s (~8%) less; with 1 worker and a spare core the server is better left alone (it keeps
+up on the spare core; idle, it stays behind and fills every short gap the worker's threads leave, 5 of 5
+pairs 1-2 s slower), hence the rule on the number of workers.
+
+It applies only to a server this process started (Prefect's ephemeral server, or the one `flows.runners`
+starts for Ray / Dask workers), never to a server named by PREFECT_API_URL that this process did not start,
+and only where the change can be undone: an unprivileged process may enter SCHED_IDLE but may leave it only
+with CAP_SYS_NICE or an RLIMIT_NICE of at least 20 (`ulimit -e`), so without either it is skipped. Off with
+`flow.api_idle: false`."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_lock = threading.Lock()
+_holders: dict[int, int] = {}  # API server pid -> stage phases in progress (rounds run side by side)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def stages_fill_cpus(workers: int) -> bool:
+    """Whether `workers` stage workers alone keep every usable CPU busy."""
+    return workers >= usable_cpus()
+
+
+def own_api_pid() -> int | None:
+    """The pid of the running Prefect API server this process started and its flows report to, if any."""
+    module = sys.modules.get("prefect.server.api.server")  # never imported here: no server of ours without it
+    servers = getattr(getattr(module, "SubprocessASGIServer", None), "_instances", None)
+    if not isinstance(servers, dict):
+        return None
+    from prefect.settings import PREFECT_API_URL
+
+    url = (PREFECT_API_URL.value() or "").rstrip("/")
+    for server in list(servers.values()):
+        proc = getattr(server, "server_process", None)
+        if not getattr(server, "running", False) or proc is None or proc.poll() is not None:
+            continue
+        if not url or url == str(getattr(server, "api_url", "")).rstrip("/"):
+            return proc.pid
+    return None
+
+
+@functools.cache
+def can_leave_idle() -> bool:
+    """Whether this process may move a thread of its own from SCHED_IDLE back to the normal policy (probed on
+    a short-lived thread: the kernel's rule depends on CAP_SYS_NICE, RLIMIT_NICE and the nice value)."""
+    if not hasattr(os, "sched_setscheduler") or not hasattr(os, "SCHED_IDLE"):
+        return False
+    ok: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            ok.append(True)
+        except OSError:
+            ok.append(False)
+
+    thread = threading.Thread(target=probe, name="creditflow-sched-probe", daemon=True)
+    thread.start()
+    thread.join()
+    return bool(ok and ok[0])
+
+
+def set_policy(pid: int, policy: int) -> int:
+    """Put every thread of process `pid` under `policy`; returns how many threads changed (threads the
+    server starts later inherit the policy of the thread that starts them)."""
+    changed = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+            changed += 1
+        except OSError:  # a thread that just ended
+            pass
+    return changed
+
+
+def thread_policies(pid: int) -> set[int]:
+    """The scheduling policies of the threads of process `pid` (for tests and diagnostics)."""
+    out = set()
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            out.add(os.sched_getscheduler(int(tid)))
+        except OSError:
+            pass
+    return out
+
+
+@contextmanager
+def api_waits_for_idle_cpu(enabled: bool = True) -> Iterator[int | None]:
+    """Within the block, this process's own Prefect API server runs under SCHED_IDLE (see the module's
+    docstring); yields its pid, or None when nothing was changed."""
+    pid = own_api_pid() if enabled else None
+    if pid is None or not can_leave_idle():
+        yield None
+        return
+    with _lock:
+        _holders[pid] = _holders.get(pid, 0) + 1
+        if _holders[pid] == 1:
+            set_policy(pid, os.SCHED_IDLE)
+    try:
+        yield pid
+    finally:
+        with _lock:
+            _holders[pid] -= 1
+            if _holders[pid] == 0:
+                del _holders[pid]
+                set_policy(pid, os.SCHED_OTHER)
