@@ -11,6 +11,8 @@ mode:
 - flow-1:   process_round_flow, thread runner, 1 worker (orchestration overhead = flow-1 / bare-1), its
             batch stages in a worker process (flow.processes=auto, the default);
 - flow-2:   thread runner, 2 workers (speed-up = flow-1 / flow-2), the batch stages in 2 worker processes;
+- flow-2n:  flow-2 with the run's own Prefect API server at normal priority during the stages (flow.api_idle=false;
+            flow-2 runs it under SCHED_IDLE then, flows/api_priority.py);
 - flow-2t, flow-1t: thread runner, 2 / 1 workers, stages in the flow's threads (flow.processes=false);
 - rerun:    flow-2 again on its finished lake (every batch stage cached);
 - ray-2, dask-2: (--ray) the process-based runners: a local Ray with 2 CPUs, a local Dask cluster with 2
@@ -282,7 +284,7 @@ def main() -> None:
         t0 = time.perf_counter()
         write_round_parts(Lake(base), 0, iter_batches(settings))
         synth_s = time.perf_counter() - t0
-        modes = (["bare-1", "bare-2", "bare-2p", "flow-1", "flow-2", "flow-1t", "flow-2t"]
+        modes = (["bare-1", "bare-2", "bare-2p", "flow-1", "flow-2", "flow-2n", "flow-1t", "flow-2t"]
                  + (["ray-2", "dask-2"] if args.ray else []))
         if args.modes:
             modes = args.modes.split(",")
@@ -326,6 +328,8 @@ def _paired(walls: dict[str, list[float]], a: str, b: str) -> float:
 
 def render(args, settings, synth_s: float, r: dict[str, dict], walls: dict[str, list[float]], same: bool,
            same_ray: bool | None) -> str:
+    import statistics
+
     tokens = r["bare-1"]["tokens"]
     rows = []
     for mode, res in r.items():
@@ -343,6 +347,11 @@ def render(args, settings, synth_s: float, r: dict[str, dict], walls: dict[str, 
     speed_ceiling = r["bare-1"]["wall_s"] / r["bare-2p"]["wall_s"]
     speed_ceiling_paired = _paired(walls, "bare-1", "bare-2p")
     pairs = " / ".join(f"{a / b:.2f}" for a, b in zip(walls["flow-1"], walls["flow-2"], strict=True))
+    speed_medians = statistics.median(walls["flow-1"]) / statistics.median(walls["flow-2"])
+    idle_gain = r["flow-2n"]["wall_s"] / r["flow-2"]["wall_s"]
+    idle_gain_paired = _paired(walls, "flow-2n", "flow-2")
+    idle_pairs = " / ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(walls["flow-2n"], walls["flow-2"], strict=True))
+    speed_normal_api = _paired(walls, "flow-1", "flow-2n")
     speed_bare = r["bare-1"]["wall_s"] / r["bare-2"]["wall_s"]
     speed_threads = r["flow-1t"]["wall_s"] / r["flow-2t"]["wall_s"]
     overhead_threads = r["flow-1t"]["wall_s"] / r["bare-1"]["wall_s"] - 1
@@ -379,10 +388,15 @@ def render(args, settings, synth_s: float, r: dict[str, dict], walls: dict[str, 
         "cache key (stat of the input parts, settings JSON, source hash) and the cache record.",
         f"- **Thread runner, 2 workers vs 1**: **{speed_flow:.2f}x** fastest against fastest, "
         f"{speed_flow_paired:.2f}x the median of the pairs ({pairs}; flow-1 / flow-2, the default: stages in "
-        f"worker processes; target >= 1.6x). The machine's own ceiling, the bare functions in 2 processes against "
+        f"worker processes; target >= 1.6x), {speed_medians:.2f}x the ratio of the medians. The machine's own ceiling, the bare functions in 2 processes against "
         f"1 (bare-2p): {speed_ceiling:.2f}x fastest against fastest, {speed_ceiling_paired:.2f}x the median of the "
         f"pairs. Stages in the threads (flow-1t / flow-2t): {speed_threads:.2f}x; "
         f"bare functions on 2 threads {speed_bare:.2f}x.",
+        f"- **The own API server idle during the stages** (flow-2) against normal priority (flow-2n): flow-2n / "
+        f"flow-2 {idle_gain:.2f}x fastest against fastest, {idle_gain_paired:.2f}x the median of the pairs "
+        f"(flow-2n/flow-2 s: {idle_pairs}); flow-1 / flow-2n (2 vs 1 workers without it): "
+        f"{speed_normal_api:.2f}x the median of the pairs. With one worker a CPU is spare and the server is left "
+        "at normal priority (flow-1 is the same either way).",
         f"- **Re-run of the finished round**: {r['rerun']['wall_s']:.2f} s, {r['rerun']['cached']} of "
         f"{r['rerun']['stage_tasks']} stage tasks served from the cache, nothing rewritten.",
         f"- Outputs of flow-2 and bare-1 identical (every advantages / train_batch / spans / nodes / edges part): "
