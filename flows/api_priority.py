@@ -16,8 +16,9 @@ round takes ~0.7-1.3 s (~8%) less; with 1 worker and a spare core the server is 
 up on the spare core; idle, it stays behind and fills every short gap the worker's threads leave, 5 of 5
 pairs 1-2 s slower), hence the rule on the number of workers.
 
-It applies only to a server this process started (Prefect's ephemeral server, or the one `flows.runners`
-starts for Ray / Dask workers), never to a server named by PREFECT_API_URL that this process did not start,
+It applies only with the thread runner (Ray / Dask workers report to the API from their own processes), only
+to a server this process started (Prefect's ephemeral server), never to a server named by PREFECT_API_URL that
+this process did not start,
 and only where the change can be undone: an unprivileged process may enter SCHED_IDLE but may leave it only
 with CAP_SYS_NICE or an RLIMIT_NICE of at least 20 (`ulimit -e`), so without either it is skipped. Off with
 `flow.api_idle: false`."""
@@ -88,34 +89,31 @@ def can_leave_idle() -> bool:
     return bool(ok and ok[0])
 
 
-def set_policy(pid: int, policy: int) -> int:
-    """Put every thread of process `pid` under `policy`; returns how many threads changed (threads the
-    server starts later inherit the policy of the thread that starts them)."""
-    changed = 0
+def _thread_ids(pid: int) -> list[int]:
+    """The threads of process `pid` now (none if it has ended)."""
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
     except OSError:
-        return 0
-    for tid in tids:
+        return []
+
+
+def set_policy(pid: int, policy: int) -> None:
+    """Put every thread of process `pid` under `policy` (threads the server starts later inherit the policy of
+    the thread that starts them)."""
+    for tid in _thread_ids(pid):
         try:
-            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
-            changed += 1
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
         except OSError:  # a thread that just ended
             pass
-    return changed
 
 
 def thread_policies(pid: int) -> set[int]:
     """The scheduling policies of the threads of process `pid` (for tests and diagnostics)."""
     out = set()
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
+    for tid in _thread_ids(pid):
         try:
-            out.add(os.sched_getscheduler(int(tid)))
-        except OSError:
+            out.add(os.sched_getscheduler(tid))
+        except OSError:  # a thread that just ended
             pass
     return out
 
