@@ -155,6 +155,8 @@ def child(mode: str, lake_dir: str) -> dict:
     from warehouse.rounds import batch_names
 
     tune_allocator()  # as the CLI and the flow do, for the bare modes too
+    import warehouse.catalog  # noqa: F401  (DuckDB: imported before the clock in every mode, as the CLI does)
+
     lake = Lake(lake_dir)
     out: dict = {"mode": mode}
     if mode.startswith("bare"):
@@ -197,13 +199,14 @@ def child(mode: str, lake_dir: str) -> dict:
         workers = int(mode.split("-")[1].rstrip("tpn"))
         cfg = _config(lake_dir, workers, runner, {"t": "false", "p": "true"}.get(mode[-1], "auto"),
                       api_idle=not mode.endswith("n"))
+        from flows.run import prepare
         from flows.runners import worker_api
-        from flows.workers import warm_in_background
 
-        warm_in_background(cfg)  # as `creditflow process` does first: worker processes start with the API
         t0 = time.perf_counter()
+        imports = prepare(cfg)  # as `creditflow process` does first: worker processes and imports with the API
         with worker_api(cfg):  # the settings `creditflow process` gives its own API
             warmup()  # starts the ephemeral API
+        imports.join()
         out["api_startup_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         with TreeRSS() as tree:

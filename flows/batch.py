@@ -96,16 +96,17 @@ def credit_batch(lake: Lake, round_: int, batch: str, methods: list[str], config
 
 def export_batch(lake: Lake, round_: int, batch: str, methods: list[str], cache_key: str | None = None) -> dict:
     """The flat per-trajectory training layout of every method on one batch (train_batch parts)."""
-    from pipeline.export import build_train_batch
+    from pipeline.export import STEP_COLUMNS, TrainLayout
 
     t0 = time.perf_counter()
     traj = read_batch(lake, "trajectories", round_, batch)
-    steps = read_batch(lake, "steps", round_, batch)
+    steps = read_batch(lake, "steps", round_, batch, columns=STEP_COLUMNS)
+    layout = TrainLayout(traj, steps)  # what every method shares, built once
     rows = 0
     for method in methods:
         part = advantages_part(batch, method)
         adv = read_batch(lake, "advantages", round_, part)
-        table = build_train_batch(traj, steps, adv)
+        table = layout.table(adv)
         lake.write_part("train_batch", round_, table, part=part)
         rows += table.num_rows
     summary = _summary(EXPORT, batch, time.perf_counter() - t0, traj, steps, {"train_batch": rows}, {}, [])

@@ -12,23 +12,40 @@ import pyarrow.compute as pc
 from pipeline.config import Config
 from pipeline.display import console, print_kv, print_table
 
+# imported while Prefect's API starts rather than during the round: the flow's module and DuckDB (the round's
+# stats task refreshes the catalog; the summary queries it)
+ROUND_IMPORTS = ("flows.process_round", "warehouse.catalog")
+
+
+def prepare(cfg: Config) -> threading.Thread:
+    """What `creditflow process` starts before the round, to overlap the ephemeral API's start-up (seconds):
+    the worker processes (flow.processes) and the imports the round needs. Returns the import thread (join it
+    to wait for them)."""
+    from flows.workers import warm_in_background
+
+    warm_in_background(cfg)
+
+    def _imports() -> None:
+        for name in ROUND_IMPORTS:
+            importlib.import_module(name)
+
+    thread = threading.Thread(target=_imports, name="creditflow-imports", daemon=True)
+    thread.start()
+    return thread
+
 
 def run_process(cfg: Config, round_: int, quiet: bool = False) -> dict:
     """Run `process_round_flow` on the configured task runner, with a progress bar per stage, and print the
     round summary and the credit statistics."""
     from contextlib import nullcontext
 
+    prepare(cfg)  # worker processes and imports while the API (ephemeral: seconds) comes up
     from flows.process_round import WARNING_STATE, process_round_flow
     from flows.progress import rich_progress
     from flows.runners import make_task_runner, worker_api
     from flows.summary import print_summary
-    from flows.workers import warm_in_background
     from warehouse.lake import Lake
 
-    warm_in_background(cfg)  # worker processes start while the API (ephemeral: seconds) comes up
-    # and DuckDB (the round's stats task, the summary) is imported meanwhile, not at the end of the round
-    threading.Thread(target=importlib.import_module, args=("warehouse.catalog",), name="creditflow-imports",
-                     daemon=True).start()
     lake = Lake(cfg.lake)
     t0 = time.perf_counter()
     with worker_api(cfg):

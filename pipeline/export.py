@@ -46,55 +46,93 @@ def _in_step_order(table: pa.Table) -> tuple[pa.Table, pl.DataFrame]:
     return table, keys
 
 
+# the steps columns the layout reads (content, offsets and tool calls stay on disk)
+STEP_COLUMNS = ["traj_id", "step_idx", "role", "turn", "token_ids", "logprobs", "values"]
+
+
+class TrainLayout:
+    """The flat per-trajectory layout of one batch's steps, built once and shared by every method: the
+    step order, token offsets, input ids, loss mask, behaviour logprobs, turn ids and trajectory metadata
+    do not depend on the method, only the advantages (and returns) do. `table(advantages)` lays out one
+    method's advantages on it; `build_train_batch` is the one-method shorthand."""
+
+    def __init__(self, trajectories: pa.Table, steps: pa.Table) -> None:
+        steps, self._keys = _in_step_order(steps)
+        self._steps = steps
+        self.lengths = pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+        traj_ids = steps.column("traj_id").to_numpy(zero_copy_only=False)
+        n = len(traj_ids)
+        change = np.flatnonzero(traj_ids[1:] != traj_ids[:-1]) + 1 if n else np.array([], dtype=np.int64)
+        step_starts = np.concatenate([[0], change]).astype(np.int64) if n else np.array([], np.int64)
+        tok_cum = np.concatenate([[0], np.cumsum(self.lengths)])
+        self.traj_offsets = np.concatenate([tok_cum[step_starts], [tok_cum[-1]]]) if n else np.array([0])
+        self.traj_order = traj_ids[step_starts] if n else np.array([], dtype=object)
+        off = pa.array(self.traj_offsets.astype(np.int32))
+
+        is_asst = pc.equal(steps.column("role"), "assistant").to_numpy(zero_copy_only=False)
+        tok_mask = np.repeat(is_asst, self.lengths).astype(np.int8)
+        turns = pc.fill_null(steps.column("turn"), 0).to_numpy(zero_copy_only=False).astype(np.int16)
+        tok_turn = np.where(tok_mask == 1, np.repeat(turns, self.lengths), 0).astype(np.int16)
+        traj = pl.from_arrow(trajectories.select(["traj_id", "group_id", "reward"]))
+        meta = pl.DataFrame({"traj_id": pl.Series(self.traj_order, dtype=pl.String)}).join(traj, on="traj_id",
+                                                                                          how="left")
+        k = len(self.traj_order)
+        self._common = {
+            "traj_id": pa.array(self.traj_order, pa.string()),
+            "group_id": meta["group_id"].to_arrow().cast(pa.string()),
+            "reward": meta["reward"].to_arrow().cast(pa.float64()),
+            "input_ids": _recut(steps.column("token_ids"), self.traj_offsets, pa.int32()),
+            "loss_mask": pa.ListArray.from_arrays(off, pa.array(tok_mask)),
+            "old_logprobs": _recut(steps.column("logprobs"), self.traj_offsets, pa.float32(), lengths=self.lengths),
+            "turn_ids": pa.ListArray.from_arrays(off, pa.array(tok_turn)),
+        }
+        self._has_values = steps.column("values").null_count < steps.num_rows
+        self._values: pa.Array | None = None  # cut on first use: only methods with returns carry values
+        self._no_floats = pa.nulls(k, pa.list_(pa.float32()))
+
+    def _values_column(self) -> pa.Array:
+        if self._values is None:
+            self._values = (_recut(self._steps.column("values"), self.traj_offsets, pa.float32(), lengths=self.lengths)
+                            if self._has_values else self._no_floats)
+        return self._values
+
+    def table(self, advantages: pa.Table) -> pa.Table:
+        """One method's advantages (its `advantages` rows for these steps) in the flat layout."""
+        methods = pc.unique(advantages.column("method")).to_pylist()
+        if len(methods) > 1:
+            raise ValueError(f"build_train_batch expects one method, got {methods}")
+        method = methods[0] if methods else ""  # no rows (a batch without steps): an empty layout
+        adv, a_keys = _in_step_order(advantages)
+        if not self._keys.equals(a_keys):
+            raise ValueError(f"advantages of method {method!r} do not cover the same steps as the steps table")
+        adv_len = pc.list_value_length(adv.column("token_adv")).to_numpy(zero_copy_only=False).astype(np.int64)
+        if not np.array_equal(self.lengths, adv_len):
+            row = int(np.flatnonzero(self.lengths != adv_len)[0])
+            raise ValueError(f"token_adv of {adv.column('traj_id')[row]} step {adv.column('step_idx')[row]} "
+                             "is misaligned")
+        has_returns = adv.column("token_returns").null_count < adv.num_rows
+        round_col = adv.column("round")[0].as_py() if adv.num_rows else 0
+        k = len(self.traj_order)
+        c = self._common
+        out = {
+            "round": pa.array(np.full(k, round_col, np.int32)),
+            "method": pa.array([method] * k, pa.string()),
+            "traj_id": c["traj_id"],
+            "group_id": c["group_id"],
+            "reward": c["reward"],
+            "input_ids": c["input_ids"],
+            "loss_mask": c["loss_mask"],
+            "old_logprobs": c["old_logprobs"],
+            "advantages": _recut(adv.column("token_adv"), self.traj_offsets, pa.float32()),
+            "values": self._values_column() if has_returns else self._no_floats,
+            "returns": _recut(adv.column("token_returns"), self.traj_offsets, pa.float32(), lengths=self.lengths)
+            if has_returns
+            else self._no_floats,
+            "turn_ids": c["turn_ids"],
+        }
+        return pa.table(out)
+
+
 def build_train_batch(trajectories: pa.Table, steps: pa.Table, advantages: pa.Table) -> pa.Table:
     """Join steps with one method's advantages and lay each trajectory out flat."""
-    methods = pc.unique(advantages.column("method")).to_pylist()
-    if len(methods) > 1:
-        raise ValueError(f"build_train_batch expects one method, got {methods}")
-    method = methods[0] if methods else ""  # no rows (a batch without steps): an empty layout
-    steps, s_keys = _in_step_order(steps)
-    adv, a_keys = _in_step_order(advantages)
-    if not s_keys.equals(a_keys):
-        raise ValueError(f"advantages of method {method!r} do not cover the same steps as the steps table")
-    lengths = pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
-    adv_len = pc.list_value_length(adv.column("token_adv")).to_numpy(zero_copy_only=False).astype(np.int64)
-    if not np.array_equal(lengths, adv_len):
-        row = int(np.flatnonzero(lengths != adv_len)[0])
-        raise ValueError(f"token_adv of {adv.column('traj_id')[row]} step {adv.column('step_idx')[row]} is misaligned")
-    traj_ids = steps.column("traj_id").to_numpy(zero_copy_only=False)
-    change = np.flatnonzero(traj_ids[1:] != traj_ids[:-1]) + 1 if len(traj_ids) else np.array([], dtype=np.int64)
-    step_starts = np.concatenate([[0], change]).astype(np.int64) if len(traj_ids) else np.array([], np.int64)
-    tok_cum = np.concatenate([[0], np.cumsum(lengths)])
-    traj_offsets = np.concatenate([tok_cum[step_starts], [tok_cum[-1]]]) if len(traj_ids) else np.array([0])
-    traj_order = traj_ids[step_starts] if len(traj_ids) else np.array([], dtype=object)
-
-    is_asst = pc.equal(steps.column("role"), "assistant").to_numpy(zero_copy_only=False)
-    tok_mask = np.repeat(is_asst, lengths).astype(np.int8)
-    turns = pc.fill_null(steps.column("turn"), 0).to_numpy(zero_copy_only=False).astype(np.int16)
-    tok_turn = np.where(tok_mask == 1, np.repeat(turns, lengths), 0).astype(np.int16)
-    off = pa.array(traj_offsets.astype(np.int32))
-
-    traj = pl.from_arrow(trajectories.select(["traj_id", "group_id", "reward"]))
-    meta = pl.DataFrame({"traj_id": pl.Series(traj_order, dtype=pl.String)}).join(traj, on="traj_id", how="left")
-    has_returns = adv.column("token_returns").null_count < adv.num_rows
-    has_values = steps.column("values").null_count < steps.num_rows
-    round_col = adv.column("round")[0].as_py() if adv.num_rows else 0
-    out = {
-        "round": pa.array(np.full(len(traj_order), round_col, np.int32)),
-        "method": pa.array([method] * len(traj_order), pa.string()),
-        "traj_id": pa.array(traj_order, pa.string()),
-        "group_id": meta["group_id"].to_arrow().cast(pa.string()),
-        "reward": meta["reward"].to_arrow().cast(pa.float64()),
-        "input_ids": _recut(steps.column("token_ids"), traj_offsets, pa.int32()),
-        "loss_mask": pa.ListArray.from_arrays(off, pa.array(tok_mask)),
-        "old_logprobs": _recut(steps.column("logprobs"), traj_offsets, pa.float32(), lengths=lengths),
-        "advantages": _recut(adv.column("token_adv"), traj_offsets, pa.float32()),
-        "values": _recut(steps.column("values"), traj_offsets, pa.float32(), lengths=lengths)
-        if has_values and has_returns
-        else pa.nulls(len(traj_order), pa.list_(pa.float32())),
-        "returns": _recut(adv.column("token_returns"), traj_offsets, pa.float32(), lengths=lengths)
-        if has_returns
-        else pa.nulls(len(traj_order), pa.list_(pa.float32())),
-        "turn_ids": pa.ListArray.from_arrays(off, pa.array(tok_turn)),
-    }
-    return pa.table(out)
+    return TrainLayout(trajectories, steps).table(advantages)

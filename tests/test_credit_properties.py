@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pipeline.config import Config
 from pipeline.credit import CreditContext, MethodError, run_methods
 from pipeline.credit.process import process_batch
-from pipeline.export import build_train_batch
+from pipeline.export import STEP_COLUMNS, TrainLayout, build_train_batch
 from schemas import steps as steps_schema
 from schemas import trajectories as traj_schema
 
@@ -367,6 +367,31 @@ def test_export_alignment(seed, method):
                 assert np.all(np.array(row["returns"])[~m] == 0)
         else:
             assert row["returns"] is None
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10_000), st.permutations(["gae", "grpo", "gigpo", "rloo"]))
+def test_export_layout_shared_by_methods(seed, methods):
+    """One TrainLayout per batch serves every method (what `export_batch` does): each method's table equals the
+    one built from scratch for it, whatever the order (values are laid out only for methods with returns), and
+    the layout needs only the steps columns it names."""
+    traj, steps = random_round(seed, max_groups=3, max_group_size=4, max_steps=6)
+    tables = process_batch(traj, steps, methods)[0]
+    shared = TrainLayout(traj, steps.select(STEP_COLUMNS))
+    for method in methods:
+        got = shared.table(tables[method])
+        fresh = build_train_batch(traj, steps, tables[method])
+        assert got.equals(fresh), method
+        assert got.column("method").to_pylist() == [method] * got.num_rows
+        with_returns = method == "gae"
+        assert (got.column("values").null_count == 0) == with_returns or got.num_rows == 0
+        assert (got.column("returns").null_count == 0) == with_returns or got.num_rows == 0
+    # another batch's advantages do not fit this layout: a clear error, not a silent misalignment
+    other_traj, other_steps = random_round(seed + 1, max_groups=3, max_group_size=4, max_steps=6)
+    other = process_batch(other_traj, other_steps, ["grpo"])[0]["grpo"]
+    if not other.select(["traj_id", "step_idx"]).equals(tables["grpo"].select(["traj_id", "step_idx"])):
+        with pytest.raises(ValueError, match="do not cover the same steps|misaligned"):
+            shared.table(other)
 
 
 # ---- CLI end to end ---------------------------------------------------------------------------------
