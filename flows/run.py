@@ -39,14 +39,19 @@ def run_process(cfg: Config, round_: int, quiet: bool = False) -> dict:
     round summary and the credit statistics."""
     from contextlib import nullcontext
 
+    from warehouse.lake import Lake
+
+    lake = Lake(cfg.lake)
+    if not lake.parts("trajectories", round_):  # before any API or worker starts: one line, no traceback
+        present = ", ".join(str(r) for r in lake.rounds("trajectories")) or "none"
+        raise SystemExit(f"round {round_} has no trajectories in {lake.root} (rounds there: {present}); "
+                         "`creditflow ingest` or `creditflow synth` writes one")
     prepare(cfg)  # worker processes and imports while the API (ephemeral: seconds) comes up
     from flows.process_round import WARNING_STATE, process_round_flow
     from flows.progress import rich_progress
     from flows.runners import make_task_runner, worker_api
     from flows.summary import print_summary
-    from warehouse.lake import Lake
 
-    lake = Lake(cfg.lake)
     t0 = time.perf_counter()
     with worker_api(cfg):
         flow_ = process_round_flow.with_options(task_runner=make_task_runner(cfg))

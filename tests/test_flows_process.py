@@ -244,6 +244,11 @@ def test_stats_command_prints_summary_from_lake(tmp_path, prefect_harness):
         assert word in result.output, word
     missing = CliRunner().invoke(app, ["stats", "--lake", str(lake.root), "--round", "7"])
     assert missing.exit_code != 0
+    # processing a round that is not there: one clear line naming the round and the rounds present, no flow run
+    absent = CliRunner().invoke(app, ["process", "--lake", str(lake.root), "--round", "7", "--methods", "grpo"])
+    assert absent.exit_code == 1
+    assert "round 7 has no trajectories" in absent.output and "rounds there: 0" in absent.output
+    assert "Traceback" not in absent.output and not lake.parts("stage_runs", 7)
 
 
 def test_file_url_lake(tmp_path, prefect_harness):
