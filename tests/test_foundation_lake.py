@@ -96,6 +96,21 @@ def test_write_part_is_atomic_and_replaces(lake):
     assert files == ["part-x.parquet"], files  # no temp files left behind
 
 
+def test_read_columns_across_parts_written_before_a_column_existed(lake):
+    """A part written before a column was added reads it as nulls beside newer parts; a column no part has is a
+    clear error naming the table and the column."""
+    old = pa.table({"traj_id": ["a", "b"], "n": [1, 2]})
+    new = pa.table({"traj_id": ["c"], "n": [3], "extra": [0.5]})
+    lake.write_part("experiments", 0, old, part="p0")
+    lake.write_part("experiments", 0, new, part="p1")
+    back = lake.read("experiments", 0, columns=["traj_id", "extra"])
+    assert back.column_names == ["traj_id", "extra"]
+    assert sorted(zip(back.column("traj_id").to_pylist(), back.column("extra").to_pylist(), strict=True)) == [
+        ("a", None), ("b", None), ("c", 0.5)]
+    with pytest.raises(KeyError, match="table 'experiments': no column 'nope'"):
+        lake.read("experiments", 0, columns=["traj_id", "nope"])
+
+
 def test_failed_write_leaves_previous_partition_intact(lake):
     traj = _traj()
     lake.replace_partition("trajectories", 0, traj)

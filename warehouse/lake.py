@@ -207,5 +207,9 @@ class Lake:
             if columns is None:
                 out = spec.conform(out)
         if columns is not None:
+            missing = [c for c in columns if c not in out.column_names]
+            if missing:  # in no part at all (a part that lacks a column others have reads it as nulls)
+                raise KeyError(f"table {table_name!r}: no column {', '.join(map(repr, missing))} in any of its "
+                               f"{len(pieces)} part(s) read; columns: {', '.join(out.column_names)}")
             out = out.select(columns)
         return out
