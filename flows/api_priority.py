@@ -12,7 +12,7 @@ SCHED_IDLE policy during the stage phase: the kernel gives them a core only when
 (and they never preempt one). The events queue up in the server and are recorded in the gaps and once the
 stages finish, when the server's threads go back to the normal policy (before the round's stats and the flow
 run's final state, which do call the API). Measured on 2 cores (bench/results/flows.md): with 2 workers the
-round takes ~4-11% less (medians of back-to-back pairs in three runs); with 1 worker and a spare core the
+round takes ~2-11% less (medians of back-to-back pairs in four runs); with 1 worker and a spare core the
 server is better left alone (it keeps up on the spare core; idle, it stays behind and fills every short gap
 the worker's threads leave, 5 of 5 pairs 1-2 s slower), hence the rule on the number of workers.
 
