@@ -34,6 +34,14 @@ def prepare(cfg: Config) -> threading.Thread:
     return thread
 
 
+def require_round(lake, round_: int) -> None:
+    """A command on a round the lake does not hold stops with one line naming it and the rounds there."""
+    if not lake.parts("trajectories", round_):
+        present = ", ".join(str(r) for r in lake.rounds("trajectories")) or "none"
+        raise SystemExit(f"round {round_} has no trajectories in {lake.root} (rounds there: {present}); "
+                         "`creditflow ingest` or `creditflow synth` writes one")
+
+
 def run_process(cfg: Config, round_: int, quiet: bool = False) -> dict:
     """Run `process_round_flow` on the configured task runner, with a progress bar per stage, and print the
     round summary and the credit statistics."""
@@ -42,10 +50,7 @@ def run_process(cfg: Config, round_: int, quiet: bool = False) -> dict:
     from warehouse.lake import Lake
 
     lake = Lake(cfg.lake)
-    if not lake.parts("trajectories", round_):  # before any API or worker starts: one line, no traceback
-        present = ", ".join(str(r) for r in lake.rounds("trajectories")) or "none"
-        raise SystemExit(f"round {round_} has no trajectories in {lake.root} (rounds there: {present}); "
-                         "`creditflow ingest` or `creditflow synth` writes one")
+    require_round(lake, round_)  # before any API or worker starts
     prepare(cfg)  # worker processes and imports while the API (ephemeral: seconds) comes up
     from flows.process_round import WARNING_STATE, process_round_flow
     from flows.progress import rich_progress
@@ -78,8 +83,7 @@ def run_stats(lake_dir: Path | str, round_: int) -> dict:
     from warehouse.lake import Lake
 
     lake = Lake(lake_dir)
-    if not lake.parts("trajectories", round_):
-        raise SystemExit(f"round {round_} has no trajectories in {lake.root}")
+    require_round(lake, round_)
     summary = round_summary(lake, round_)
     print_summary(summary, title=f"creditflow stats: round {round_}")
     if lake.parts("advantages", round_):

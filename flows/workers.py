@@ -84,7 +84,11 @@ def _pool(size: int) -> ProcessPoolExecutor:
 
 
 def warm(size: int) -> None:
-    """Start the pool's processes now (the forkserver's imports take a second or two), without waiting."""
+    """Start the pool's processes now (the forkserver's imports take a second or two), without waiting. A pool
+    already started keeps its processes: nothing to do (`creditflow process` and the flow both call this)."""
+    with _lock:
+        if size in _pools:
+            return
     pool = _pool(size)
     for _ in range(size):
         pool.submit(int)
