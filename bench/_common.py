@@ -1,7 +1,7 @@
 """Helpers the benchmark scripts share: peak RSS, a machine/load note, timed worker subprocesses, markdown tables.
 
-    from _common import machine_note, md_table, peak_rss_mb, run_worker   # (bench/ is on sys.path when a
-                                                                          #  script runs as bench/<name>.py)
+from _common import machine_note, md_table, peak_rss_mb, run_worker   # (bench/ is on sys.path when a
+                                                                      #  script runs as bench/<name>.py)
 """
 
 from __future__ import annotations
@@ -35,17 +35,29 @@ def machine_note() -> str:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     except OSError:
         load = "n/a"
-    return (f"Machine: {platform.machine()}, {cores()} of {os.cpu_count()} CPUs usable (taskset), "
-            f"load average {load} (1/5/15 min) when written, Python {platform.python_version()}.")
+    return (
+        f"Machine: {platform.machine()}, {cores()} of {os.cpu_count()} CPUs usable (taskset), "
+        f"load average {load} (1/5/15 min) when written, Python {platform.python_version()}."
+    )
 
 
-def run_worker(script: str | os.PathLike, *args: str, cwd: str | os.PathLike | None = None,
-               env: dict[str, str] | None = None) -> dict:
+def run_worker(
+    script: str | os.PathLike,
+    *args: str,
+    cwd: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
+) -> dict:
     """Run `python script *args` in a fresh process; its last stdout line is a JSON object, returned with the
     wall time of the whole subprocess added as `wall_s` (so each measurement has its own peak RSS)."""
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, check=False, cwd=cwd,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
     wall = time.perf_counter() - t0
     if out.returncode:
         raise RuntimeError(f"{script} {' '.join(args)}: {out.stderr[-3000:]}")

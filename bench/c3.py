@@ -74,7 +74,9 @@ def worker_memory(lake_dir: str, method: str) -> dict:
         ctx = CreditContext.from_arrow(
             read_batch(lake, "trajectories", 0, b),
             read_batch(lake, "steps", 0, b, columns=method_step_columns([f"{method}+c3"])),
-            config=cfg, annotations={"spans": read_batch(lake, "spans", 0, b)})
+            config=cfg,
+            annotations={"spans": read_batch(lake, "spans", 0, b)},
+        )
         t0 = time.perf_counter()
         base = est.fn(ctx, cfg.stage(est.settings))
         t_est += time.perf_counter() - t0
@@ -90,7 +92,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=400)
-    ap.add_argument("--lake", type=Path, default=None, help="a lake with round 0 (bench/credit.py's); else synthesised")
+    ap.add_argument(
+        "--lake", type=Path, default=None, help="a lake with round 0 (bench/credit.py's); else synthesised"
+    )
     ap.add_argument("--methods", default="grpo,gae")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--baseline", type=Path, default=None)
@@ -101,7 +105,9 @@ def main() -> None:
     if args.worker:
         sys.path.insert(0, str(Path(args.root).resolve()))
         kind, lake_dir, *rest = args.worker
-        emit({"detect": worker_detect, "credit": worker_credit, "memory": worker_memory}[kind](lake_dir, *rest))
+        emit(
+            {"detect": worker_detect, "credit": worker_credit, "memory": worker_memory}[kind](lake_dir, *rest)
+        )
         return
     sys.path.insert(0, str(ROOT))
     lake_dir = args.lake or Path(tempfile.mkdtemp(prefix="c3-bench-"))
@@ -110,8 +116,15 @@ def main() -> None:
         from warehouse.lake import Lake
         from warehouse.rounds import write_round_parts
 
-        s = SynthSettings(groups=args.groups, samples=args.samples, turns=args.turns, tokens=args.tokens,
-                          round=0, seed=0, batch_groups=64)
+        s = SynthSettings(
+            groups=args.groups,
+            samples=args.samples,
+            turns=args.turns,
+            tokens=args.tokens,
+            round=0,
+            seed=0,
+            batch_groups=64,
+        )
         write_round_parts(Lake(lake_dir), 0, iter_batches(s, prefetch=True))
 
     def best(*w: str, root: Path = ROOT) -> dict:
@@ -123,15 +136,28 @@ def main() -> None:
     for m in args.methods.split(","):
         t = {}
         for label, root in ((("before", args.baseline),) if args.baseline else ()) + (("after", ROOT),):
-            t[label] = (best("credit", str(lake_dir), m, root=root), best("credit", str(lake_dir), f"{m}+c3", root=root))
+            t[label] = (
+                best("credit", str(lake_dir), m, root=root),
+                best("credit", str(lake_dir), f"{m}+c3", root=root),
+            )
         for label, (e, c) in t.items():
             add = c["seconds"] / e["seconds"] - 1
-            rows.append([label, m, f"{e['seconds']:.2f}", f"{c['seconds']:.2f}", f"+{100 * add:.0f}%",
-                         "meets" if add <= 0.5 else "misses", f"{c['changed']:,.0f}"])
+            rows.append(
+                [
+                    label,
+                    m,
+                    f"{e['seconds']:.2f}",
+                    f"{c['seconds']:.2f}",
+                    f"+{100 * add:.0f}%",
+                    "meets" if add <= 0.5 else "misses",
+                    f"{c['changed']:,.0f}",
+                ]
+            )
             print(rows[-1], flush=True)
         mem = best("memory", str(lake_dir), m)
-        mem_rows.append([m, f"{mem['estimator']:.2f}", f"{mem['c3']:.2f}",
-                         f"+{100 * mem['c3'] / mem['estimator']:.0f}%"])
+        mem_rows.append(
+            [m, f"{mem['estimator']:.2f}", f"{mem['c3']:.2f}", f"+{100 * mem['c3'] / mem['estimator']:.0f}%"]
+        )
     lines = [
         "# C3 benchmark",
         "",

@@ -35,8 +35,9 @@ def make_round(lake_dir: Path, round_: int, groups: int, samples: int, turns: in
     from warehouse.lake import Lake
     from warehouse.rounds import write_round_parts
 
-    s = SynthSettings(groups=groups, samples=samples, turns=turns, tokens=tokens, round=round_, seed=round_,
-                      batch_groups=64)
+    s = SynthSettings(
+        groups=groups, samples=samples, turns=turns, tokens=tokens, round=round_, seed=round_, batch_groups=64
+    )
     t0 = time.perf_counter()
     names = write_round_parts(Lake(lake_dir), round_, iter_batches(s, prefetch=True))
     return {"batches": len(names), "seconds": time.perf_counter() - t0}
@@ -74,9 +75,13 @@ def worker_compute(lake_dir: Path, round_: int, method: str) -> dict:
     batches = round_batches(lake, round_)
     # one untimed call first: the process's one-off costs (lazy imports, the heap's first growth) are not
     # per-token work, and the reference is timed after its own imports too
-    process_batch(read_batch(lake, "trajectories", round_, batches[0]),
-                  read_batch(lake, "steps", round_, batches[0], columns=method_step_columns([method])), [method], cfg,
-                  round_=round_)
+    process_batch(
+        read_batch(lake, "trajectories", round_, batches[0]),
+        read_batch(lake, "steps", round_, batches[0], columns=method_step_columns([method])),
+        [method],
+        cfg,
+        round_=round_,
+    )
     seconds = 0.0
     for b in batches:
         traj = read_batch(lake, "trajectories", round_, b)
@@ -101,7 +106,9 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
     seconds = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for b in round_batches(lake, round_):
-            adv = pq.read_table(lake.partition_dir("advantages", round_) / f"part-{advantages_part(b, method)}.parquet")
+            adv = pq.read_table(
+                lake.partition_dir("advantages", round_) / f"part-{advantages_part(b, method)}.parquet"
+            )
             t0 = time.perf_counter()
             pq.read_table(lake.partition_dir("steps", round_) / f"part-{b}.parquet", columns=cols)
             pq.read_table(lake.partition_dir("trajectories", round_) / f"part-{b}.parquet")
@@ -156,8 +163,10 @@ def assistant_tokens(lake_dir: Path, round_: int) -> tuple[int, int]:
     import duckdb
 
     path = f"{lake_dir}/steps/round={round_}/*.parquet"
-    a, t = duckdb.sql(f"SELECT sum(len(token_ids)) FILTER (WHERE role = 'assistant'), sum(len(token_ids)) "
-                      f"FROM read_parquet('{path}')").fetchall()[0]
+    a, t = duckdb.sql(
+        f"SELECT sum(len(token_ids)) FILTER (WHERE role = 'assistant'), sum(len(token_ids)) "
+        f"FROM read_parquet('{path}')"
+    ).fetchall()[0]
     return int(a), int(t)
 
 
@@ -170,10 +179,16 @@ def main() -> None:
     p.add_argument("--lake", type=Path, default=None)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ref-groups", type=int, default=8)
-    p.add_argument("--reps", type=int, default=3, help="runs per measurement (interleaved); the table shows the fastest")
-    p.add_argument("--baseline", type=Path, default=None,
-                   help="a worktree of the code before this change (git worktree add DIR REV): its engine is "
-                        "timed in the same run, interleaved with this checkout's")
+    p.add_argument(
+        "--reps", type=int, default=3, help="runs per measurement (interleaved); the table shows the fastest"
+    )
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="a worktree of the code before this change (git worktree add DIR REV): its engine is "
+        "timed in the same run, interleaved with this checkout's",
+    )
     p.add_argument("--double", action="store_true", help="also run a round of twice the groups (RSS growth)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "credit.md")
     p.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
@@ -189,8 +204,11 @@ def main() -> None:
             pass
         kind, lake_dir, round_, method = args.worker
         fn = {"engine": worker_engine, "floor": worker_floor, "compute": worker_compute}.get(kind)
-        res = fn(Path(lake_dir), int(round_), method) if fn else worker_reference(
-            Path(lake_dir), int(round_), method, args.ref_groups)
+        res = (
+            fn(Path(lake_dir), int(round_), method)
+            if fn
+            else worker_reference(Path(lake_dir), int(round_), method, args.ref_groups)
+        )
         emit(res)
         return
     _use_root(str(ROOT))
@@ -214,8 +232,18 @@ def main() -> None:
                 runs[i].append(sub("--root", str(root), "--worker", kind, str(lake_dir), "0", m))
         return [min(r, key=lambda x: x["seconds"]) for r in runs]
 
-    headers = ["method", "wall s", "assistant tok/s", "peak RSS MB", "I/O floor s", "x floor",
-               "reference s (extrap.)", "x faster than ref", "engine compute s (no I/O)", "ref / compute"]
+    headers = [
+        "method",
+        "wall s",
+        "assistant tok/s",
+        "peak RSS MB",
+        "I/O floor s",
+        "x floor",
+        "reference s (extrap.)",
+        "x faster than ref",
+        "engine compute s (no I/O)",
+        "ref / compute",
+    ]
     if args.baseline:
         headers[1:1] = ["before: wall s", "before: x floor"]
     if args.double:
@@ -227,9 +255,18 @@ def main() -> None:
         base = rest[0] if rest else None
         rf = sub("--ref-groups", str(args.ref_groups), "--worker", "reference", str(lake_dir), "0", m)
         ref_s = rf["seconds"] * asst / max(rf["assistant_tokens"], 1)
-        row = [m, f"{e['seconds']:.2f}", f"{asst / e['seconds']:,.0f}", f"{e['rss_mb']:.0f}", f"{f['seconds']:.2f}",
-               f"{e['seconds'] / f['seconds']:.2f}", f"{ref_s:.0f}", f"{ref_s / e['seconds']:.0f}",
-               f"{cpu['seconds']:.2f}", f"{ref_s / cpu['seconds']:.0f}"]
+        row = [
+            m,
+            f"{e['seconds']:.2f}",
+            f"{asst / e['seconds']:,.0f}",
+            f"{e['rss_mb']:.0f}",
+            f"{f['seconds']:.2f}",
+            f"{e['seconds'] / f['seconds']:.2f}",
+            f"{ref_s:.0f}",
+            f"{ref_s / e['seconds']:.0f}",
+            f"{cpu['seconds']:.2f}",
+            f"{ref_s / cpu['seconds']:.0f}",
+        ]
         if base:
             row[1:1] = [f"{base['seconds']:.2f}", f"{base['seconds'] / f['seconds']:.2f}"]
         if args.double:
@@ -245,8 +282,9 @@ def main() -> None:
         f"batches of 64 groups, processed one by one with flows.batch.credit_batch, the path `creditflow process` "
         f"runs (read the steps columns the method needs + trajectories, build the context, estimate, write the "
         f"advantages part and the stage_runs row).",
-        machine_note() + f" Each cell is its own subprocess (peak RSS = its ru_maxrss); times are the fastest of "
-                         f"{args.reps} runs, engine / floor / compute interleaved.",
+        machine_note()
+        + f" Each cell is its own subprocess (peak RSS = its ru_maxrss); times are the fastest of "
+        f"{args.reps} runs, engine / floor / compute interleaved.",
         "",
         "I/O floor: pyarrow only, read the steps columns the method needs (`registry.method_step_columns`, what "
         "credit_batch reads) + the trajectories, write the method's advantages part with the lake's writer options "

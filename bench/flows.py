@@ -46,8 +46,14 @@ METHODS = ["grpo", "grpo+c3", "grpo+iapo", "tcpo_retro_hin"]
 def _config(lake: str, workers: int, runner: str = "threads", processes: str = "auto", api_idle: bool = True):
     from pipeline.config import load_config
 
-    return load_config(None, ["flow.progress=false", f"flow.processes={processes}", f"flow.api_idle={api_idle}"],
-                       lake=lake, methods=METHODS, task_runner=runner, max_workers=workers)
+    return load_config(
+        None,
+        ["flow.progress=false", f"flow.processes={processes}", f"flow.api_idle={api_idle}"],
+        lake=lake,
+        methods=METHODS,
+        task_runner=runner,
+        max_workers=workers,
+    )
 
 
 class TreeRSS:
@@ -177,7 +183,11 @@ def child(mode: str, lake_dir: str) -> dict:
                     run_batch_plain(lake, 0, b, cfg)
             elif mode.endswith("p"):  # a whole batch's stages per call, no Prefect
                 with ThreadPoolExecutor(workers) as pool:
-                    list(pool.map(lambda b: worker_procs.run(workers, run_batch_plain, lake, 0, b, cfg), batches))
+                    list(
+                        pool.map(
+                            lambda b: worker_procs.run(workers, run_batch_plain, lake, 0, b, cfg), batches
+                        )
+                    )
                 worker_procs.shutdown()
             else:
                 with ThreadPoolExecutor(workers) as pool:
@@ -197,13 +207,20 @@ def child(mode: str, lake_dir: str) -> dict:
 
         runner = {"ray-2": "ray", "dask-2": "dask"}.get(mode, "threads")
         workers = int(mode.split("-")[1].rstrip("tpn"))
-        cfg = _config(lake_dir, workers, runner, {"t": "false", "p": "true"}.get(mode[-1], "auto"),
-                      api_idle=not mode.endswith("n"))
+        cfg = _config(
+            lake_dir,
+            workers,
+            runner,
+            {"t": "false", "p": "true"}.get(mode[-1], "auto"),
+            api_idle=not mode.endswith("n"),
+        )
         from flows.run import prepare
         from flows.runners import worker_api
 
         t0 = time.perf_counter()
-        imports = prepare(cfg)  # as `creditflow process` does first: worker processes and imports with the API
+        imports = prepare(
+            cfg
+        )  # as `creditflow process` does first: worker processes and imports with the API
         with worker_api(cfg):  # the settings `creditflow process` gives its own API
             warmup()  # starts the ephemeral API
         imports.join()
@@ -246,11 +263,21 @@ def _same_outputs(a: Path, b: Path) -> bool:
 
 
 def run_child(mode: str, lake: Path, home: Path) -> dict:
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_LOGGING_LEVEL": "ERROR",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_LOGGING_LEVEL": "ERROR",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    }
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.run([sys.executable, __file__, "--child", mode, "--lake", str(lake)], env=env,
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", mode, "--lake", str(lake)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -265,7 +292,11 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--batch-groups", type=int, default=64)
-    ap.add_argument("--ray", action="store_true", help="also run the process-based runners: Ray (2 CPUs), Dask (2 workers)")
+    ap.add_argument(
+        "--ray",
+        action="store_true",
+        help="also run the process-based runners: Ray (2 CPUs), Dask (2 workers)",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode (the best wall time is kept)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "flows.md"))
     ap.add_argument("--quick", action="store_true", help="do not write the results file")
@@ -282,19 +313,25 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-flows-"))
     try:
         base = work / "base"
-        settings = SynthSettings(groups=args.groups, samples=args.samples, turns=args.turns, tokens=args.tokens,
-                                 batch_groups=args.batch_groups)
+        settings = SynthSettings(
+            groups=args.groups,
+            samples=args.samples,
+            turns=args.turns,
+            tokens=args.tokens,
+            batch_groups=args.batch_groups,
+        )
         t0 = time.perf_counter()
         write_round_parts(Lake(base), 0, iter_batches(settings))
         synth_s = time.perf_counter() - t0
-        modes = (["bare-1", "bare-2", "bare-2p", "flow-1", "flow-2", "flow-2n", "flow-1t", "flow-2t"]
-                 + (["ray-2", "dask-2"] if args.ray else []))
+        modes = ["bare-1", "bare-2", "bare-2p", "flow-1", "flow-2", "flow-2n", "flow-1t", "flow-2t"] + (
+            ["ray-2", "dask-2"] if args.ray else []
+        )
         if args.modes:
             modes = args.modes.split(",")
         results: dict[str, dict] = {}
         walls: dict[str, list[float]] = {m: [] for m in modes}
         for rep in range(args.repeat):  # interleaved, so a slow spell of the machine hits every mode alike
-            for mode in (modes if rep % 2 == 0 else modes[::-1]):  # every other rep reversed: drift cancels
+            for mode in modes if rep % 2 == 0 else modes[::-1]:  # every other rep reversed: drift cancels
                 lake = work / mode
                 _copy_round(base, lake)
                 r = run_child(mode, lake, work / f"home-{mode}")
@@ -302,16 +339,24 @@ def main() -> None:
                 if mode not in results or r["wall_s"] < results[mode]["wall_s"]:
                     results[mode] = r
                 cpu = r.get("cpu_s", {})
-                print(f"[{rep + 1}/{args.repeat}] {mode:8s} {r['wall_s']:8.2f} s  peak RSS {r['peak_rss_mb']:7.0f} MB  "
-                      f"CPU s: self {cpu.get('self', 0):.1f} api {cpu.get('api', 0):.1f} "
-                      f"workers {cpu.get('workers', 0):.1f}", flush=True)
+                print(
+                    f"[{rep + 1}/{args.repeat}] {mode:8s} {r['wall_s']:8.2f} s  peak RSS {r['peak_rss_mb']:7.0f} MB  "
+                    f"CPU s: self {cpu.get('self', 0):.1f} api {cpu.get('api', 0):.1f} "
+                    f"workers {cpu.get('workers', 0):.1f}",
+                    flush=True,
+                )
         if args.modes:
             return
         results["rerun"] = run_child("flow-2", work / "flow-2", work / "home-flow-2")
-        print(f"rerun    {results['rerun']['wall_s']:8.2f} s  cached {results['rerun']['cached']}", flush=True)
+        print(
+            f"rerun    {results['rerun']['wall_s']:8.2f} s  cached {results['rerun']['cached']}", flush=True
+        )
         same = _same_outputs(work / "bare-1", work / "flow-2")
-        same_ray = (_same_outputs(work / "flow-2", work / "ray-2") and _same_outputs(work / "flow-2", work / "dask-2")
-                    if args.ray else None)
+        same_ray = (
+            _same_outputs(work / "flow-2", work / "ray-2") and _same_outputs(work / "flow-2", work / "dask-2")
+            if args.ray
+            else None
+        )
         report = render(args, settings, synth_s, results, walls, same, same_ray)
         print(report)
         if not args.quick:
@@ -329,8 +374,15 @@ def _paired(walls: dict[str, list[float]], a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(walls[a], walls[b], strict=True))
 
 
-def render(args, settings, synth_s: float, r: dict[str, dict], walls: dict[str, list[float]], same: bool,
-           same_ray: bool | None) -> str:
+def render(
+    args,
+    settings,
+    synth_s: float,
+    r: dict[str, dict],
+    walls: dict[str, list[float]],
+    same: bool,
+    same_ray: bool | None,
+) -> str:
     import statistics
 
     tokens = r["bare-1"]["tokens"]
@@ -339,10 +391,12 @@ def render(args, settings, synth_s: float, r: dict[str, dict], walls: dict[str, 
         tree = res.get("tree_rss_mb")
         cpu_s = res.get("cpu_s", {})
         runs = " / ".join(f"{w:.2f}" for w in walls.get(mode, []))
-        rows.append(f"| {mode} | {res['wall_s']:.2f} | {runs} | {tokens / res['wall_s'] / 1e6:.2f} | "
-                    f"{res['peak_rss_mb']:.0f} | {f'{tree:.0f}' if tree else ''} | "
-                    f"{cpu_s.get('self', 0):.1f} / {cpu_s.get('api', 0):.1f} / {cpu_s.get('workers', 0):.1f} | "
-                    f"{res.get('api_startup_s', 0):.1f} | {res.get('cached', '')} |")
+        rows.append(
+            f"| {mode} | {res['wall_s']:.2f} | {runs} | {tokens / res['wall_s'] / 1e6:.2f} | "
+            f"{res['peak_rss_mb']:.0f} | {f'{tree:.0f}' if tree else ''} | "
+            f"{cpu_s.get('self', 0):.1f} / {cpu_s.get('api', 0):.1f} / {cpu_s.get('workers', 0):.1f} | "
+            f"{res.get('api_startup_s', 0):.1f} | {res.get('cached', '')} |"
+        )
     overhead = r["flow-1"]["wall_s"] / r["bare-1"]["wall_s"] - 1
     overhead_paired = _paired(walls, "flow-1", "bare-1") - 1
     speed_flow = r["flow-1"]["wall_s"] / r["flow-2"]["wall_s"]
@@ -353,16 +407,20 @@ def render(args, settings, synth_s: float, r: dict[str, dict], walls: dict[str, 
     speed_medians = statistics.median(walls["flow-1"]) / statistics.median(walls["flow-2"])
     idle_gain = r["flow-2n"]["wall_s"] / r["flow-2"]["wall_s"]
     idle_gain_paired = _paired(walls, "flow-2n", "flow-2")
-    idle_pairs = " / ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(walls["flow-2n"], walls["flow-2"], strict=True))
+    idle_pairs = " / ".join(
+        f"{a:.2f}/{b:.2f}" for a, b in zip(walls["flow-2n"], walls["flow-2"], strict=True)
+    )
     speed_normal_api = _paired(walls, "flow-1", "flow-2n")
     speed_bare = r["bare-1"]["wall_s"] / r["bare-2"]["wall_s"]
     speed_threads = r["flow-1t"]["wall_s"] / r["flow-2t"]["wall_s"]
     overhead_threads = r["flow-1t"]["wall_s"] / r["bare-1"]["wall_s"] - 1
     stage_rows = []
     for stage, secs in r["bare-1"]["stage_seconds"].items():
-        stage_rows.append(f"| {stage} | {secs:.2f} | {r['bare-2p']['stage_seconds'].get(stage, 0):.2f} | "
-                          f"{r['flow-1']['stage_seconds'].get(stage, 0):.2f} | "
-                          f"{r['flow-2']['stage_seconds'].get(stage, 0):.2f} |")
+        stage_rows.append(
+            f"| {stage} | {secs:.2f} | {r['bare-2p']['stage_seconds'].get(stage, 0):.2f} | "
+            f"{r['flow-1']['stage_seconds'].get(stage, 0):.2f} | "
+            f"{r['flow-2']['stage_seconds'].get(stage, 0):.2f} |"
+        )
     cpu = platform.processor() or platform.machine()
     load = os.getloadavg()
     lines = [
@@ -403,7 +461,9 @@ def render(args, settings, synth_s: float, r: dict[str, dict], walls: dict[str, 
         f"- **Re-run of the finished round**: {r['rerun']['wall_s']:.2f} s, {r['rerun']['cached']} of "
         f"{r['rerun']['stage_tasks']} stage tasks served from the cache, nothing rewritten.",
         f"- Outputs of flow-2 and bare-1 identical (every advantages / train_batch / spans / nodes / edges part): "
-        f"**{same}**" + (f"; Ray and Dask runners vs threads identical: **{same_ray}**" if same_ray is not None else "") + ".",
+        f"**{same}**"
+        + (f"; Ray and Dask runners vs threads identical: **{same_ray}**" if same_ray is not None else "")
+        + ".",
         "",
         "Stage seconds (sum over batches of each stage's wall time, from `stage_runs`):",
         "",

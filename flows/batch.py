@@ -40,18 +40,35 @@ def _tokens(steps: pa.Table) -> int:
     return int(pc.sum(pc.list_value_length(steps.column("token_ids"))).as_py() or 0)
 
 
-def _summary(stage: str, batch: str, seconds: float, traj: pa.Table, steps: pa.Table, rows_out: dict[str, int],
-             notes: dict[str, float], warnings: list[str]) -> dict:
-    return {"stage": stage, "batch": batch, "seconds": seconds, "trajectories": traj.num_rows,
-            "steps": steps.num_rows, "tokens": _tokens(steps), "rows_out": rows_out, "notes": notes,
-            "warnings": warnings}
+def _summary(
+    stage: str,
+    batch: str,
+    seconds: float,
+    traj: pa.Table,
+    steps: pa.Table,
+    rows_out: dict[str, int],
+    notes: dict[str, float],
+    warnings: list[str],
+) -> dict:
+    return {
+        "stage": stage,
+        "batch": batch,
+        "seconds": seconds,
+        "trajectories": traj.num_rows,
+        "steps": steps.num_rows,
+        "tokens": _tokens(steps),
+        "rows_out": rows_out,
+        "notes": notes,
+        "warnings": warnings,
+    }
 
 
 # ---- plain per-batch work (what the flow's tasks call; the benchmark's bare baseline) --------------------
 
 
-def run_stage_batch(lake: Lake, round_: int, batch: str, stage_name: str, config: Config,
-                    cache_key: str | None = None) -> dict:
+def run_stage_batch(
+    lake: Lake, round_: int, batch: str, stage_name: str, config: Config, cache_key: str | None = None
+) -> dict:
     """One annotation stage on one batch: its tables as parts named like the batch."""
     from pipeline.stages import load_stages
 
@@ -64,16 +81,29 @@ def run_stage_batch(lake: Lake, round_: int, batch: str, stage_name: str, config
     for table in stage.produces:
         lake.write_part(table, round_, out.tables[table], part=batch)
     rows = {t: out.tables[t].num_rows for t in stage.produces}
-    summary = _summary(stage_name, batch, time.perf_counter() - t0, traj, steps, rows, dict(out.notes),
-                       list(out.warnings))
-    record_stage_run(lake, round_, stage_name, batch, seconds=summary["seconds"], trajectories=traj.num_rows,
-                     steps=steps.num_rows, tokens=summary["tokens"], rows_out=rows, notes=out.notes,
-                     warnings=out.warnings, cache_key=cache_key)
+    summary = _summary(
+        stage_name, batch, time.perf_counter() - t0, traj, steps, rows, dict(out.notes), list(out.warnings)
+    )
+    record_stage_run(
+        lake,
+        round_,
+        stage_name,
+        batch,
+        seconds=summary["seconds"],
+        trajectories=traj.num_rows,
+        steps=steps.num_rows,
+        tokens=summary["tokens"],
+        rows_out=rows,
+        notes=out.notes,
+        warnings=out.warnings,
+        cache_key=cache_key,
+    )
     return summary
 
 
-def credit_batch(lake: Lake, round_: int, batch: str, methods: list[str], config: Config,
-                 cache_key: str | None = None) -> dict:
+def credit_batch(
+    lake: Lake, round_: int, batch: str, methods: list[str], config: Config, cache_key: str | None = None
+) -> dict:
     """Every method on one batch: one advantages part per (batch, method)."""
     from pipeline.credit.registry import method_step_columns
 
@@ -88,13 +118,25 @@ def credit_batch(lake: Lake, round_: int, batch: str, methods: list[str], config
     notes = {f"{m}.{k}": float(v) for m, n in method_notes.items() for k, v in n.items()}
     rows = {"advantages": sum(t.num_rows for t in tables.values())}
     summary = _summary(CREDIT, batch, time.perf_counter() - t0, traj, steps, rows, notes, [])
-    record_stage_run(lake, round_, CREDIT, batch, seconds=summary["seconds"], trajectories=traj.num_rows,
-                     steps=steps.num_rows, tokens=summary["tokens"], rows_out=rows, notes=notes,
-                     cache_key=cache_key)
+    record_stage_run(
+        lake,
+        round_,
+        CREDIT,
+        batch,
+        seconds=summary["seconds"],
+        trajectories=traj.num_rows,
+        steps=steps.num_rows,
+        tokens=summary["tokens"],
+        rows_out=rows,
+        notes=notes,
+        cache_key=cache_key,
+    )
     return summary
 
 
-def export_batch(lake: Lake, round_: int, batch: str, methods: list[str], cache_key: str | None = None) -> dict:
+def export_batch(
+    lake: Lake, round_: int, batch: str, methods: list[str], cache_key: str | None = None
+) -> dict:
     """The flat per-trajectory training layout of every method on one batch (train_batch parts)."""
     from pipeline.export import STEP_COLUMNS, TrainLayout
 
@@ -110,14 +152,24 @@ def export_batch(lake: Lake, round_: int, batch: str, methods: list[str], cache_
         lake.write_part("train_batch", round_, table, part=part)
         rows += table.num_rows
     summary = _summary(EXPORT, batch, time.perf_counter() - t0, traj, steps, {"train_batch": rows}, {}, [])
-    record_stage_run(lake, round_, EXPORT, batch, seconds=summary["seconds"], trajectories=traj.num_rows,
-                     steps=steps.num_rows, tokens=summary["tokens"], rows_out={"train_batch": rows},
-                     cache_key=cache_key)
+    record_stage_run(
+        lake,
+        round_,
+        EXPORT,
+        batch,
+        seconds=summary["seconds"],
+        trajectories=traj.num_rows,
+        steps=steps.num_rows,
+        tokens=summary["tokens"],
+        rows_out={"train_batch": rows},
+        cache_key=cache_key,
+    )
     return summary
 
 
-def run_batch_stage(lake_root: str, round_: int, batch: str, stage: str, config: Config,
-                    cache_key: str | None = None) -> dict:
+def run_batch_stage(
+    lake_root: str, round_: int, batch: str, stage: str, config: Config, cache_key: str | None = None
+) -> dict:
     """One stage (an annotation stage, credit or export) on one batch, from the lake's root: what a flow task
     runs, in its thread or in a worker process (flows/workers.py)."""
     lake = Lake(lake_root)
@@ -176,8 +228,16 @@ def run_batch_plain(lake: Lake, round_: int, batch: str, config: Config) -> list
 # ---- kept for callers of the first API -----------------------------------------------------------------
 
 
-def run_annotation_stages(lake: Lake, round_: int, batch: str, needed: set[str], config: Config,
-                          traj=None, steps=None, force: bool = False) -> dict[str, float]:
+def run_annotation_stages(
+    lake: Lake,
+    round_: int,
+    batch: str,
+    needed: set[str],
+    config: Config,
+    traj=None,
+    steps=None,
+    force: bool = False,
+) -> dict[str, float]:
     """Run the stages that produce the needed tables for one batch; a stage whose parts exist is skipped."""
     from pipeline.stages import stages_for
 
@@ -190,7 +250,9 @@ def run_annotation_stages(lake: Lake, round_: int, batch: str, needed: set[str],
     return notes
 
 
-def process_credit_batch(lake: Lake, round_: int, batch: str, methods: list[str], config: Config) -> BatchSummary:
+def process_credit_batch(
+    lake: Lake, round_: int, batch: str, methods: list[str], config: Config
+) -> BatchSummary:
     needed = annotation_names(methods)
     stage_notes = run_annotation_stages(lake, round_, batch, needed, config) if needed else {}
     s = credit_batch(lake, round_, batch, methods, config)

@@ -109,8 +109,10 @@ def stage_settings(stage: str, config: Config) -> dict[str, Any]:
         for method in config.methods:
             est, refs = parse_method(method)
             names |= {s.settings for s in (est, *refs) if s.settings}
-        return {"methods": list(config.methods),
-                "settings": {n: config.stage(n).model_dump(mode="json") for n in sorted(names)}}
+        return {
+            "methods": list(config.methods),
+            "settings": {n: config.stage(n).model_dump(mode="json") for n in sorted(names)},
+        }
     from pipeline.stages import load_stages
 
     spec = load_stages()[stage]
@@ -146,8 +148,10 @@ def _settings_read_by(stage: str) -> frozenset[str]:
 
 def stage_cache_key(lake_root: str, round_: int, batch: str, stage: str, config: Config) -> str:
     lake = Lake(lake_root)
-    fingerprint = [(Path(p).name, size, mtime) for p, size, mtime in
-                   part_fingerprints(lake, round_, stage_inputs(stage, batch, config))]
+    fingerprint = [
+        (Path(p).name, size, mtime)
+        for p, size, mtime in part_fingerprints(lake, round_, stage_inputs(stage, batch, config))
+    ]
     payload = {
         "stage": stage,
         "lake": str(lake.root),
@@ -171,7 +175,9 @@ class BatchStageCache(CachePolicy):
     """Cache policy of the batch-stage tasks: reads `lake_root, round_, batch, stage, config` from the
     task's inputs (upstream summaries only order the work and do not enter the key)."""
 
-    def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any],
-                    **kwargs: Any) -> str | None:
-        return stage_cache_key(inputs["lake_root"], inputs["round_"], inputs["batch"], inputs["stage"],
-                               inputs["config"])
+    def compute_key(
+        self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any
+    ) -> str | None:
+        return stage_cache_key(
+            inputs["lake_root"], inputs["round_"], inputs["batch"], inputs["stage"], inputs["config"]
+        )

@@ -20,7 +20,8 @@ def _process(config: Config, round_: int):
     from flows.runners import make_task_runner
 
     return process_round_flow.with_options(task_runner=make_task_runner(config))(
-        round_=round_, config=config, return_state=True)
+        round_=round_, config=config, return_state=True
+    )
 
 
 @flow(name="incoming", validate_parameters=False)
@@ -53,8 +54,12 @@ def incoming_flow(config: Config | dict) -> dict:
             status, folder = f"failed: {type(exc).__name__}: {exc}"[:500], "failed"
         moved = move_entry(entry, incoming, folder)
         ledger = read_ledger(lake)
-        ledger[entry.name] = {**ledger[entry.name], "status": status, "moved_to": str(moved),
-                              "at": dt.datetime.now(dt.UTC).isoformat()}
+        ledger[entry.name] = {
+            **ledger[entry.name],
+            "status": status,
+            "moved_to": str(moved),
+            "at": dt.datetime.now(dt.UTC).isoformat(),
+        }
         write_ledger(lake, ledger)
         done[entry.name] = ledger[entry.name]
     return done
@@ -69,8 +74,9 @@ def pending_rounds(config: Config) -> list[int]:
     out = []
     for round_ in lake.rounds("trajectories"):
         batches = batch_names(lake, round_)
-        if batches and not all(parts_present(lake, round_, stage_outputs(CREDIT, b, config.methods))
-                               for b in batches):
+        if batches and not all(
+            parts_present(lake, round_, stage_outputs(CREDIT, b, config.methods)) for b in batches
+        ):
             out.append(round_)
     return out
 

@@ -21,11 +21,21 @@ RAW_LIMIT = 1 << 20  # verbatim bytes kept of an unreadable file
 
 def _unreadable(path: Path, exc: Exception, round_: int) -> dict:
     try:
-        raw = path.read_bytes()[:RAW_LIMIT].decode("utf-8", errors="backslashreplace") if path.is_file() else ""
+        raw = (
+            path.read_bytes()[:RAW_LIMIT].decode("utf-8", errors="backslashreplace") if path.is_file() else ""
+        )
     except OSError:
         raw = ""
-    return {"round": round_, "source_file": str(path), "location": "file", "record_id": None, "field": None,
-            "reason": f"{UNREADABLE}: {type(exc).__name__}: {exc}"[:2000], "raw": raw, "stage": "ingest_flow"}
+    return {
+        "round": round_,
+        "source_file": str(path),
+        "location": "file",
+        "record_id": None,
+        "field": None,
+        "reason": f"{UNREADABLE}: {type(exc).__name__}: {exc}"[:2000],
+        "raw": raw,
+        "stage": "ingest_flow",
+    }
 
 
 @task(task_run_name="read-sources", cache_policy=NO_CACHE, persist_result=False)
@@ -66,8 +76,14 @@ def convert_task(fmt: str, inputs: list, round_: int, tokenizer: str | None):
 
 
 @task(task_run_name="write-round-{round_}", cache_policy=NO_CACHE, persist_result=False)
-def write_round_task(lake_root: str, round_: int, trajectories: pa.Table, steps: pa.Table, quarantine: pa.Table,
-                     batch_groups: int) -> list[str]:
+def write_round_task(
+    lake_root: str,
+    round_: int,
+    trajectories: pa.Table,
+    steps: pa.Table,
+    quarantine: pa.Table,
+    batch_groups: int,
+) -> list[str]:
     from warehouse.lake import Lake
     from warehouse.rounds import write_round
 
@@ -88,7 +104,12 @@ def ingest_flow(sources: list[str], fmt: str, round_: int, config: Config | dict
     inputs, unreadable = read_sources_task(sources, fmt, round_)
     if inputs:
         result = convert_task(fmt, inputs, round_, config.tokenizer)
-        trajectories, steps, quarantine, stats = result.trajectories, result.steps, result.quarantine, result.stats
+        trajectories, steps, quarantine, stats = (
+            result.trajectories,
+            result.steps,
+            result.quarantine,
+            result.stats,
+        )
     else:
         from schemas import steps as steps_schema
         from schemas import trajectories as trajectories_schema
@@ -100,10 +121,21 @@ def ingest_flow(sources: list[str], fmt: str, round_: int, config: Config | dict
         quarantine = pa.concat_tables([quarantine_schema.SPEC.conform(quarantine), extra])
     if trajectories.num_rows == 0:
         lake.replace_partition("quarantine", round_, quarantine)
-        raise ValueError(f"ingest {fmt}: no trajectory could be ingested from {len(sources)} source(s); "
-                         f"{quarantine.num_rows} record(s) quarantined in {lake.partition_dir('quarantine', round_)}")
+        raise ValueError(
+            f"ingest {fmt}: no trajectory could be ingested from {len(sources)} source(s); "
+            f"{quarantine.num_rows} record(s) quarantined in {lake.partition_dir('quarantine', round_)}"
+        )
     parts = write_round_task(str(lake.root), round_, trajectories, steps, quarantine, config.batch_groups)
-    return {"format": fmt, "round": round_, "sources": len(sources), "files_read": len(inputs),
-            "unreadable_files": len(unreadable), "trajectories": trajectories.num_rows, "steps": steps.num_rows,
-            "quarantined": quarantine.num_rows, "parts": len(parts), "tokens": stats.get("tokens"),
-            "lake": str(lake.root)}
+    return {
+        "format": fmt,
+        "round": round_,
+        "sources": len(sources),
+        "files_read": len(inputs),
+        "unreadable_files": len(unreadable),
+        "trajectories": trajectories.num_rows,
+        "steps": steps.num_rows,
+        "quarantined": quarantine.num_rows,
+        "parts": len(parts),
+        "tokens": stats.get("tokens"),
+        "lake": str(lake.root),
+    }

@@ -50,14 +50,17 @@ DERIVED_TABLES = ("spans", "nodes", "edges", "counterfactuals", "advantages", "t
 
 
 @task(task_run_name="{stage}-{batch}", persist_result=True, result_serializer="json")
-def batch_stage_task(lake_root: str, round_: int, batch: str, stage: str, config: Config,
-                     upstream: dict | None = None) -> dict:
+def batch_stage_task(
+    lake_root: str, round_: int, batch: str, stage: str, config: Config, upstream: dict | None = None
+) -> dict:
     """One stage on one batch; `upstream` (the previous stage's summary of this batch) only orders the work."""
     key = _cache_key(lake_root, round_, batch, stage, config) if config.flow.cache else None
     if workers.use_processes(config) and not stage_calls_llm(stage, config):
         return workers.run(config.max_workers, run_batch_stage, lake_root, round_, batch, stage, config, key)
     if config.task_runner == "threads":
-        return workers.run_here(config.max_workers, run_batch_stage, lake_root, round_, batch, stage, config, key)
+        return workers.run_here(
+            config.max_workers, run_batch_stage, lake_root, round_, batch, stage, config, key
+        )
     return run_batch_stage(lake_root, round_, batch, stage, config, key)
 
 
@@ -121,8 +124,11 @@ def process_round_flow(round_: int, config: Config | dict):
         try:
             # with every core taken by a stage worker, the run's own API server records the task runs when a
             # core is free (flows/api_priority.py)
-            with api_waits_for_idle_cpu(config.flow.api_idle and config.task_runner == "threads"
-                                        and stages_fill_cpus(config.max_workers)) as idle_api:
+            with api_waits_for_idle_cpu(
+                config.flow.api_idle
+                and config.task_runner == "threads"
+                and stages_fill_cpus(config.max_workers)
+            ) as idle_api:
                 run = _run_stages(lake, round_, batches, config)
         finally:
             workers.shutdown()  # worker processes (flow.processes) hold a batch's memory; free it
@@ -134,8 +140,11 @@ def process_round_flow(round_: int, config: Config | dict):
     warnings = [f"{s}: {w}" for s, r in run.items() for w in r["warnings"]]
     summary["warnings"] = warnings
     if warnings:
-        return Completed(name=WARNING_STATE, data=summary,
-                         message=f"round {round_}: {len(warnings)} degraded batch stage(s); first: {warnings[0]}")
+        return Completed(
+            name=WARNING_STATE,
+            data=summary,
+            message=f"round {round_}: {len(warnings)} degraded batch stage(s); first: {warnings[0]}",
+        )
     return summary
 
 
@@ -158,7 +167,11 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
         task_ = _stage_task(stage, config, lake, stage_calls_llm(stage, config))
         done = {b for b in batches if parts_present(lake, round_, stage_outputs(stage, b, config.methods))}
         # a batch whose outputs are missing refreshes its cache record; the others may be served from it
-        variants[stage] = (task_.with_options(refresh_cache=False), task_.with_options(refresh_cache=True), done)
+        variants[stage] = (
+            task_.with_options(refresh_cache=False),
+            task_.with_options(refresh_cache=True),
+            done,
+        )
     limit = workers.dispatch_slots(config) if config.task_runner == "threads" else len(batches) * len(stages)
     ready = [(b, 0) for b in range(len(batches))]  # a heap of (batch index, stage index)
     futures: dict[tuple[int, int], object] = {}
@@ -173,8 +186,13 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
             stage, batch = stages[s], batches[b]
             cached, refresh, done = variants[stage]
             future = (cached if batch in done else refresh).submit(
-                lake_root=str(lake.root), round_=round_, batch=batch, stage=stage, config=config,
-                upstream=futures.get((b, s - 1)))  # finished already: keeps the dependency in Prefect's graph
+                lake_root=str(lake.root),
+                round_=round_,
+                batch=batch,
+                stage=stage,
+                config=config,
+                upstream=futures.get((b, s - 1)),
+            )  # finished already: keeps the dependency in Prefect's graph
             futures[(b, s)] = future
             future.add_done_callback(lambda _f, key=(b, s): finished.put(key))
             in_flight += 1

@@ -31,8 +31,15 @@ def rich_progress(console=None) -> Iterator[None]:
 
     bars: dict[str, int] = {}
     cached: dict[str, int] = {}
-    progress = Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[note]}"), TimeElapsedColumn(), console=console, transient=False)
+    progress = Progress(
+        TextColumn("{task.description:<16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[note]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
 
     def on_event(event: str, stage: str, info: dict) -> None:
         if event == "stage":

@@ -74,7 +74,8 @@ def round_loop_flow(config: Config | dict, start_round: int, rounds: int = 1) ->
         if "collect" in hooks:
             entry["collect"] = round_hook_task("collect", config, round_)
         state = process_round_flow.with_options(task_runner=make_task_runner(config))(
-            round_=round_, config=config, return_state=True)
+            round_=round_, config=config, return_state=True
+        )
         entry["process"] = state.result()
         entry["state"] = state.name
         if "train" in hooks:

@@ -38,8 +38,10 @@ def require_round(lake, round_: int) -> None:
     """A command on a round the lake does not hold stops with one line naming it and the rounds there."""
     if not lake.parts("trajectories", round_):
         present = ", ".join(str(r) for r in lake.rounds("trajectories")) or "none"
-        raise SystemExit(f"round {round_} has no trajectories in {lake.root} (rounds there: {present}); "
-                         "`creditflow ingest` or `creditflow synth` writes one")
+        raise SystemExit(
+            f"round {round_} has no trajectories in {lake.root} (rounds there: {present}); "
+            "`creditflow ingest` or `creditflow synth` writes one"
+        )
 
 
 def run_process(cfg: Config, round_: int, quiet: bool = False) -> dict:
@@ -63,12 +65,19 @@ def run_process(cfg: Config, round_: int, quiet: bool = False) -> dict:
         with rich_progress(console) if cfg.flow.progress and not quiet else nullcontext():
             state = flow_(round_=round_, config=cfg, return_state=True)
     summary = state.result()  # raises the flow's error if it failed
-    summary.update({"state": state.name, "methods": ", ".join(cfg.methods),
-                    "seconds": round(time.perf_counter() - t0, 2),
-                    "advantages": str(lake.partition_dir("advantages", round_))})
+    summary.update(
+        {
+            "state": state.name,
+            "methods": ", ".join(cfg.methods),
+            "seconds": round(time.perf_counter() - t0, 2),
+            "advantages": str(lake.partition_dir("advantages", round_)),
+        }
+    )
     if quiet:
         return summary
-    title = f"creditflow process: round {round_}" + (" [yellow](completed with warnings)" if state.name == WARNING_STATE else "")
+    title = f"creditflow process: round {round_}" + (
+        " [yellow](completed with warnings)" if state.name == WARNING_STATE else ""
+    )
     print_summary(summary, title=title)
     from warehouse.catalog import query
 
@@ -89,7 +98,9 @@ def run_stats(lake_dir: Path | str, round_: int) -> dict:
     if lake.parts("advantages", round_):
         from warehouse.catalog import query
 
-        print_table(query(lake, f"SELECT * FROM credit_summary WHERE round = {int(round_)}"), title="credit by method")
+        print_table(
+            query(lake, f"SELECT * FROM credit_summary WHERE round = {int(round_)}"), title="credit by method"
+        )
     return summary
 
 
@@ -101,7 +112,9 @@ def run_export(lake_dir: Path, round_: int, method: str, out: Path, layout: str 
     adv = lake.read("advantages", round_)
     adv = adv.filter(pc.equal(adv.column("method"), method))
     if adv.num_rows == 0:
-        raise SystemExit(f"no advantages for method {method!r} in round {round_}; run `creditflow process` first")
+        raise SystemExit(
+            f"no advantages for method {method!r} in round {round_}; run `creditflow process` first"
+        )
     steps = lake.read("steps", round_)
     traj = lake.read("trajectories", round_)
     batch = build_train_batch(traj, steps, adv)
@@ -121,8 +134,16 @@ def run_export(lake_dir: Path, round_: int, method: str, out: Path, layout: str 
         tmp = out.with_name(f".tmp-{out.stem}.npz")
         save_padded(to_padded(batch, layout), tmp)
     tmp.replace(out)
-    print_kv("creditflow export", {"method": method, "round": round_, "layout": layout,
-                                   "trajectories": batch.num_rows, "out": str(out)})
+    print_kv(
+        "creditflow export",
+        {
+            "method": method,
+            "round": round_,
+            "layout": layout,
+            "trajectories": batch.num_rows,
+            "out": str(out),
+        },
+    )
     return out
 
 
@@ -138,6 +159,13 @@ def run_report(lake_dir: Path, out: Path, rounds: list[int] | None = None, n_tra
     tmp = out.with_name(f".tmp-{out.name}")
     tmp.write_text(html, encoding="utf-8")
     tmp.replace(out)
-    print_kv("creditflow report", {"rounds": data["rounds"], "trajectories shown": len(data["trajectories"]),
-                                   "size": f"{out.stat().st_size / 1e6:.2f} MB", "out": str(out.resolve())})
+    print_kv(
+        "creditflow report",
+        {
+            "rounds": data["rounds"],
+            "trajectories shown": len(data["trajectories"]),
+            "size": f"{out.stat().st_size / 1e6:.2f} MB",
+            "out": str(out.resolve()),
+        },
+    )
     return out

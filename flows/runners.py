@@ -83,8 +83,14 @@ def make_task_runner(config: Config):
 
         if config.task_runner_address:
             return DaskTaskRunner(address=config.task_runner_address)
-        return DaskTaskRunner(cluster_kwargs={"n_workers": config.max_workers, "threads_per_worker": 1,
-                                              "processes": True, "dashboard_address": None})
+        return DaskTaskRunner(
+            cluster_kwargs={
+                "n_workers": config.max_workers,
+                "threads_per_worker": 1,
+                "processes": True,
+                "dashboard_address": None,
+            }
+        )
     raise ConfigError(f"task_runner {kind!r}: choose one of {RUNNERS}")
 
 
@@ -133,8 +139,11 @@ def _own_api_settings() -> dict:
         PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL: 1,
     }
     user = {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": ("PREFECT_RUNNER_HEARTBEAT_FREQUENCY",)}
-    return {setting: value for setting, value in wanted.items()
-            if not any(k in os.environ for k in (setting.name, *user.get(setting.name, ())))}
+    return {
+        setting: value
+        for setting, value in wanted.items()
+        if not any(k in os.environ for k in (setting.name, *user.get(setting.name, ())))
+    }
 
 
 @contextmanager

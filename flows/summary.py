@@ -16,10 +16,12 @@ def round_summary(lake: Lake, round_: int) -> dict:
     stages: dict[str, dict] = {}
     if runs.num_rows:
         seconds = stage_seconds(runs)
-        for stage, batch_warnings in zip(runs.column("stage").to_pylist(), runs.column("warnings").to_pylist(),
-                                         strict=True):
-            entry = stages.setdefault(stage, {"batches": 0, "seconds": round(seconds.get(stage, 0.0), 3),
-                                              "warnings": 0})
+        for stage, batch_warnings in zip(
+            runs.column("stage").to_pylist(), runs.column("warnings").to_pylist(), strict=True
+        ):
+            entry = stages.setdefault(
+                stage, {"batches": 0, "seconds": round(seconds.get(stage, 0.0), 3), "warnings": 0}
+            )
             entry["batches"] += 1
             entry["warnings"] += len(batch_warnings or [])
     order = {s: i for i, s in enumerate(STAGE_ORDER)}
@@ -42,8 +44,11 @@ def round_summary(lake: Lake, round_: int) -> dict:
         "quarantined": count_rows(lake, "quarantine", round_),
         "stages": stages,
         "notes": {k: round(v, 3) for k, v in sorted(notes.items())},
-        "outputs": {t: str(lake.partition_dir(t, round_)) for t in ("advantages", "train_batch")
-                    if lake.parts(t, round_)},
+        "outputs": {
+            t: str(lake.partition_dir(t, round_))
+            for t in ("advantages", "train_batch")
+            if lake.parts(t, round_)
+        },
     }
 
 
@@ -68,7 +73,9 @@ def print_summary(summary: dict, title: str | None = None, console=None) -> None
         "train_batch rows": rows.get("train_batch"),
         "quarantined records": summary.get("quarantined"),
     }
-    llm = {k: v for k, v in notes.items() if any(w in k for w in ("call", "cache", "fallback", "error", "retr"))}
+    llm = {
+        k: v for k, v in notes.items() if any(w in k for w in ("call", "cache", "fallback", "error", "retr"))
+    }
     overview.update({k: (int(v) if float(v).is_integer() else v) for k, v in llm.items()})
     if "wall_seconds" in summary:
         overview["wall seconds"] = summary["wall_seconds"]

@@ -41,8 +41,17 @@ from pipeline.config import Config
 from pipeline.runtime import tune_allocator
 
 # imported once by the forkserver, so a worker starts with them (and their registries) loaded
-PRELOAD = ["flows.batch", "pipeline.stages", "pipeline.detect", "pipeline.detect.builtin", "pipeline.annotate",
-           "pipeline.annotate.rules", "pipeline.credit", "pipeline.export", "warehouse.rounds"]
+PRELOAD = [
+    "flows.batch",
+    "pipeline.stages",
+    "pipeline.detect",
+    "pipeline.detect.builtin",
+    "pipeline.annotate",
+    "pipeline.annotate.rules",
+    "pipeline.credit",
+    "pipeline.export",
+    "warehouse.rounds",
+]
 
 _lock = threading.Lock()
 _pools: dict[int, ProcessPoolExecutor] = {}
@@ -50,7 +59,9 @@ _pools: dict[int, ProcessPoolExecutor] = {}
 
 def use_processes(config: Config) -> bool:
     """Whether batch stages run in worker processes under this config."""
-    return config.flow.processes is not False and config.task_runner == "threads"  # Ray / Dask: processes already
+    return (
+        config.flow.processes is not False and config.task_runner == "threads"
+    )  # Ray / Dask: processes already
 
 
 def dispatch_slots(config: Config) -> int:
@@ -142,8 +153,10 @@ def run(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         with _lock:
             if _pools.get(size) is pool:
                 del _pools[size]
-        raise RuntimeError(f"a creditflow worker process died while running {getattr(fn, '__name__', fn)}"
-                           f"{args[2:4] if len(args) >= 4 else ''}: {str(exc).rstrip('.')}{_script_hint()}") from exc
+        raise RuntimeError(
+            f"a creditflow worker process died while running {getattr(fn, '__name__', fn)}"
+            f"{args[2:4] if len(args) >= 4 else ''}: {str(exc).rstrip('.')}{_script_hint()}"
+        ) from exc
 
 
 def _script_hint() -> str:
@@ -151,6 +164,8 @@ def _script_hint() -> str:
     forkserver and spawn), so unguarded top-level code runs again in each worker, and usually kills it."""
     main = sys.modules.get("__main__")
     if getattr(main, "__spec__", None) is None and getattr(main, "__file__", None):
-        return (f". The worker processes import the main script {main.__file__}: put its top-level code under "
-                "`if __name__ == \"__main__\":` (multiprocessing's rule), or set flow.processes: false")
+        return (
+            f". The worker processes import the main script {main.__file__}: put its top-level code under "
+            '`if __name__ == "__main__":` (multiprocessing\'s rule), or set flow.processes: false'
+        )
     return ""

@@ -25,7 +25,6 @@ app = typer.Typer(
 )
 
 
-
 @app.callback()
 def _root() -> None:
     """creditflow: ingest rollouts, compute credit, query it in SQL, export it to a trainer."""

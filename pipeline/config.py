@@ -41,17 +41,23 @@ class FlowSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     cache: bool = Field(True, description="skip a batch stage whose inputs, settings and code are unchanged")
-    retries: int = Field(3, ge=0, description="retries of an LLM stage task (annotate with llm, counterfactual)")
+    retries: int = Field(
+        3, ge=0, description="retries of an LLM stage task (annotate with llm, counterfactual)"
+    )
     retry_delay_s: float = Field(2.0, ge=0, description="first retry delay; doubles on each retry (backoff)")
     export: bool = Field(True, description="write the train_batch table (per batch and method) after credit")
     progress: bool = Field(True, description="rich progress bars per stage on the terminal")
     processes: Literal["auto"] | bool = Field(
-        "auto", description="run the thread runner's batch stages in worker processes (the stages hold the GIL); "
-                            "auto / true: with the thread runner; false: never; LLM stages stay in threads")
+        "auto",
+        description="run the thread runner's batch stages in worker processes (the stages hold the GIL); "
+        "auto / true: with the thread runner; false: never; LLM stages stay in threads",
+    )
     api_idle: bool = Field(
-        True, description="when the stage workers fill every CPU, the run's own Prefect API server (ephemeral) gets "
-                          "only idle CPU while the batch stages run (Linux SCHED_IDLE), its bookkeeping catching up "
-                          "in the gaps and after them; never a server named by PREFECT_API_URL (flows/api_priority.py)")
+        True,
+        description="when the stage workers fill every CPU, the run's own Prefect API server (ephemeral) gets "
+        "only idle CPU while the batch stages run (Linux SCHED_IDLE), its bookkeeping catching up "
+        "in the gaps and after them; never a server named by PREFECT_API_URL (flows/api_priority.py)",
+    )
 
 
 class ServeSettings(BaseModel):
@@ -59,11 +65,17 @@ class ServeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    incoming: str | None = Field(None, description="folder watched for new rounds (files or folders); None: off")
-    incoming_format: str = Field("chat-jsonl", description="ingest format of incoming files (`creditflow ingest --format`)")
+    incoming: str | None = Field(
+        None, description="folder watched for new rounds (files or folders); None: off"
+    )
+    incoming_format: str = Field(
+        "chat-jsonl", description="ingest format of incoming files (`creditflow ingest --format`)"
+    )
     poll_interval_s: int = Field(60, ge=1, description="how often the incoming folder is polled")
     settle_s: float = Field(2.0, ge=0, description="a file is taken once unmodified for this long")
-    cron: str | None = Field(None, description="cron schedule of the process-pending-rounds deployment; None: off")
+    cron: str | None = Field(
+        None, description="cron schedule of the process-pending-rounds deployment; None: off"
+    )
 
 
 class Config(BaseModel):
@@ -77,7 +89,9 @@ class Config(BaseModel):
     task_runner_address: str | None = Field(None, description="Ray/Dask cluster address (None: local)")
     max_workers: int = Field(2, ge=1, description="thread-runner workers")
     tokenizer: str | None = Field(None, description="tokenizer.json path; None: SmolLM2 (byte fallback)")
-    llm: dict[str, Any] = Field(default_factory=dict, description="shared LLM client settings (endpoints, ...)")
+    llm: dict[str, Any] = Field(
+        default_factory=dict, description="shared LLM client settings (endpoints, ...)"
+    )
     stages: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-stage settings")
     flow: FlowSettings = Field(default_factory=FlowSettings, description="Prefect flow settings")
     serve: ServeSettings = Field(default_factory=ServeSettings, description="`creditflow serve` deployments")

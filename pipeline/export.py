@@ -11,8 +11,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 
-def _recut(steps_col: pa.ChunkedArray | pa.Array, traj_offsets: np.ndarray, dtype: pa.DataType, fill: float = 0.0,
-           lengths: np.ndarray | None = None) -> pa.Array:
+def _recut(
+    steps_col: pa.ChunkedArray | pa.Array,
+    traj_offsets: np.ndarray,
+    dtype: pa.DataType,
+    fill: float = 0.0,
+    lengths: np.ndarray | None = None,
+) -> pa.Array:
     """Concatenate per-step lists into per-trajectory lists. Null step lists become `fill` x length."""
     arr = steps_col.combine_chunks() if isinstance(steps_col, pa.ChunkedArray) else steps_col
     if arr.null_count and lengths is not None:
@@ -59,7 +64,9 @@ class TrainLayout:
     def __init__(self, trajectories: pa.Table, steps: pa.Table) -> None:
         steps, self._keys = _in_step_order(steps)
         self._steps = steps
-        self.lengths = pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+        self.lengths = (
+            pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+        )
         traj_ids = steps.column("traj_id").to_numpy(zero_copy_only=False)
         n = len(traj_ids)
         change = np.flatnonzero(traj_ids[1:] != traj_ids[:-1]) + 1 if n else np.array([], dtype=np.int64)
@@ -74,8 +81,9 @@ class TrainLayout:
         turns = pc.fill_null(steps.column("turn"), 0).to_numpy(zero_copy_only=False).astype(np.int16)
         tok_turn = np.where(tok_mask == 1, np.repeat(turns, self.lengths), 0).astype(np.int16)
         traj = pl.from_arrow(trajectories.select(["traj_id", "group_id", "reward"]))
-        meta = pl.DataFrame({"traj_id": pl.Series(self.traj_order, dtype=pl.String)}).join(traj, on="traj_id",
-                                                                                          how="left")
+        meta = pl.DataFrame({"traj_id": pl.Series(self.traj_order, dtype=pl.String)}).join(
+            traj, on="traj_id", how="left"
+        )
         k = len(self.traj_order)
         self._common = {
             "traj_id": pa.array(self.traj_order, pa.string()),
@@ -83,7 +91,9 @@ class TrainLayout:
             "reward": meta["reward"].to_arrow().cast(pa.float64()),
             "input_ids": _recut(steps.column("token_ids"), self.traj_offsets, pa.int32()),
             "loss_mask": pa.ListArray.from_arrays(off, pa.array(tok_mask)),
-            "old_logprobs": _recut(steps.column("logprobs"), self.traj_offsets, pa.float32(), lengths=self.lengths),
+            "old_logprobs": _recut(
+                steps.column("logprobs"), self.traj_offsets, pa.float32(), lengths=self.lengths
+            ),
             "turn_ids": pa.ListArray.from_arrays(off, pa.array(tok_turn)),
         }
         self._has_values = steps.column("values").null_count < steps.num_rows
@@ -92,8 +102,11 @@ class TrainLayout:
 
     def _values_column(self) -> pa.Array:
         if self._values is None:
-            self._values = (_recut(self._steps.column("values"), self.traj_offsets, pa.float32(), lengths=self.lengths)
-                            if self._has_values else self._no_floats)
+            self._values = (
+                _recut(self._steps.column("values"), self.traj_offsets, pa.float32(), lengths=self.lengths)
+                if self._has_values
+                else self._no_floats
+            )
         return self._values
 
     def table(self, advantages: pa.Table) -> pa.Table:
@@ -104,12 +117,17 @@ class TrainLayout:
         method = methods[0] if methods else ""  # no rows (a batch without steps): an empty layout
         adv, a_keys = _in_step_order(advantages)
         if not self._keys.equals(a_keys):
-            raise ValueError(f"advantages of method {method!r} do not cover the same steps as the steps table")
-        adv_len = pc.list_value_length(adv.column("token_adv")).to_numpy(zero_copy_only=False).astype(np.int64)
+            raise ValueError(
+                f"advantages of method {method!r} do not cover the same steps as the steps table"
+            )
+        adv_len = (
+            pc.list_value_length(adv.column("token_adv")).to_numpy(zero_copy_only=False).astype(np.int64)
+        )
         if not np.array_equal(self.lengths, adv_len):
             row = int(np.flatnonzero(self.lengths != adv_len)[0])
-            raise ValueError(f"token_adv of {adv.column('traj_id')[row]} step {adv.column('step_idx')[row]} "
-                             "is misaligned")
+            raise ValueError(
+                f"token_adv of {adv.column('traj_id')[row]} step {adv.column('step_idx')[row]} is misaligned"
+            )
         has_returns = adv.column("token_returns").null_count < adv.num_rows
         round_col = adv.column("round")[0].as_py() if adv.num_rows else 0
         k = len(self.traj_order)
@@ -125,7 +143,9 @@ class TrainLayout:
             "old_logprobs": c["old_logprobs"],
             "advantages": _recut(adv.column("token_adv"), self.traj_offsets, pa.float32()),
             "values": self._values_column() if has_returns else self._no_floats,
-            "returns": _recut(adv.column("token_returns"), self.traj_offsets, pa.float32(), lengths=self.lengths)
+            "returns": _recut(
+                adv.column("token_returns"), self.traj_offsets, pa.float32(), lengths=self.lengths
+            )
             if has_returns
             else self._no_floats,
             "turn_ids": c["turn_ids"],

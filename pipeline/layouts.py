@@ -49,8 +49,10 @@ def _geometry(table: pa.Table):
     first = np.append(trained, np.iinfo(np.int64).max)[k] - starts
     prompt_len = np.minimum(first, lengths)
     # each row is prompt_len prompt tokens then the rest: one run of True then one of False per row
-    in_prompt = np.repeat(np.tile(np.array([True, False]), len(lengths)),
-                          np.column_stack([prompt_len, lengths - prompt_len]).ravel())
+    in_prompt = np.repeat(
+        np.tile(np.array([True, False]), len(lengths)),
+        np.column_stack([prompt_len, lengths - prompt_len]).ravel(),
+    )
     return lengths, starts, mask, prompt_len, in_prompt
 
 
@@ -89,7 +91,9 @@ def to_padded(table: pa.Table, layout: str, pad_token_id: int = 0) -> dict[str, 
     old_lp, adv = resp("old_logprobs"), resp("advantages")
     has_returns = table.column("returns").null_count < table.num_rows
     returns = resp("returns") if has_returns else np.zeros((n, R), np.float32)
-    values = resp("values") if table.column("values").null_count < table.num_rows else np.zeros((n, R), np.float32)
+    values = (
+        resp("values") if table.column("values").null_count < table.num_rows else np.zeros((n, R), np.float32)
+    )
     sequences = np.concatenate([prompts, responses], axis=1)
     attention = np.concatenate([p_real, r_real], axis=1).astype(np.int64)
     uid = np.asarray(table.column("group_id").to_pylist(), dtype=np.str_)
@@ -102,22 +106,52 @@ def to_padded(table: pa.Table, layout: str, pad_token_id: int = 0) -> dict[str, 
         np.clip(position_ids, 0, np.maximum(lengths - 1, 0)[:, None], out=position_ids)
         # verl's outcome reward: the scalar on the last real response token (as its reward managers place it)
         scores = np.zeros((n, R), dtype=np.float32)
-        scores[np.arange(n), np.maximum(resp_len - 1, 0)] = table.column("reward").to_numpy(zero_copy_only=False)
-        return {"prompts": prompts, "responses": responses, "input_ids": sequences, "attention_mask": attention,
-                "position_ids": position_ids, "response_mask": response_mask, "old_log_probs": old_lp,
-                "advantages": adv, "returns": returns, "values": values, "token_level_scores": scores, **common}
+        scores[np.arange(n), np.maximum(resp_len - 1, 0)] = table.column("reward").to_numpy(
+            zero_copy_only=False
+        )
+        return {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": sequences,
+            "attention_mask": attention,
+            "position_ids": position_ids,
+            "response_mask": response_mask,
+            "old_log_probs": old_lp,
+            "advantages": adv,
+            "returns": returns,
+            "values": values,
+            "token_level_scores": scores,
+            **common,
+        }
     if layout == "openrlhf":
-        return {"sequences": sequences, "attention_mask": attention, "action_mask": response_mask,
-                "action_log_probs": old_lp, "advantages": adv, "returns": returns, "values": values,
-                "action_ranges": _action_ranges(table, starts, prompt_len, in_resp, n),
-                "num_actions": np.asarray(R, dtype=np.int64), **common}
-    return {"sequences": sequences, "attention_mask": attention, "loss_mask": response_mask,
-            "response_mask": response_real, "action_log_probs": old_lp, "advantages": adv, "returns": returns,
-            "values": values, **common}
+        return {
+            "sequences": sequences,
+            "attention_mask": attention,
+            "action_mask": response_mask,
+            "action_log_probs": old_lp,
+            "advantages": adv,
+            "returns": returns,
+            "values": values,
+            "action_ranges": _action_ranges(table, starts, prompt_len, in_resp, n),
+            "num_actions": np.asarray(R, dtype=np.int64),
+            **common,
+        }
+    return {
+        "sequences": sequences,
+        "attention_mask": attention,
+        "loss_mask": response_mask,
+        "response_mask": response_real,
+        "action_log_probs": old_lp,
+        "advantages": adv,
+        "returns": returns,
+        "values": values,
+        **common,
+    }
 
 
-def _action_ranges(table: pa.Table, starts: np.ndarray, prompt_len: np.ndarray, in_resp: np.ndarray,
-                   n: int) -> np.ndarray:
+def _action_ranges(
+    table: pa.Table, starts: np.ndarray, prompt_len: np.ndarray, in_resp: np.ndarray, n: int
+) -> np.ndarray:
     """Per row and turn k (1-based turn id), the [start, end) response columns of turn k's tokens: from the
     first to one past the last token of that turn, -1 where the row has no turn k. Computed on runs: a run is a
     stretch of consecutive response tokens of one row with one turn id; per (row, turn) the min start / max end

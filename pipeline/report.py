@@ -9,8 +9,20 @@ import json
 import math
 from collections import defaultdict
 
-PALETTE = ["#b5475d", "#3f6e8c", "#c98b2b", "#4f8a5b", "#7a5195", "#8c564b", "#2a9d8f", "#e76f51",
-           "#6c757d", "#264653", "#9c6644", "#5e60ce"]
+PALETTE = [
+    "#b5475d",
+    "#3f6e8c",
+    "#c98b2b",
+    "#4f8a5b",
+    "#7a5195",
+    "#8c564b",
+    "#2a9d8f",
+    "#e76f51",
+    "#6c757d",
+    "#264653",
+    "#9c6644",
+    "#5e60ce",
+]
 
 
 def _esc(x) -> str:
@@ -29,7 +41,9 @@ def _fmt(v) -> str:
 
 def table_html(rows: list[dict], cols: list[str] | None = None, title: str = "") -> str:
     if not rows:
-        return f"<h3>{_esc(title)}</h3><p class='muted'>no rows</p>" if title else "<p class='muted'>no rows</p>"
+        return (
+            f"<h3>{_esc(title)}</h3><p class='muted'>no rows</p>" if title else "<p class='muted'>no rows</p>"
+        )
     cols = cols or list(rows[0])
     head = "".join(f"<th>{_esc(c)}</th>" for c in cols)
     body = "".join("<tr>" + "".join(f"<td>{_fmt(r.get(c))}</td>" for c in cols) + "</tr>" for r in rows)
@@ -37,8 +51,14 @@ def table_html(rows: list[dict], cols: list[str] | None = None, title: str = "")
     return f"{t}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def line_chart(series: dict[str, list[tuple[float, float]]], title: str, xlabel: str, ylabel: str,
-               width: int = 640, height: int = 300) -> str:
+def line_chart(
+    series: dict[str, list[tuple[float, float]]],
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    width: int = 640,
+    height: int = 300,
+) -> str:
     """Lines (x, y) per series, as inline SVG."""
     pts = [p for s in series.values() for p in s if p[1] is not None and math.isfinite(p[1])]
     if not pts:
@@ -58,36 +78,54 @@ def line_chart(series: dict[str, list[tuple[float, float]]], title: str, xlabel:
     def sy(y):
         return mt + (1 - (y - y0) / (y1 - y0)) * H
 
-    parts = [f"<svg class='chart' viewBox='0 0 {width} {height}' width='{width}' height='{height}' role='img'>"]
-    parts.append(f"<line x1='{ml}' y1='{sy(0):.1f}' x2='{ml + W}' y2='{sy(0):.1f}' stroke='#999' stroke-dasharray='3,3'/>")
+    parts = [
+        f"<svg class='chart' viewBox='0 0 {width} {height}' width='{width}' height='{height}' role='img'>"
+    ]
+    parts.append(
+        f"<line x1='{ml}' y1='{sy(0):.1f}' x2='{ml + W}' y2='{sy(0):.1f}' stroke='#999' stroke-dasharray='3,3'/>"
+    )
     parts.append(f"<line x1='{ml}' y1='{mt}' x2='{ml}' y2='{mt + H}' stroke='#333'/>")
     parts.append(f"<line x1='{ml}' y1='{mt + H}' x2='{ml + W}' y2='{mt + H}' stroke='#333'/>")
     for frac in (0, 0.5, 1):
         yv = y0 + frac * (y1 - y0)
-        parts.append(f"<text x='{ml - 6}' y='{sy(yv) + 4:.1f}' text-anchor='end' class='tick'>{yv:.3g}</text>")
+        parts.append(
+            f"<text x='{ml - 6}' y='{sy(yv) + 4:.1f}' text-anchor='end' class='tick'>{yv:.3g}</text>"
+        )
     xs = sorted({p[0] for p in pts})
     step = max(1, len(xs) // 10)
     for xv in xs[::step]:
-        parts.append(f"<text x='{sx(xv):.1f}' y='{mt + H + 16}' text-anchor='middle' class='tick'>{xv:g}</text>")
-    parts.append(f"<text x='{ml + W / 2}' y='{height - 6}' text-anchor='middle' class='axis'>{_esc(xlabel)}</text>")
-    parts.append(f"<text x='14' y='{mt + H / 2}' text-anchor='middle' class='axis' transform='rotate(-90 14 {mt + H / 2})'>{_esc(ylabel)}</text>")
+        parts.append(
+            f"<text x='{sx(xv):.1f}' y='{mt + H + 16}' text-anchor='middle' class='tick'>{xv:g}</text>"
+        )
+    parts.append(
+        f"<text x='{ml + W / 2}' y='{height - 6}' text-anchor='middle' class='axis'>{_esc(xlabel)}</text>"
+    )
+    parts.append(
+        f"<text x='14' y='{mt + H / 2}' text-anchor='middle' class='axis' transform='rotate(-90 14 {mt + H / 2})'>{_esc(ylabel)}</text>"
+    )
     for i, (name, s) in enumerate(series.items()):
         color = PALETTE[i % len(PALETTE)]
         s = [p for p in s if p[1] is not None and math.isfinite(p[1])]
         if not s:
             continue
         d = " ".join(f"{'M' if j == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for j, (x, y) in enumerate(s))
-        parts.append(f"<path d='{d}' fill='none' stroke='{color}' stroke-width='2'><title>{_esc(name)}</title></path>")
+        parts.append(
+            f"<path d='{d}' fill='none' stroke='{color}' stroke-width='2'><title>{_esc(name)}</title></path>"
+        )
         for x, y in s:
             parts.append(f"<circle cx='{sx(x):.1f}' cy='{sy(y):.1f}' r='2.5' fill='{color}'/>")
         ly = mt + 12 + i * 14
-        parts.append(f"<rect x='{ml + W + 10}' y='{ly - 8}' width='10' height='10' fill='{color}'/>"
-                     f"<text x='{ml + W + 24}' y='{ly + 1}' class='tick'>{_esc(name)}</text>")
+        parts.append(
+            f"<rect x='{ml + W + 10}' y='{ly - 8}' width='10' height='10' fill='{color}'/>"
+            f"<text x='{ml + W + 24}' y='{ly + 1}' class='tick'>{_esc(name)}</text>"
+        )
     parts.append("</svg>")
     return f"<h3>{_esc(title)}</h3>" + "".join(parts)
 
 
-def bar_chart(groups: dict[str, dict[str, float]], title: str, ylabel: str, width: int = 640, height: int = 300) -> str:
+def bar_chart(
+    groups: dict[str, dict[str, float]], title: str, ylabel: str, width: int = 640, height: int = 300
+) -> str:
     """Stacked bars: one bar per group, one segment per category."""
     if not groups:
         return f"<h3>{_esc(title)}</h3><p class='muted'>no data</p>"
@@ -97,7 +135,9 @@ def bar_chart(groups: dict[str, dict[str, float]], title: str, ylabel: str, widt
     ml, mr, mt, mb = 56, 150, 24, 70
     W, H = width - ml - mr, height - mt - mb
     bw = W / max(len(groups), 1)
-    parts = [f"<svg class='chart' viewBox='0 0 {width} {height}' width='{width}' height='{height}' role='img'>"]
+    parts = [
+        f"<svg class='chart' viewBox='0 0 {width} {height}' width='{width}' height='{height}' role='img'>"
+    ]
     parts.append(f"<line x1='{ml}' y1='{mt + H}' x2='{ml + W}' y2='{mt + H}' stroke='#333'/>")
     for i, (gname, g) in enumerate(groups.items()):
         y = mt + H
@@ -105,16 +145,24 @@ def bar_chart(groups: dict[str, dict[str, float]], title: str, ylabel: str, widt
             v = max(g.get(c, 0.0), 0.0)
             h = v / top * H
             y -= h
-            parts.append(f"<rect x='{ml + i * bw + 4:.1f}' y='{y:.1f}' width='{bw - 8:.1f}' height='{h:.1f}' "
-                         f"fill='{PALETTE[j % len(PALETTE)]}'><title>{_esc(gname)} {_esc(c)}: {v:g}</title></rect>")
-        parts.append(f"<text x='{ml + i * bw + bw / 2:.1f}' y='{mt + H + 14}' text-anchor='end' class='tick' "
-                     f"transform='rotate(-30 {ml + i * bw + bw / 2:.1f} {mt + H + 14})'>{_esc(gname)}</text>")
+            parts.append(
+                f"<rect x='{ml + i * bw + 4:.1f}' y='{y:.1f}' width='{bw - 8:.1f}' height='{h:.1f}' "
+                f"fill='{PALETTE[j % len(PALETTE)]}'><title>{_esc(gname)} {_esc(c)}: {v:g}</title></rect>"
+            )
+        parts.append(
+            f"<text x='{ml + i * bw + bw / 2:.1f}' y='{mt + H + 14}' text-anchor='end' class='tick' "
+            f"transform='rotate(-30 {ml + i * bw + bw / 2:.1f} {mt + H + 14})'>{_esc(gname)}</text>"
+        )
     parts.append(f"<text x='{ml - 6}' y='{mt + 4}' text-anchor='end' class='tick'>{top:g}</text>")
-    parts.append(f"<text x='14' y='{mt + H / 2}' text-anchor='middle' class='axis' transform='rotate(-90 14 {mt + H / 2})'>{_esc(ylabel)}</text>")
+    parts.append(
+        f"<text x='14' y='{mt + H / 2}' text-anchor='middle' class='axis' transform='rotate(-90 14 {mt + H / 2})'>{_esc(ylabel)}</text>"
+    )
     for j, c in enumerate(cats):
         ly = mt + 12 + j * 14
-        parts.append(f"<rect x='{ml + W + 10}' y='{ly - 8}' width='10' height='10' fill='{PALETTE[j % len(PALETTE)]}'/>"
-                     f"<text x='{ml + W + 24}' y='{ly + 1}' class='tick'>{_esc(c)}</text>")
+        parts.append(
+            f"<rect x='{ml + W + 10}' y='{ly - 8}' width='10' height='10' fill='{PALETTE[j % len(PALETTE)]}'/>"
+            f"<text x='{ml + W + 24}' y='{ly + 1}' class='tick'>{_esc(c)}</text>"
+        )
     parts.append("</svg>")
     return f"<h3>{_esc(title)}</h3>" + "".join(parts)
 
@@ -233,17 +281,42 @@ if (DATA.trajectories.length) { fillMethods(); render(); }
 def build_report(data: dict) -> str:
     """The whole report as one HTML string."""
     sections = []
-    summary_cols = ["round", "method", "trajectories", "assistant_tokens", "mean_adv", "min_adv", "max_adv",
-                    "positive_tokens", "negative_tokens"]
-    sections.append("<h2>Credit by method</h2>" + table_html(data["summary"], [c for c in summary_cols if not data["summary"] or c in data["summary"][0]]))
+    summary_cols = [
+        "round",
+        "method",
+        "trajectories",
+        "assistant_tokens",
+        "mean_adv",
+        "min_adv",
+        "max_adv",
+        "positive_tokens",
+        "negative_tokens",
+    ]
+    sections.append(
+        "<h2>Credit by method</h2>"
+        + table_html(
+            data["summary"], [c for c in summary_cols if not data["summary"] or c in data["summary"][0]]
+        )
+    )
     charts = []
     per_round: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for r in data["by_turn"]:
         per_round[r["round"]][r["method"]].append((r["turn"], r["mean_adv"]))
     for rnd, series in sorted(per_round.items()):
-        charts.append(line_chart(dict(series), f"Per-turn credit by method (round {rnd})", "assistant turn", "mean token advantage"))
-    cats = {f"{r['method']} (r{r['round']})": {k: float(r[k] or 0) for k in ("progress", "keep", "regression", "delayed", "neutral")}
-            for r in data["categories"]}
+        charts.append(
+            line_chart(
+                dict(series),
+                f"Per-turn credit by method (round {rnd})",
+                "assistant turn",
+                "mean token advantage",
+            )
+        )
+    cats = {
+        f"{r['method']} (r{r['round']})": {
+            k: float(r[k] or 0) for k in ("progress", "keep", "regression", "delayed", "neutral")
+        }
+        for r in data["categories"]
+    }
     charts.append(bar_chart(cats, "TCPO credit categories (turns)", "turns"))
     w_series: dict[str, list[float]] = defaultdict(list)
     for r in data["weights"]:
@@ -253,8 +326,14 @@ def build_report(data: dict) -> str:
     for r in data["summary"]:
         trend[r["method"]].append((r["round"], r.get("mean_adv")))
     if len({r["round"] for r in data["summary"]}) > 1:
-        charts.append(line_chart(dict(trend), "Trend over rounds: mean advantage", "round", "mean token advantage"))
-    sections.append("<h2>Where the credit went</h2><div class='grid'>" + "".join(f"<div>{c}</div>" for c in charts) + "</div>")
+        charts.append(
+            line_chart(dict(trend), "Trend over rounds: mean advantage", "round", "mean token advantage")
+        )
+    sections.append(
+        "<h2>Where the credit went</h2><div class='grid'>"
+        + "".join(f"<div>{c}</div>" for c in charts)
+        + "</div>"
+    )
     sections.append("<h2>Detector spans (C3)</h2>" + table_html(data["behaviors"]))
     if data["quarantine"]:
         sections.append("<h2>Quarantine</h2>" + table_html(data["quarantine"]))

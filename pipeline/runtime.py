@@ -32,8 +32,11 @@ def tune_allocator() -> bool:
     if _done:
         return False
     _done = True
-    if (not sys.platform.startswith("linux") or os.environ.get("CREDITFLOW_MALLOC_TUNE", "1") == "0"
-            or "MALLOC_MMAP_THRESHOLD_" in os.environ):
+    if (
+        not sys.platform.startswith("linux")
+        or os.environ.get("CREDITFLOW_MALLOC_TUNE", "1") == "0"
+        or "MALLOC_MMAP_THRESHOLD_" in os.environ
+    ):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -41,8 +41,14 @@ class AnnotationStage:
 STAGES: dict[str, AnnotationStage] = {}
 
 
-def annotation_stage(name: str, produces: tuple[str, ...], order: int, uses_llm: bool = False,
-                     needs: tuple[str, ...] = (), llm_if: Callable[..., bool] | None = None):
+def annotation_stage(
+    name: str,
+    produces: tuple[str, ...],
+    order: int,
+    uses_llm: bool = False,
+    needs: tuple[str, ...] = (),
+    llm_if: Callable[..., bool] | None = None,
+):
     def deco(fn: Callable[..., StageOutput]) -> Callable[..., StageOutput]:
         STAGES[name] = AnnotationStage(name, tuple(produces), fn, order, uses_llm, tuple(needs), llm_if)
         return fn

@@ -123,12 +123,30 @@ _QUESTIONS = (
     "Who directed the film in which {e} made a debut?",
 )
 _ASPECTS = (
-    "where was {e} born", "{e} early life and education", "{e} spouse", "{e} married to whom",
-    "{e} university attended", "{e} first employer company", "{e} debut film director", "{e} biography",
-    "{e} awards and honours", "{e} family background", "{e} nationality citizenship", "{e} notable works list",
-    "{e} career timeline", "{e} founded company name", "{e} birthplace city", "{e} obituary newspaper",
-    "who hired {e} first", "{e} mentor and teacher", "{e} publications bibliography", "{e} years active period",
-    "{e} political party membership", "{e} hometown history", "{e} interview transcript", "{e} later life",
+    "where was {e} born",
+    "{e} early life and education",
+    "{e} spouse",
+    "{e} married to whom",
+    "{e} university attended",
+    "{e} first employer company",
+    "{e} debut film director",
+    "{e} biography",
+    "{e} awards and honours",
+    "{e} family background",
+    "{e} nationality citizenship",
+    "{e} notable works list",
+    "{e} career timeline",
+    "{e} founded company name",
+    "{e} birthplace city",
+    "{e} obituary newspaper",
+    "who hired {e} first",
+    "{e} mentor and teacher",
+    "{e} publications bibliography",
+    "{e} years active period",
+    "{e} political party membership",
+    "{e} hometown history",
+    "{e} interview transcript",
+    "{e} later life",
 )
 _THINK_LEADS = (
     "<think>I need more information before answering. ",
@@ -159,32 +177,62 @@ _TOOL_SYSTEM = (
     "details before making changes, and make one tool call at a time."
 )
 TOOL_SPECS = [
-    {"type": "function", "function": {
-        "name": "find_user_id_by_name_zip",
-        "description": "Find a user's id by first name, last name and zip code.",
-        "parameters": {"type": "object", "properties": {
-            "first_name": {"type": "string"}, "last_name": {"type": "string"}, "zip": {"type": "string"}},
-            "required": ["first_name", "last_name", "zip"]}}},
-    {"type": "function", "function": {
-        "name": "get_user_details",
-        "description": "Get a user's profile, orders and payment methods.",
-        "parameters": {"type": "object", "properties": {"user_id": {"type": "string"},
-                                                        "verbose": {"type": "boolean"}},
-                       "required": ["user_id"]}}},
-    {"type": "function", "function": {
-        "name": "get_order_details",
-        "description": "Get the status, items, total and payment method of an order.",
-        "parameters": {"type": "object", "properties": {"order_id": {"type": "string"},
-                                                        "verbose": {"type": "boolean"}},
-                       "required": ["order_id"]}}},
-    {"type": "function", "function": {
-        "name": "cancel_pending_order",
-        "description": "Cancel a pending order and refund it to its original payment method.",
-        "parameters": {"type": "object", "properties": {
-            "order_id": {"type": "string"},
-            "reason": {"type": "string", "enum": ["no longer needed", "ordered by mistake"]},
-            "verbose": {"type": "boolean"}},
-            "required": ["order_id", "reason"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "find_user_id_by_name_zip",
+            "description": "Find a user's id by first name, last name and zip code.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "first_name": {"type": "string"},
+                    "last_name": {"type": "string"},
+                    "zip": {"type": "string"},
+                },
+                "required": ["first_name", "last_name", "zip"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_user_details",
+            "description": "Get a user's profile, orders and payment methods.",
+            "parameters": {
+                "type": "object",
+                "properties": {"user_id": {"type": "string"}, "verbose": {"type": "boolean"}},
+                "required": ["user_id"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_order_details",
+            "description": "Get the status, items, total and payment method of an order.",
+            "parameters": {
+                "type": "object",
+                "properties": {"order_id": {"type": "string"}, "verbose": {"type": "boolean"}},
+                "required": ["order_id"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "cancel_pending_order",
+            "description": "Cancel a pending order and refund it to its original payment method.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "order_id": {"type": "string"},
+                    "reason": {"type": "string", "enum": ["no longer needed", "ordered by mistake"]},
+                    "verbose": {"type": "boolean"},
+                },
+                "required": ["order_id", "reason"],
+            },
+        },
+    },
 ]
 _TOOL_NAMES = [t["function"]["name"] for t in TOOL_SPECS]
 _UNKNOWN_TOOLS = ["get_order_info", "lookup_user", "cancel_order"]
@@ -262,7 +310,9 @@ class _Built:
 
 
 # ---- shared helpers -------------------------------------------------------------------------------------------
-def _filler(rng: np.random.Generator, word_starts: np.ndarray, n_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _filler(
+    rng: np.random.Generator, word_starts: np.ndarray, n_bytes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Corpus ranges of about n_bytes each, cut at word starts (so every cut is a char boundary)."""
     n_bytes = np.maximum(n_bytes.astype(np.int64), 1)
     limit = word_starts[-1] - int(n_bytes.max()) - 64
@@ -296,8 +346,9 @@ def _layout(n: int, k: int) -> tuple[int, np.ndarray, np.ndarray]:
 
 
 # ---- search -----------------------------------------------------------------------------------------------------
-def _build_search(rng: np.random.Generator, s: SynthSettings, n_groups: int, pool: _Pool,
-                  word_starts: np.ndarray) -> _Built:
+def _build_search(
+    rng: np.random.Generator, s: SynthSettings, n_groups: int, pool: _Pool, word_starts: np.ndarray
+) -> _Built:
     G, S, K, T = n_groups, s.samples, s.turns, float(s.tokens)
     N = G * S
     n_steps, _, _ = _layout(N, K)
@@ -323,12 +374,18 @@ def _build_search(rng: np.random.Generator, s: SynthSettings, n_groups: int, poo
     wrong_piece = pool.ids(a[j] for a in ans_txt for j in range(1, 4)).reshape(G, 3)
     Q = len(_ASPECTS)
     order = np.argsort(rng.random((G, Q)), axis=1)  # per-group query order
-    qtext = [[_ASPECTS[order[g, j]].format(e=ents[g].lower() if j % 3 == 0 else ents[g]) for j in range(Q)]
-             for g in range(G)]
-    qpiece = np.array([[pool.add(q) for q in row] + [pool.add(q + "s") for q in row] for row in qtext])  # (G, 2Q)
+    qtext = [
+        [_ASPECTS[order[g, j]].format(e=ents[g].lower() if j % 3 == 0 else ents[g]) for j in range(Q)]
+        for g in range(G)
+    ]
+    qpiece = np.array(
+        [[pool.add(q) for q in row] + [pool.add(q + "s") for q in row] for row in qtext]
+    )  # (G, 2Q)
     ent_piece = pool.ids(ents)
-    other_piece = pool.ids(f"{_FIRST[(a + 7) % len(_FIRST)]} {_LAST[(b + 3) % len(_LAST)]}"
-                           for a, b in zip(first, last, strict=True))
+    other_piece = pool.ids(
+        f"{_FIRST[(a + 7) % len(_FIRST)]} {_LAST[(b + 3) % len(_LAST)]}"
+        for a, b in zip(first, last, strict=True)
+    )
     sys_piece = pool.add(_SEARCH_SYSTEM)
     user_piece = pool.ids(_SEARCH_PROMPT.format(q=q) for q in questions)
 
@@ -336,10 +393,25 @@ def _build_search(rng: np.random.Generator, s: SynthSettings, n_groups: int, poo
     skill = np.clip(rng.beta(2.0, 2.0, G)[g_of] + rng.normal(0, 0.1, N), 0.05, 1.0)
     qshift = rng.integers(0, Q, N)  # where each sample starts in its group's query order
 
-    P = {t: pool.add(t) for t in ("</think>\n", "<search> ", " </search>", "<answer> ", " </answer>",
-                                  " </search>\n<answer> ", "I will look up ", " next.", _SEARCH_INVALID,
-                                  _SEARCH_ACK, "\n\n<information>Doc 1(Title: \"", "\") ",
-                                  "\nDoc 2(Title: \"", "</information>\n\n")}
+    P = {
+        t: pool.add(t)
+        for t in (
+            "</think>\n",
+            "<search> ",
+            " </search>",
+            "<answer> ",
+            " </answer>",
+            " </search>\n<answer> ",
+            "I will look up ",
+            " next.",
+            _SEARCH_INVALID,
+            _SEARCH_ACK,
+            '\n\n<information>Doc 1(Title: "',
+            '") ',
+            '\nDoc 2(Title: "',
+            "</information>\n\n",
+        )
+    }
     lead_piece = pool.ids(_THINK_LEADS)
 
     # ---- the turn loop: vectorised over trajectories ----
@@ -377,7 +449,7 @@ def _build_search(rng: np.random.Generator, s: SynthSettings, n_groups: int, poo
         # evidence grows on new, valid searches only
         gain = np.where(search & ~repeat & (u[:, 5] < 0.85), skill * (0.1 + 0.35 * u[:, 6]), 0.0)
         evidence = np.minimum(evidence + gain, 0.95)
-        correct = answer & np.where(succ, u[:, 7] < 0.9, u[:, 7] < evidence ** 1.5 * (0.5 + 0.5 * skill))
+        correct = answer & np.where(succ, u[:, 7] < 0.9, u[:, 7] < evidence**1.5 * (0.5 + 0.5 * skill))
         ans_score = np.where(correct, 1.0, np.round(evidence, 2))
         last_ans = np.where(answer, ans_score, last_ans)
         r = np.where(answer, ans_score, np.where(search, np.maximum(evidence, last_ans), 0.0))
@@ -419,13 +491,13 @@ def _build_search(rng: np.random.Generator, s: SynthSettings, n_groups: int, poo
         so = seg[:, st + 1]
         _put(so, invalid, 0, P[_SEARCH_INVALID])
         _put(so, answer, 0, P[_SEARCH_ACK])
-        so[search, 0] = P["\n\n<information>Doc 1(Title: \""]
+        so[search, 0] = P['\n\n<information>Doc 1(Title: "']
         so[search, 1] = ent_piece[g_of][search]
-        so[search, 2] = P["\") "]
+        so[search, 2] = P['") ']
         so[search, 3] = -2
-        so[search, 4] = P["\nDoc 2(Title: \""]
+        so[search, 4] = P['\nDoc 2(Title: "']
         so[search, 5] = np.where(evidence >= 0.5, gold_piece[g_of], other_piece[g_of])[search]
-        so[search, 6] = P["\") "]
+        so[search, 6] = P['") ']
         so[search, 7] = -2
         so[search, 8] = P["</information>\n\n"]
         for col in (3, 7):
@@ -436,16 +508,40 @@ def _build_search(rng: np.random.Generator, s: SynthSettings, n_groups: int, poo
     role[:, 0] = SYSTEM
     role[:, 2::2] = ASSISTANT
     reward = np.where(last_ans == 1.0, 1.0, 0.0)
-    meta = [json.dumps({"env": "synthetic_search", "question": questions[g], "gold_answers": [ans_txt[g][0]],
-                        "data_source": "synth"}, ensure_ascii=False) for g in range(G)]
-    return _Built(seg, fstart, flen, role, np.zeros((N, n_steps), dtype=bool), score, prev_score,
-                  np.full((N, K), -1), np.full((N, K), -1), reward, 1.0 - n_invalid / K,
-                  [meta[g] for g in g_of], "search_r1", "synth:search")
+    meta = [
+        json.dumps(
+            {
+                "env": "synthetic_search",
+                "question": questions[g],
+                "gold_answers": [ans_txt[g][0]],
+                "data_source": "synth",
+            },
+            ensure_ascii=False,
+        )
+        for g in range(G)
+    ]
+    return _Built(
+        seg,
+        fstart,
+        flen,
+        role,
+        np.zeros((N, n_steps), dtype=bool),
+        score,
+        prev_score,
+        np.full((N, K), -1),
+        np.full((N, K), -1),
+        reward,
+        1.0 - n_invalid / K,
+        [meta[g] for g in g_of],
+        "search_r1",
+        "synth:search",
+    )
 
 
 # ---- tool -------------------------------------------------------------------------------------------------------
-def _build_tool(rng: np.random.Generator, s: SynthSettings, n_groups: int, pool: _Pool,
-                word_starts: np.ndarray) -> _Built:
+def _build_tool(
+    rng: np.random.Generator, s: SynthSettings, n_groups: int, pool: _Pool, word_starts: np.ndarray
+) -> _Built:
     G, S, K, T = n_groups, s.samples, s.turns, float(s.tokens)
     N = G * S
     n_steps, _, _ = _layout(N, K)
@@ -474,21 +570,34 @@ def _build_tool(rng: np.random.Generator, s: SynthSettings, n_groups: int, pool:
         ]
         rets = [
             {"user_id": uid},
-            {"user_id": uid, "name": {"first_name": fn, "last_name": ln},
-             "address": {"city": _CITIES[g % len(_CITIES)], "zip": str(zips[g])},
-             "orders": orders, "payment_methods": [{"id": pm, "type": "credit_card", "last_four": str(ids[g, 4])[-4:]}]},
-            {"order_id": oid, "user_id": uid, "status": "pending",
-             "items": [{"item_id": item, "name": "Wireless Headphones", "price": total}], "total": total,
-             "payment_method_id": pm},
+            {
+                "user_id": uid,
+                "name": {"first_name": fn, "last_name": ln},
+                "address": {"city": _CITIES[g % len(_CITIES)], "zip": str(zips[g])},
+                "orders": orders,
+                "payment_methods": [{"id": pm, "type": "credit_card", "last_four": str(ids[g, 4])[-4:]}],
+            },
+            {
+                "order_id": oid,
+                "user_id": uid,
+                "status": "pending",
+                "items": [{"item_id": item, "name": "Wireless Headphones", "price": total}],
+                "total": total,
+                "payment_method_id": pm,
+            },
             {"order_id": oid, "status": "cancelled", "refund": {"amount": total, "payment_method_id": pm}},
         ]
         calls_args.append([json.dumps(a, ensure_ascii=False) for a in args])
         calls_near.append([json.dumps({**a, "verbose": True}, ensure_ascii=False) for a in args])
         returns.append([json.dumps(r, ensure_ascii=False) for r in rets])
-        tasks.append(f"Hi, I'm {fn} {ln} and my zip code is {zips[g]}. I ordered some headphones by mistake and "
-                     f"would like to cancel that order, order {oid}, and get my money back.")
-        confirms.append(f"Your order {oid} has been cancelled. A refund of ${total:.2f} will go back to {pm} "
-                        f"within 5-7 business days.")
+        tasks.append(
+            f"Hi, I'm {fn} {ln} and my zip code is {zips[g]}. I ordered some headphones by mistake and "
+            f"would like to cancel that order, order {oid}, and get my money back."
+        )
+        confirms.append(
+            f"Your order {oid} has been cancelled. A refund of ${total:.2f} will go back to {pm} "
+            f"within 5-7 business days."
+        )
         clar_replies.append(f"Yes, it's order {oid}. Please cancel it, I no longer need it.")
     args_piece = np.array([pool.ids(a) for a in calls_args])  # (G, 4)
     near_piece = np.array([pool.ids(a) for a in calls_near])
@@ -496,16 +605,26 @@ def _build_tool(rng: np.random.Generator, s: SynthSettings, n_groups: int, pool:
     name_piece = pool.ids(_TOOL_NAMES)
     unknown_piece = pool.ids(_UNKNOWN_TOOLS)
     badjson_piece = np.array([pool.ids(a[:-1] for a in row) for row in calls_args])  # missing closing brace
-    P = {t: pool.add(t) for t in (
-        '\n<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "{}",
-        '{"error": "Service temporarily unavailable. Please retry."}',
-        '{"error": "Invalid JSON in arguments: Expecting \',\' delimiter"}',
-        "Could you confirm which order you would like to cancel? ",
-        "Is there anything else I can help you with? ", "No, that's all. Thank you!",
-        "Great, thank you!")}
+    P = {
+        t: pool.add(t)
+        for t in (
+            '\n<tool_call>\n{"name": "',
+            '", "arguments": ',
+            "}\n</tool_call>",
+            "{}",
+            '{"error": "Service temporarily unavailable. Please retry."}',
+            '{"error": "Invalid JSON in arguments: Expecting \',\' delimiter"}',
+            "Could you confirm which order you would like to cancel? ",
+            "Is there anything else I can help you with? ",
+            "No, that's all. Thank you!",
+            "Great, thank you!",
+        )
+    }
     err_unknown = pool.ids(json.dumps({"error": f"Unknown tool: {t}"}) for t in _UNKNOWN_TOOLS)
-    err_missing = pool.ids(json.dumps({"error": f"Missing required argument: {r}"})
-                           for r in ("first_name", "user_id", "order_id", "order_id"))
+    err_missing = pool.ids(
+        json.dumps({"error": f"Missing required argument: {r}"})
+        for r in ("first_name", "user_id", "order_id", "order_id")
+    )
     lead_piece = pool.ids(_TOOL_LEADS)
     confirm_piece = pool.ids(confirms)
     reply_piece = pool.ids(clar_replies)
@@ -589,7 +708,11 @@ def _build_tool(rng: np.random.Generator, s: SynthSettings, n_groups: int, pool:
         ret = ret_piece[g_of, m]
         ret = np.where(runtime_err, P['{"error": "Service temporarily unavailable. Please retry."}'], ret)
         ret = np.where(invalid & (inv_kind == 0), err_unknown[unknown], ret)
-        ret = np.where(invalid & (inv_kind == 1), P['{"error": "Invalid JSON in arguments: Expecting \',\' delimiter"}'], ret)
+        ret = np.where(
+            invalid & (inv_kind == 1),
+            P['{"error": "Invalid JSON in arguments: Expecting \',\' delimiter"}'],
+            ret,
+        )
         ret = np.where(invalid & (inv_kind == 2), err_missing[m], ret)
         _put(so, has_call, 0, ret)
         _put(so, clarify, 0, reply_piece[g_of])
@@ -598,11 +721,28 @@ def _build_tool(rng: np.random.Generator, s: SynthSettings, n_groups: int, pool:
 
     reward = (score.max(axis=1) >= 1.0).astype(np.float64)
     tools_json = json.dumps(TOOL_SPECS)
-    meta = [f'{{"env": "synthetic_retail", "task": {json.dumps(tasks[g], ensure_ascii=False)}, '
-            f'"gold": {{"cancelled_order": {json.dumps(json.loads(calls_args[g][2])["order_id"])}}}, '
-            f'"tools": {tools_json}}}' for g in range(G)]
-    return _Built(seg, fstart, flen, role, is_error, score, prev_score, call_name, call_args, reward,
-                  1.0 - n_invalid / K, [meta[g] for g in g_of], "openai_tools", "synth:tool")
+    meta = [
+        f'{{"env": "synthetic_retail", "task": {json.dumps(tasks[g], ensure_ascii=False)}, '
+        f'"gold": {{"cancelled_order": {json.dumps(json.loads(calls_args[g][2])["order_id"])}}}, '
+        f'"tools": {tools_json}}}'
+        for g in range(G)
+    ]
+    return _Built(
+        seg,
+        fstart,
+        flen,
+        role,
+        is_error,
+        score,
+        prev_score,
+        call_name,
+        call_args,
+        reward,
+        1.0 - n_invalid / K,
+        [meta[g] for g in g_of],
+        "openai_tools",
+        "synth:tool",
+    )
 
 
 # ---- tables -----------------------------------------------------------------------------------------------------
@@ -613,15 +753,18 @@ def _list_array(offsets: np.ndarray, values: pa.Array, valid: np.ndarray | None 
     return pa.ListArray.from_arrays(offs, values, mask=pa.array(~valid))
 
 
-def _tables(b: _Built, s: SynthSettings, group_ids: np.ndarray, pool: _Pool,
-            rng: np.random.Generator) -> tuple[pa.Table, pa.Table]:
+def _tables(
+    b: _Built, s: SynthSettings, group_ids: np.ndarray, pool: _Pool, rng: np.random.Generator
+) -> tuple[pa.Table, pa.Table]:
     N, n_steps, _ = b.seg_piece.shape
     K = s.turns
     n_rows = N * n_steps
     # segment byte ranges -> one gather over the pool buffer
     piece = b.seg_piece.reshape(-1)
     starts = np.where(piece >= 0, pool.start[np.maximum(piece, 0)], b.filler_start.reshape(-1))
-    lens = np.where(piece >= 0, pool.len[np.maximum(piece, 0)], np.where(piece == -2, b.filler_len.reshape(-1), 0))
+    lens = np.where(
+        piece >= 0, pool.len[np.maximum(piece, 0)], np.where(piece == -2, b.filler_len.reshape(-1), 0)
+    )
     step_bytes = lens.reshape(n_rows, MAXSEG).sum(axis=1)
     nz = lens > 0
     seg_s, seg_l = starts[nz], lens[nz]
@@ -683,7 +826,8 @@ def _tables(b: _Built, s: SynthSettings, group_ids: np.ndarray, pool: _Pool,
     call_ids = pa.array([f"call_{x:016x}" for x in call_nums.tolist()], pa.string())
     struct = pa.StructArray.from_arrays(
         [call_ids, names.take(pa.array(call_name[rows_call])), names.take(pa.array(call_args[rows_call]))],
-        fields=list(steps_schema.TOOL_CALL))
+        fields=list(steps_schema.TOOL_CALL),
+    )
     tc_off = np.zeros(n_rows + 1, dtype=np.int64)
     np.cumsum(has_call, out=tc_off[1:])
     tool_calls = _list_array(tc_off, struct, has_call)
@@ -694,38 +838,46 @@ def _tables(b: _Built, s: SynthSettings, group_ids: np.ndarray, pool: _Pool,
     tcid_idx = np.full(n_rows, -1, dtype=np.int64)
     tcid_idx[obs_rows] = id_of_row[obs_rows - 1]
     tool_call_id = call_ids.take(pa.array(tcid_idx, mask=tcid_idx < 0))
-    steps = pa.table({
-        "round": pa.array(np.full(n_rows, s.round, dtype=np.int32)),
-        "traj_id": traj_arr.take(pa.array(step_traj)),
-        "step_idx": pa.array(np.tile(np.arange(n_steps, dtype=np.int32), N)),
-        "role": pa.array(ROLE_NAMES[role].astype(object), pa.string()),
-        "turn": pa.array(turn, pa.int32(), mask=turn == 0),
-        "content": content,
-        "tool_calls": tool_calls,
-        "tool_call_id": tool_call_id,
-        "is_error": pa.array(b.is_error.reshape(-1)),
-        "token_ids": token_ids,
-        "token_offsets": token_offsets,
-        "logprobs": _list_array(a_off, pa.array(logprobs), is_asst),
-        "logprob_source": pa.array(np.where(is_asst, "synthetic", None).astype(object), pa.string()),
-        "values": _list_array(a_off, pa.array(values), is_asst),
-        "verifier_score": pa.array(score, pa.float64(), mask=~is_asst),
-    }, schema=steps_schema.SCHEMA)
+    steps = pa.table(
+        {
+            "round": pa.array(np.full(n_rows, s.round, dtype=np.int32)),
+            "traj_id": traj_arr.take(pa.array(step_traj)),
+            "step_idx": pa.array(np.tile(np.arange(n_steps, dtype=np.int32), N)),
+            "role": pa.array(ROLE_NAMES[role].astype(object), pa.string()),
+            "turn": pa.array(turn, pa.int32(), mask=turn == 0),
+            "content": content,
+            "tool_calls": tool_calls,
+            "tool_call_id": tool_call_id,
+            "is_error": pa.array(b.is_error.reshape(-1)),
+            "token_ids": token_ids,
+            "token_offsets": token_offsets,
+            "logprobs": _list_array(a_off, pa.array(logprobs), is_asst),
+            "logprob_source": pa.array(np.where(is_asst, "synthetic", None).astype(object), pa.string()),
+            "values": _list_array(a_off, pa.array(values), is_asst),
+            "verifier_score": pa.array(score, pa.float64(), mask=~is_asst),
+        },
+        schema=steps_schema.SCHEMA,
+    )
     comp_keys = pa.array(np.tile(np.array(["correct", "format"], dtype=object), N), pa.string())
     comp_vals = pa.array(np.stack([b.reward, b.fmt], axis=1).reshape(-1), pa.float64())
-    components = pa.MapArray.from_arrays(pa.array(np.arange(0, 2 * N + 1, 2, dtype=np.int32)), comp_keys, comp_vals)
-    traj = pa.table({
-        "round": pa.array(np.full(N, s.round, dtype=np.int32)),
-        "traj_id": traj_arr,
-        "group_id": pa.array(np.repeat(group_str, s.samples), pa.string()),
-        "sample_idx": pa.array(sample),
-        "reward": pa.array(b.reward, pa.float64()),
-        "reward_components": components,
-        "source": pa.array([b.source] * N, pa.string()),
-        "action_format": pa.array([b.action_format] * N, pa.string()),
-        "policy_version": pa.array([s.policy_version] * N, pa.string()),
-        "meta": pa.array(b.meta, pa.string()),
-    }, schema=traj_schema.SCHEMA)
+    components = pa.MapArray.from_arrays(
+        pa.array(np.arange(0, 2 * N + 1, 2, dtype=np.int32)), comp_keys, comp_vals
+    )
+    traj = pa.table(
+        {
+            "round": pa.array(np.full(N, s.round, dtype=np.int32)),
+            "traj_id": traj_arr,
+            "group_id": pa.array(np.repeat(group_str, s.samples), pa.string()),
+            "sample_idx": pa.array(sample),
+            "reward": pa.array(b.reward, pa.float64()),
+            "reward_components": components,
+            "source": pa.array([b.source] * N, pa.string()),
+            "action_format": pa.array([b.action_format] * N, pa.string()),
+            "policy_version": pa.array([s.policy_version] * N, pa.string()),
+            "meta": pa.array(b.meta, pa.string()),
+        },
+        schema=traj_schema.SCHEMA,
+    )
     return traj, steps
 
 
@@ -754,8 +906,10 @@ def generate_batch(settings: SynthSettings, first_group: int, n_groups: int) -> 
     if len(pieces) == 1:
         return pieces[0]
     # search groups (lower ids) first, then tool groups: in traj_id order
-    return (pa.concat_tables([p[0] for p in pieces]).combine_chunks(),
-            pa.concat_tables([p[1] for p in pieces]).combine_chunks())
+    return (
+        pa.concat_tables([p[0] for p in pieces]).combine_chunks(),
+        pa.concat_tables([p[1] for p in pieces]).combine_chunks(),
+    )
 
 
 def iter_batches(settings: SynthSettings, prefetch: bool = False) -> Iterator[tuple[pa.Table, pa.Table]]:
@@ -784,5 +938,7 @@ def iter_batches(settings: SynthSettings, prefetch: bool = False) -> Iterator[tu
 def generate(settings: SynthSettings) -> tuple[pa.Table, pa.Table]:
     """The whole round in memory (small rounds: tests, demos)."""
     batches = list(iter_batches(settings))
-    return (pa.concat_tables([b[0] for b in batches]).combine_chunks(),
-            pa.concat_tables([b[1] for b in batches]).combine_chunks())
+    return (
+        pa.concat_tables([b[0] for b in batches]).combine_chunks(),
+        pa.concat_tables([b[1] for b in batches]).combine_chunks(),
+    )

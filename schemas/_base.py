@@ -48,7 +48,9 @@ class TableSpec:
                     try:
                         col = col.cast(f.type)
                     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-                        raise SchemaError(self.name, f.name, None, f"cannot cast {col.type} to {f.type}: {exc}") from exc
+                        raise SchemaError(
+                            self.name, f.name, None, f"cannot cast {col.type} to {f.type}: {exc}"
+                        ) from exc
                 cols.append(col)
             elif f.nullable:
                 cols.append(pa.nulls(table.num_rows, f.type))
@@ -136,7 +138,12 @@ def check_in(table_name: str, column: str, allowed: set[str]) -> RowCheck:
         bad = pc.invert(pc.is_in(col, value_set=pa.array(sorted(allowed))))
         row = first_true(pc.and_(pc.is_valid(col), bad))
         if row is not None:
-            return SchemaError(table_name, column, row, f"unknown value {col[row].as_py()!r}; expected one of {sorted(allowed)}")
+            return SchemaError(
+                table_name,
+                column,
+                row,
+                f"unknown value {col[row].as_py()!r}; expected one of {sorted(allowed)}",
+            )
         return None
 
     return check

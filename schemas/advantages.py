@@ -67,7 +67,9 @@ DOCS = {
     "components": "per-turn numbers behind the advantage: " + ", ".join(COMPONENT_FIELDS),
 }
 
-SPEC = TableSpec("advantages", SCHEMA, DOCS, checks=(check_unique("advantages", "method", "traj_id", "step_idx"),))
+SPEC = TableSpec(
+    "advantages", SCHEMA, DOCS, checks=(check_unique("advantages", "method", "traj_id", "step_idx"),)
+)
 
 
 def validate(table: pa.Table) -> pa.Table:

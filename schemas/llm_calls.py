@@ -56,7 +56,9 @@ def records_to_table(records: list[dict], round_: int = 0) -> pa.Table:
     cols = {f.name: [r.get(f.name) for r in records] for f in SCHEMA if f.name not in ("round", "ts")}
     arrays = {
         "round": pa.array([round_] * len(records), pa.int32()),
-        "ts": pa.array([int(float(r["ts"]) * 1e6) for r in records], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+        "ts": pa.array([int(float(r["ts"]) * 1e6) for r in records], pa.int64()).cast(
+            pa.timestamp("us", tz="UTC")
+        ),
     }
     arrays.update({name: pa.array(vals, SCHEMA.field(name).type) for name, vals in cols.items()})
     return SPEC.validate(pa.table({f.name: arrays[f.name] for f in SCHEMA}))

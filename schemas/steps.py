@@ -53,7 +53,11 @@ def _turn_on_assistant(table: pa.Table):
     from schemas._base import SchemaError, first_true
 
     is_asst = pc.equal(table.column("role"), "assistant")
-    row = first_true(pc.and_kleene(is_asst, pc.or_kleene(pc.is_null(table.column("turn")), pc.less(table.column("turn"), 1))))
+    row = first_true(
+        pc.and_kleene(
+            is_asst, pc.or_kleene(pc.is_null(table.column("turn")), pc.less(table.column("turn"), 1))
+        )
+    )
     if row is not None:
         return SchemaError("steps", "turn", row, "assistant step needs a 1-based turn")
     return None

@@ -40,7 +40,18 @@ SPEC = TableSpec(
     "train_batch",
     SCHEMA,
     DOCS,
-    checks=(check_same_length("train_batch", "input_ids", "loss_mask", "old_logprobs", "advantages", "values", "returns", "turn_ids"),),
+    checks=(
+        check_same_length(
+            "train_batch",
+            "input_ids",
+            "loss_mask",
+            "old_logprobs",
+            "advantages",
+            "values",
+            "returns",
+            "turn_ids",
+        ),
+    ),
 )
 
 

@@ -12,9 +12,16 @@ from schemas import trajectories as traj_schema
 ANCHORS = ["obs A", "obs B", "obs A!", "the tool said: ok", "the tool said: no", ""]
 
 
-def random_round(seed: int, max_groups: int = 4, max_group_size: int = 4, max_steps: int = 7,
-                 max_tokens: int = 5, components: bool = True, values: bool = True,
-                 round_: int = 0) -> tuple[pa.Table, pa.Table]:
+def random_round(
+    seed: int,
+    max_groups: int = 4,
+    max_group_size: int = 4,
+    max_steps: int = 7,
+    max_tokens: int = 5,
+    components: bool = True,
+    values: bool = True,
+    round_: int = 0,
+) -> tuple[pa.Table, pa.Table]:
     rng = np.random.default_rng(seed)
     traj_rows, step_rows = [], []
     ids = rng.permutation(10_000)
@@ -25,10 +32,22 @@ def random_round(seed: int, max_groups: int = 4, max_group_size: int = 4, max_st
             k += 1
             rc = None
             if components and rng.random() < 0.8:
-                rc = [(name, float(rng.choice([0.0, 0.5, 1.0]))) for name in ("acc", "fmt") if rng.random() < 0.85]
-            traj_rows.append({"round": round_, "traj_id": traj_id, "group_id": f"g{g}", "sample_idx": s,
-                              "reward": float(rng.choice([0.0, 0.5, 1.0, 2.0])), "reward_components": rc,
-                              "source": "test"})
+                rc = [
+                    (name, float(rng.choice([0.0, 0.5, 1.0])))
+                    for name in ("acc", "fmt")
+                    if rng.random() < 0.85
+                ]
+            traj_rows.append(
+                {
+                    "round": round_,
+                    "traj_id": traj_id,
+                    "group_id": f"g{g}",
+                    "sample_idx": s,
+                    "reward": float(rng.choice([0.0, 0.5, 1.0, 2.0])),
+                    "reward_components": rc,
+                    "source": "test",
+                }
+            )
             turn = 0
             n_steps = int(rng.integers(0, max_steps + 1))
             for i in range(n_steps):
@@ -36,17 +55,26 @@ def random_round(seed: int, max_groups: int = 4, max_group_size: int = 4, max_st
                 if role == "assistant":
                     turn += 1
                 n = int(rng.integers(0, max_tokens + 1))
-                step_rows.append({
-                    "round": round_, "traj_id": traj_id, "step_idx": i, "role": role,
-                    "turn": turn if role == "assistant" else (turn or None),
-                    "content": str(rng.choice(ANCHORS)) if role != "assistant" else f"act {rng.integers(3)}",
-                    "is_error": bool(rng.random() < 0.2),
-                    "token_ids": rng.integers(0, 1000, n).tolist(), "token_offsets": list(range(n)),
-                    "logprobs": None if rng.random() < 0.3 else (-rng.random(n)).tolist(),
-                    "values": rng.normal(size=n).round(3).tolist() if values else None,
-                    "verifier_score": float(rng.choice([0.0, 0.5, 1.0])) if role == "assistant" and rng.random() < 0.85
-                    else None,
-                })
+                step_rows.append(
+                    {
+                        "round": round_,
+                        "traj_id": traj_id,
+                        "step_idx": i,
+                        "role": role,
+                        "turn": turn if role == "assistant" else (turn or None),
+                        "content": str(rng.choice(ANCHORS))
+                        if role != "assistant"
+                        else f"act {rng.integers(3)}",
+                        "is_error": bool(rng.random() < 0.2),
+                        "token_ids": rng.integers(0, 1000, n).tolist(),
+                        "token_offsets": list(range(n)),
+                        "logprobs": None if rng.random() < 0.3 else (-rng.random(n)).tolist(),
+                        "values": rng.normal(size=n).round(3).tolist() if values else None,
+                        "verifier_score": float(rng.choice([0.0, 0.5, 1.0]))
+                        if role == "assistant" and rng.random() < 0.85
+                        else None,
+                    }
+                )
     traj = traj_schema.validate(pa.Table.from_pylist(traj_rows, schema=traj_schema.SCHEMA))
     steps = steps_schema.validate(pa.Table.from_pylist(step_rows, schema=steps_schema.SCHEMA))
     return traj, steps

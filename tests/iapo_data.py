@@ -18,8 +18,21 @@ def make_ctx(trajs: list[dict], annotations: dict | None = None) -> CreditContex
     """trajs: [{"id": str, "group": str, "reward": float, "L": [len of action 1, ...]}]; each action is preceded
     by a user step of 3 tokens (mask 0)."""
     t_rows = {"traj_id": [], "group_id": [], "reward": []}
-    s_rows = {k: [] for k in ("traj_id", "step_idx", "role", "turn", "content", "is_error", "token_ids",
-                              "token_offsets", "logprobs", "values")}
+    s_rows = {
+        k: []
+        for k in (
+            "traj_id",
+            "step_idx",
+            "role",
+            "turn",
+            "content",
+            "is_error",
+            "token_ids",
+            "token_offsets",
+            "logprobs",
+            "values",
+        )
+    }
     for t in trajs:
         t_rows["traj_id"].append(t["id"])
         t_rows["group_id"].append(t.get("group", t["id"]))
@@ -38,21 +51,27 @@ def make_ctx(trajs: list[dict], annotations: dict | None = None) -> CreditContex
                 s_rows["logprobs"].append(None)
                 s_rows["values"].append(None)
                 k += 1
-    traj = pa.table({"traj_id": pa.array(t_rows["traj_id"], pa.string()),
-                     "group_id": pa.array(t_rows["group_id"], pa.string()),
-                     "reward": pa.array(t_rows["reward"], pa.float64())})
-    steps = pa.table({
-        "traj_id": pa.array(s_rows["traj_id"], pa.string()),
-        "step_idx": pa.array(s_rows["step_idx"], pa.int32()),
-        "role": pa.array(s_rows["role"], pa.string()),
-        "turn": pa.array(s_rows["turn"], pa.int32()),
-        "content": pa.array(s_rows["content"], pa.string()),
-        "is_error": pa.array(s_rows["is_error"], pa.bool_()),
-        "token_ids": pa.array(s_rows["token_ids"], pa.list_(pa.int32())),
-        "token_offsets": pa.array(s_rows["token_offsets"], pa.list_(pa.int32())),
-        "logprobs": pa.array(s_rows["logprobs"], pa.list_(pa.float32())),
-        "values": pa.array(s_rows["values"], pa.list_(pa.float32())),
-    })
+    traj = pa.table(
+        {
+            "traj_id": pa.array(t_rows["traj_id"], pa.string()),
+            "group_id": pa.array(t_rows["group_id"], pa.string()),
+            "reward": pa.array(t_rows["reward"], pa.float64()),
+        }
+    )
+    steps = pa.table(
+        {
+            "traj_id": pa.array(s_rows["traj_id"], pa.string()),
+            "step_idx": pa.array(s_rows["step_idx"], pa.int32()),
+            "role": pa.array(s_rows["role"], pa.string()),
+            "turn": pa.array(s_rows["turn"], pa.int32()),
+            "content": pa.array(s_rows["content"], pa.string()),
+            "is_error": pa.array(s_rows["is_error"], pa.bool_()),
+            "token_ids": pa.array(s_rows["token_ids"], pa.list_(pa.int32())),
+            "token_offsets": pa.array(s_rows["token_offsets"], pa.list_(pa.int32())),
+            "logprobs": pa.array(s_rows["logprobs"], pa.list_(pa.float32())),
+            "values": pa.array(s_rows["values"], pa.list_(pa.float32())),
+        }
+    )
     return CreditContext.from_arrow(traj, steps, annotations=annotations or {})
 
 
@@ -64,24 +83,58 @@ def base_result(ctx: CreditContext, a_hat: dict[str, float]) -> CreditResult:
 def annotations(edges: list[tuple], nodes: list[tuple] | None = None, annotator: str = "test") -> dict:
     """edges: (traj_id, src, dst, type); nodes: (traj_id, turn, error, u_dir[, parse_failed])."""
     e = pl.DataFrame(
-        {"traj_id": [x[0] for x in edges], "src_turn": [x[1] for x in edges], "dst_turn": [x[2] for x in edges],
-         "type": [x[3] for x in edges], "sign": [EDGE_SIGN.get(x[3], 1) for x in edges],
-         "annotator": [annotator] * len(edges)},
-        schema={"traj_id": pl.String, "src_turn": pl.Int32, "dst_turn": pl.Int32, "type": pl.String,
-                "sign": pl.Int8, "annotator": pl.String})
+        {
+            "traj_id": [x[0] for x in edges],
+            "src_turn": [x[1] for x in edges],
+            "dst_turn": [x[2] for x in edges],
+            "type": [x[3] for x in edges],
+            "sign": [EDGE_SIGN.get(x[3], 1) for x in edges],
+            "annotator": [annotator] * len(edges),
+        },
+        schema={
+            "traj_id": pl.String,
+            "src_turn": pl.Int32,
+            "dst_turn": pl.Int32,
+            "type": pl.String,
+            "sign": pl.Int8,
+            "annotator": pl.String,
+        },
+    )
     nodes = nodes or []
     n = pl.DataFrame(
-        {"traj_id": [x[0] for x in nodes], "turn": [x[1] for x in nodes], "error": [x[2] for x in nodes],
-         "u_dir": [x[3] for x in nodes], "parse_failed": [bool(x[4]) if len(x) > 4 else False for x in nodes],
-         "annotator": [annotator] * len(nodes)},
-        schema={"traj_id": pl.String, "turn": pl.Int32, "error": pl.Int8, "u_dir": pl.Int32,
-                "parse_failed": pl.Boolean, "annotator": pl.String})
+        {
+            "traj_id": [x[0] for x in nodes],
+            "turn": [x[1] for x in nodes],
+            "error": [x[2] for x in nodes],
+            "u_dir": [x[3] for x in nodes],
+            "parse_failed": [bool(x[4]) if len(x) > 4 else False for x in nodes],
+            "annotator": [annotator] * len(nodes),
+        },
+        schema={
+            "traj_id": pl.String,
+            "turn": pl.Int32,
+            "error": pl.Int8,
+            "u_dir": pl.Int32,
+            "parse_failed": pl.Boolean,
+            "annotator": pl.String,
+        },
+    )
     return {"edges": e, "nodes": n}
 
 
-def reference_weights(L: list[int], edges: list[tuple[int, int, str]], errors: dict[int, int], u_dir: dict[int, int],
-                      a_hat: float, beta_plus=0.05, c=0.25, eps=1e-6, negative="cons", beta_minus=0.05,
-                      parse_failed=False) -> dict[int, float]:
+def reference_weights(
+    L: list[int],
+    edges: list[tuple[int, int, str]],
+    errors: dict[int, int],
+    u_dir: dict[int, int],
+    a_hat: float,
+    beta_plus=0.05,
+    c=0.25,
+    eps=1e-6,
+    negative="cons",
+    beta_minus=0.05,
+    parse_failed=False,
+) -> dict[int, float]:
     """Spec section 4 for one trajectory, with loops. Returns {turn: w} for actions with L > 0."""
     acts = [k + 1 for k, n in enumerate(L) if n > 0]
     if parse_failed:

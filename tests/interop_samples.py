@@ -15,11 +15,22 @@ ESC_IN, ESC_OUT = "\x1b[33m\x1b[2m", "\x1b[0m"
 
 
 def _rllm_step(prompt_msgs, answer, ids, reward=0.0, lps=None):
-    return {"prompt_ids": list(range(100, 100 + 3 * len(prompt_msgs))), "response_ids": ids,
-            "logprobs": lps if lps is not None else [-0.1 * (k + 1) for k in range(len(ids))],
-            "chat_completions": [*prompt_msgs, {"role": "assistant", "content": answer}],
-            "observation": None, "thought": "", "action": answer, "model_response": answer, "model_output": None,
-            "info": {}, "reward": reward, "done": False, "mc_return": 0.0, "advantage": None}
+    return {
+        "prompt_ids": list(range(100, 100 + 3 * len(prompt_msgs))),
+        "response_ids": ids,
+        "logprobs": lps if lps is not None else [-0.1 * (k + 1) for k in range(len(ids))],
+        "chat_completions": [*prompt_msgs, {"role": "assistant", "content": answer}],
+        "observation": None,
+        "thought": "",
+        "action": answer,
+        "model_response": answer,
+        "model_output": None,
+        "info": {},
+        "reward": reward,
+        "done": False,
+        "mc_return": 0.0,
+        "advantage": None,
+    }
 
 
 def write_rllm(root: Path) -> Path:
@@ -30,15 +41,44 @@ def write_rllm(root: Path) -> Path:
             sys_user = [{"role": "system", "content": "solve"}, {"role": "user", "content": f"task {task}"}]
             obs = {"role": "user", "content": f"feedback {rollout}"}
             s1 = _rllm_step(sys_user, "guess", [11, 12, 13])
-            s2 = _rllm_step([*sys_user, {"role": "assistant", "content": "guess"}, obs], "answer", [21, 22],
-                            reward=float(rollout))
-            trajs = [{"uid": f"u{task}{rollout}", "name": "solver", "task": {"q": task}, "steps": [s1, s2],
-                      "reward": float(rollout + task), "info": {}}]
+            s2 = _rllm_step(
+                [*sys_user, {"role": "assistant", "content": "guess"}, obs],
+                "answer",
+                [21, 22],
+                reward=float(rollout),
+            )
+            trajs = [
+                {
+                    "uid": f"u{task}{rollout}",
+                    "name": "solver",
+                    "task": {"q": task},
+                    "steps": [s1, s2],
+                    "reward": float(rollout + task),
+                    "info": {},
+                }
+            ]
             if task == 2:
-                trajs.append({"uid": f"v{rollout}", "name": "judge", "task": None, "reward": None, "info": {},
-                              "steps": [_rllm_step(sys_user, "ok", [5], reward=0.5)]})
-            lines.append({"id": f"task{task}:{rollout}", "task": {"q": task}, "termination_reason": "ENV_DONE",
-                          "is_correct": rollout == 1, "trajectories": trajs, "metrics": {}, "info": {}})
+                trajs.append(
+                    {
+                        "uid": f"v{rollout}",
+                        "name": "judge",
+                        "task": None,
+                        "reward": None,
+                        "info": {},
+                        "steps": [_rllm_step(sys_user, "ok", [5], reward=0.5)],
+                    }
+                )
+            lines.append(
+                {
+                    "id": f"task{task}:{rollout}",
+                    "task": {"q": task},
+                    "termination_reason": "ENV_DONE",
+                    "is_correct": rollout == 1,
+                    "trajectories": trajs,
+                    "metrics": {},
+                    "info": {},
+                }
+            )
     bad_len = json.loads(json.dumps(lines[0]))
     bad_len["id"] = "task9:0"
     bad_len["trajectories"][0]["steps"][0]["logprobs"] = [-0.1]  # 3 response_ids, 1 logprob
@@ -62,12 +102,26 @@ def write_areal(root: Path) -> Path:
         for i in range(4):
             prompt = f"<|im_start|>user\nWhat is {q} + {i}?<|im_end|>\n<|im_start|>assistant\n"
             seq = f"The answer is\n{q + i}.<|im_end|>"
-            blocks.append("\n".join([f"idx: {i + 1} / 4, seqlen: {30 + i}, reward is {float(i % 2)}.",
-                                     f"prompt is \n{ESC_IN}{prompt}{ESC_OUT}", f"sequence is: \n{ESC_IN}{seq}{ESC_OUT}"]))
+            blocks.append(
+                "\n".join(
+                    [
+                        f"idx: {i + 1} / 4, seqlen: {30 + i}, reward is {float(i % 2)}.",
+                        f"prompt is \n{ESC_IN}{prompt}{ESC_OUT}",
+                        f"sequence is: \n{ESC_IN}{seq}{ESC_OUT}",
+                    ]
+                )
+            )
         (folder / f"q{q}.txt").write_text("\n".join(blocks) + "\n")
-    bad = ["\n".join(["idx: 1 / 2, seqlen: 9, reward is nan.", f"prompt is \n{ESC_IN}p{ESC_OUT}",
-                      f"sequence is: \n{ESC_IN}s{ESC_OUT}"]),
-           "idx: 2 / 2, seqlen: 9, reward is 1.0.\nprompt is missing"]
+    bad = [
+        "\n".join(
+            [
+                "idx: 1 / 2, seqlen: 9, reward is nan.",
+                f"prompt is \n{ESC_IN}p{ESC_OUT}",
+                f"sequence is: \n{ESC_IN}s{ESC_OUT}",
+            ]
+        ),
+        "idx: 2 / 2, seqlen: 9, reward is 1.0.\nprompt is missing",
+    ]
     (folder / "qbad.txt").write_text("\n".join(bad) + "\n")
     return root / "dump"
 
@@ -77,18 +131,35 @@ def write_roll(root: Path) -> Path:
     rows = []
     for g in range(2):
         for k in range(3):
-            msgs = [{"role": "system", "content": "You play Sokoban."}, {"role": "user", "content": f"state {g}"},
-                    {"role": "assistant", "content": "<answer>Up</answer>"}, {"role": "user", "content": "moved"},
-                    {"role": "assistant", "content": "<answer>Left</answer>"}]
-            rows.append({"traj_id": f"g{g}-t{k}", "traj_group_id": f"sokoban-{g}", "env_ids": g * 3 + k,
-                         "tags": "SimpleSokoban", "episode_scores": float(k == 2), "step_scores": [0.0, float(k == 2)],
-                         "messages": msgs, "global_step": 4})
+            msgs = [
+                {"role": "system", "content": "You play Sokoban."},
+                {"role": "user", "content": f"state {g}"},
+                {"role": "assistant", "content": "<answer>Up</answer>"},
+                {"role": "user", "content": "moved"},
+                {"role": "assistant", "content": "<answer>Left</answer>"},
+            ]
+            rows.append(
+                {
+                    "traj_id": f"g{g}-t{k}",
+                    "traj_group_id": f"sokoban-{g}",
+                    "env_ids": g * 3 + k,
+                    "tags": "SimpleSokoban",
+                    "episode_scores": float(k == 2),
+                    "step_scores": [0.0, float(k == 2)],
+                    "messages": msgs,
+                    "global_step": 4,
+                }
+            )
     bad_steps = dict(rows[0], traj_id="bad-steps", step_scores=[1.0])
     no_score = {k: v for k, v in rows[0].items() if k != "episode_scores"} | {"traj_id": "no-score"}
     inf_score = dict(rows[0], traj_id="inf", episode_scores=math.inf)
     path = root / "roll.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [*rows, bad_steps, no_score]) + "\n"
-                    + json.dumps(inf_score).replace("Infinity", "1e999") + "\n")
+    path.write_text(
+        "\n".join(json.dumps(r) for r in [*rows, bad_steps, no_score])
+        + "\n"
+        + json.dumps(inf_score).replace("Infinity", "1e999")
+        + "\n"
+    )
     return path
 
 
@@ -112,8 +183,16 @@ def write_trl(root: Path) -> Path:
             acc += [float("nan"), 1.0]
             fmt += [float("nan"), 1.0]
             adv += [0.0, 0.0]
-        table = pa.table({"step": [step] * len(prompts), "prompt": prompts, "completion": comps,
-                          "accuracy_reward": acc, "format_reward": fmt, "advantage": adv})
+        table = pa.table(
+            {
+                "step": [step] * len(prompts),
+                "prompt": prompts,
+                "completion": comps,
+                "accuracy_reward": acc,
+                "format_reward": fmt,
+                "advantage": adv,
+            }
+        )
         pq.write_table(table, folder / f"completions_{step:05d}.parquet")
     return folder
 
@@ -129,19 +208,26 @@ def verl_arrays(n_groups=2, samples=3, seed=0) -> dict[str, np.ndarray]:
     scores = np.zeros((B, R), np.float32)
     for b in range(B):
         p = 3 + b % 3
-        prompts[b, P - p:] = rng.integers(300, 400, p)
-        attn[b, P - p:P] = 1
+        prompts[b, P - p :] = rng.integers(300, 400, p)
+        attn[b, P - p : P] = 1
         a1, t, a2 = 3, 2 + b % 2, 2 + b % 3  # assistant run, tool run, assistant run
         n = a1 + t + a2
         responses[b, :n] = rng.integers(400, 500, n)
-        attn[b, P:P + n] = 1
+        attn[b, P : P + n] = 1
         rmask[b, :a1] = 1
-        rmask[b, a1 + t:n] = 1
+        rmask[b, a1 + t : n] = 1
         scores[b, n - 1] = float(b % 2)
     lp = np.where(rmask == 1, -rng.random((B, R)), 0).astype(np.float32)
     uid = np.array([f"prompt-{b // samples}" for b in range(B)])
-    return {"prompts": prompts, "responses": responses, "attention_mask": attn, "response_mask": rmask,
-            "rollout_log_probs": lp, "token_level_scores": scores, "uid": uid}
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "attention_mask": attn,
+        "response_mask": rmask,
+        "rollout_log_probs": lp,
+        "token_level_scores": scores,
+        "uid": uid,
+    }
 
 
 def write_verl(root: Path) -> tuple[Path, Path, dict]:

@@ -88,8 +88,14 @@ def dead_endpoint() -> str:
 
 
 class StandIn:
-    def __init__(self, behaviour: Callable[[dict, str, int], str] | None = None, *, latency_s: float = 0.0,
-                 model: str = "standin-model", hang_s: float = 3.0):
+    def __init__(
+        self,
+        behaviour: Callable[[dict, str, int], str] | None = None,
+        *,
+        latency_s: float = 0.0,
+        model: str = "standin-model",
+        hang_s: float = 3.0,
+    ):
         self.model = model
         self.hang_s = hang_s
         self.reset()
@@ -132,12 +138,19 @@ class StandIn:
         sock.bind(("127.0.0.1", 0))
         sock.listen(512)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="error", lifespan="off", timeout_graceful_shutdown=1,
-                                backlog=512, timeout_keep_alive=30)
+        config = uvicorn.Config(
+            app,
+            log_level="error",
+            lifespan="off",
+            timeout_graceful_shutdown=1,
+            backlog=512,
+            timeout_keep_alive=30,
+        )
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
-                                        name=f"llm-standin-{self.port}")
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"llm-standin-{self.port}"
+        )
         self._thread.start()
         deadline = time.time() + 10
         while not self._server.started:
@@ -173,7 +186,11 @@ class StandIn:
 
         @app.get("/standin/stats")
         async def stats():
-            return {"calls": standin.calls, "max_inflight": standin.max_inflight, "inflight": standin.inflight}
+            return {
+                "calls": standin.calls,
+                "max_inflight": standin.max_inflight,
+                "inflight": standin.inflight,
+            }
 
         @app.post("/standin/reset_stats")
         async def reset_stats():
@@ -183,8 +200,10 @@ class StandIn:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": standin.model, "object": "model", "created": 0,
-                                                "owned_by": "standin"}]}
+            return {
+                "object": "list",
+                "data": [{"id": standin.model, "object": "model", "created": 0, "owned_by": "standin"}],
+            }
 
         async def handle(request: Request, kind: str):
             body = await request.json()
@@ -230,14 +249,19 @@ class StandIn:
             await asyncio.sleep(self.hang_s)
             return JSONResponse({"error": {"message": "too late"}}, status_code=504)
         if kind == "malformed":
-            return Response(content=b'{"id": "x", "choices": [ {"text": "unterminated', status_code=200,
-                            media_type="application/json")
+            return Response(
+                content=b'{"id": "x", "choices": [ {"text": "unterminated',
+                status_code=200,
+                media_type="application/json",
+            )
         if kind == "drop":
             # end the connection without an answer: uvicorn closes it when the ASGI app raises
             raise ConnectionResetError("dropped by the stand-in")
         status = int(kind)
-        return JSONResponse({"object": "error", "message": f"injected {status}", "type": "injected",
-                             "code": status}, status_code=status)
+        return JSONResponse(
+            {"object": "error", "message": f"injected {status}", "type": "injected", "code": status},
+            status_code=status,
+        )
 
     def _answer(self, body: dict[str, Any], kind: str) -> dict[str, Any]:
         n = int(body.get("n") or 1)
@@ -260,16 +284,31 @@ class StandIn:
             lps = [token_logprob(t) for t in ids]
             completion_tokens += len(toks)
             if kind == "chat":
-                ch: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": finish, "logprobs": None}
+                ch: dict[str, Any] = {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish,
+                    "logprobs": None,
+                }
                 if body.get("logprobs"):
                     k = int(body.get("top_logprobs") or 0)
-                    ch["logprobs"] = {"content": [
-                        {"token": t, "logprob": lp, "bytes": list(t.encode()),
-                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": None}] + [
-                             {"token": f"alt{j}", "logprob": lp - j - 1, "bytes": None} for j in range(k - 1)]
-                         if k else []}
-                        for t, lp in zip(toks, lps, strict=True)]}
+                    ch["logprobs"] = {
+                        "content": [
+                            {
+                                "token": t,
+                                "logprob": lp,
+                                "bytes": list(t.encode()),
+                                "top_logprobs": [{"token": t, "logprob": lp, "bytes": None}]
+                                + [
+                                    {"token": f"alt{j}", "logprob": lp - j - 1, "bytes": None}
+                                    for j in range(k - 1)
+                                ]
+                                if k
+                                else [],
+                            }
+                            for t, lp in zip(toks, lps, strict=True)
+                        ]
+                    }
                 if want_ids:
                     ch["token_ids"] = ids
             else:
@@ -277,29 +316,47 @@ class StandIn:
                 out_toks = (prompt_toks if echo else []) + toks
                 p_lps: list[float | None] = [None] + [token_logprob(t) for t in prompt_ids[1:]]
                 out_lps = (p_lps if echo else []) + lps
-                ch = {"index": i, "text": ("".join(prompt_toks) if echo else "") + text, "finish_reason": finish,
-                      "logprobs": None}
+                ch = {
+                    "index": i,
+                    "text": ("".join(prompt_toks) if echo else "") + text,
+                    "finish_reason": finish,
+                    "logprobs": None,
+                }
                 if body.get("logprobs") is not None:
                     offs, pos = [], 0
                     for t in out_toks:
                         offs.append(pos)
                         pos += len(t)
-                    ch["logprobs"] = {"tokens": out_toks, "token_logprobs": out_lps, "text_offset": offs,
-                                      "top_logprobs": [None if lp is None else {t: lp}
-                                                       for t, lp in zip(out_toks, out_lps, strict=True)]}
+                    ch["logprobs"] = {
+                        "tokens": out_toks,
+                        "token_logprobs": out_lps,
+                        "text_offset": offs,
+                        "top_logprobs": [
+                            None if lp is None else {t: lp} for t, lp in zip(out_toks, out_lps, strict=True)
+                        ],
+                    }
                 if body.get("prompt_logprobs") is not None:
                     ch["prompt_logprobs"] = [None] + [
                         {str(t): {"logprob": token_logprob(t), "rank": 1, "decoded_token": tok}}
-                        for t, tok in zip(prompt_ids[1:], prompt_toks[1:], strict=True)]
+                        for t, tok in zip(prompt_ids[1:], prompt_toks[1:], strict=True)
+                    ]
                 if want_ids:
                     ch["token_ids"] = ids
                     ch["prompt_token_ids"] = prompt_ids
             choices.append(ch)
         obj = "chat.completion" if kind == "chat" else "text_completion"
-        return {"id": f"standin-{self.calls}", "object": obj, "created": 0, "model": body.get("model"),
-                "choices": choices,
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                          "total_tokens": len(prompt_ids) + completion_tokens}}
+        return {
+            "id": f"standin-{self.calls}",
+            "object": obj,
+            "created": 0,
+            "model": body.get("model"),
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+            },
+        }
 
     @staticmethod
     def _prompt_tokens(body: dict[str, Any], kind: str) -> tuple[list[str], list[int]]:

@@ -63,7 +63,7 @@ def test_search_r1_valid_and_span_is_the_tagged_action():
     df = spans_of([sr1(text, text)])
     assert df["rule"].to_list() == ["query.exact"]
     row = df.row(0, named=True)
-    assert text[row["char_start"]:row["char_end"]] == "<search> capital of France </search>"
+    assert text[row["char_start"] : row["char_end"]] == "<search> capital of France </search>"
     # word tokens: "<search>" is token 5 of the turn (after <think> need the capital </think>)
     assert (row["token_start"], row["token_end"]) == (5, 10)
     assert row["turn"] == 2 and row["step_idx"] == 2
@@ -72,7 +72,7 @@ def test_search_r1_valid_and_span_is_the_tagged_action():
 def test_no_action_span_is_whole_turn_without_think():
     text = "<think> pondering </think> rambling on"
     row = spans_of([sr1(text)]).row(0, named=True)
-    assert text[row["char_start"]:row["char_end"]] == "rambling on"
+    assert text[row["char_start"] : row["char_end"]] == "rambling on"
     row = spans_of([sr1(text)], exclude_think=False).row(0, named=True)
     assert (row["char_start"], row["char_end"]) == (0, len(text))
 
@@ -145,24 +145,35 @@ def react(*turns):
 
 
 def test_react_rules():
-    df = spans_of([react(
-        "Thought: look\nAction: search[Bob Marley]",
-        "Thought: again\nAction: search[bob marley]",
-        "Thought: hmm\nAction:  reflect[How can I improve?]",
-        "Thought: x\nAction: search[what is Bob Marley known for?",
-        "Thought: only thinking",
-        "Thought: done\nAction: lookup[Bob Marley]",
-        "Thought: done\nAction: finish[reggae]",
-    )])
+    df = spans_of(
+        [
+            react(
+                "Thought: look\nAction: search[Bob Marley]",
+                "Thought: again\nAction: search[bob marley]",
+                "Thought: hmm\nAction:  reflect[How can I improve?]",
+                "Thought: x\nAction: search[what is Bob Marley known for?",
+                "Thought: only thinking",
+                "Thought: done\nAction: lookup[Bob Marley]",
+                "Thought: done\nAction: finish[reggae]",
+            )
+        ]
+    )
     assert df.sort("turn").select("turn", "rule").rows() == [
-        (2, "query.exact"), (3, "react.unparseable"), (4, "react.unparseable"), (5, "react.no_action")]
+        (2, "query.exact"),
+        (3, "react.unparseable"),
+        (4, "react.unparseable"),
+        (5, "react.no_action"),
+    ]
     row = df.filter(pl.col("turn") == 2).row(0, named=True)
     content = "Thought: again\nAction: search[bob marley]"
-    assert content[row["char_start"]:row["char_end"]] == "Action: search[bob marley]"
+    assert content[row["char_start"] : row["char_end"]] == "Action: search[bob marley]"
 
 
 # ---- WebShop -------------------------------------------------------------------------------------
-def webshop(*turns, obs="Your admissible actions of the current situation are: ['search[<your query>]', 'click[Back to Search]']."):
+def webshop(
+    *turns,
+    obs="Your admissible actions of the current situation are: ['search[<your query>]', 'click[Back to Search]'].",
+):
     steps = []
     for text in turns:
         steps.append({"role": "user", "content": obs})
@@ -189,20 +200,38 @@ def test_webshop_invalid(text, rule):
 def test_webshop_permissible_and_available_actions_from_meta():
     ok = "<think>go</think>\n<action>click[back to search]</action>"
     assert spans_of([webshop(ok)]).height == 0
-    t = webshop("<think>a</think><action>search[red shoes]</action>", "<think>b</think><action>click[B07]</action>",
-                obs="no list here")
-    t["meta"] = {"available_actions": [{"has_search_bar": False, "clickables": []},
-                                       {"has_search_bar": False, "clickables": ["b07"]}]}
+    t = webshop(
+        "<think>a</think><action>search[red shoes]</action>",
+        "<think>b</think><action>click[B07]</action>",
+        obs="no list here",
+    )
+    t["meta"] = {
+        "available_actions": [
+            {"has_search_bar": False, "clickables": []},
+            {"has_search_bar": False, "clickables": ["b07"]},
+        ]
+    }
     df = spans_of([t])
     assert df.select("turn", "rule").rows() == [(1, "webshop.impermissible")]
     row = df.row(0, named=True)
     text = "<think>a</think><action>search[red shoes]</action>"
-    assert text[row["char_start"]:row["char_end"]] == "<action>search[red shoes]</action>"  # tags included
+    assert text[row["char_start"] : row["char_end"]] == "<action>search[red shoes]</action>"  # tags included
 
 
 # ---- OpenAI tool calls ---------------------------------------------------------------------------
-TOOLS = [{"type": "function", "function": {"name": "get_user", "parameters": {
-    "type": "object", "properties": {"user_id": {"type": "string"}}, "required": ["user_id"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_user",
+            "parameters": {
+                "type": "object",
+                "properties": {"user_id": {"type": "string"}},
+                "required": ["user_id"],
+            },
+        },
+    }
+]
 
 
 def tool_traj(calls_per_turn, errors=()):
@@ -213,28 +242,54 @@ def tool_traj(calls_per_turn, errors=()):
         content, _ = render_assistant("", tc)
         steps.append({"role": "assistant", "content": content, "tool_calls": tc})
         for c in tc:
-            steps.append({"role": "tool", "content": "Error: boom" if c["id"] in errors else "ok",
-                          "tool_call_id": c["id"], "is_error": c["id"] in errors})
+            steps.append(
+                {
+                    "role": "tool",
+                    "content": "Error: boom" if c["id"] in errors else "ok",
+                    "tool_call_id": c["id"],
+                    "is_error": c["id"] in errors,
+                }
+            )
         n += len(tc)
     return {"traj_id": "o0", "action_format": "openai_tools", "meta": {"tools": TOOLS}, "steps": steps}
 
 
 def test_tool_call_rules():
-    df = spans_of([tool_traj([
-        [("get_user", '{"user_id": "u1"}')],
-        [("get_user", '{ "user_id":"u1" }'), ("delete_all", "{}")],
-        [("get_user", '{"user_id": 7}')],
-        [("get_user", '{"user_id": "u1"')],
-    ], errors={"c4"})])
+    df = spans_of(
+        [
+            tool_traj(
+                [
+                    [("get_user", '{"user_id": "u1"}')],
+                    [("get_user", '{ "user_id":"u1" }'), ("delete_all", "{}")],
+                    [("get_user", '{"user_id": 7}')],
+                    [("get_user", '{"user_id": "u1"')],
+                ],
+                errors={"c4"},
+            )
+        ]
+    )
     got = sorted(df.select("turn", "rule").rows())
-    assert got == [(2, "query.exact"), (2, "tool.unknown_name"), (3, "tool.schema"), (4, "tool.error_return"),
-                   (4, "tool.invalid_json")]
-    steps = batch([tool_traj([[("get_user", '{"user_id": "u1"}')], [("get_user", '{ "user_id":"u1" }'),
-                                                                     ("delete_all", "{}")]])])[1]
+    assert got == [
+        (2, "query.exact"),
+        (2, "tool.unknown_name"),
+        (3, "tool.schema"),
+        (4, "tool.error_return"),
+        (4, "tool.invalid_json"),
+    ]
+    steps = batch(
+        [
+            tool_traj(
+                [
+                    [("get_user", '{"user_id": "u1"}')],
+                    [("get_user", '{ "user_id":"u1" }'), ("delete_all", "{}")],
+                ]
+            )
+        ]
+    )[1]
     content = steps.column("content")[3].as_py()
     row = df.filter(pl.col("rule") == "tool.unknown_name").row(0, named=True)
-    assert content[row["char_start"]:row["char_end"]].startswith("<tool_call>\n{\"name\": \"delete_all\"")
-    assert content[row["char_start"]:row["char_end"]].endswith("</tool_call>")
+    assert content[row["char_start"] : row["char_end"]].startswith('<tool_call>\n{"name": "delete_all"')
+    assert content[row["char_start"] : row["char_end"]].endswith("</tool_call>")
 
 
 def test_error_return_spans_the_call_that_produced_it():
@@ -242,8 +297,8 @@ def test_error_return_spans_the_call_that_produced_it():
     df = spans_of([t], enabled=["tool_error"])
     content = batch([t])[1].column("content")[1].as_py()
     row = df.row(0, named=True)
-    assert row["step_idx"] == 1 and '"b"' in content[row["char_start"]:row["char_end"]]
-    assert '"a"' not in content[row["char_start"]:row["char_end"]]
+    assert row["step_idx"] == 1 and '"b"' in content[row["char_start"] : row["char_end"]]
+    assert '"a"' not in content[row["char_start"] : row["char_end"]]
 
 
 def test_no_tool_list_means_no_name_check():
@@ -265,7 +320,11 @@ def test_user_detector_and_severities():
         df = spans_of([t], enabled=["shouting", "invalid_action"])
         # upper-case tags are not Search-R1 tags: both turns are also invalid actions
         assert sorted(df.select("behavior", "severity").rows()) == [
-            ("invalid_action", 1.0), ("invalid_action", 1.0), ("shouting", 0.3), ("shouting", 0.3)]
+            ("invalid_action", 1.0),
+            ("invalid_action", 1.0),
+            ("shouting", 0.3),
+            ("shouting", 0.3),
+        ]
         df = spans_of([t], enabled=["shouting"], severities={"shouting": 0.9})
         assert df["severity"].to_list() == [0.9, 0.9]
         with pytest.raises(KeyError):

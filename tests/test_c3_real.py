@@ -16,7 +16,9 @@ from pipeline.config import Config
 from pipeline.credit.process import process_batch
 from pipeline.detect import detect_spans
 
-FIREACT = "fireact_hotpotqa/hotpotqa_dev_0_500_llama_models_lora_llama-2-7b-d_1000_0.7_2023-09-19-00-49-36.json"
+FIREACT = (
+    "fireact_hotpotqa/hotpotqa_dev_0_500_llama_models_lora_llama-2-7b-d_1000_0.7_2023-09-19-00-49-36.json"
+)
 TAU = "tau_bench_v1/gpt-4o-airline.json"
 
 
@@ -68,13 +70,15 @@ def test_fireact_counts(fireact):
                 if verb not in ("search", "lookup", "finish") or not act.endswith("]") or "[" not in act:
                     bad[tid] += 1
                 elif verb == "search":
-                    q = _norm(act[len("search["):-1])
+                    q = _norm(act[len("search[") : -1])
                     if q in seen:
                         loops[tid] += 1
                     seen.add(q)
             if line.startswith("Thought") and not (i + 1 < len(body) and body[i + 1].startswith("Action")):
                 no_action[tid] += 1
-            if line.startswith("Observation") and ("Invalid action" in line or "generated an exception" in line):
+            if line.startswith("Observation") and (
+                "Invalid action" in line or "generated an exception" in line
+            ):
                 errors[tid] += 1
     # the README: 78 trajectories repeat a query, 27 have malformed actions
     assert len(loops) == 78 and len(bad) == 27
@@ -87,10 +91,12 @@ def test_fireact_counts(fireact):
 
 def test_fireact_spans_are_the_action_lines(fireact):
     _, _, steps, spans, _ = fireact
-    content = {(r["traj_id"], r["step_idx"]): r["content"]
-               for r in pl.from_arrow(steps.select(["traj_id", "step_idx", "content"])).iter_rows(named=True)}
+    content = {
+        (r["traj_id"], r["step_idx"]): r["content"]
+        for r in pl.from_arrow(steps.select(["traj_id", "step_idx", "content"])).iter_rows(named=True)
+    }
     for r in spans.filter(pl.col("rule").is_in(["query.exact", "query.char_jaccard"])).iter_rows(named=True):
-        text = content[(r["traj_id"], r["step_idx"])][r["char_start"]:r["char_end"]]
+        text = content[(r["traj_id"], r["step_idx"])][r["char_start"] : r["char_end"]]
         assert re.fullmatch(r"Action:\s*search\[.*\]", text), text
         assert r["token_end"] > r["token_start"]
     near = spans.filter(pl.col("behavior") == "near_repetition")
@@ -109,7 +115,10 @@ def test_tau_bench_counts(tau):
                 errors[tid] += 1
             turn_calls = set()
             for c in m.get("tool_calls") or []:
-                key = (c["function"]["name"], json.dumps(json.loads(c["function"]["arguments"]), sort_keys=True))
+                key = (
+                    c["function"]["name"],
+                    json.dumps(json.loads(c["function"]["arguments"]), sort_keys=True),
+                )
                 if key in seen:
                     repeats[tid] += 1
                 turn_calls.add(key)
@@ -127,9 +136,12 @@ def test_tau_bench_error_span_is_the_producing_call(tau):
     for r in spans.filter(pl.col("rule") == "tool.error_return").iter_rows(named=True):
         step = content[(r["traj_id"], r["step_idx"])]
         assert step["role"] == "assistant"
-        text = step["content"][r["char_start"]:r["char_end"]]
+        text = step["content"][r["char_start"] : r["char_end"]]
         assert text.startswith("<tool_call>") and text.endswith("</tool_call>")
-        assert json.loads(text[len("<tool_call>"):-len("</tool_call>")])["name"] == step["tool_calls"][0]["name"]
+        assert (
+            json.loads(text[len("<tool_call>") : -len("</tool_call>")])["name"]
+            == step["tool_calls"][0]["name"]
+        )
         # the next step is the error return of that call
         nxt = content[(r["traj_id"], r["step_idx"] + 1)]
         assert nxt["tool_call_id"] == step["tool_calls"][0]["id"] and nxt["content"].startswith("Error:")

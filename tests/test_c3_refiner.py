@@ -36,24 +36,48 @@ def cases(draw):
             n = len(steps[1 + 2 * k]["content"].split())
             lo = draw(st.integers(0, n - 1))
             hi = draw(st.integers(lo, n))
-            spans.append({"traj_id": f"t{i}", "step_idx": 1 + 2 * k, "token_start": lo, "token_end": hi,
-                          "severity": draw(st.sampled_from([0.0, 0.5, 1.0, 0.3]))})
+            spans.append(
+                {
+                    "traj_id": f"t{i}",
+                    "step_idx": 1 + 2 * k,
+                    "token_start": lo,
+                    "token_end": hi,
+                    "severity": draw(st.sampled_from([0.0, 0.5, 1.0, 0.3])),
+                }
+            )
     t, s = batch(trajs)
     ctx = CreditContext.from_arrow(t, s)
-    adv = np.where(ctx.tok_mask, np.array(draw(st.lists(st.floats(-3, 3), min_size=ctx.n_tokens,
-                                                        max_size=ctx.n_tokens)), dtype=np.float64), 0.0)
-    sp = pl.DataFrame(spans, schema={"traj_id": pl.String, "step_idx": pl.Int32, "token_start": pl.Int32,
-                                     "token_end": pl.Int32, "severity": pl.Float64})
+    adv = np.where(
+        ctx.tok_mask,
+        np.array(
+            draw(st.lists(st.floats(-3, 3), min_size=ctx.n_tokens, max_size=ctx.n_tokens)), dtype=np.float64
+        ),
+        0.0,
+    )
+    sp = pl.DataFrame(
+        spans,
+        schema={
+            "traj_id": pl.String,
+            "step_idx": pl.Int32,
+            "token_start": pl.Int32,
+            "token_end": pl.Int32,
+            "severity": pl.Float64,
+        },
+    )
     ctx.annotations["spans"] = sp
     return ctx, adv, sp
 
 
 def span_mask(ctx, sp):
     inside = np.zeros(ctx.n_tokens, bool)
-    starts = dict(zip(zip(ctx.steps["traj_id"], ctx.steps["step_idx"], strict=True), ctx.steps["tok_start"], strict=True))
+    starts = dict(
+        zip(
+            zip(ctx.steps["traj_id"], ctx.steps["step_idx"], strict=True), ctx.steps["tok_start"], strict=True
+        )
+    )
     for r in sp.iter_rows(named=True):
         base = starts[(r["traj_id"], r["step_idx"])]
-        inside[base + r["token_start"]: base + r["token_end"]] = True
+        inside[base + r["token_start"] : base + r["token_end"]] = True
     return inside
 
 
@@ -74,8 +98,12 @@ def test_c3_properties(case, lam):
     pos = inside & (adv > 0)
     assert np.all(out[pos] >= 0) and np.all(out[pos] <= adv[pos])
     # severity 0 -> no change; confidence 0 -> no change
-    assert np.array_equal(run_c3(ctx, adv, lam=lam) if lam == 0 else
-                          c3(_with_sev(ctx, 0.0), CreditResult(adv.copy()), C3Settings(lam=lam)).token_adv, adv)
+    assert np.array_equal(
+        run_c3(ctx, adv, lam=lam)
+        if lam == 0
+        else c3(_with_sev(ctx, 0.0), CreditResult(adv.copy()), C3Settings(lam=lam)).token_adv,
+        adv,
+    )
     ctx0 = _with_logprob(ctx, np.full(ctx.n_tokens, -np.inf))
     assert np.array_equal(run_c3(ctx0, adv, lam=lam), adv)
     # monotone non-increasing in s and in c
@@ -98,11 +126,27 @@ def _with_logprob(ctx, lp):
 
 def test_c3_hand_computed():
     lps = [-0.1, -0.2, -0.3, -0.4]
-    t, s = batch([{"traj_id": "a", "steps": [{"role": "user", "content": "q"},
-                                             {"role": "assistant", "content": "w w w w", "logprobs": lps}]}])
+    t, s = batch(
+        [
+            {
+                "traj_id": "a",
+                "steps": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "w w w w", "logprobs": lps},
+                ],
+            }
+        ]
+    )
     ctx = CreditContext.from_arrow(t, s)
-    spans = pl.DataFrame({"traj_id": ["a", "a"], "step_idx": [1, 1], "token_start": [1, 2], "token_end": [3, 4],
-                          "severity": [0.5, 1.0]})
+    spans = pl.DataFrame(
+        {
+            "traj_id": ["a", "a"],
+            "step_idx": [1, 1],
+            "token_start": [1, 2],
+            "token_end": [3, 4],
+            "severity": [0.5, 1.0],
+        }
+    )
     ctx.annotations["spans"] = spans
     adv = np.array([0.0, 2.0, 2.0, 2.0, -1.0])  # flat tokens: user q, then w0..w3
     res = c3(ctx, CreditResult(adv.copy(), {"a_hat": np.array([np.nan, 2.0])}, None, {}), C3Settings())
@@ -121,8 +165,9 @@ def test_c3_hand_computed():
 def test_missing_logprobs_use_setting_and_are_counted():
     t, s = batch([{"traj_id": "a", "steps": [{"role": "assistant", "content": "w w", "logprob": None}]}])
     ctx = CreditContext.from_arrow(t, s)
-    ctx.annotations["spans"] = pl.DataFrame({"traj_id": ["a"], "step_idx": [0], "token_start": [0],
-                                             "token_end": [2], "severity": [1.0]})
+    ctx.annotations["spans"] = pl.DataFrame(
+        {"traj_id": ["a"], "step_idx": [0], "token_start": [0], "token_end": [2], "severity": [1.0]}
+    )
     adv = np.array([1.0, 1.0])
     res = c3(ctx, CreditResult(adv.copy()), C3Settings())
     assert res.token_adv.tolist() == [0.0, 0.0] and res.notes["c3.missing_confidence_spans"] == 1.0
@@ -135,17 +180,32 @@ def loop_batch():
     def traj(i, reward, turns):
         steps = [{"role": "user", "content": "question"}]
         for text in turns:
-            steps.append({"role": "assistant", "content": text, "logprob": -0.2 * (i + 1),
-                          "values": [0.1 * i] * len(text.split())})
+            steps.append(
+                {
+                    "role": "assistant",
+                    "content": text,
+                    "logprob": -0.2 * (i + 1),
+                    "values": [0.1 * i] * len(text.split()),
+                }
+            )
             steps.append({"role": "user", "content": "<information> docs </information>"})
-        return {"traj_id": f"t{i}", "group_id": "g", "reward": reward, "action_format": "search_r1",
-                "steps": steps, "reward_components": None}
+        return {
+            "traj_id": f"t{i}",
+            "group_id": "g",
+            "reward": reward,
+            "action_format": "search_r1",
+            "steps": steps,
+            "reward_components": None,
+        }
+
     q = "<think> hmm </think> <search> capital of france </search>"
-    return batch([
-        traj(0, 1.0, [q, q, "<answer> Paris </answer>"]),
-        traj(1, 0.0, [q, "no action here"]),
-        traj(2, 1.0, ["<search> capital of france please </search>", "<answer> Paris </answer>"]),
-    ])
+    return batch(
+        [
+            traj(0, 1.0, [q, q, "<answer> Paris </answer>"]),
+            traj(1, 0.0, [q, "no action here"]),
+            traj(2, 1.0, ["<search> capital of france please </search>", "<answer> Paris </answer>"]),
+        ]
+    )
 
 
 METHODS = ["grpo", "grpo+c3", "gae", "gae+c3", "gdpo", "gdpo+c3", "rloo+c3", "grpo_pr", "gae_pr"]
@@ -158,7 +218,9 @@ def test_c3_after_estimators_and_ppo_returns_untouched():
     tables, notes = process_batch(t, s, METHODS, Config(), {"spans": spans})
     for base in ("grpo", "gae", "gdpo"):
         a = np.concatenate([np.asarray(x, dtype=np.float64) for x in tables[base]["token_adv"].to_pylist()])
-        b = np.concatenate([np.asarray(x, dtype=np.float64) for x in tables[base + "+c3"]["token_adv"].to_pylist()])
+        b = np.concatenate(
+            [np.asarray(x, dtype=np.float64) for x in tables[base + "+c3"]["token_adv"].to_pylist()]
+        )
         assert np.all((b == a) | ((a > 0) & (b < a) & (b >= 0)))
         assert notes[base + "+c3"]["c3.spans"] == 2.0
     assert tables["gae+c3"]["token_returns"].to_pylist() == tables["gae"]["token_returns"].to_pylist()
@@ -176,7 +238,9 @@ def test_c3_with_iapo_and_tcpo_chains():
         pytest.skip("iapo / tcpo not registered")
     t, s = loop_batch()
     spans, _ = detect_spans(t, s)
-    ctx = CreditContext.from_arrow(t, s, annotations={"spans": spans, "nodes": _empty("nodes"), "edges": _empty("edges")})
+    ctx = CreditContext.from_arrow(
+        t, s, annotations={"spans": spans, "nodes": _empty("nodes"), "edges": _empty("edges")}
+    )
     out = run_methods(ctx, ["grpo+iapo", "grpo+iapo+c3"])
     a, b = out["grpo+iapo"].token_adv, out["grpo+iapo+c3"].token_adv
     assert np.all((b == a) | ((a > 0) & (b < a)))
@@ -188,15 +252,20 @@ def test_c3_with_iapo_and_tcpo_chains():
             r["verifier_score"] = scores[r["traj_id"]][r["turn"] - 1]
     s = pa.Table.from_pylist(rows_, schema=s.schema)
     cfg = Config()
-    ctx = CreditContext.from_arrow(t, s, config=cfg, annotations={"spans": spans, "counterfactuals": _empty("counterfactuals")})
+    ctx = CreditContext.from_arrow(
+        t, s, config=cfg, annotations={"spans": spans, "counterfactuals": _empty("counterfactuals")}
+    )
     out = run_methods(ctx, ["tcpo", "tcpo+c3"])
     a, b = out["tcpo"].token_adv, out["tcpo+c3"].token_adv
     in_span = np.zeros(ctx.n_tokens, dtype=bool)
     starts = ctx.steps["tok_start"].to_numpy()
-    rows = {(tid, si): i for i, (tid, si) in enumerate(zip(ctx.steps["traj_id"], ctx.steps["step_idx"], strict=True))}
+    rows = {
+        (tid, si): i
+        for i, (tid, si) in enumerate(zip(ctx.steps["traj_id"], ctx.steps["step_idx"], strict=True))
+    }
     for sp in spans.to_pylist():
         base = starts[rows[(sp["traj_id"], sp["step_idx"])]]
-        in_span[base + sp["token_start"]: base + sp["token_end"]] = True
+        in_span[base + sp["token_start"] : base + sp["token_end"]] = True
     assert np.array_equal(a[~in_span], b[~in_span])  # bit-identical outside the spans
     assert np.array_equal(a[in_span & (a <= 0)], b[in_span & (a <= 0)])
     pos = in_span & (a > 0)
@@ -219,7 +288,9 @@ def test_process_reward_baselines():
     # outcome level for grpo: R' = R - 0.5 * sum s = [0.5, -0.5, 1.0]
     r = np.array([0.5, -0.5, 1.0])
     a = (r - r.mean()) / (r.std(ddof=1) + 1e-6)
-    assert out["grpo_pr"].components["a_hat"][ctx.steps["traj_index"].to_numpy() == 0][0] == pytest.approx(a[0])
+    assert out["grpo_pr"].components["a_hat"][ctx.steps["traj_index"].to_numpy() == 0][0] == pytest.approx(
+        a[0]
+    )
     # turn level for gae (gamma = lam = 1, unwhitened): tokens up to the penalised turn lose beta*s = 0.5
     diff = out["gae_pr"].token_adv - out["gae"].token_adv
     t0 = (ctx.tok_traj == 0) & ctx.tok_mask
@@ -227,9 +298,14 @@ def test_process_reward_baselines():
     idx = np.flatnonzero(t0)
     assert diff[idx[idx < turn2_end]] == pytest.approx(-0.5)
     assert diff[idx[idx >= turn2_end]] == pytest.approx(0.0)
-    assert (out["gae_pr"].token_returns - out["gae"].token_returns)[idx[idx < turn2_end]] == pytest.approx(-0.5)
-    ctx2 = CreditContext.from_arrow(t, s, config=Config(stages={"gae": {"whiten": False},
-                                                                 "process_reward": {"level": "outcome"}}),
-                                    annotations={"spans": spans})
+    assert (out["gae_pr"].token_returns - out["gae"].token_returns)[idx[idx < turn2_end]] == pytest.approx(
+        -0.5
+    )
+    ctx2 = CreditContext.from_arrow(
+        t,
+        s,
+        config=Config(stages={"gae": {"whiten": False}, "process_reward": {"level": "outcome"}}),
+        annotations={"spans": spans},
+    )
     d2 = run_methods(ctx2, ["gae_pr"])["gae_pr"].token_adv - out["gae"].token_adv
     assert d2[idx] == pytest.approx(-0.5)  # the outcome penalty reaches every token (gamma = lam = 1)

@@ -18,7 +18,9 @@ def test_lazy_token_arrays_match_eager(seed):
     lp = steps.column("values").to_pylist()
     if seed % 2:
         lp = [v[:-1] if v else v for v in lp]
-    steps = steps.set_column(steps.column_names.index("logprobs"), "logprobs", pa.array(lp, pa.list_(pa.float32())))
+    steps = steps.set_column(
+        steps.column_names.index("logprobs"), "logprobs", pa.array(lp, pa.list_(pa.float32()))
+    )
     ctx = CreditContext.from_arrow(traj, steps)
     if ctx.n_tokens == 0:
         return
@@ -39,9 +41,12 @@ def test_lazy_token_arrays_match_eager(seed):
     np.testing.assert_array_equal(ctx.tok_traj, ctx.step_traj[tok_step])
     per_step = rng.normal(size=ctx.n_steps)
     per_traj = rng.normal(size=ctx.n_traj)
-    np.testing.assert_array_equal(ctx.broadcast_step(per_step), np.where(ctx.tok_mask, per_step[tok_step], 0.0))
-    np.testing.assert_array_equal(ctx.broadcast_traj(per_traj),
-                                  np.where(ctx.tok_mask, per_traj[ctx.step_traj[tok_step]], 0.0))
+    np.testing.assert_array_equal(
+        ctx.broadcast_step(per_step), np.where(ctx.tok_mask, per_step[tok_step], 0.0)
+    )
+    np.testing.assert_array_equal(
+        ctx.broadcast_traj(per_traj), np.where(ctx.tok_mask, per_traj[ctx.step_traj[tok_step]], 0.0)
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -74,8 +79,14 @@ def test_per_step_result_checks():
     from pipeline.credit.registry import MethodError, _finish
 
     traj = pa.table({"traj_id": ["t0"], "group_id": ["g"], "reward": [1.0]})
-    steps = pa.table({"traj_id": ["t0"] * 4, "step_idx": [0, 1, 2, 3], "role": ["user", "assistant", "assistant", "assistant"],
-                      "token_ids": pa.array([[1, 2], [3, 4, 5], [], [6]], pa.list_(pa.int32()))})
+    steps = pa.table(
+        {
+            "traj_id": ["t0"] * 4,
+            "step_idx": [0, 1, 2, 3],
+            "role": ["user", "assistant", "assistant", "assistant"],
+            "token_ids": pa.array([[1, 2], [3, 4, 5], [], [6]], pa.list_(pa.int32())),
+        }
+    )
     ctx = CreditContext.from_arrow(traj, steps)
     ok = _finish(ctx, CreditResult.per_step(ctx, np.array([np.nan, 2.0, np.inf, -1.0])))
     assert ok.token_adv.tolist() == [0.0, 0.0, 2.0, 2.0, 2.0, -1.0]

@@ -21,9 +21,18 @@ from schemas import trajectories as traj_schema
 
 def make_round(trajs: list[dict], steps: list[dict]) -> tuple[pa.Table, pa.Table]:
     """Compact builder: trajs [{id, group, reward, [rc]}], steps [{traj, role, n | values, [score, content]}]."""
-    t_rows = [{"round": 0, "traj_id": t["id"], "group_id": t["group"], "sample_idx": i, "reward": t["reward"],
-               "reward_components": list(t["rc"].items()) if t.get("rc") else None, "source": "hand"}
-              for i, t in enumerate(trajs)]
+    t_rows = [
+        {
+            "round": 0,
+            "traj_id": t["id"],
+            "group_id": t["group"],
+            "sample_idx": i,
+            "reward": t["reward"],
+            "reward_components": list(t["rc"].items()) if t.get("rc") else None,
+            "source": "hand",
+        }
+        for i, t in enumerate(trajs)
+    ]
     s_rows, idx, turn = [], {}, {}
     for s in steps:
         i = idx.get(s["traj"], 0)
@@ -32,13 +41,26 @@ def make_round(trajs: list[dict], steps: list[dict]) -> tuple[pa.Table, pa.Table
             turn[s["traj"]] = turn.get(s["traj"], 0) + 1
         values = s.get("values")
         n = len(values) if values is not None else s.get("n", 2)
-        s_rows.append({"round": 0, "traj_id": s["traj"], "step_idx": i, "role": s["role"],
-                       "turn": turn.get(s["traj"]) if s["role"] == "assistant" else None,
-                       "content": s.get("content", ""), "is_error": s.get("error", False),
-                       "token_ids": list(range(n)), "token_offsets": list(range(n)), "logprobs": None,
-                       "values": values, "verifier_score": s.get("score")})
-    return (traj_schema.validate(pa.Table.from_pylist(t_rows, schema=traj_schema.SCHEMA)),
-            steps_schema.validate(pa.Table.from_pylist(s_rows, schema=steps_schema.SCHEMA)))
+        s_rows.append(
+            {
+                "round": 0,
+                "traj_id": s["traj"],
+                "step_idx": i,
+                "role": s["role"],
+                "turn": turn.get(s["traj"]) if s["role"] == "assistant" else None,
+                "content": s.get("content", ""),
+                "is_error": s.get("error", False),
+                "token_ids": list(range(n)),
+                "token_offsets": list(range(n)),
+                "logprobs": None,
+                "values": values,
+                "verifier_score": s.get("score"),
+            }
+        )
+    return (
+        traj_schema.validate(pa.Table.from_pylist(t_rows, schema=traj_schema.SCHEMA)),
+        steps_schema.validate(pa.Table.from_pylist(s_rows, schema=steps_schema.SCHEMA)),
+    )
 
 
 def run(traj, steps, method, **stages):
@@ -59,8 +81,10 @@ def pl_first(col):
 
 
 def simple_group(rewards, group="g", prefix="t", rc=None):
-    trajs = [{"id": f"{prefix}{i}", "group": group, "reward": r, "rc": (rc[i] if rc else None)}
-             for i, r in enumerate(rewards)]
+    trajs = [
+        {"id": f"{prefix}{i}", "group": group, "reward": r, "rc": (rc[i] if rc else None)}
+        for i, r in enumerate(rewards)
+    ]
     steps = []
     for t in trajs:
         steps += [{"traj": t["id"], "role": "user", "n": 3}, {"traj": t["id"], "role": "assistant", "n": 4}]
@@ -139,8 +163,10 @@ def test_gdpo_components_weights_and_nan():
 
 
 def gae_round(with_obs: bool):
-    steps = [{"traj": "t", "role": "user", "values": [9.0, 9.0]},
-             {"traj": "t", "role": "assistant", "values": [0.5]}]
+    steps = [
+        {"traj": "t", "role": "user", "values": [9.0, 9.0]},
+        {"traj": "t", "role": "assistant", "values": [0.5]},
+    ]
     if with_obs:
         steps.append({"traj": "t", "role": "tool", "values": None, "n": 3})
     steps.append({"traj": "t", "role": "assistant", "values": [0.2, 0.1]})
@@ -167,8 +193,10 @@ def test_gae_three_tokens_by_hand(with_obs):
 
 
 def test_gae_missing_values_names_trajectory():
-    traj, steps = make_round([{"id": "no-critic", "group": "g", "reward": 1.0}],
-                             [{"traj": "no-critic", "role": "assistant", "n": 3}])
+    traj, steps = make_round(
+        [{"id": "no-critic", "group": "g", "reward": 1.0}],
+        [{"traj": "no-critic", "role": "assistant", "n": 3}],
+    )
     with pytest.raises(MethodError, match="no-critic"):
         run(traj, steps, "gae")
 
@@ -188,8 +216,11 @@ def test_mt_grpo_aae_by_hand():
     trajs = [{"id": "a", "group": "g", "reward": 1.0}, {"id": "b", "group": "g", "reward": 0.0}]
     steps = []
     for t, score in (("a", 1.0), ("b", 0.0)):
-        steps += [{"traj": t, "role": "assistant", "score": score}, {"traj": t, "role": "tool"},
-                  {"traj": t, "role": "assistant", "score": 0.0}]
+        steps += [
+            {"traj": t, "role": "assistant", "score": score},
+            {"traj": t, "role": "tool"},
+            {"traj": t, "role": "assistant", "score": 0.0},
+        ]
     traj, st_ = make_round(trajs, steps)
     ctx, res = run(traj, st_, "mt_grpo")
     a_hat = res.components["a_hat"]
@@ -232,7 +263,10 @@ def test_gigpo_singleton_step_groups_and_shared_anchors(seed, similarity):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 10_000), st.lists(st.sampled_from(["a", "b", "a\nb", "", None, "page 1"]), min_size=1, max_size=6))
+@given(
+    st.integers(0, 10_000),
+    st.lists(st.sampled_from(["a", "b", "a\nb", "", None, "page 1"]), min_size=1, max_size=6),
+)
 def test_gigpo_anchors_match_a_plain_loop(seed, contents):
     _anchor_case(seed, contents)
 
@@ -251,8 +285,14 @@ def _anchor_case(seed, contents):
     steps = steps.set_column(steps.column_names.index("content"), "content", pa.array(content, pa.string()))
     ctx = CreditContext.from_arrow(traj, steps)
     expect, parts, prev = [], [], None
-    for row, (t, is_asst, text) in enumerate(zip(ctx.step_traj.tolist(), ctx.steps["is_assistant"].to_list(),
-                                                  ctx.steps["content"].to_list(), strict=True)):
+    for row, (t, is_asst, text) in enumerate(
+        zip(
+            ctx.step_traj.tolist(),
+            ctx.steps["is_assistant"].to_list(),
+            ctx.steps["content"].to_list(),
+            strict=True,
+        )
+    ):
         if t != prev:
             parts, prev = [], t
         if is_asst:
@@ -288,8 +328,12 @@ def test_gigpo_by_hand():
     trajs = [{"id": "a", "group": "g", "reward": 1.0}, {"id": "b", "group": "g", "reward": 0.0}]
     steps = []
     for t, s1, s2, obs in (("a", 0.0, 1.0, "page 1"), ("b", 0.0, 0.0, "page 1")):
-        steps += [{"traj": t, "role": "user", "content": "find x"}, {"traj": t, "role": "assistant", "score": s1},
-                  {"traj": t, "role": "tool", "content": obs}, {"traj": t, "role": "assistant", "score": s2}]
+        steps += [
+            {"traj": t, "role": "user", "content": "find x"},
+            {"traj": t, "role": "assistant", "score": s1},
+            {"traj": t, "role": "tool", "content": obs},
+            {"traj": t, "role": "assistant", "score": s2},
+        ]
     traj, st_ = make_round(trajs, steps)
     ctx, res = run(traj, st_, "gigpo", gigpo={"mode": "mean_norm"})
     c = res.components
@@ -306,13 +350,19 @@ ALL = ["grpo", "dr_grpo", "rloo", "gdpo", "gae", "turn_ppo", "mt_grpo", "gigpo"]
 
 @pytest.mark.parametrize("method", ALL)
 def test_edge_cases(method):
-    trajs = [{"id": "only-user", "group": "g1", "reward": 1.0}, {"id": "empty-turn", "group": "g1", "reward": 0.0},
-             {"id": "solo", "group": "g2", "reward": 0.5}, {"id": "no-steps", "group": "g1", "reward": 1.0}]
-    steps = [{"traj": "only-user", "role": "user", "values": [0.1, 0.2]},
-             {"traj": "empty-turn", "role": "assistant", "values": []},
-             {"traj": "empty-turn", "role": "tool", "values": [0.3]},
-             {"traj": "empty-turn", "role": "assistant", "values": [0.4, 0.5]},
-             {"traj": "solo", "role": "assistant", "values": [0.1], "score": 1.0}]
+    trajs = [
+        {"id": "only-user", "group": "g1", "reward": 1.0},
+        {"id": "empty-turn", "group": "g1", "reward": 0.0},
+        {"id": "solo", "group": "g2", "reward": 0.5},
+        {"id": "no-steps", "group": "g1", "reward": 1.0},
+    ]
+    steps = [
+        {"traj": "only-user", "role": "user", "values": [0.1, 0.2]},
+        {"traj": "empty-turn", "role": "assistant", "values": []},
+        {"traj": "empty-turn", "role": "tool", "values": [0.3]},
+        {"traj": "empty-turn", "role": "assistant", "values": [0.4, 0.5]},
+        {"traj": "solo", "role": "assistant", "values": [0.1], "score": 1.0},
+    ]
     traj, st_ = make_round(trajs, steps)
     tables, _ = process_batch(traj, st_, [method])
     table = tables[method]
@@ -338,8 +388,9 @@ def test_export_alignment(seed, method):
     batch = build_train_batch(traj, steps, adv)
     # the rows' order in the inputs does not matter (sorted inputs skip the sort, shuffled ones take it)
     rng = np.random.default_rng(seed)
-    shuffled = build_train_batch(traj, steps.take(rng.permutation(steps.num_rows)),
-                                 adv.take(rng.permutation(adv.num_rows)))
+    shuffled = build_train_batch(
+        traj, steps.take(rng.permutation(steps.num_rows)), adv.take(rng.permutation(adv.num_rows))
+    )
     assert shuffled.equals(batch)
     steps_sorted = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
     adv_sorted = adv.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
@@ -407,16 +458,42 @@ def test_cli_process_and_export(tmp_path, lake, prefect_harness):
     traj, steps = random_round(7, max_groups=5, max_group_size=4, max_steps=6, round_=3)
     write_round(lake, 3, traj, steps, batch_groups=2)
     runner = CliRunner()
-    r = runner.invoke(app, ["process", "--lake", str(lake.root), "--round", "3", "--methods",
-                            "grpo,gae,gigpo,gdpo,rloo,mt_grpo,turn_ppo", "--set", "grpo.norm_by_std=false"])
+    r = runner.invoke(
+        app,
+        [
+            "process",
+            "--lake",
+            str(lake.root),
+            "--round",
+            "3",
+            "--methods",
+            "grpo,gae,gigpo,gdpo,rloo,mt_grpo,turn_ppo",
+            "--set",
+            "grpo.norm_by_std=false",
+        ],
+    )
     assert r.exit_code == 0, r.output
     adv = lake.read("advantages", 3)
-    assert set(adv.column("method").to_pylist()) == {"grpo", "gae", "gigpo", "gdpo", "rloo", "mt_grpo", "turn_ppo"}
+    assert set(adv.column("method").to_pylist()) == {
+        "grpo",
+        "gae",
+        "gigpo",
+        "gdpo",
+        "rloo",
+        "mt_grpo",
+        "turn_ppo",
+    }
     grpo = adv.filter(pa.compute.equal(adv.column("method"), "grpo"))
     expect = process_batch(traj, steps, ["dr_grpo"])[0]["dr_grpo"]
-    got = {(t, s): a for t, s, a in zip(*(grpo.column(c).to_pylist() for c in ("traj_id", "step_idx", "token_adv")),
-                                        strict=True)}
-    for t, s, a in zip(*(expect.column(c).to_pylist() for c in ("traj_id", "step_idx", "token_adv")), strict=True):
+    got = {
+        (t, s): a
+        for t, s, a in zip(
+            *(grpo.column(c).to_pylist() for c in ("traj_id", "step_idx", "token_adv")), strict=True
+        )
+    }
+    for t, s, a in zip(
+        *(expect.column(c).to_pylist() for c in ("traj_id", "step_idx", "token_adv")), strict=True
+    ):
         assert got[(t, s)] == a  # --set grpo.norm_by_std=false is Dr.GRPO, batch by batch == whole round
 
     cfg = tmp_path / "cfg.yaml"
@@ -424,11 +501,18 @@ def test_cli_process_and_export(tmp_path, lake, prefect_harness):
     r = runner.invoke(app, ["process", "--round", "3", "--config", str(cfg)])
     assert r.exit_code == 0, r.output
     out = tmp_path / "gae.parquet"
-    r = runner.invoke(app, ["export", "--lake", str(lake.root), "--round", "3", "--method", "gae", "--out", str(out)])
+    r = runner.invoke(
+        app, ["export", "--lake", str(lake.root), "--round", "3", "--method", "gae", "--out", str(out)]
+    )
     assert r.exit_code == 0, r.output
     batch = pq.read_table(out)
-    ref = build_train_batch(traj, steps, process_batch(
-        traj, steps, ["gae"], Config(stages={"gae": {"gamma": 0.5, "whiten": False}}))[0]["gae"])
+    ref = build_train_batch(
+        traj,
+        steps,
+        process_batch(traj, steps, ["gae"], Config(stages={"gae": {"gamma": 0.5, "whiten": False}}))[0][
+            "gae"
+        ],
+    )
     assert batch.column("traj_id").to_pylist() == ref.column("traj_id").to_pylist()
     for col in ("advantages", "returns", "values", "input_ids", "loss_mask"):
         assert batch.column(col).to_pylist() == ref.column(col).to_pylist(), col

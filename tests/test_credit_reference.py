@@ -147,7 +147,12 @@ def ref_gae(trajs, by_traj, gamma=1.0, lam=1.0, whiten=True):
                 adv.setdefault((t["traj_id"], step), []).append(advs[i])
                 ret.setdefault((t["traj_id"], step), []).append(advs[i] + v)
     if whiten:
-        keys = [(t["traj_id"], s["step_idx"]) for t in trajs for s in by_traj[t["traj_id"]] if (t["traj_id"], s["step_idx"]) in adv]
+        keys = [
+            (t["traj_id"], s["step_idx"])
+            for t in trajs
+            for s in by_traj[t["traj_id"]]
+            if (t["traj_id"], s["step_idx"]) in adv
+        ]
         flat = whiten_list([a for k in keys for a in adv[k]])
         pos = 0
         for k in keys:
@@ -174,7 +179,12 @@ def ref_turn_ppo(trajs, by_traj, gamma=0.99, lam=0.9, turn_reward="outcome", whi
             ret[(t["traj_id"], s["step_idx"])] = [A + V] * len(s["token_ids"])
             A_next, V_next = A, V
     if whiten:
-        keys = [(t["traj_id"], s["step_idx"]) for t in trajs for s in by_traj[t["traj_id"]] if (t["traj_id"], s["step_idx"]) in adv]
+        keys = [
+            (t["traj_id"], s["step_idx"])
+            for t in trajs
+            for s in by_traj[t["traj_id"]]
+            if (t["traj_id"], s["step_idx"]) in adv
+        ]
         flat = whiten_list([a for k in keys for a in adv[k]])
         pos = 0
         for k in keys:
@@ -231,8 +241,18 @@ def ref_mt_grpo(trajs, by_traj, groups, mode="aae", lam=1.0, cae_gamma=1.0, eps=
     return out
 
 
-def ref_gigpo(trajs, by_traj, groups, mode="mean_std_norm", eps=1e-6, gamma=0.95, omega=1.0,
-              penalty=0.1, similarity=False, thresh=0.9):
+def ref_gigpo(
+    trajs,
+    by_traj,
+    groups,
+    mode="mean_std_norm",
+    eps=1e-6,
+    gamma=0.95,
+    omega=1.0,
+    penalty=0.1,
+    similarity=False,
+    thresh=0.9,
+):
     out = {}
     for members in groups.values():
         rows = []  # (traj_id, step_idx, R, anchor, G)
@@ -240,7 +260,9 @@ def ref_gigpo(trajs, by_traj, groups, mode="mean_std_norm", eps=1e-6, gamma=0.95
             anchor_parts, turns = [], []
             for s in by_traj[t["traj_id"]]:
                 if s["role"] == "assistant":
-                    r = (s["verifier_score"] if s["verifier_score"] is not None else 0.0) - penalty * s["is_error"]
+                    r = (s["verifier_score"] if s["verifier_score"] is not None else 0.0) - penalty * s[
+                        "is_error"
+                    ]
                     turns.append([s["step_idx"], "\n".join(anchor_parts), r])
                     anchor_parts = []
                 else:
@@ -261,8 +283,14 @@ def ref_gigpo(trajs, by_traj, groups, mode="mean_std_norm", eps=1e-6, gamma=0.95
         reps, cluster_of = [], []
         for r in rows:
             if similarity:
-                c = next((i for i, rep in enumerate(reps) if rep == r[3]
-                          or difflib.SequenceMatcher(None, r[3], rep).ratio() >= thresh), None)
+                c = next(
+                    (
+                        i
+                        for i, rep in enumerate(reps)
+                        if rep == r[3] or difflib.SequenceMatcher(None, r[3], rep).ratio() >= thresh
+                    ),
+                    None,
+                )
             else:
                 c = next((i for i, rep in enumerate(reps) if rep == r[3]), None)
             if c is None:
@@ -295,11 +323,17 @@ def check(traj, steps, method, ref_per_step, stages=None, ref_returns=None):
     expect = token_layout(trajs, by_traj, ref_per_step)
     np.testing.assert_allclose(res.token_adv, expect, rtol=1e-6, atol=1e-6)
     if ref_returns is not None:
-        np.testing.assert_allclose(np.where(ctx.tok_mask, res.token_returns, 0.0),
-                                   token_layout(trajs, by_traj, ref_returns), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            np.where(ctx.tok_mask, res.token_returns, 0.0),
+            token_layout(trajs, by_traj, ref_returns),
+            rtol=1e-6,
+            atol=1e-6,
+        )
     # the stored table (float32) carries the same numbers, step by step
     table = advantages_table(ctx, method, res)
-    stored = np.concatenate([np.asarray(x, dtype=np.float64) for x in table.column("token_adv").to_pylist()] or [[]])
+    stored = np.concatenate(
+        [np.asarray(x, dtype=np.float64) for x in table.column("token_adv").to_pylist()] or [[]]
+    )
     np.testing.assert_allclose(stored, expect, rtol=1e-5, atol=1e-5)
 
 
@@ -319,7 +353,13 @@ SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[Heal
 def test_grpo_matches_reference(round_, by_std):
     traj, steps = round_
     trajs, by_traj, groups = load(traj, steps)
-    check(traj, steps, "grpo", ref_grpo(trajs, by_traj, groups, by_std=by_std), {"grpo": {"norm_by_std": by_std}})
+    check(
+        traj,
+        steps,
+        "grpo",
+        ref_grpo(trajs, by_traj, groups, by_std=by_std),
+        {"grpo": {"norm_by_std": by_std}},
+    )
 
 
 @SETTINGS
@@ -336,8 +376,13 @@ def test_gdpo_matches_reference(round_, whiten, weighted):
     traj, steps = round_
     trajs, by_traj, groups = load(traj, steps)
     weights = {"acc": 2.0, "fmt": 0.5} if weighted else {}
-    check(traj, steps, "gdpo", ref_gdpo(trajs, by_traj, groups, weights=weights, whiten=whiten),
-          {"gdpo": {"whiten": whiten, "weights": weights}})
+    check(
+        traj,
+        steps,
+        "gdpo",
+        ref_gdpo(trajs, by_traj, groups, weights=weights, whiten=whiten),
+        {"gdpo": {"whiten": whiten, "weights": weights}},
+    )
 
 
 @SETTINGS
@@ -356,8 +401,14 @@ def test_turn_ppo_matches_reference(round_, turn_reward, whiten):
     traj, steps = round_
     trajs, by_traj, _ = load(traj, steps)
     adv, ret = ref_turn_ppo(trajs, by_traj, turn_reward=turn_reward, whiten=whiten)
-    check(traj, steps, "turn_ppo", adv, {"turn_ppo": {"turn_reward": turn_reward, "whiten": whiten}},
-          ref_returns=ret)
+    check(
+        traj,
+        steps,
+        "turn_ppo",
+        adv,
+        {"turn_ppo": {"turn_reward": turn_reward, "whiten": whiten}},
+        ref_returns=ret,
+    )
 
 
 @SETTINGS
@@ -365,18 +416,37 @@ def test_turn_ppo_matches_reference(round_, turn_reward, whiten):
 def test_mt_grpo_matches_reference(round_, mode, lam):
     traj, steps = round_
     trajs, by_traj, groups = load(traj, steps)
-    check(traj, steps, "mt_grpo", ref_mt_grpo(trajs, by_traj, groups, mode=mode, lam=lam, cae_gamma=0.7),
-          {"mt_grpo": {"mode": mode, "turn_advantage_coef": lam, "cae_gamma": 0.7}})
+    check(
+        traj,
+        steps,
+        "mt_grpo",
+        ref_mt_grpo(trajs, by_traj, groups, mode=mode, lam=lam, cae_gamma=0.7),
+        {"mt_grpo": {"mode": mode, "turn_advantage_coef": lam, "cae_gamma": 0.7}},
+    )
 
 
 @SETTINGS
-@given(ROUNDS, st.sampled_from(["mean_std_norm", "mean_norm"]), st.booleans(), st.sampled_from([1.0, 0.0, 0.5]))
+@given(
+    ROUNDS, st.sampled_from(["mean_std_norm", "mean_norm"]), st.booleans(), st.sampled_from([1.0, 0.0, 0.5])
+)
 def test_gigpo_matches_reference(round_, mode, similarity, omega):
     traj, steps = round_
     trajs, by_traj, groups = load(traj, steps)
     ref = ref_gigpo(trajs, by_traj, groups, mode=mode, omega=omega, similarity=similarity, thresh=0.8)
-    check(traj, steps, "gigpo", ref, {"gigpo": {"mode": mode, "step_advantage_w": omega,
-                                                "enable_similarity": similarity, "similarity_thresh": 0.8}})
+    check(
+        traj,
+        steps,
+        "gigpo",
+        ref,
+        {
+            "gigpo": {
+                "mode": mode,
+                "step_advantage_w": omega,
+                "enable_similarity": similarity,
+                "similarity_thresh": 0.8,
+            }
+        },
+    )
 
 
 @pytest.mark.parametrize("method", ["grpo", "rloo", "gdpo", "gae", "turn_ppo", "mt_grpo", "gigpo"])

@@ -22,15 +22,20 @@ def test_action_ranges_match_per_token_reference(rows):
         cols["advantages"].append([0.0] * len(toks))
         cols["turn_ids"].append([k for _, k in toks])
     n = len(rows)
-    table = pa.table({
-        "traj_id": [f"t{i}" for i in range(n)], "group_id": ["g"] * n, "reward": [0.0] * n,
-        "input_ids": pa.array(cols["input_ids"], pa.list_(pa.int32())),
-        "loss_mask": pa.array(cols["loss_mask"], pa.list_(pa.int8())),
-        "old_logprobs": pa.array(cols["old_logprobs"], pa.list_(pa.float32())),
-        "advantages": pa.array(cols["advantages"], pa.list_(pa.float32())),
-        "values": pa.nulls(n, pa.list_(pa.float32())), "returns": pa.nulls(n, pa.list_(pa.float32())),
-        "turn_ids": pa.array(cols["turn_ids"], pa.list_(pa.int16())),
-    })
+    table = pa.table(
+        {
+            "traj_id": [f"t{i}" for i in range(n)],
+            "group_id": ["g"] * n,
+            "reward": [0.0] * n,
+            "input_ids": pa.array(cols["input_ids"], pa.list_(pa.int32())),
+            "loss_mask": pa.array(cols["loss_mask"], pa.list_(pa.int8())),
+            "old_logprobs": pa.array(cols["old_logprobs"], pa.list_(pa.float32())),
+            "advantages": pa.array(cols["advantages"], pa.list_(pa.float32())),
+            "values": pa.nulls(n, pa.list_(pa.float32())),
+            "returns": pa.nulls(n, pa.list_(pa.float32())),
+            "turn_ids": pa.array(cols["turn_ids"], pa.list_(pa.int16())),
+        }
+    )
     got = to_padded(table, "openrlhf")["action_ranges"]
     expect: dict[tuple[int, int], list[int]] = {}
     for r, toks in enumerate(rows):

@@ -23,15 +23,38 @@ def _batch(rows_spec, with_returns=False):
                 lp.append(-(tok % 97) / 10.0 if is_asst else 0.0)
                 adv.append((tok % 13 - 6) / 3.0 if is_asst else 0.0)
                 turns.append(turn if is_asst else 0)
-        rows.append(dict(round=0, method="m", traj_id=f"t{i}", group_id=f"g{i // 2}", reward=1.0, input_ids=ids,
-                         loss_mask=mask, old_logprobs=lp, advantages=adv,
-                         values=[0.5 * a for a in adv] if with_returns else None,
-                         returns=[a + 1 for a in adv] if with_returns else None, turn_ids=turns))
-    schema = pa.schema([("round", pa.int32()), ("method", pa.string()), ("traj_id", pa.string()),
-                        ("group_id", pa.string()), ("reward", pa.float64()), ("input_ids", pa.list_(pa.int32())),
-                        ("loss_mask", pa.list_(pa.int8())), ("old_logprobs", pa.list_(pa.float32())),
-                        ("advantages", pa.list_(pa.float32())), ("values", pa.list_(pa.float32())),
-                        ("returns", pa.list_(pa.float32())), ("turn_ids", pa.list_(pa.int16()))])
+        rows.append(
+            dict(
+                round=0,
+                method="m",
+                traj_id=f"t{i}",
+                group_id=f"g{i // 2}",
+                reward=1.0,
+                input_ids=ids,
+                loss_mask=mask,
+                old_logprobs=lp,
+                advantages=adv,
+                values=[0.5 * a for a in adv] if with_returns else None,
+                returns=[a + 1 for a in adv] if with_returns else None,
+                turn_ids=turns,
+            )
+        )
+    schema = pa.schema(
+        [
+            ("round", pa.int32()),
+            ("method", pa.string()),
+            ("traj_id", pa.string()),
+            ("group_id", pa.string()),
+            ("reward", pa.float64()),
+            ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.int8())),
+            ("old_logprobs", pa.list_(pa.float32())),
+            ("advantages", pa.list_(pa.float32())),
+            ("values", pa.list_(pa.float32())),
+            ("returns", pa.list_(pa.float32())),
+            ("turn_ids", pa.list_(pa.int16())),
+        ]
+    )
     return pa.Table.from_pylist(rows, schema=schema), rows
 
 
@@ -73,16 +96,20 @@ def test_verl_layout_alignment(spec):
     for r, row in enumerate(rows):
         p = _prompt_len(row["loss_mask"])
         # left-padded prompt
-        assert list(a["prompts"][r, P - p:]) == row["input_ids"][:p]
+        assert list(a["prompts"][r, P - p :]) == row["input_ids"][:p]
         assert a["attention_mask"][r, : P - p].sum() == 0
         assert a["attention_mask"][r].sum() == len(row["input_ids"])
         # position ids count real tokens from 0
         real = np.flatnonzero(a["attention_mask"][r])
         assert list(a["position_ids"][r, real]) == list(range(len(real)))
-    _check_response_side(rows, a["responses"], a["advantages"], a["old_log_probs"], a["response_mask"], lambda r, j: j)
+    _check_response_side(
+        rows, a["responses"], a["advantages"], a["old_log_probs"], a["response_mask"], lambda r, j: j
+    )
     assert list(a["uid"]) == [row["group_id"] for row in rows]
     # every advantage of the batch is somewhere, and nowhere else
-    assert np.isclose(a["advantages"].sum(), sum(sum(np.float32(x) for x in row["advantages"]) for row in rows), atol=1e-3)
+    assert np.isclose(
+        a["advantages"].sum(), sum(sum(np.float32(x) for x in row["advantages"]) for row in rows), atol=1e-3
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -93,8 +120,14 @@ def test_openrlhf_layout_alignment(spec):
     n, T = a["sequences"].shape
     A = int(a["num_actions"])
     # action i of the response is token T - A + i of the sequence
-    _check_response_side(rows, a["sequences"][:, T - A:], a["advantages"], a["action_log_probs"], a["action_mask"],
-                         lambda r, j: j)
+    _check_response_side(
+        rows,
+        a["sequences"][:, T - A :],
+        a["advantages"],
+        a["action_log_probs"],
+        a["action_mask"],
+        lambda r, j: j,
+    )
     for r, row in enumerate(rows):
         p = _prompt_len(row["loss_mask"])
         turns = row["turn_ids"][p:]
@@ -110,8 +143,14 @@ def test_skyrl_layout_alignment(spec):
     a = to_padded(table, "skyrl")
     n, T = a["sequences"].shape
     R = a["loss_mask"].shape[1]
-    _check_response_side(rows, a["sequences"][:, T - R:], a["advantages"], a["action_log_probs"], a["loss_mask"],
-                         lambda r, j: j)
+    _check_response_side(
+        rows,
+        a["sequences"][:, T - R :],
+        a["advantages"],
+        a["action_log_probs"],
+        a["loss_mask"],
+        lambda r, j: j,
+    )
     for r, row in enumerate(rows):
         p = _prompt_len(row["loss_mask"])
         assert a["response_mask"][r].sum() == len(row["input_ids"]) - p
@@ -121,7 +160,9 @@ def test_skyrl_layout_alignment(spec):
 
 def test_saved_npz_loads_without_copy(tmp_path):
     torch = __import__("pytest").importorskip("torch")
-    table, rows = _batch([[(False, 3, 0), (True, 4, 1), (False, 2, 0), (True, 3, 2)], [(False, 1, 0), (True, 2, 1)]])
+    table, rows = _batch(
+        [[(False, 3, 0), (True, 4, 1), (False, 2, 0), (True, 3, 2)], [(False, 1, 0), (True, 2, 1)]]
+    )
     save_padded(to_padded(table, "verl"), tmp_path / "b.npz")
     data = np.load(tmp_path / "b.npz")
     adv = data["advantages"]

@@ -35,7 +35,9 @@ def _policies_during_stages(monkeypatch) -> list[set[int]]:
 @linux_sched
 def test_own_api_runs_idle_while_the_stages_fill_the_cpus(tmp_path, prefect_harness, monkeypatch):
     if not api_priority.can_leave_idle():
-        pytest.skip("this process may not move a thread back from SCHED_IDLE (no CAP_SYS_NICE, RLIMIT_NICE < 20)")
+        pytest.skip(
+            "this process may not move a thread back from SCHED_IDLE (no CAP_SYS_NICE, RLIMIT_NICE < 20)"
+        )
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
     from prefect.client.schemas.sorting import FlowRunSort
@@ -57,12 +59,17 @@ def test_own_api_runs_idle_while_the_stages_fill_the_cpus(tmp_path, prefect_harn
     # the server caught up: every task run of this round's flow run is recorded, completed
     deadline = time.monotonic() + 60
     with get_client(sync_client=True) as client:
-        newest = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["process-round-0"])),
-                                       sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
+        newest = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["process-round-0"])),
+            sort=FlowRunSort.START_TIME_DESC,
+            limit=1,
+        )[0]
         this_run = FlowRunFilter(id=FlowRunFilterId(any_=[newest.id]))
         while True:
             runs = client.read_task_runs(flow_run_filter=this_run)
-            if len(runs) == stages * len(batches) + 1 and all(r.state_type.value == "COMPLETED" for r in runs):
+            if len(runs) == stages * len(batches) + 1 and all(
+                r.state_type.value == "COMPLETED" for r in runs
+            ):
                 break
             assert time.monotonic() < deadline, [(r.name, r.state_type) for r in runs]
             time.sleep(0.5)

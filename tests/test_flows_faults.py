@@ -33,16 +33,31 @@ def test_sigkill_mid_round_resumes_to_the_same_result(tmp_path, prefect_harness)
     make_round(reference, groups=48, batch_groups=1)
     assert n == 48
     env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "COLUMNS": "120"}
-    cmd = [str(Path(sys.executable).parent / "creditflow"), "process", "--lake", str(lake.root), "--round", "0",
-           "--methods", METHODS, "--max-workers", "1", "--set", "flow.progress=false"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    cmd = [
+        str(Path(sys.executable).parent / "creditflow"),
+        "process",
+        "--lake",
+        str(lake.root),
+        "--round",
+        "0",
+        "--methods",
+        METHODS,
+        "--max-workers",
+        "1",
+        "--set",
+        "flow.progress=false",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
     try:
         deadline = time.time() + 240
         # let a few batches finish credit
         while len(lake.parts("advantages", 0)) < 9 and time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)
-        assert proc.poll() is None, f"exited before any advantages part: {proc.stderr.read().decode()[-2000:]}"
+        assert proc.poll() is None, (
+            f"exited before any advantages part: {proc.stderr.read().decode()[-2000:]}"
+        )
         os.killpg(proc.pid, signal.SIGKILL)  # the CLI process and anything it started
     finally:
         proc.wait(timeout=30)
@@ -70,9 +85,15 @@ def test_sigkill_mid_round_resumes_to_the_same_result(tmp_path, prefect_harness)
 
 
 def _chat_record(i: int, group: int) -> dict:
-    return {"traj_id": f"t{i}", "group_id": f"q{group}", "reward": float(i % 2),
-            "messages": [{"role": "user", "content": f"question {group}"},
-                         {"role": "assistant", "content": f"answer {i} to {group}", "verifier_score": 0.5}]}
+    return {
+        "traj_id": f"t{i}",
+        "group_id": f"q{group}",
+        "reward": float(i % 2),
+        "messages": [
+            {"role": "user", "content": f"question {group}"},
+            {"role": "assistant", "content": f"answer {i} to {group}", "verifier_score": 0.5},
+        ],
+    }
 
 
 def write_chat_files(folder: Path, n_files: int = 2, per_file: int = 4) -> list[Path]:

@@ -22,25 +22,41 @@ from warehouse.rounds import batch_names, write_round
 RULE_METHODS = ["grpo", "grpo+c3", "grpo+iapo"]
 
 
-def make_round(lake: Lake, round_: int = 0, groups: int = 8, batch_groups: int = 2, seed: int = 0) -> list[str]:
+def make_round(
+    lake: Lake, round_: int = 0, groups: int = 8, batch_groups: int = 2, seed: int = 0
+) -> list[str]:
     # 6 turns: enough successes that groups have mixed rewards (non-zero GRPO advantages)
-    traj, steps = generate(SynthSettings(groups=groups, samples=4, turns=6, tokens=40, seed=seed, round=round_))
+    traj, steps = generate(
+        SynthSettings(groups=groups, samples=4, turns=6, tokens=40, seed=seed, round=round_)
+    )
     return write_round(lake, round_, traj, steps, batch_groups=batch_groups)
 
 
 def cfg_for(lake: Lake, methods=RULE_METHODS, sets=(), **fields):
-    return load_config(None, ["flow.progress=false", "flow.retry_delay_s=0", *sets], lake=str(lake.root),
-                       methods=list(methods), **fields)
+    return load_config(
+        None,
+        ["flow.progress=false", "flow.retry_delay_s=0", *sets],
+        lake=str(lake.root),
+        methods=list(methods),
+        **fields,
+    )
 
 
 def sorted_table(lake: Lake, table: str, round_: int = 0) -> pa.Table:
-    keys = {"advantages": ["method", "traj_id", "step_idx"], "train_batch": ["method", "traj_id"],
-            "spans": ["traj_id", "step_idx", "token_start", "rule"], "nodes": ["traj_id", "turn"],
-            "edges": None}[table]
+    keys = {
+        "advantages": ["method", "traj_id", "step_idx"],
+        "train_batch": ["method", "traj_id"],
+        "spans": ["traj_id", "step_idx", "token_start", "rule"],
+        "nodes": ["traj_id", "turn"],
+        "edges": None,
+    }[table]
     t = lake.read(table, round_)
     if keys is None:
-        keys = [c for c in t.column_names if pa.types.is_string(t.schema.field(c).type)
-                or pa.types.is_integer(t.schema.field(c).type)]
+        keys = [
+            c
+            for c in t.column_names
+            if pa.types.is_string(t.schema.field(c).type) or pa.types.is_integer(t.schema.field(c).type)
+        ]
     return t.sort_by([(k, "ascending") for k in keys])
 
 
@@ -107,8 +123,10 @@ def test_reingested_round_is_recomputed_and_stale_parts_pruned(tmp_path, prefect
     make_round(lake, batch_groups=4, seed=1)
     second = run_process(cfg, 0, quiet=True)
     assert second["this_run"]["credit"]["cached"] == 0
-    assert sorted(p.name for p in lake.parts("advantages", 0)) == ["part-b00000.grpo.parquet",
-                                                                   "part-b00001.grpo.parquet"]
+    assert sorted(p.name for p in lake.parts("advantages", 0)) == [
+        "part-b00000.grpo.parquet",
+        "part-b00001.grpo.parquet",
+    ]
     other = Lake(tmp_path / "other")
     make_round(other, batch_groups=4, seed=1)
     for b in batch_names(other, 0):
@@ -126,8 +144,17 @@ def test_llm_endpoint_down_completes_with_warnings(tmp_path, prefect_harness):
     lake = Lake(tmp_path / "lake")
     make_round(lake, groups=4, batch_groups=2)
     url = f"http://127.0.0.1:{_closed_port()}/v1"
-    cfg = cfg_for(lake, methods=["grpo", "tcpo"], sets=[f"llm.endpoints=[{url}]", "llm.max_retries=0",
-                                                      "llm.timeout_s=2", "llm.cache=false", "llm.model=m"])
+    cfg = cfg_for(
+        lake,
+        methods=["grpo", "tcpo"],
+        sets=[
+            f"llm.endpoints=[{url}]",
+            "llm.max_retries=0",
+            "llm.timeout_s=2",
+            "llm.cache=false",
+            "llm.model=m",
+        ],
+    )
     summary = run_process(cfg, 0, quiet=True)
     assert summary["state"] == WARNING_STATE
     assert summary["warnings"] and all(w.startswith("counterfactual:") for w in summary["warnings"])
@@ -236,16 +263,29 @@ def test_stats_command_prints_summary_from_lake(tmp_path, prefect_harness):
     lake = Lake(tmp_path / "lake")
     make_round(lake, groups=4, batch_groups=2)
     run_process(cfg_for(lake), 0, quiet=True)
-    result = CliRunner().invoke(app, ["stats", "--lake", str(lake.root), "--round", "0"],
-                                env={"COLUMNS": "200"})
+    result = CliRunner().invoke(
+        app, ["stats", "--lake", str(lake.root), "--round", "0"], env={"COLUMNS": "200"}
+    )
     assert result.exit_code == 0, result.output
-    for word in ("trajectories", "spans", "nodes / edges", "quarantined records", "detect", "annotate", "credit",
-                 "export", str(lake.partition_dir("advantages", 0)), "credit by method"):
+    for word in (
+        "trajectories",
+        "spans",
+        "nodes / edges",
+        "quarantined records",
+        "detect",
+        "annotate",
+        "credit",
+        "export",
+        str(lake.partition_dir("advantages", 0)),
+        "credit by method",
+    ):
         assert word in result.output, word
     missing = CliRunner().invoke(app, ["stats", "--lake", str(lake.root), "--round", "7"])
     assert missing.exit_code != 0
     # processing a round that is not there: one clear line naming the round and the rounds present, no flow run
-    absent = CliRunner().invoke(app, ["process", "--lake", str(lake.root), "--round", "7", "--methods", "grpo"])
+    absent = CliRunner().invoke(
+        app, ["process", "--lake", str(lake.root), "--round", "7", "--methods", "grpo"]
+    )
     assert absent.exit_code == 1
     assert "round 7 has no trajectories" in absent.output and "rounds there: 0" in absent.output
     assert "Traceback" not in absent.output and not lake.parts("stage_runs", 7)
@@ -276,10 +316,14 @@ def test_llm_stages_retry_with_exponential_backoff(tmp_path):
     assert stage_calls_llm("annotate", llm_cfg) and not stage_calls_llm("annotate", cfg)
     llm = _stage_task("counterfactual", cfg, lake, True)
     assert llm.retries == 3 and llm.retry_delay_seconds == [2.0, 4.0, 8.0]
-    assert isinstance(llm.cache_policy, BatchStageCache) and llm.cache_policy.key_storage.startswith(str(lake.root))
+    assert isinstance(llm.cache_policy, BatchStageCache) and llm.cache_policy.key_storage.startswith(
+        str(lake.root)
+    )
     plain = _stage_task("credit", cfg, lake, False)
     assert plain.retries == 0
-    uncached = _stage_task("credit", load_config(None, ["flow.cache=false"], lake=str(lake.root)), lake, False)
+    uncached = _stage_task(
+        "credit", load_config(None, ["flow.cache=false"], lake=str(lake.root)), lake, False
+    )
     assert not isinstance(uncached.cache_policy, BatchStageCache)
 
 
@@ -297,17 +341,37 @@ def test_own_ephemeral_api_records_every_task_run_without_heartbeats(tmp_path):
     n_batches = len(make_round(lake))
     home = tmp_path / "prefect-home"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update({"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120", "PREFECT_LOGGING_LEVEL": "WARNING"})
-    cmd = [str(Path(sys.executable).parent / "creditflow"), "process", "--lake", str(lake.root), "--round", "0",
-           "--methods", ",".join(RULE_METHODS), "--set", "flow.progress=false"]
+    env.update(
+        {
+            "PREFECT_HOME": str(home),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+            "PREFECT_LOGGING_LEVEL": "WARNING",
+        }
+    )
+    cmd = [
+        str(Path(sys.executable).parent / "creditflow"),
+        "process",
+        "--lake",
+        str(lake.root),
+        "--round",
+        "0",
+        "--methods",
+        ",".join(RULE_METHODS),
+        "--set",
+        "flow.progress=false",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stages = round_stages(cfg_for(lake))
     with sqlite3.connect(home / "prefect.db") as db:
-        runs = db.execute("SELECT task_run.name, task_run.state_type FROM task_run JOIN flow_run "
-                          "ON task_run.flow_run_id = flow_run.id WHERE flow_run.name = 'process-round-0'").fetchall()
-        heartbeats = db.execute("SELECT count(*) FROM events WHERE event = 'prefect.flow-run.heartbeat'").fetchone()
+        runs = db.execute(
+            "SELECT task_run.name, task_run.state_type FROM task_run JOIN flow_run "
+            "ON task_run.flow_run_id = flow_run.id WHERE flow_run.name = 'process-round-0'"
+        ).fetchall()
+        heartbeats = db.execute(
+            "SELECT count(*) FROM events WHERE event = 'prefect.flow-run.heartbeat'"
+        ).fetchone()
     names = sorted(name for name, _ in runs)
     assert names == sorted([f"{s}-{b}" for s in stages for b in batch_names(lake, 0)] + ["stats-round-0"])
     assert len(names) == n_batches * len(stages) + 1
@@ -326,8 +390,12 @@ def test_own_api_settings_leave_a_server_and_the_users_settings_alone(monkeypatc
 
     from flows.runners import OWN_API_RECORDER_BATCH, _own_api_settings
 
-    for key in ("PREFECT_API_URL", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY",
-                "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"):
+    for key in (
+        "PREFECT_API_URL",
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY",
+        "PREFECT_RUNNER_HEARTBEAT_FREQUENCY",
+        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE",
+    ):
         monkeypatch.delenv(key, raising=False)
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         own = _own_api_settings()
@@ -335,8 +403,10 @@ def test_own_api_settings_leave_a_server_and_the_users_settings_alone(monkeypatc
         assert own[PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE] == OWN_API_RECORDER_BATCH
         monkeypatch.setenv("PREFECT_RUNNER_HEARTBEAT_FREQUENCY", "60")  # the legacy name counts as the user's
         monkeypatch.setenv("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE", "5")
-        assert set(_own_api_settings()) == set(own) - {PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
-                                                       PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE}
+        assert set(_own_api_settings()) == set(own) - {
+            PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+            PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE,
+        }
     with temporary_settings(updates={PREFECT_API_URL: "http://prefect.example:4200/api"}):
         assert _own_api_settings() == {}
 

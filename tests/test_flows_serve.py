@@ -42,7 +42,9 @@ def test_incoming_folder_ingests_and_processes_each_new_round_once(tmp_path, pre
     assert incoming_flow(cfg) == {}
     write_chat_files(incoming / "batch-b", n_files=1)
     again = incoming_flow(cfg)
-    assert {k: v["round"] for k, v in again.items()} == {"batch-b": 7}  # after round 6 (the failed drop keeps its round)
+    assert {k: v["round"] for k, v in again.items()} == {
+        "batch-b": 7
+    }  # after round 6 (the failed drop keeps its round)
     assert set(read_ledger(lake)) == {"batch-a", "drop_round=5", "broken.jsonl", "batch-b"}
 
 
@@ -52,16 +54,32 @@ def test_serve_once_cli_and_deployments(tmp_path, prefect_harness):
     incoming = tmp_path / "in"
     write_chat_files(incoming / "r", n_files=1)
     lake = tmp_path / "lake"
-    result = CliRunner().invoke(app, ["serve", "--once", "--lake", str(lake), "--incoming", str(incoming),
-                                      "--methods", "grpo", "--set", "serve.settle_s=0",
-                                      "--set", "flow.progress=false"], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(
+        app,
+        [
+            "serve",
+            "--once",
+            "--lake",
+            str(lake),
+            "--incoming",
+            str(incoming),
+            "--methods",
+            "grpo",
+            "--set",
+            "serve.settle_s=0",
+            "--set",
+            "flow.progress=false",
+        ],
+        env={"COLUMNS": "200"},
+    )
     assert result.exit_code == 0, result.output
     assert "round 0: Completed" in result.output
     assert (incoming / "done" / "r").exists()
 
     cfg = load_config(None, [], lake=str(lake))
-    cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"cron": "*/30 * * * *",
-                                                                         "incoming": str(incoming)})})
+    cfg = cfg.model_copy(
+        update={"serve": cfg.serve.model_copy(update={"cron": "*/30 * * * *", "incoming": str(incoming)})}
+    )
     deployments = build_deployments(cfg)
     assert [d.name for d in deployments] == ["process-pending", "incoming"]
     assert deployments[0].schedules[0].schedule.cron == "*/30 * * * *"
@@ -108,8 +126,12 @@ def test_process_pending_and_round_loop(tmp_path, prefect_harness):
 
 
 def test_example_config_is_valid_and_maps_flags():
-    cfg = load_config(ROOT / "config.example.yaml", ["flow.retries=1", "serve.cron=0 * * * *", "tcpo.gamma=0.5"],
-                      task_runner="ray", max_workers=4)
+    cfg = load_config(
+        ROOT / "config.example.yaml",
+        ["flow.retries=1", "serve.cron=0 * * * *", "tcpo.gamma=0.5"],
+        task_runner="ray",
+        max_workers=4,
+    )
     assert cfg.task_runner == "ray" and cfg.max_workers == 4 and cfg.flow.retries == 1
     assert cfg.serve.cron == "0 * * * *" and cfg.stage("tcpo").gamma == 0.5
     assert set(cfg.methods) == {"grpo", "grpo+c3", "grpo+iapo", "tcpo"}

@@ -19,23 +19,56 @@ def _traj(n_groups=3, samples=2):
     rows = []
     for g in range(n_groups):
         for s in range(samples):
-            rows.append(dict(traj_id=f"g{g}s{s}", group_id=f"g{g}", sample_idx=s, reward=float(s), source="t"))
+            rows.append(
+                dict(traj_id=f"g{g}s{s}", group_id=f"g{g}", sample_idx=s, reward=float(s), source="t")
+            )
     return pa.Table.from_pylist(rows)
 
 
 def _steps(traj: pa.Table):
     rows = []
     for tid in traj.column("traj_id").to_pylist():
-        rows.append(dict(traj_id=tid, step_idx=0, role="user", turn=None, content="hi", is_error=False, token_ids=[1, 2], logprobs=None,
-                         token_offsets=[0, 1]))
-        rows.append(dict(traj_id=tid, step_idx=1, role="assistant", turn=1, content="yo!", is_error=False,
-                         token_ids=[3, 4, 5], token_offsets=[0, 1, 2], logprobs=[-0.1, -0.2, -0.3]))
+        rows.append(
+            dict(
+                traj_id=tid,
+                step_idx=0,
+                role="user",
+                turn=None,
+                content="hi",
+                is_error=False,
+                token_ids=[1, 2],
+                logprobs=None,
+                token_offsets=[0, 1],
+            )
+        )
+        rows.append(
+            dict(
+                traj_id=tid,
+                step_idx=1,
+                role="assistant",
+                turn=1,
+                content="yo!",
+                is_error=False,
+                token_ids=[3, 4, 5],
+                token_offsets=[0, 1, 2],
+                logprobs=[-0.1, -0.2, -0.3],
+            )
+        )
     return pa.Table.from_pylist(rows)
 
 
 def test_every_table_has_docs_for_every_field():
-    assert set(TABLES) >= {"trajectories", "steps", "spans", "nodes", "edges", "counterfactuals", "advantages",
-                           "train_batch", "quarantine"}
+    assert set(TABLES) >= {
+        "trajectories",
+        "steps",
+        "spans",
+        "nodes",
+        "edges",
+        "counterfactuals",
+        "advantages",
+        "train_batch",
+        "quarantine",
+    }
     for spec in TABLES.values():
         missing = [f.name for f in spec.schema if f.name not in spec.docs]
         assert not missing, (spec.name, missing)
@@ -43,11 +76,15 @@ def test_every_table_has_docs_for_every_field():
 
 def test_validate_names_first_bad_field_and_row():
     traj = _traj().append_column("round", pa.array([0] * 6, pa.int32()))
-    bad = traj.set_column(traj.column_names.index("reward"), "reward", pa.array([0.0, 1.0, math.nan, 1, 0, 1]))
+    bad = traj.set_column(
+        traj.column_names.index("reward"), "reward", pa.array([0.0, 1.0, math.nan, 1, 0, 1])
+    )
     with pytest.raises(SchemaError) as err:
         traj_schema.validate(bad)
     assert err.value.field == "reward" and err.value.row == 2
-    dup = traj.set_column(traj.column_names.index("traj_id"), "traj_id", pa.array(["a", "b", "c", "a", "e", "f"]))
+    dup = traj.set_column(
+        traj.column_names.index("traj_id"), "traj_id", pa.array(["a", "b", "c", "a", "e", "f"])
+    )
     with pytest.raises(SchemaError) as err:
         traj_schema.validate(dup)
     assert err.value.field == "traj_id" and err.value.row == 3
@@ -106,7 +143,10 @@ def test_read_columns_across_parts_written_before_a_column_existed(lake):
     back = lake.read("experiments", 0, columns=["traj_id", "extra"])
     assert back.column_names == ["traj_id", "extra"]
     assert sorted(zip(back.column("traj_id").to_pylist(), back.column("extra").to_pylist(), strict=True)) == [
-        ("a", None), ("b", None), ("c", 0.5)]
+        ("a", None),
+        ("b", None),
+        ("c", 0.5),
+    ]
     with pytest.raises(KeyError, match="table 'experiments': no column 'nope'"):
         lake.read("experiments", 0, columns=["traj_id", "nope"])
 
@@ -132,13 +172,34 @@ def test_query_command_formats(lake, tmp_path):
     traj = _traj()
     write_round(lake, 0, traj, _steps(traj), batch_groups=8)
     runner = CliRunner()
-    res = runner.invoke(app, ["query", "--lake", str(lake.root), "select group_id, count(*) n from trajectories group by 1 order by 1"])
+    res = runner.invoke(
+        app,
+        [
+            "query",
+            "--lake",
+            str(lake.root),
+            "select group_id, count(*) n from trajectories group by 1 order by 1",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "g2" in res.output
-    res = runner.invoke(app, ["query", "--lake", str(lake.root), "--format", "csv", "select traj_id from trajectories order by 1 limit 2"])
+    res = runner.invoke(
+        app,
+        [
+            "query",
+            "--lake",
+            str(lake.root),
+            "--format",
+            "csv",
+            "select traj_id from trajectories order by 1 limit 2",
+        ],
+    )
     assert res.output.splitlines() == ['"traj_id"', '"g0s0"', '"g0s1"']
     out = tmp_path / "r.parquet"
-    res = runner.invoke(app, ["query", "--lake", str(lake.root), "--format", "parquet", "--out", str(out), "select * from steps"])
+    res = runner.invoke(
+        app,
+        ["query", "--lake", str(lake.root), "--format", "parquet", "--out", str(out), "select * from steps"],
+    )
     assert res.exit_code == 0 and out.exists()
     # read-only: writes are refused
     res = runner.invoke(app, ["query", "--lake", str(lake.root), "create table x as select 1"])

@@ -13,15 +13,36 @@ from pipeline.annotate.compare import cohen_kappa, compare, spearman
 
 
 def _tables(edges, nodes, ann):
-    e = pa.table({"traj_id": [x[0] for x in edges], "src_turn": pa.array([x[1] for x in edges], pa.int32()),
-                  "dst_turn": pa.array([x[2] for x in edges], pa.int32()), "type": [x[3] for x in edges],
-                  "sign": pa.array([-1 if x[3] == "failed_utilization" else 1 for x in edges], pa.int8()),
-                  "annotator": [ann] * len(edges)},
-                 schema=pa.schema([("traj_id", pa.string()), ("src_turn", pa.int32()), ("dst_turn", pa.int32()),
-                                   ("type", pa.string()), ("sign", pa.int8()), ("annotator", pa.string())]))
-    n = pa.table({"traj_id": [x[0] for x in nodes], "turn": pa.array([x[1] for x in nodes], pa.int32()),
-                  "error": pa.array([x[2] for x in nodes], pa.int8()), "u_dir": pa.array([0] * len(nodes), pa.int32()),
-                  "parse_failed": [False] * len(nodes), "annotator": [ann] * len(nodes)})
+    e = pa.table(
+        {
+            "traj_id": [x[0] for x in edges],
+            "src_turn": pa.array([x[1] for x in edges], pa.int32()),
+            "dst_turn": pa.array([x[2] for x in edges], pa.int32()),
+            "type": [x[3] for x in edges],
+            "sign": pa.array([-1 if x[3] == "failed_utilization" else 1 for x in edges], pa.int8()),
+            "annotator": [ann] * len(edges),
+        },
+        schema=pa.schema(
+            [
+                ("traj_id", pa.string()),
+                ("src_turn", pa.int32()),
+                ("dst_turn", pa.int32()),
+                ("type", pa.string()),
+                ("sign", pa.int8()),
+                ("annotator", pa.string()),
+            ]
+        ),
+    )
+    n = pa.table(
+        {
+            "traj_id": [x[0] for x in nodes],
+            "turn": pa.array([x[1] for x in nodes], pa.int32()),
+            "error": pa.array([x[2] for x in nodes], pa.int8()),
+            "u_dir": pa.array([0] * len(nodes), pa.int32()),
+            "parse_failed": [False] * len(nodes),
+            "annotator": [ann] * len(nodes),
+        }
+    )
     return n, e
 
 
@@ -30,16 +51,45 @@ def test_metrics_by_hand():
     steps_rows = []
     for t in ("a", "b"):
         for k in range(4):
-            steps_rows.append({"traj_id": t, "step_idx": k, "role": "assistant", "turn": k + 1,
-                               "token_ids": [1, 2, 3, 4]})
+            steps_rows.append(
+                {"traj_id": t, "step_idx": k, "role": "assistant", "turn": k + 1, "token_ids": [1, 2, 3, 4]}
+            )
     steps = pa.Table.from_pylist(steps_rows)
     ea = [("a", 1, 2, "input"), ("a", 1, 3, "success_utilization"), ("b", 2, 4, "failed_utilization")]
-    eb = [("a", 1, 2, "input"), ("a", 2, 3, "success_utilization"), ("b", 2, 4, "failed_utilization"),
-          ("b", 1, 3, "input")]
-    na, ea_t = _tables(ea, [("a", 1, 0), ("a", 2, 0), ("a", 3, 0), ("a", 4, 0), ("b", 1, 0), ("b", 2, 1),
-                            ("b", 3, 0), ("b", 4, 0)], "A")
-    nb, eb_t = _tables(eb, [("a", 1, 0), ("a", 2, 1), ("a", 3, 0), ("a", 4, 0), ("b", 1, 0), ("b", 2, 1),
-                            ("b", 3, 0), ("b", 4, 0)], "B")
+    eb = [
+        ("a", 1, 2, "input"),
+        ("a", 2, 3, "success_utilization"),
+        ("b", 2, 4, "failed_utilization"),
+        ("b", 1, 3, "input"),
+    ]
+    na, ea_t = _tables(
+        ea,
+        [
+            ("a", 1, 0),
+            ("a", 2, 0),
+            ("a", 3, 0),
+            ("a", 4, 0),
+            ("b", 1, 0),
+            ("b", 2, 1),
+            ("b", 3, 0),
+            ("b", 4, 0),
+        ],
+        "A",
+    )
+    nb, eb_t = _tables(
+        eb,
+        [
+            ("a", 1, 0),
+            ("a", 2, 1),
+            ("a", 3, 0),
+            ("a", 4, 0),
+            ("b", 1, 0),
+            ("b", 2, 1),
+            ("b", 3, 0),
+            ("b", 4, 0),
+        ],
+        "B",
+    )
     res = compare(traj, steps, na, ea_t, nb, eb_t)
     # 2 common of 3 + 4 edges
     assert res["edge_f1"] == pytest.approx(2 * 2 / 7)
@@ -73,15 +123,45 @@ def test_compare_command_end_to_end(real_data, tmp_path, llm_standin):
     write_round(lake, 0, keep, steps, batch_groups=3)
     runner = CliRunner()
     # rules against itself (another id): perfect agreement
-    r = runner.invoke(app, ["annotators", "compare", "rules", "rules", "--lake", str(lake.root), "--round", "0",
-                            "--id-b", "rules-copy", "--json"])
+    r = runner.invoke(
+        app,
+        [
+            "annotators",
+            "compare",
+            "rules",
+            "rules",
+            "--lake",
+            str(lake.root),
+            "--round",
+            "0",
+            "--id-b",
+            "rules-copy",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.output.strip().splitlines()[-1])
     assert out["edge_f1"] == 1.0 and out["source_jaccard"] == 1.0 and out["error_kappa"] == 1.0
     assert out["spearman_m_plus"] == pytest.approx(1.0) and out["routed_sign_agreement"] == 1.0
     # rules vs rules without text values: a real difference
-    r = runner.invoke(app, ["annotators", "compare", "rules", "rules", "--lake", str(lake.root), "--round", "0",
-                            "--id-b", "rules-args-only", "--set-b", "annotate_rules.text_values=false", "--json"])
+    r = runner.invoke(
+        app,
+        [
+            "annotators",
+            "compare",
+            "rules",
+            "rules",
+            "--lake",
+            str(lake.root),
+            "--round",
+            "0",
+            "--id-b",
+            "rules-args-only",
+            "--set-b",
+            "annotate_rules.text_values=false",
+            "--json",
+        ],
+    )
     out = json.loads(r.output.strip().splitlines()[-1])
     assert 0 < out["edge_f1"] < 1 and out["edges_b"] < out["edges_a"]
 
@@ -90,15 +170,41 @@ def test_compare_command_end_to_end(real_data, tmp_path, llm_standin):
         user = body["messages"][1]["content"]
         items = json.loads(user.split("<transcript>\n", 1)[1].rsplit("\n</transcript>", 1)[0])
         acts = [int(x["id"].split(":")[1]) for x in items if x["id"].startswith("action:")]
-        return json.dumps({"actions": [
-            {"action_id": a, "error": 0, "error_kind": "none",
-             "sources": [{"source": f"action:{p}", "type": "input", "info_unit": "u", "binding": "b"}]}
-            for p, a in zip(acts, acts[1:], strict=False)]})
+        return json.dumps(
+            {
+                "actions": [
+                    {
+                        "action_id": a,
+                        "error": 0,
+                        "error_kind": "none",
+                        "sources": [
+                            {"source": f"action:{p}", "type": "input", "info_unit": "u", "binding": "b"}
+                        ],
+                    }
+                    for p, a in zip(acts, acts[1:], strict=False)
+                ]
+            }
+        )
 
     llm_standin.behaviour = chain
-    r = runner.invoke(app, ["annotators", "compare", "rules", "llm", "--lake", str(lake.root), "--round", "0",
-                            "--set", f"llm.endpoints=[{llm_standin.url}]", "--set", f"llm.cache_dir={tmp_path}/c",
-                            "--json"])
+    r = runner.invoke(
+        app,
+        [
+            "annotators",
+            "compare",
+            "rules",
+            "llm",
+            "--lake",
+            str(lake.root),
+            "--round",
+            "0",
+            "--set",
+            f"llm.endpoints=[{llm_standin.url}]",
+            "--set",
+            f"llm.cache_dir={tmp_path}/c",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.output.strip().splitlines()[-1])
     assert out["annotator_b"] == "llm:standin-model"

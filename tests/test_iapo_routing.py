@@ -30,9 +30,13 @@ def batches(draw, max_traj=4, max_T=7):
         tid = f"t{k}"
         trajs.append({"id": tid, "L": L})
         for _ in range(draw(st.integers(0, 3 * T))):
-            edges.append((tid, draw(st.integers(0, T + 1)), draw(st.integers(0, T + 1)), draw(st.sampled_from(TYPES))))
+            edges.append(
+                (tid, draw(st.integers(0, T + 1)), draw(st.integers(0, T + 1)), draw(st.sampled_from(TYPES)))
+            )
         for turn in range(1, T + 1):
-            nodes.append((tid, turn, int(draw(st.booleans()) and draw(st.booleans())), draw(st.integers(0, 2))))
+            nodes.append(
+                (tid, turn, int(draw(st.booleans()) and draw(st.booleans())), draw(st.integers(0, 2)))
+            )
         a_hat[tid] = draw(st.sampled_from([0.0, 1.0, -1.0, 0.37, -2.5, 1e-3]))
         if draw(st.integers(0, 9)) == 0:
             failed.add(tid)
@@ -51,17 +55,25 @@ def per_traj_tokens(ctx, res):
 
 
 def assistant_frame(ctx, res):
-    comps = {k: res.components[k] for k in ("w", "m_plus", "m_minus", "phi_plus", "phi_minus", "d_plus", "d_minus",
-                                             "d_in")}
+    comps = {
+        k: res.components[k]
+        for k in ("w", "m_plus", "m_minus", "phi_plus", "phi_minus", "d_plus", "d_minus", "d_in")
+    }
     return ctx.steps.with_columns(**{k: pl.Series(v) for k, v in comps.items()}).filter(
-        pl.col("is_assistant") & (pl.col("n_tokens") > 0))
+        pl.col("is_assistant") & (pl.col("n_tokens") > 0)
+    )
 
 
 SETTINGS = dict(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @settings(**SETTINGS)
-@given(batches(), st.sampled_from(["cons", "proj"]), st.sampled_from([0.0, 0.05, 0.3]), st.sampled_from([0.125, 0.25, 0.5]))
+@given(
+    batches(),
+    st.sampled_from(["cons", "proj"]),
+    st.sampled_from([0.0, 0.05, 0.3]),
+    st.sampled_from([0.125, 0.25, 0.5]),
+)
 def test_matches_reference(batch, neg, beta, c):
     trajs, edges, nodes, a_hat, failed = batch
     ctx, res = run(trajs, edges, nodes, a_hat, negative_branch=neg, beta_plus=beta, c=c)
@@ -69,9 +81,16 @@ def test_matches_reference(batch, neg, beta, c):
     for t in trajs:
         tid = t["id"]
         ref = reference_weights(
-            t["L"], [(i, j, ty) for (x, i, j, ty) in edges if x == tid],
-            {n[1]: n[2] for n in nodes if n[0] == tid}, {n[1]: n[3] for n in nodes if n[0] == tid},
-            a_hat[tid], beta_plus=beta, c=c, negative=neg, parse_failed=tid in failed)
+            t["L"],
+            [(i, j, ty) for (x, i, j, ty) in edges if x == tid],
+            {n[1]: n[2] for n in nodes if n[0] == tid},
+            {n[1]: n[3] for n in nodes if n[0] == tid},
+            a_hat[tid],
+            beta_plus=beta,
+            c=c,
+            negative=neg,
+            parse_failed=tid in failed,
+        )
         rows = got.filter(pl.col("traj_id") == tid)
         w = dict(zip(rows["turn"].to_list(), rows["w"].to_list(), strict=True))
         assert set(w) == set(ref)
@@ -120,12 +139,20 @@ def test_edge_order_independent(batch, rnd):
     _, r1 = run(trajs, edges, nodes, a_hat)
     shuffled = list(edges)
     rnd.shuffle(shuffled)
-    _, r2 = run(trajs, shuffled + shuffled[: len(shuffled) // 2], list(reversed(nodes)), a_hat)  # + duplicates
+    _, r2 = run(
+        trajs, shuffled + shuffled[: len(shuffled) // 2], list(reversed(nodes)), a_hat
+    )  # + duplicates
     np.testing.assert_array_equal(r1.token_adv, r2.token_adv)
 
 
 @settings(**SETTINGS)
-@given(st.integers(2, 8), st.integers(0, 7), st.floats(0.01, 3.0), st.floats(0.01, 1.0), st.randoms(use_true_random=False))
+@given(
+    st.integers(2, 8),
+    st.integers(0, 7),
+    st.floats(0.01, 3.0),
+    st.floats(0.01, 1.0),
+    st.randoms(use_true_random=False),
+)
 def test_raising_phi_minus_lowers_w_plus(T, i, delta, beta, rnd):
     i = i % T
     L = np.array([rnd.randint(1, 40) for _ in range(T)], dtype=float)
@@ -143,10 +170,20 @@ def test_raising_phi_minus_lowers_w_plus(T, i, delta, beta, rnd):
 
 
 def test_uniform_fallbacks():
-    trajs = [{"id": "a", "L": [5, 7, 9]}, {"id": "b", "L": [4]}, {"id": "c", "L": [3, 3, 3]},
-             {"id": "d", "L": [6, 2, 8]}]
-    edges = [("c", 1, 2, "input"), ("c", 2, 3, "input"), ("c", 1, 3, "input"),  # symmetric: not constant
-             ("d", 1, 2, "input"), ("d", 1, 3, "success_utilization"), ("d", 2, 3, "failed_utilization")]
+    trajs = [
+        {"id": "a", "L": [5, 7, 9]},
+        {"id": "b", "L": [4]},
+        {"id": "c", "L": [3, 3, 3]},
+        {"id": "d", "L": [6, 2, 8]},
+    ]
+    edges = [
+        ("c", 1, 2, "input"),
+        ("c", 2, 3, "input"),
+        ("c", 1, 3, "input"),  # symmetric: not constant
+        ("d", 1, 2, "input"),
+        ("d", 1, 3, "success_utilization"),
+        ("d", 2, 3, "failed_utilization"),
+    ]
     nodes = [("d", 1, 0, 0, True), ("d", 2, 1, 0, True), ("d", 3, 0, 0, True)]  # d: parse failure
     a_hat = {"a": 1.0, "b": -1.0, "c": -0.5, "d": 2.0}
     ctx, res = run(trajs, edges, nodes, a_hat)
@@ -171,15 +208,21 @@ def test_constant_features_and_zero_length_actions():
     assert f["d_plus"].to_list() == [1.0, 1.0, 0.0]
     assert f["d_in"].to_list() == [0.0, 1.0, 2.0]
     assert res.notes["iapo.invalid_edges"] == 2.0
-    ctx, res = run(trajs, [("a", 1, 3, "input"), ("a", 3, 4, "input")], [("a", 1, 0, 1), ("a", 4, 0, 1)], {"a": 1.0})
+    ctx, res = run(
+        trajs, [("a", 1, 3, "input"), ("a", 3, 4, "input")], [("a", 1, 0, 1), ("a", 4, 0, 1)], {"a": 1.0}
+    )
     f = assistant_frame(ctx, res)
     assert f["phi_plus"].n_unique() == 1 and f["m_plus"].to_list() == [1.0, 1.0, 1.0]
 
 
 def test_failed_edge_from_clean_action_sets_error_and_duplicates_once():
     trajs = [{"id": "a", "L": [10, 10, 10]}]
-    edges = [("a", 1, 2, "failed_utilization"), ("a", 1, 2, "failed_utilization"), ("a", 1, 3, "input"),
-             ("a", 1, 3, "success_utilization")]
+    edges = [
+        ("a", 1, 2, "failed_utilization"),
+        ("a", 1, 2, "failed_utilization"),
+        ("a", 1, 3, "input"),
+        ("a", 1, 3, "success_utilization"),
+    ]
     ctx, res = run(trajs, edges, [], {"a": -1.0})
     f = assistant_frame(ctx, res)
     assert f["d_minus"].to_list() == [1.0, 0.0, 0.0]
@@ -223,8 +266,13 @@ def test_hand_worked_refund_trajectory():
     edges: 1->3 input, 2->3 success_utilization, 1->4 input, 2->4 success_utilization, 3->4 failed_utilization
     """
     L = [10.0, 20.0, 30.0, 40.0]
-    edges = [(1, 3, "input"), (2, 3, "success_utilization"), (1, 4, "input"), (2, 4, "success_utilization"),
-             (3, 4, "failed_utilization")]
+    edges = [
+        (1, 3, "input"),
+        (2, 3, "success_utilization"),
+        (1, 4, "input"),
+        (2, 4, "success_utilization"),
+        (3, 4, "failed_utilization"),
+    ]
     # degrees: d+ = (2, 2, 0, 0), d- = (0, 0, 1, 0), d_in = (1, 0, 2, 2) (a1: u_dir), e = (0, 0, 1, 0)
     phi_p = [math.log(4), math.log(3), math.log(3), math.log(3)]
     phi_m = [0.0, 0.0, math.log(1 + 1 * (1 + 1 + 2)), 0.0]  # log 5 on a3
@@ -254,9 +302,14 @@ def test_hand_worked_refund_trajectory():
     w_pos = [Lt * x / sum(li * y for li, y in zip(L, u, strict=True)) for x in u]
     w_neg = m_m
 
-    trajs = [{"id": "win", "group": "g", "L": [10, 20, 30, 40]}, {"id": "lose", "group": "g", "L": [10, 20, 30, 40]}]
-    ann = annotations([(t, i, j, ty) for t in ("win", "lose") for (i, j, ty) in edges],
-                      [(t, 1, 0, 1) for t in ("win", "lose")] + [(t, 3, 1, 0) for t in ("win", "lose")])
+    trajs = [
+        {"id": "win", "group": "g", "L": [10, 20, 30, 40]},
+        {"id": "lose", "group": "g", "L": [10, 20, 30, 40]},
+    ]
+    ann = annotations(
+        [(t, i, j, ty) for t in ("win", "lose") for (i, j, ty) in edges],
+        [(t, 1, 0, 1) for t in ("win", "lose")] + [(t, 3, 1, 0) for t in ("win", "lose")],
+    )
     ctx = make_ctx(trajs, ann)
     res = iapo(ctx, base_result(ctx, {"win": 1.2, "lose": -0.8}), IAPOSettings())
     f = assistant_frame(ctx, res)
@@ -282,7 +335,10 @@ def test_reference_random_graphs_large():
     trajs, edges, nodes, a_hat = [], [], [], {}
     for k in range(300):
         T = rnd.randint(1, 30)
-        L = [rnd.choice([0, rnd.randint(1, 200)]) if rnd.random() < 0.1 else rnd.randint(1, 200) for _ in range(T)]
+        L = [
+            rnd.choice([0, rnd.randint(1, 200)]) if rnd.random() < 0.1 else rnd.randint(1, 200)
+            for _ in range(T)
+        ]
         if not any(L):
             L[0] = 5
         tid = f"r{k:03d}"
@@ -298,8 +354,12 @@ def test_reference_random_graphs_large():
     w = {(r["traj_id"], r["turn"]): r["w"] for r in f.iter_rows(named=True)}
     for t in trajs:
         tid = t["id"]
-        ref = reference_weights(t["L"], [(i, j, ty) for (x, i, j, ty) in edges if x == tid],
-                                {n[1]: n[2] for n in nodes if n[0] == tid}, {n[1]: n[3] for n in nodes if n[0] == tid},
-                                a_hat[tid])
+        ref = reference_weights(
+            t["L"],
+            [(i, j, ty) for (x, i, j, ty) in edges if x == tid],
+            {n[1]: n[2] for n in nodes if n[0] == tid},
+            {n[1]: n[3] for n in nodes if n[0] == tid},
+            a_hat[tid],
+        )
         for turn, val in ref.items():
             assert abs(w[(tid, turn)] - val) <= 1e-6

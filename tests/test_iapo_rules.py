@@ -23,8 +23,18 @@ def call(cid, name, args):
 def rows(*msgs):
     out = []
     for k, (role, turn, content, calls, call_id, err) in enumerate(msgs):
-        out.append({"traj_id": "t", "step_idx": k, "role": role, "turn": turn, "content": content,
-                    "tool_calls": calls, "tool_call_id": call_id, "is_error": err})
+        out.append(
+            {
+                "traj_id": "t",
+                "step_idx": k,
+                "role": role,
+                "turn": turn,
+                "content": content,
+                "tool_calls": calls,
+                "tool_call_id": call_id,
+                "is_error": err,
+            }
+        )
     return out
 
 
@@ -37,11 +47,42 @@ def test_support_edges_priority_and_trivial_values():
         ("user", None, "Hi, I'm user jane_doe_42, I need help.", None, None, False),
         ("assistant", 1, "What is the order id?", None, None, False),
         ("user", 1, "It is #W7654321.", None, None, False),
-        ("assistant", 2, "", call("a", "get_order", {"order_id": "#W7654321", "verbose": True, "n": 1}), None, False),
-        ("tool", 2, json.dumps({"order_id": "#W7654321", "user_id": "jane_doe_42", "item": "ITEM998877",
-                                "qty": 1, "price": 1299.5}), None, "a", False),
-        ("assistant", 3, "", call("b", "refund", {"order_id": "#W7654321", "item_id": "ITEM998877", "qty": 1,
-                                                  "hotline": "SYS123"}), None, False),
+        (
+            "assistant",
+            2,
+            "",
+            call("a", "get_order", {"order_id": "#W7654321", "verbose": True, "n": 1}),
+            None,
+            False,
+        ),
+        (
+            "tool",
+            2,
+            json.dumps(
+                {
+                    "order_id": "#W7654321",
+                    "user_id": "jane_doe_42",
+                    "item": "ITEM998877",
+                    "qty": 1,
+                    "price": 1299.5,
+                }
+            ),
+            None,
+            "a",
+            False,
+        ),
+        (
+            "assistant",
+            3,
+            "",
+            call(
+                "b",
+                "refund",
+                {"order_id": "#W7654321", "item_id": "ITEM998877", "qty": 1, "hotline": "SYS123"},
+            ),
+            None,
+            False,
+        ),
         ("assistant", 4, "Done: refunded 1299.5 for jane_doe_42.", None, None, False),
     )
     nodes, edges = annotate_trajectory(r, S)
@@ -80,13 +121,24 @@ def test_errors_repeats_recovery_and_rejection():
         ("assistant", 5, "Sorry.", None, None, False),
     )
     nodes, edges = annotate_trajectory(r, S)
-    assert {t: k for t, (k, _) in nodes.items()} == {1: "tool", 2: "tool", 3: "schema", 4: "rejection", 5: "none"}
+    assert {t: k for t, (k, _) in nodes.items()} == {
+        1: "tool",
+        2: "tool",
+        3: "schema",
+        4: "rejection",
+        5: "none",
+    }
     failed = {(i, j): b for i, j, t, _, b in edges if t == "failed_utilization"}
     assert failed == {(1, 2): "recovery", (2, 3): "recovery", (3, 4): "recovery", (4, 5): "recovery"}
     # the repeat 1 -> 2 is the same edge as the recovery (counted once); error returns supply no support
     assert not [x for x in edges if x[2] != "failed_utilization"]
-    r2 = rows(*[(m["role"], m["turn"], m["content"], m["tool_calls"], m["tool_call_id"], m["is_error"]) for m in r[:4]],
-              ("assistant", 3, "", call("z", "cancel", {"reservation_id": "ABC123"}), None, False))
+    r2 = rows(
+        *[
+            (m["role"], m["turn"], m["content"], m["tool_calls"], m["tool_call_id"], m["is_error"])
+            for m in r[:4]
+        ],
+        ("assistant", 3, "", call("z", "cancel", {"reservation_id": "ABC123"}), None, False),
+    )
     _, edges2 = annotate_trajectory(r2, S)
     assert (1, 3, "failed_utilization") in {(i, j, t) for i, j, t, _, _ in edges2}  # a later identical call
 
@@ -111,14 +163,18 @@ def _raw_actions_tau1(path):
     out = {}
     for rec in json.loads(path.read_text()):
         key = f"{rec['task_id']}:{rec['trial']}"
-        out[key] = _actions(rec["traj"], lambda c: c["function"]["arguments"], lambda m: m.get("tool_call_id"))
+        out[key] = _actions(
+            rec["traj"], lambda c: c["function"]["arguments"], lambda m: m.get("tool_call_id")
+        )
     return out
 
 
 def _raw_actions_tau2(path):
     out = {}
     for sim in json.loads(path.read_text())["simulations"]:
-        out[sim["id"]] = _actions(sim["messages"], lambda c: json.dumps(c.get("arguments")), lambda m: m.get("id"))
+        out[sim["id"]] = _actions(
+            sim["messages"], lambda c: json.dumps(c.get("arguments")), lambda m: m.get("id")
+        )
     return out
 
 
@@ -129,8 +185,14 @@ def _actions(messages, args_of, answer_id):
         role = m.get("role")
         if role == "assistant":
             calls = m.get("tool_calls") or []
-            acts.append({"args": " ".join(args_of(c) for c in calls), "text": m.get("content") or "",
-                         "tool": "", "user": ""})
+            acts.append(
+                {
+                    "args": " ".join(args_of(c) for c in calls),
+                    "text": m.get("content") or "",
+                    "tool": "",
+                    "user": "",
+                }
+            )
             for c in calls:
                 owner[c.get("id")] = len(acts) - 1
         elif role == "tool" and acts:
@@ -140,10 +202,18 @@ def _actions(messages, args_of, answer_id):
     return acts
 
 
-@pytest.mark.parametrize("fmt,rel,raw_reader,key_of", [
-    ("tau-bench", "tau_bench_v1/gpt-4o-airline.json", _raw_actions_tau1, lambda tid: tid.split(":", 1)[1]),
-    ("tau2-bench", "tau2_bench/qwen2.5-7b_airline_1trial.json", _raw_actions_tau2, None),
-])
+@pytest.mark.parametrize(
+    "fmt,rel,raw_reader,key_of",
+    [
+        (
+            "tau-bench",
+            "tau_bench_v1/gpt-4o-airline.json",
+            _raw_actions_tau1,
+            lambda tid: tid.split(":", 1)[1],
+        ),
+        ("tau2-bench", "tau2_bench/qwen2.5-7b_airline_1trial.json", _raw_actions_tau2, None),
+    ],
+)
 def test_real_logs_edges_are_in_the_raw_json(real_data, fmt, rel, raw_reader, key_of):
     path = real_data / rel
     res = _ingest(fmt, path)
@@ -156,12 +226,19 @@ def test_real_logs_edges_are_in_the_raw_json(real_data, fmt, rel, raw_reader, ke
     assert n["error"].sum() >= 70  # the logs hold 73 (tau-bench) / 79 (tau2) tool errors
     raw = raw_reader(path)
     traj_ids = res.trajectories.column("traj_id").to_pylist()
-    meta = dict(zip(traj_ids, res.trajectories.column("meta").to_pylist(), strict=True)) \
-        if "meta" in res.trajectories.column_names else {}
+    meta = (
+        dict(zip(traj_ids, res.trajectories.column("meta").to_pylist(), strict=True))
+        if "meta" in res.trajectories.column_names
+        else {}
+    )
     checked = 0
     for row in e.filter(pl.col("type") != "failed_utilization").iter_rows(named=True):
         tid = row["traj_id"]
-        key = key_of(tid) if key_of else (json.loads(meta[tid]).get("id") if isinstance(meta.get(tid), str) else tid)
+        key = (
+            key_of(tid)
+            if key_of
+            else (json.loads(meta[tid]).get("id") if isinstance(meta.get(tid), str) else tid)
+        )
         acts = raw.get(key) or raw.get(tid)
         assert acts is not None, tid
         assert len(acts) == n.filter(pl.col("traj_id") == tid).height
@@ -171,8 +248,11 @@ def test_real_logs_edges_are_in_the_raw_json(real_data, fmt, rel, raw_reader, ke
             values = values[:-1]
         origin = src["tool"] if row["type"] == "success_utilization" else src["user"]
         for v in values:
-            assert v in origin.casefold() or v in json.dumps(json.loads(origin), ensure_ascii=False).casefold() \
-                if origin.strip().startswith(("{", "[")) else v in origin.casefold(), (tid, row, v)
+            assert (
+                v in origin.casefold() or v in json.dumps(json.loads(origin), ensure_ascii=False).casefold()
+                if origin.strip().startswith(("{", "["))
+                else v in origin.casefold()
+            ), (tid, row, v)
             assert v in (dst["args"] + " " + dst["text"]).casefold(), (tid, row, v)
         checked += 1
     assert checked == counts["success_utilization"] + counts["input"]

@@ -22,8 +22,18 @@ def test_ingest_tau2_bench_into_lake_and_query(real_data, tmp_path):
     if not src.exists():
         pytest.skip("tau2-bench sample not shipped")
     lake = tmp_path / "lake"
-    args = ["ingest", str(src), "--format", "tau2-bench", "--lake", str(lake), "--round", "2",
-            "--batch-groups", "16"]  # default SmolLM2 tokenizer (fewer tokens than bytes)
+    args = [
+        "ingest",
+        str(src),
+        "--format",
+        "tau2-bench",
+        "--lake",
+        str(lake),
+        "--round",
+        "2",
+        "--batch-groups",
+        "16",
+    ]  # default SmolLM2 tokenizer (fewer tokens than bytes)
     out = runner.invoke(app, args)
     assert out.exit_code == 0, out.output
     for word in ("records read", "trajectories", "tokens", "quarantined", str(lake.resolve())):
@@ -33,12 +43,15 @@ def test_ingest_tau2_bench_into_lake_and_query(real_data, tmp_path):
     assert len(list((lake / "steps" / "round=2").glob("part-*.parquet"))) == 4
 
     def counts():
-        return _query(lake, "SELECT (SELECT count(*) FROM trajectories) AS t, "
-                            "(SELECT count(DISTINCT group_id) FROM trajectories) AS g, "
-                            "(SELECT count(*) FROM steps) AS s, "
-                            "(SELECT count(*) FROM steps WHERE role = 'tool' AND is_error) AS e, "
-                            "(SELECT count(*) FROM quarantine) AS q, "
-                            "(SELECT min(round) FROM trajectories) AS r")[0]
+        return _query(
+            lake,
+            "SELECT (SELECT count(*) FROM trajectories) AS t, "
+            "(SELECT count(DISTINCT group_id) FROM trajectories) AS g, "
+            "(SELECT count(*) FROM steps) AS s, "
+            "(SELECT count(*) FROM steps WHERE role = 'tool' AND is_error) AS e, "
+            "(SELECT count(*) FROM quarantine) AS q, "
+            "(SELECT min(round) FROM trajectories) AS r",
+        )[0]
 
     first = counts()
     assert first == {"t": 50, "g": 50, "s": 1632, "e": 79, "q": 0, "r": 2}
@@ -46,19 +59,38 @@ def test_ingest_tau2_bench_into_lake_and_query(real_data, tmp_path):
     out = runner.invoke(app, args)
     assert out.exit_code == 0, out.output
     assert counts() == first
-    dup = _query(lake, "SELECT count(*) AS n FROM (SELECT traj_id, step_idx FROM steps GROUP BY 1, 2 HAVING count(*) > 1)")
+    dup = _query(
+        lake,
+        "SELECT count(*) AS n FROM (SELECT traj_id, step_idx FROM steps GROUP BY 1, 2 HAVING count(*) > 1)",
+    )
     assert dup == [{"n": 0}]
 
 
 def test_ingest_quarantine_and_strict(tmp_path):
-    good = {"traj_id": "a", "reward": 1.0, "messages": [{"role": "user", "content": "q"},
-                                                        {"role": "assistant", "content": "x"}]}
+    good = {
+        "traj_id": "a",
+        "reward": 1.0,
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}],
+    }
     src = tmp_path / "in"
     src.mkdir()
-    (src / "r.jsonl").write_text(json.dumps(good) + "\n{broken\n" + json.dumps({**good, "traj_id": "b", "reward": None}) + "\n")
+    (src / "r.jsonl").write_text(
+        json.dumps(good) + "\n{broken\n" + json.dumps({**good, "traj_id": "b", "reward": None}) + "\n"
+    )
     (src / "notes.txt").write_text("not an input")
     lake = tmp_path / "lake"
-    base = ["ingest", str(src), "--format", "chat-jsonl", "--lake", str(lake), "--round", "0", "--tokenizer", "bytes"]
+    base = [
+        "ingest",
+        str(src),
+        "--format",
+        "chat-jsonl",
+        "--lake",
+        str(lake),
+        "--round",
+        "0",
+        "--tokenizer",
+        "bytes",
+    ]
     out = runner.invoke(app, base)
     assert out.exit_code == 0, out.output
     assert "malformed_json" in out.output and "missing_field" in out.output
@@ -76,23 +108,67 @@ def test_ingest_quarantine_and_strict(tmp_path):
 
 
 def test_ingest_parquet_from_a_lake_export(tmp_path):
-    good = {"traj_id": "a", "group_id": "g", "reward": 0.5, "messages": [
-        {"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}]}
+    good = {
+        "traj_id": "a",
+        "group_id": "g",
+        "reward": 0.5,
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}],
+    }
     (tmp_path / "r.jsonl").write_text(json.dumps(good) + "\n")
     first = tmp_path / "lake1"
-    assert runner.invoke(app, ["ingest", str(tmp_path / "r.jsonl"), "-f", "chat-jsonl", "--lake", str(first),
-                               "--round", "0", "--tokenizer", "bytes"]).exit_code == 0
+    assert (
+        runner.invoke(
+            app,
+            [
+                "ingest",
+                str(tmp_path / "r.jsonl"),
+                "-f",
+                "chat-jsonl",
+                "--lake",
+                str(first),
+                "--round",
+                "0",
+                "--tokenizer",
+                "bytes",
+            ],
+        ).exit_code
+        == 0
+    )
     second = tmp_path / "lake2"
-    out = runner.invoke(app, ["ingest", str(first), "-f", "parquet", "--lake", str(second), "--round", "7",
-                              "--tokenizer", "bytes"])
+    out = runner.invoke(
+        app,
+        [
+            "ingest",
+            str(first),
+            "-f",
+            "parquet",
+            "--lake",
+            str(second),
+            "--round",
+            "7",
+            "--tokenizer",
+            "bytes",
+        ],
+    )
     assert out.exit_code == 0, out.output
     rows = _query(second, "SELECT traj_id, round, reward FROM trajectories")
     assert rows == [{"traj_id": "a", "round": 7, "reward": 0.5}]
 
 
 def test_ingest_errors(tmp_path):
-    out = runner.invoke(app, ["ingest", str(tmp_path / "missing.json"), "-f", "react", "--round", "0",
-                              "--lake", str(tmp_path / "l")])
+    out = runner.invoke(
+        app,
+        [
+            "ingest",
+            str(tmp_path / "missing.json"),
+            "-f",
+            "react",
+            "--round",
+            "0",
+            "--lake",
+            str(tmp_path / "l"),
+        ],
+    )
     assert out.exit_code == 2
     out = runner.invoke(app, ["ingest", str(tmp_path), "-f", "no-such-format", "--round", "0"])
     assert out.exit_code == 2

@@ -14,13 +14,24 @@ BYTES = ByteTokenizer()
 
 def _good(traj_id="g1", **extra):
     rec = {
-        "traj_id": traj_id, "group_id": "q1", "reward": 1.0,
+        "traj_id": traj_id,
+        "group_id": "q1",
+        "reward": 1.0,
         "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}],
         "messages": [
             {"role": "system", "content": "sys"},
             {"role": "user", "content": "find x"},
-            {"role": "assistant", "content": "let me look", "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}]},
+            {
+                "role": "assistant",
+                "content": "let me look",
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "lookup", "arguments": '{"q": "x"}'},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": "c1", "content": "not found", "is_error": True},
             {"role": "assistant", "content": "x is 3", "verifier_score": 0.5},
         ],
@@ -52,7 +63,10 @@ def test_chat_jsonl_conversion():
 
 
 def test_default_sample_idx_and_group_from_prompt():
-    base = {"reward": 0.0, "messages": [{"role": "user", "content": "same prompt"}, {"role": "assistant", "content": "a"}]}
+    base = {
+        "reward": 0.0,
+        "messages": [{"role": "user", "content": "same prompt"}, {"role": "assistant", "content": "a"}],
+    }
     res = _ingest_lines([base, base, {**base, "sample_idx": 0}])
     t = res.trajectories.to_pylist()
     assert len({r["group_id"] for r in t}) == 1
@@ -67,13 +81,21 @@ def test_given_token_ids_and_logprobs_kept():
     content = "héllo wörld, 3 + 4 = 7"
     ids = tok.encode_batch([content])[0][0]
     odd = list(reversed(ids))  # ids of another tokenization of the same text: kept, offsets approximate
-    rec = {"traj_id": "t", "reward": 1.0, "messages": [
-        {"role": "user", "content": "q"},
-        {"role": "assistant", "content": content, "token_ids": ids, "logprobs": [-0.5] * len(ids)},
-        {"role": "user", "content": "again"},
-        {"role": "assistant", "content": content, "token_ids": odd,
-         "logprobs": {"content": [{"token": "?", "logprob": -1.0}] * len(odd)}},
-    ]}
+    rec = {
+        "traj_id": "t",
+        "reward": 1.0,
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": content, "token_ids": ids, "logprobs": [-0.5] * len(ids)},
+            {"role": "user", "content": "again"},
+            {
+                "role": "assistant",
+                "content": content,
+                "token_ids": odd,
+                "logprobs": {"content": [{"token": "?", "logprob": -1.0}] * len(odd)},
+            },
+        ],
+    }
     res = _ingest_lines([rec], tokenizer=tok)
     assert res.quarantine.num_rows == 0
     steps = res.steps.to_pylist()
@@ -101,15 +123,26 @@ def test_offsets_by_decoding_multibyte():
 BAD = {
     "malformed_json": '{"traj_id": "m", "reward": 1.0, "messages": [',
     "missing_field": {"traj_id": "nomsg", "reward": 1.0},
-    "length_mismatch": {"traj_id": "len", "reward": 1.0, "messages": [
-        {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "a", "token_ids": [1, 2, 3], "logprobs": [-0.1, -0.2]}]},
+    "length_mismatch": {
+        "traj_id": "len",
+        "reward": 1.0,
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", "token_ids": [1, 2, 3], "logprobs": [-0.1, -0.2]},
+        ],
+    },
     "non_finite_reward": '{"traj_id": "nan", "reward": NaN, "messages": [{"role": "user", "content": "q"}]}',
     "duplicate_traj_id": _good("g1"),
     "unknown_role": {"traj_id": "role", "reward": 0.0, "messages": [{"role": "narrator", "content": "once"}]},
-    "unmatched_tool_result": {"traj_id": "orphan", "reward": 0.0, "messages": [
-        {"role": "user", "content": "q"}, {"role": "assistant", "content": "ok"},
-        {"role": "tool", "tool_call_id": "nope", "content": "result"}]},
+    "unmatched_tool_result": {
+        "traj_id": "orphan",
+        "reward": 0.0,
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "tool", "tool_call_id": "nope", "content": "result"},
+        ],
+    },
 }
 
 
@@ -137,10 +170,22 @@ def test_quarantine_fields():
 
 
 def test_logprobs_without_token_ids_must_match_tokenizer():
-    ok = {"traj_id": "ok", "reward": 1.0, "messages": [
-        {"role": "user", "content": "q"}, {"role": "assistant", "content": "abc", "logprobs": [-1.0, -1.0, -1.0]}]}
-    bad = {"traj_id": "bad", "reward": 1.0, "messages": [
-        {"role": "user", "content": "q"}, {"role": "assistant", "content": "abc", "logprobs": [-1.0]}]}
+    ok = {
+        "traj_id": "ok",
+        "reward": 1.0,
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "abc", "logprobs": [-1.0, -1.0, -1.0]},
+        ],
+    }
+    bad = {
+        "traj_id": "bad",
+        "reward": 1.0,
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "abc", "logprobs": [-1.0]},
+        ],
+    }
     res = _ingest_lines([ok, bad])
     assert res.trajectories["traj_id"].to_pylist() == ["ok"]
     assert res.steps.to_pylist()[1]["logprobs"] == [-1.0] * 3
@@ -148,8 +193,13 @@ def test_logprobs_without_token_ids_must_match_tokenizer():
 
 
 def test_malformed_json_list_keeps_the_good_prefix():
-    good = {"task_id": 1, "trial": 0, "reward": 1.0, "info": {}, "traj": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    good = {
+        "task_id": 1,
+        "trial": 0,
+        "reward": 1.0,
+        "info": {},
+        "traj": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+    }
     text = "[" + json.dumps(good) + ', {"task_id": 2, "trial": 0, "reward": nope}]'
     res = ingest("tau-bench", [("t.json", text)], tokenizer=BYTES)
     assert res.trajectories.num_rows == 1
@@ -159,11 +209,22 @@ def test_malformed_json_list_keeps_the_good_prefix():
 
 
 def test_nan_reward_in_react_and_missing_fields_in_ldb():
-    res = ingest("react", [("r.json", '{"a": {"em": true, "traj": "Q\\nThought: t"}, "b": {"traj": "x"}}')],
-                 tokenizer=BYTES)
+    res = ingest(
+        "react",
+        [("r.json", '{"a": {"em": true, "traj": "Q\\nThought: t"}, "b": {"traj": "x"}}')],
+        tokenizer=BYTES,
+    )
     assert res.trajectories.num_rows == 1 and res.quarantined_by_reason() == {"missing_field": 1}
-    line = json.dumps({"task_id": "H/1", "prompt": "p", "implementations": ["a", "b"], "test_feedback": [[]],
-                       "given_tests": ["assert f()"], "is_solved": True})
+    line = json.dumps(
+        {
+            "task_id": "H/1",
+            "prompt": "p",
+            "implementations": ["a", "b"],
+            "test_feedback": [[]],
+            "given_tests": ["assert f()"],
+            "is_solved": True,
+        }
+    )
     res = ingest("ldb", [("l.jsonl", line)], tokenizer=BYTES)
     assert res.quarantined_by_reason() == {"length_mismatch": 1}
 
@@ -191,8 +252,14 @@ def test_parquet_roundtrip_and_bad_rows():
 
     srows = steps.to_pylist()
     srows[0]["role"] = "narrator"
-    res = ingest("parquet", [("a", {"trajectories": traj, "steps": pa.Table.from_pylist(srows, schema=steps.schema)}),
-                             ("b", {"trajectories": traj.slice(1), "steps": steps.slice(5)})], tokenizer=BYTES)
+    res = ingest(
+        "parquet",
+        [
+            ("a", {"trajectories": traj, "steps": pa.Table.from_pylist(srows, schema=steps.schema)}),
+            ("b", {"trajectories": traj.slice(1), "steps": steps.slice(5)}),
+        ],
+        tokenizer=BYTES,
+    )
     assert res.quarantined_by_reason() == {"unknown_role": 1, "duplicate_traj_id": 1}
     assert res.trajectories["traj_id"].to_pylist() == ["g2"]
 
@@ -204,8 +271,14 @@ def test_given_ids_of_another_split_get_offsets_by_decoding():
     content = "abc déf"
     per_char = [i for ch in content for i in tok.encode_batch([ch])[0][0]]  # decodes to content, other split
     assert per_char != tok.encode_batch([content])[0][0]
-    rec = {"traj_id": "t", "reward": 0.0, "messages": [
-        {"role": "user", "content": "q"}, {"role": "assistant", "content": content, "token_ids": per_char}]}
+    rec = {
+        "traj_id": "t",
+        "reward": 0.0,
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": content, "token_ids": per_char},
+        ],
+    }
     res = _ingest_lines([rec], tokenizer=tok)
     step = res.steps.to_pylist()[1]
     assert step["token_ids"] == per_char
@@ -221,12 +294,19 @@ def test_a_new_adapter_is_one_decorated_function():
     @adapter("test-lines", reader=read_jsonl, action_format="chat")
     def test_lines(record):
         d = record.data
-        return TrajectoryDraft(traj_id=d["id"], group_id="g", reward=d["r"],
-                               steps=[StepDraft("user", "q"), StepDraft("assistant", d["a"])])
+        return TrajectoryDraft(
+            traj_id=d["id"],
+            group_id="g",
+            reward=d["r"],
+            steps=[StepDraft("user", "q"), StepDraft("assistant", d["a"])],
+        )
 
     try:
-        res = ingest("test-lines", [("x.jsonl", '{"id": "1", "r": 1, "a": "yes"}\n{"id": "2", "r": 0}')],
-                     tokenizer=BYTES)
+        res = ingest(
+            "test-lines",
+            [("x.jsonl", '{"id": "1", "r": 1, "a": "yes"}\n{"id": "2", "r": 0}')],
+            tokenizer=BYTES,
+        )
         assert res.trajectories["action_format"].to_pylist() == ["chat"]
         assert res.steps["turn"].to_pylist() == [None, 1]
         assert res.quarantined_by_reason() == {"adapter_error": 1}  # an adapter bug: kept, with its reason

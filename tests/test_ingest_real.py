@@ -31,7 +31,9 @@ def _rows(table):
 def _check_common(res):
     steps = res.steps
     # token offsets are as long as the ids and start inside the content
-    assert pc.all(pc.equal(pc.list_value_length(steps["token_ids"]), pc.list_value_length(steps["token_offsets"]))).as_py()
+    assert pc.all(
+        pc.equal(pc.list_value_length(steps["token_ids"]), pc.list_value_length(steps["token_offsets"]))
+    ).as_py()
     assert set(res.trajectories["round"].to_pylist()) == {3}
     # turns: 1..K on assistant steps in order, null before the first action
     by_traj = {}
@@ -59,7 +61,9 @@ def test_tau_bench_v1(real_data):
     res, path = _run(real_data, "tau-bench", TAU)
     raw = json.loads(path.read_text())
     roles = Counter(m["role"] for r in raw for m in r["traj"])
-    tool_errors = sum(1 for r in raw for m in r["traj"] if m["role"] == "tool" and m["content"].startswith("Error:"))
+    tool_errors = sum(
+        1 for r in raw for m in r["traj"] if m["role"] == "tool" and m["content"].startswith("Error:")
+    )
     n_calls = sum(len(m.get("tool_calls") or []) for r in raw for m in r["traj"])
     assert res.quarantine.num_rows == 0
     assert res.trajectories.num_rows == len(raw) == 200
@@ -80,7 +84,9 @@ def test_tau_bench_v1(real_data):
     assert set(per_group.values()) == {4}
     # an assistant tool call is rendered into the content
     call_step = next(s for s in _rows(res.steps) if s["tool_calls"])
-    assert "<tool_call>" in call_step["content"] and call_step["tool_calls"][0]["name"] in call_step["content"]
+    assert (
+        "<tool_call>" in call_step["content"] and call_step["tool_calls"][0]["name"] in call_step["content"]
+    )
     _check_common(res)
 
 
@@ -89,10 +95,16 @@ def test_tau2_bench(real_data):
     raw = json.loads(path.read_text())["simulations"]
     roles = Counter(m["role"] for s in raw for m in s["messages"])
     tool_errors = sum(1 for s in raw for m in s["messages"] if m["role"] == "tool" and m["error"])
-    agent_calls = sum(1 for s in raw for m in s["messages"] for c in (m.get("tool_calls") or [])
-                      if c["requestor"] == "assistant")
-    user_calls = sum(1 for s in raw for m in s["messages"] for c in (m.get("tool_calls") or [])
-                     if c["requestor"] == "user")
+    agent_calls = sum(
+        1
+        for s in raw
+        for m in s["messages"]
+        for c in (m.get("tool_calls") or [])
+        if c["requestor"] == "assistant"
+    )
+    user_calls = sum(
+        1 for s in raw for m in s["messages"] for c in (m.get("tool_calls") or []) if c["requestor"] == "user"
+    )
     assert res.quarantine.num_rows == 0
     assert res.trajectories.num_rows == len(raw) == 50
     assert Counter(res.steps["role"].to_pylist()) == roles
@@ -101,26 +113,56 @@ def test_tau2_bench(real_data):
     rows = _rows(res.steps)
     assert sum(len(s["tool_calls"] or []) for s in rows if s["role"] == "assistant") == agent_calls == 344
     assert sum(len(s["tool_calls"] or []) for s in rows if s["role"] == "user") == user_calls
-    assert sorted(res.trajectories["reward"].to_pylist()).count(1.0) == sum(s["reward_info"]["reward"] for s in raw) == 9
+    assert (
+        sorted(res.trajectories["reward"].to_pylist()).count(1.0)
+        == sum(s["reward_info"]["reward"] for s in raw)
+        == 9
+    )
     traj = {r["traj_id"]: r for r in _rows(res.trajectories)}[raw[0]["id"]]
     meta = json.loads(traj["meta"])
     assert traj["group_id"] == raw[0]["task_id"] and meta["task"]["id"] == raw[0]["task_id"]
     assert sum(len(json.loads(t["meta"])["rejected_attempts"]) for t in _rows(res.trajectories)) == sum(
-        1 for s in raw for m in s["messages"] if m.get("errors"))
+        1 for s in raw for m in s["messages"] if m.get("errors")
+    )
     _check_common(res)
 
 
 def test_tau2_user_tool_calls_stay_on_user_step():
-    sim = {"id": "s1", "task_id": "7", "trial": 0, "reward_info": {"reward": 1.0}, "messages": [
-        {"role": "assistant", "content": "Hi", "turn_idx": 0},
-        {"role": "user", "content": "", "tool_calls": [
-            {"id": "u1", "name": "toggle_airplane_mode", "arguments": {}, "requestor": "user"}], "turn_idx": 1},
-        {"role": "tool", "id": "u1", "content": "ok", "requestor": "user", "error": False, "turn_idx": 2},
-        {"role": "user", "content": "done", "turn_idx": 3},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "a1", "name": "get_user", "arguments": {"x": 1}, "requestor": "assistant"}], "turn_idx": 4},
-        {"role": "tool", "id": "a1", "content": "boom", "requestor": "assistant", "error": True, "turn_idx": 5},
-    ]}
+    sim = {
+        "id": "s1",
+        "task_id": "7",
+        "trial": 0,
+        "reward_info": {"reward": 1.0},
+        "messages": [
+            {"role": "assistant", "content": "Hi", "turn_idx": 0},
+            {
+                "role": "user",
+                "content": "",
+                "tool_calls": [
+                    {"id": "u1", "name": "toggle_airplane_mode", "arguments": {}, "requestor": "user"}
+                ],
+                "turn_idx": 1,
+            },
+            {"role": "tool", "id": "u1", "content": "ok", "requestor": "user", "error": False, "turn_idx": 2},
+            {"role": "user", "content": "done", "turn_idx": 3},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "a1", "name": "get_user", "arguments": {"x": 1}, "requestor": "assistant"}
+                ],
+                "turn_idx": 4,
+            },
+            {
+                "role": "tool",
+                "id": "a1",
+                "content": "boom",
+                "requestor": "assistant",
+                "error": True,
+                "turn_idx": 5,
+            },
+        ],
+    }
     text = json.dumps({"info": {}, "tasks": [{"id": "7"}], "simulations": [sim]})
     res = ingest("tau2-bench", [("r.json", text)], tokenizer=BYTES)
     steps = _rows(res.steps)
@@ -137,20 +179,24 @@ def test_react_fireact(real_data):
     thoughts = actions = observations = parsed = errors = 0
     for rec in raw.values():
         lines = rec["traj"].split("\n")
-        body = lines[lines.index("### Response:") + 1:]
+        body = lines[lines.index("### Response:") + 1 :]
         thoughts += sum(1 for line in body if line.startswith("Thought"))
         observations += sum(1 for line in body if line.startswith("Observation"))
         acts = [line for line in body if line.startswith("Action")]
         actions += len(acts)
         parsed += sum(1 for a in acts if re.match(r"^Action:\s*(search|lookup|finish)\[.*\]$", a))
-        errors += sum(1 for line in body if line.startswith("Observation") and "generated an exception" in line)
+        errors += sum(
+            1 for line in body if line.startswith("Observation") and "generated an exception" in line
+        )
     assert res.quarantine.num_rows == 0
     assert res.trajectories.num_rows == len(raw) == 500
     roles = Counter(res.steps["role"].to_pylist())
     # every Action follows its Thought here, so turns = Thoughts (1779: one Thought has no Action line)
     assert (thoughts, actions, observations) == (1779, 1778, 1778)
     assert roles == {"user": 500, "assistant": thoughts, "tool": observations}
-    n_calls = sum(len(c) for c in res.steps.filter(pc.equal(res.steps["role"], "assistant"))["tool_calls"].to_pylist())
+    n_calls = sum(
+        len(c) for c in res.steps.filter(pc.equal(res.steps["role"], "assistant"))["tool_calls"].to_pylist()
+    )
     assert n_calls == parsed == 1751  # 1778 actions - 26 `reflect[...]` - 1 unclosed bracket
     assert res.steps.filter(pc.is_valid(res.steps["tool_call_id"])).num_rows == parsed
     assert res.steps.filter(res.steps["is_error"]).num_rows == errors == 26
@@ -167,12 +213,24 @@ def test_react_fireact(real_data):
 
 
 def test_react_parse_rules():
-    traj = ("Question\n### Response:\nThought: a\nAction: search[x y]\nObservation: found\n"
-            "Thought: b\nAction:  reflect[hmm]\nObservation: (' reflect', 'hmm') generated an exception: no\n"
-            "Thought: c\nAction: finish[z]\nObservation: Episode finished, reward = True\n")
-    res = ingest("react", [("f.json", json.dumps({"q1": {"em": True, "f1": 1.0, "traj": traj}}))], tokenizer=BYTES)
+    traj = (
+        "Question\n### Response:\nThought: a\nAction: search[x y]\nObservation: found\n"
+        "Thought: b\nAction:  reflect[hmm]\nObservation: (' reflect', 'hmm') generated an exception: no\n"
+        "Thought: c\nAction: finish[z]\nObservation: Episode finished, reward = True\n"
+    )
+    res = ingest(
+        "react", [("f.json", json.dumps({"q1": {"em": True, "f1": 1.0, "traj": traj}}))], tokenizer=BYTES
+    )
     steps = _rows(res.steps)
-    assert [s["role"] for s in steps] == ["user", "assistant", "tool", "assistant", "tool", "assistant", "tool"]
+    assert [s["role"] for s in steps] == [
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+    ]
     assert steps[1]["tool_calls"] == [{"id": "react-1", "name": "search", "arguments": '{"query": "x y"}'}]
     assert steps[2]["tool_call_id"] == "react-1" and not steps[2]["is_error"]
     assert steps[3]["tool_calls"] == [] and steps[4]["tool_call_id"] is None and steps[4]["is_error"]
@@ -191,10 +249,13 @@ def test_ldb(real_data):
     assert res.trajectories["reward"].to_pylist().count(1.0) == sum(r["is_solved"] for r in raw)
     asst = res.steps.filter(pc.equal(res.steps["role"], "assistant"))
     expected_scores = [
-        (len(r["given_tests"]) - len(fb)) / len(r["given_tests"]) for r in raw for fb in r["test_feedback"]]
+        (len(r["given_tests"]) - len(fb)) / len(r["given_tests"]) for r in raw for fb in r["test_feedback"]
+    ]
     traj_order = {f"{path.stem}:{r['task_id']}": i for i, r in enumerate(raw)}
-    got = sorted(_rows(asst.select(["traj_id", "turn", "verifier_score", "content"])),
-                 key=lambda s: (traj_order[s["traj_id"]], s["turn"]))
+    got = sorted(
+        _rows(asst.select(["traj_id", "turn", "verifier_score", "content"])),
+        key=lambda s: (traj_order[s["traj_id"]], s["turn"]),
+    )
     assert [s["verifier_score"] for s in got] == pytest.approx(expected_scores)
     assert [s["content"] for s in got] == [imp for r in raw for imp in r["implementations"]]
     # the last iteration passes every visible test exactly when the run is marked passing

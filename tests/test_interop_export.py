@@ -24,7 +24,9 @@ def _per_traj(lake, round_, method="grpo"):
     store = Lake(lake)
     steps = store.read("steps", round_).sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
     adv = store.read("advantages", round_)
-    adv = adv.filter(pc.equal(adv.column("method"), method)).sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
+    adv = adv.filter(pc.equal(adv.column("method"), method)).sort_by(
+        [("traj_id", "ascending"), ("step_idx", "ascending")]
+    )
     out = {}
     for s, a in zip(steps.to_pylist(), adv.to_pylist(), strict=True):
         assert (s["traj_id"], s["step_idx"]) == (a["traj_id"], a["step_idx"])
@@ -44,8 +46,25 @@ pytestmark = pytest.mark.slow  # each `creditflow process` starts a temporary Pr
 def processed(tmp_path_factory):
     """A synth round (seed 1: rewards differ within a group) processed with grpo."""
     lake = tmp_path_factory.mktemp("interop") / "lake"
-    _ok(["synth", "--groups", 3, "--samples", 4, "--turns", 3, "--tokens", 12, "--seed", 1, "--out", lake,
-         "--round", 0])
+    _ok(
+        [
+            "synth",
+            "--groups",
+            3,
+            "--samples",
+            4,
+            "--turns",
+            3,
+            "--tokens",
+            12,
+            "--seed",
+            1,
+            "--out",
+            lake,
+            "--round",
+            0,
+        ]
+    )
     _ok(["process", "--lake", lake, "--round", 0, "--methods", "grpo"])
     return lake
 

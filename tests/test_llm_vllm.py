@@ -16,24 +16,49 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture
 def client(vllm_server, tmp_path):
-    return LLMClient(LLMSettings(endpoints=[vllm_server.url], model=None, cache_dir=str(tmp_path / "cache"),
-                                 timeout_s=300, concurrency=4))
+    return LLMClient(
+        LLMSettings(
+            endpoints=[vllm_server.url],
+            model=None,
+            cache_dir=str(tmp_path / "cache"),
+            timeout_s=300,
+            concurrency=4,
+        )
+    )
 
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 
 
 def test_chat_logprobs_and_alternatives(client, vllm_server):
-    res = asyncio.run(client.chat([SYSTEM, {"role": "user", "content": "Name a colour."}], n=3, temperature=1.0,
-                                  max_tokens=12, logprobs=True, top_logprobs=2, seed=7))
+    res = asyncio.run(
+        client.chat(
+            [SYSTEM, {"role": "user", "content": "Name a colour."}],
+            n=3,
+            temperature=1.0,
+            max_tokens=12,
+            logprobs=True,
+            top_logprobs=2,
+            seed=7,
+        )
+    )
     assert res.model == vllm_server.model and len(res.choices) == 3
     for ch in res.choices:
         assert ch.text and ch.token_ids and len(ch.token_ids) == len(ch.token_logprobs) == len(ch.tokens)
         assert all(lp <= 0.0 for lp in ch.token_logprobs)
         assert len(ch.top_logprobs[0]) >= 1
     assert len({ch.text for ch in res.choices}) >= 2  # sampled alternatives differ
-    again = asyncio.run(client.chat([SYSTEM, {"role": "user", "content": "Name a colour."}], n=3,
-                                    temperature=1.0, max_tokens=12, logprobs=True, top_logprobs=2, seed=7))
+    again = asyncio.run(
+        client.chat(
+            [SYSTEM, {"role": "user", "content": "Name a colour."}],
+            n=3,
+            temperature=1.0,
+            max_tokens=12,
+            logprobs=True,
+            top_logprobs=2,
+            seed=7,
+        )
+    )
     assert again.cached and [c.text for c in again.choices] == [c.text for c in res.choices]
 
 
@@ -53,14 +78,36 @@ def test_rescore_matches_generation_logprobs(client):
     rows = []
     for k, m in enumerate([SYSTEM, user]):
         ids, offs = tok.encode_batch([m["content"]])
-        rows.append({"round": 0, "traj_id": "a", "step_idx": k, "role": m["role"], "turn": 1,
-                     "content": m["content"], "is_error": False, "token_ids": ids[0], "token_offsets": offs[0]})
+        rows.append(
+            {
+                "round": 0,
+                "traj_id": "a",
+                "step_idx": k,
+                "role": m["role"],
+                "turn": 1,
+                "content": m["content"],
+                "is_error": False,
+                "token_ids": ids[0],
+                "token_offsets": offs[0],
+            }
+        )
     offs, pos = [], 0
     for t in ch.tokens:
         offs.append(pos)
         pos += len(t)
-    rows.append({"round": 0, "traj_id": "a", "step_idx": 2, "role": "assistant", "turn": 1, "content": ch.text,
-                 "is_error": False, "token_ids": ch.token_ids, "token_offsets": offs})
+    rows.append(
+        {
+            "round": 0,
+            "traj_id": "a",
+            "step_idx": 2,
+            "role": "assistant",
+            "turn": 1,
+            "content": ch.text,
+            "is_error": False,
+            "token_ids": ch.token_ids,
+            "token_offsets": offs,
+        }
+    )
     steps = SPEC.validate(pa.Table.from_pylist(rows))
     out, stats = rescore_steps(steps, client)
     assert stats["rescored"] == 1, stats
@@ -76,11 +123,19 @@ class Answer(BaseModel):
 
 
 def test_structured_json_output(client):
-    res = asyncio.run(client.chat([SYSTEM, {"role": "user", "content": "How many legs has a cat? JSON."}],
-                                  max_tokens=40, response_format=Answer, temperature=0.0))
+    res = asyncio.run(
+        client.chat(
+            [SYSTEM, {"role": "user", "content": "How many legs has a cat? JSON."}],
+            max_tokens=40,
+            response_format=Answer,
+            temperature=0.0,
+        )
+    )
     assert res.structured == "json_schema"
     ch = res.choices[0]
-    assert ch.parse_error is None and isinstance(ch.parsed["answer"], int) and isinstance(ch.parsed["unit"], str)
+    assert (
+        ch.parse_error is None and isinstance(ch.parsed["answer"], int) and isinstance(ch.parsed["unit"], str)
+    )
 
 
 def test_prompt_logprobs_two_ways_agree(client):

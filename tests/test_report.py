@@ -14,7 +14,9 @@ from pipeline.config import Config
 from pipeline.credit.process import process_batch
 from warehouse.rounds import write_round
 
-ARTIFACTS = Path(os.environ.get("CREDITFLOW_ARTIFACTS", Path(__file__).resolve().parents[1] / "out" / "test-artifacts"))
+ARTIFACTS = Path(
+    os.environ.get("CREDITFLOW_ARTIFACTS", Path(__file__).resolve().parents[1] / "out" / "test-artifacts")
+)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -24,16 +26,28 @@ def _round(lake, round_=0):
     for g in range(3):
         for s in range(4):
             tid = f"r{round_}g{g}s{s}"
-            trajs.append(dict(traj_id=tid, group_id=f"g{g}", sample_idx=s, reward=float(s % 2), source="test"))
+            trajs.append(
+                dict(traj_id=tid, group_id=f"g{g}", sample_idx=s, reward=float(s % 2), source="test")
+            )
             idx = 0
             for k in range(1, 4):
                 for role in ("user", "assistant"):
                     words = [f"w{j}" for j in range(int(rng.integers(2, 6)))]
                     text = " ".join(words)
                     offs = [m.start() for m in re.finditer(r"\S+", text)]
-                    steps.append(dict(traj_id=tid, step_idx=idx, role=role, turn=k, content=text, is_error=False,
-                                      token_ids=list(range(len(offs))), token_offsets=offs,
-                                      logprobs=[-0.2] * len(offs) if role == "assistant" else None))
+                    steps.append(
+                        dict(
+                            traj_id=tid,
+                            step_idx=idx,
+                            role=role,
+                            turn=k,
+                            content=text,
+                            is_error=False,
+                            token_ids=list(range(len(offs))),
+                            token_offsets=offs,
+                            logprobs=[-0.2] * len(offs) if role == "assistant" else None,
+                        )
+                    )
                     idx += 1
     traj, st = pa.Table.from_pylist(trajs), pa.Table.from_pylist(steps)
     write_round(lake, round_, traj, st)
@@ -44,14 +58,35 @@ def _round(lake, round_=0):
     import pyarrow.compute as pc
 
     flipped = tables["grpo"].set_column(1, "method", pa.array(["flipped"] * tables["grpo"].num_rows))
-    neg = pa.ListArray.from_arrays(flipped.column("token_adv").combine_chunks().offsets,
-                                   pc.negate(pc.list_flatten(flipped.column("token_adv").combine_chunks())))
+    neg = pa.ListArray.from_arrays(
+        flipped.column("token_adv").combine_chunks().offsets,
+        pc.negate(pc.list_flatten(flipped.column("token_adv").combine_chunks())),
+    )
     flipped = flipped.set_column(flipped.column_names.index("token_adv"), "token_adv", neg)
     lake.write_part("advantages", round_, flipped, part="b00000.flipped")
     # a span so the viewer draws one
-    lake.write_part("spans", round_, pa.Table.from_pylist([dict(traj_id=f"r{round_}g0s1", step_idx=1, turn=1, token_start=0,
-                    token_end=1, char_start=0, char_end=2, behavior="query_loop", severity=1.0, rule="test", evidence="x")]),
-                    part="b00000")
+    lake.write_part(
+        "spans",
+        round_,
+        pa.Table.from_pylist(
+            [
+                dict(
+                    traj_id=f"r{round_}g0s1",
+                    step_idx=1,
+                    turn=1,
+                    token_start=0,
+                    token_end=1,
+                    char_start=0,
+                    char_end=2,
+                    behavior="query_loop",
+                    severity=1.0,
+                    rule="test",
+                    evidence="x",
+                )
+            ]
+        ),
+        part="b00000",
+    )
 
 
 def test_report_is_self_contained(lake, tmp_path):
@@ -75,8 +110,15 @@ def test_report_in_headless_chromium(lake, tmp_path):
     with sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"],
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
         )
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
@@ -108,14 +150,21 @@ def test_report_views(lake):
     from warehouse.catalog import query
 
     _round(lake, 0)
-    rows = query(lake, "SELECT * FROM sign_disagreement WHERE method_a = 'flipped' AND method_b = 'grpo'").to_pylist()
+    rows = query(
+        lake, "SELECT * FROM sign_disagreement WHERE method_a = 'flipped' AND method_b = 'grpo'"
+    ).to_pylist()
     assert len(rows) == 1
     # flipped is -grpo: every nonzero token differs in sign, zeros (tied groups) do not
-    nonzero = query(lake, "SELECT sum(len(list_filter(token_adv, lambda x: x <> 0))) AS n FROM advantages "
-                          "WHERE method = 'grpo' AND role = 'assistant'").to_pylist()[0]["n"]
+    nonzero = query(
+        lake,
+        "SELECT sum(len(list_filter(token_adv, lambda x: x <> 0))) AS n FROM advantages "
+        "WHERE method = 'grpo' AND role = 'assistant'",
+    ).to_pylist()[0]["n"]
     assert rows[0]["tokens_sign_differs"] == nonzero > 0
-    grpo_vs_dr = query(lake, "SELECT share_sign_differs FROM sign_disagreement WHERE method_a = 'dr_grpo' "
-                             "AND method_b = 'grpo'").to_pylist()
+    grpo_vs_dr = query(
+        lake,
+        "SELECT share_sign_differs FROM sign_disagreement WHERE method_a = 'dr_grpo' AND method_b = 'grpo'",
+    ).to_pylist()
     assert grpo_vs_dr == [{"share_sign_differs": 0.0}]
     trends = query(lake, "SELECT * FROM reward_trends").to_pylist()
     assert trends[0]["trajectories"] == 12 and trends[0]["success_rate"] == 0.5

@@ -12,9 +12,12 @@ CODE = "from pipeline.runtime import tune_allocator; print(tune_allocator(), tun
 
 
 def _run(**env: str) -> str:
-    base = {k: v for k, v in os.environ.items() if k not in ("CREDITFLOW_MALLOC_TUNE", "MALLOC_MMAP_THRESHOLD_")}
-    out = subprocess.run([sys.executable, "-c", CODE], env={**base, **env}, capture_output=True, text=True,
-                         check=True)
+    base = {
+        k: v for k, v in os.environ.items() if k not in ("CREDITFLOW_MALLOC_TUNE", "MALLOC_MMAP_THRESHOLD_")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", CODE], env={**base, **env}, capture_output=True, text=True, check=True
+    )
     return out.stdout.strip()
 
 

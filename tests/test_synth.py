@@ -45,14 +45,35 @@ def by_traj(steps: pa.Table) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def search_round():
-    return generate(SynthSettings(groups=48, samples=8, turns=8, tokens=120, kind="search", seed=3,
-                                  invalid_rate=0.1, repeat_rate=0.2))
+    return generate(
+        SynthSettings(
+            groups=48,
+            samples=8,
+            turns=8,
+            tokens=120,
+            kind="search",
+            seed=3,
+            invalid_rate=0.1,
+            repeat_rate=0.2,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def tool_round():
-    return generate(SynthSettings(groups=48, samples=8, turns=8, tokens=120, kind="tool", seed=4,
-                                  invalid_rate=0.1, repeat_rate=0.2, error_rate=0.0))
+    return generate(
+        SynthSettings(
+            groups=48,
+            samples=8,
+            turns=8,
+            tokens=120,
+            kind="tool",
+            seed=4,
+            invalid_rate=0.1,
+            repeat_rate=0.2,
+            error_rate=0.0,
+        )
+    )
 
 
 def test_deterministic_and_seed_sensitive():
@@ -104,8 +125,9 @@ def test_token_columns(search_round, tool_round):
         lp = pc.list_flatten(steps.column("logprobs")).to_numpy()
         assert (lp <= 0).all() and np.isfinite(lp).all()
         assert np.median(lp) > -0.1 and lp.min() < -3  # mostly near 0, heavy tail
-        assert set(steps.filter(pc.equal(steps.column("role"), "assistant")).column("logprob_source")
-                   .to_pylist()) == {"synthetic"}
+        assert set(
+            steps.filter(pc.equal(steps.column("role"), "assistant")).column("logprob_source").to_pylist()
+        ) == {"synthetic"}
         # ids and offsets agree with the byte tokenizer on a sample (incl. non-ASCII contents)
         sample = steps.slice(0, 300).to_pylist()
         assert any(any(ord(ch) > 127 for ch in r["content"]) for r in sample)
@@ -119,8 +141,9 @@ def test_scores_and_rewards(search_round, tool_round):
     for traj, steps in (search_round, tool_round):
         score = steps.filter(pc.equal(steps.column("role"), "assistant")).column("verifier_score").to_numpy()
         assert np.isfinite(score).all() and (score >= 0).all() and (score <= 1).all()
-        assert pc.all(pc.is_null(steps.filter(pc.not_equal(steps.column("role"), "assistant"))
-                                 .column("verifier_score"))).as_py()
+        assert pc.all(
+            pc.is_null(steps.filter(pc.not_equal(steps.column("role"), "assistant")).column("verifier_score"))
+        ).as_py()
         mat = score.reshape(traj.num_rows, -1)
         drops = (np.diff(mat, axis=1) < 0).mean()
         assert 0.0 < drops < 0.25  # mostly non-decreasing, some regressions
@@ -146,7 +169,9 @@ def test_scores_and_rewards(search_round, tool_round):
     # tool: reward = the task was completed (best score 1.0)
     traj, steps = tool_round
     mat = steps.filter(pc.equal(steps.column("role"), "assistant")).column("verifier_score").to_numpy()
-    assert np.array_equal(traj.column("reward").to_numpy(), (mat.reshape(traj.num_rows, -1).max(1) >= 1.0) * 1.0)
+    assert np.array_equal(
+        traj.column("reward").to_numpy(), (mat.reshape(traj.num_rows, -1).max(1) >= 1.0) * 1.0
+    )
 
 
 def test_search_rates_from_text(search_round):
@@ -182,7 +207,9 @@ def test_search_rates_from_text(search_round):
 
 def test_tool_rates_and_rendering(tool_round):
     traj, steps = tool_round
-    specs = {t["function"]["name"]: t["function"] for t in json.loads(traj.column("meta")[0].as_py())["tools"]}
+    specs = {
+        t["function"]["name"]: t["function"] for t in json.loads(traj.column("meta")[0].as_py())["tools"]
+    }
     for spec in specs.values():
         assert spec["parameters"]["type"] == "object" and spec["parameters"]["required"]
     n_turns = n_invalid = n_eligible = n_repeat = 0
@@ -206,7 +233,9 @@ def test_tool_rates_and_rendering(tool_round):
                 except ValueError:
                     bad = True
                     continue
-                if call["name"] not in specs or not set(specs[call["name"]]["parameters"]["required"]) <= set(args):
+                if call["name"] not in specs or not set(specs[call["name"]]["parameters"]["required"]) <= set(
+                    args
+                ):
                     bad = True
                     continue
             if bad:
@@ -245,20 +274,53 @@ def test_cli_into_lake_and_query(tmp_path):
 
     runner = CliRunner()
     out = tmp_path / "lake"
-    args = ["synth", "--groups", "5", "--samples", "3", "--turns", "4", "--tokens", "60", "--out", str(out),
-            "--round", "1", "--seed", "0", "--kind", "mixed", "--invalid-rate", "0.1", "--repeat-rate", "0.15",
-            "--batch-groups", "2"]
+    args = [
+        "synth",
+        "--groups",
+        "5",
+        "--samples",
+        "3",
+        "--turns",
+        "4",
+        "--tokens",
+        "60",
+        "--out",
+        str(out),
+        "--round",
+        "1",
+        "--seed",
+        "0",
+        "--kind",
+        "mixed",
+        "--invalid-rate",
+        "0.1",
+        "--repeat-rate",
+        "0.15",
+        "--batch-groups",
+        "2",
+    ]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     assert len(list((out / "steps" / "round=1").glob("part-*.parquet"))) == 3
-    res = runner.invoke(app, ["query", "--lake", str(out), "--format", "json", "select count(*) as n from steps"])
+    res = runner.invoke(
+        app, ["query", "--lake", str(out), "--format", "json", "select count(*) as n from steps"]
+    )
     assert res.exit_code == 0, res.output
     assert json.loads(res.output.strip())[0]["n"] == 15 * 9
     # rewriting the round replaces it (no duplicate rows)
     res = runner.invoke(app, args[:-1] + ["64"])
     assert res.exit_code == 0, res.output
-    res = runner.invoke(app, ["query", "--lake", str(out), "--format", "json",
-                              "select count(*) as n, count(distinct traj_id) as t from steps"])
+    res = runner.invoke(
+        app,
+        [
+            "query",
+            "--lake",
+            str(out),
+            "--format",
+            "json",
+            "select count(*) as n, count(distinct traj_id) as t from steps",
+        ],
+    )
     assert json.loads(res.output.strip())[0] == {"n": 15 * 9, "t": 15}
 
 

@@ -25,9 +25,11 @@ LOGPROBS = [[[-2.0, -0.1], [-1.0, -3.0], [-0.1, -0.1]]]  # xi: A1 2, B1 1, B2 3
 
 def config(url_or_urls, methods=("tcpo",), **tcpo) -> Config:
     urls = url_or_urls if isinstance(url_or_urls, list) else [url_or_urls]
-    return Config(methods=list(methods), llm={"endpoints": urls, "cache": False, "max_retries": 0, "timeout_s": 10,
-                                              "backoff_s": 0},
-                  stages={"tcpo": {"L": 2, "M": 4, **tcpo}})
+    return Config(
+        methods=list(methods),
+        llm={"endpoints": urls, "cache": False, "max_retries": 0, "timeout_s": 10, "backoff_s": 0},
+        stages={"tcpo": {"L": 2, "M": 4, **tcpo}},
+    )
 
 
 def alt_behaviour(body, kind, index):
@@ -57,8 +59,10 @@ def test_samples_selected_turns_under_the_exact_history(llm_standin):
         assert b["n"] == 4 and b["temperature"] == 0.7 and b["top_p"] == 0.95 and b["logprobs"] is True
     assert bodies[1]["messages"] == [{"role": "user", "content": "prompt 0"}]  # A1: history = the prompt
     assert bodies[3]["messages"] == [  # B2: prompt, B's turn 1, its feedback
-        {"role": "user", "content": "prompt 0"}, {"role": "assistant", "content": "answer 0.1.1"},
-        {"role": "user", "content": "feedback 1"}]
+        {"role": "user", "content": "prompt 0"},
+        {"role": "assistant", "content": "answer 0.1.1"},
+        {"role": "user", "content": "feedback 1"},
+    ]
 
 
 def test_end_to_end_credit_uses_the_alternatives(llm_standin):
@@ -67,11 +71,18 @@ def test_end_to_end_credit_uses_the_alternatives(llm_standin):
     cfg = config(llm_standin.url)
     (stage,) = stages_for({"counterfactuals"})
     out = stage.fn(traj, steps, cfg, {})
-    tables, notes = process_batch(traj, steps, ["tcpo"], cfg, {"counterfactuals": out.tables["counterfactuals"]})
+    tables, notes = process_batch(
+        traj, steps, ["tcpo"], cfg, {"counterfactuals": out.tables["counterfactuals"]}
+    )
     adv = pl.from_arrow(tables["tcpo"]).filter(pl.col("role") == "assistant").unnest("components")
     a1 = adv.filter((pl.col("traj_id") == "g000-t00") & (pl.col("turn") == 1)).row(0, named=True)
     # q0 = 0, q = 1, 0, 1, 0 -> c_cf = -0.5, eta = 1
-    assert a1["g_sel"] == 1 and a1["eta"] == 1 and a1["c_cf"] == pytest.approx(-0.5) and a1["c_del"] == pytest.approx(-0.5)
+    assert (
+        a1["g_sel"] == 1
+        and a1["eta"] == 1
+        and a1["c_cf"] == pytest.approx(-0.5)
+        and a1["c_del"] == pytest.approx(-0.5)
+    )
     assert notes["tcpo"]["cf_used"] == 2 and notes["tcpo"]["cf_missing_fallback"] == 0
 
 
@@ -100,7 +111,9 @@ def test_every_endpoint_down_never_fails_the_round():
     out = counterfactual(traj, steps, cfg, {})
     cf = pl.from_arrow(out.tables["counterfactuals"])
     assert cf.height == 8 and (cf["status"] == "sample_failed").all()
-    tables, notes = process_batch(traj, steps, ["tcpo"], cfg, {"counterfactuals": out.tables["counterfactuals"]})
+    tables, notes = process_batch(
+        traj, steps, ["tcpo"], cfg, {"counterfactuals": out.tables["counterfactuals"]}
+    )
     assert notes["tcpo"]["cf_missing_fallback"] == 2
 
 
@@ -157,8 +170,9 @@ def test_kv_bank_snapshot_restore():
     env.restore(snap)
     assert env.step("nonsense").observation.startswith("invalid action")
     # every alternative starts from the same pre-turn state
-    scores = score_from_snapshot(env, BANK, ["transfer alice bob 2"], ["transfer alice bob 3", "deposit bob 3",
-                                                                        "transfer alice bob 3"])
+    scores = score_from_snapshot(
+        env, BANK, ["transfer alice bob 2"], ["transfer alice bob 3", "deposit bob 3", "transfer alice bob 3"]
+    )
     assert scores == [1.0, 0.5, 1.0]
     assert env.balances == {"alice": 8, "bob": 2}
 
@@ -168,8 +182,9 @@ def test_stage_scores_alternatives_in_the_environment(llm_standin):
     llm_standin.behaviour = lambda body, kind, index: actions[index]
     # one trajectory pair; turn 1 "transfer alice bob 2" scored 0, turn 2 scored 0 (eligible, selected)
     contents = [[["transfer alice bob 2", "deposit alice 1"], ["deposit bob 1", "deposit bob 1"]]]
-    traj, steps = make_batch([[[0.0, 0.0], [0.0, 0.0]]], meta=BANK, contents=contents,
-                             logprobs=[[[-0.1, -5.0], [-0.1, -0.2]]])
+    traj, steps = make_batch(
+        [[[0.0, 0.0], [0.0, 0.0]]], meta=BANK, contents=contents, logprobs=[[[-0.1, -5.0], [-0.1, -0.2]]]
+    )
     out = counterfactual(traj, steps, config(llm_standin.url, L=1), {})
     cf = pl.from_arrow(out.tables["counterfactuals"]).sort("alt_idx")
     assert cf["traj_id"].unique().to_list() == ["g000-t00"] and cf["turn"][0] == 2

@@ -20,8 +20,16 @@ from pipeline.credit.methods.tcpo import select_cf_turns
 from pipeline.credit.process import advantages_table
 from schemas.counterfactuals import SCHEMA as CF_SCHEMA
 
-ALL = ["tcpo", "tcpo_random_cf", "tcpo_all_cf", "tcpo_retro", "tcpo_retro_hin", "delta_reward",
-       "turn_reward", "traj_reward"]
+ALL = [
+    "tcpo",
+    "tcpo_random_cf",
+    "tcpo_all_cf",
+    "tcpo_retro",
+    "tcpo_retro_hin",
+    "delta_reward",
+    "turn_reward",
+    "traj_reward",
+]
 
 
 def cfg(**tcpo) -> Config:
@@ -32,9 +40,21 @@ def cf_table(cf: dict[tuple[str, int], list[float | None]], status: str = "ok") 
     rows = []
     for (tid, k), qs in cf.items():
         for m, q in enumerate(qs, start=1):
-            rows.append({"round": 0, "traj_id": tid, "turn": k, "alt_idx": m, "text": "alt", "score": q,
-                         "surprisal": None, "sampler": "test", "verifier": "test",
-                         "status": status if q is not None else "sample_failed", "error": None})
+            rows.append(
+                {
+                    "round": 0,
+                    "traj_id": tid,
+                    "turn": k,
+                    "alt_idx": m,
+                    "text": "alt",
+                    "score": q,
+                    "surprisal": None,
+                    "sampler": "test",
+                    "verifier": "test",
+                    "status": status if q is not None else "sample_failed",
+                    "error": None,
+                }
+            )
     return pa.Table.from_pylist(rows, schema=CF_SCHEMA)
 
 
@@ -45,7 +65,11 @@ def run(groups, methods=("tcpo",), config=None, cf=None, logprobs=None):
     results = run_methods(ctx, list(methods))
     out = {}
     for m, res in results.items():
-        df = pl.from_arrow(advantages_table(ctx, m, res)).filter(pl.col("role") == "assistant").unnest("components")
+        df = (
+            pl.from_arrow(advantages_table(ctx, m, res))
+            .filter(pl.col("role") == "assistant")
+            .unnest("components")
+        )
         out[m] = {(r["traj_id"], r["turn"]): r for r in df.iter_rows(named=True)}
     return ctx, results, out
 
@@ -107,11 +131,21 @@ def test_hand_hindsight_and_counterfactual():
         want = [0.9 ** (k - 1) * (p - mean) / (sd + 1e-6) for p in phi]
         assert [o[(t, k)]["a_hat"] for t in (A, B, C, D)] == pytest.approx(want, abs=1e-9)
     n = res["tcpo"].notes
-    assert n["cf_selected"] == 2 and n["cf_used"] == 1 and n["cf_degenerate"] == 1 and n["cf_missing_fallback"] == 0
+    assert (
+        n["cf_selected"] == 2
+        and n["cf_used"] == 1
+        and n["cf_degenerate"] == 1
+        and n["cf_missing_fallback"] == 0
+    )
 
 
 def test_missing_or_failed_cf_falls_back_to_hindsight():
-    for cf in (None, cf_table({}), cf_table({(A, 1): [None] * 4}), cf_table({(A, 1): [1.0, 0.0]}, "verify_failed")):
+    for cf in (
+        None,
+        cf_table({}),
+        cf_table({(A, 1): [None] * 4}),
+        cf_table({(A, 1): [1.0, 0.0]}, "verify_failed"),
+    ):
         _, res, out = run(GROUP, config=cfg(L=2), cf=cf, logprobs=LOGPROBS)
         o = out["tcpo"]
         assert o[(A, 1)]["eta"] == 0.0 and o[(A, 1)]["c_del"] == pytest.approx(0.75)
@@ -159,7 +193,9 @@ def test_random_selection_is_seeded_and_within_budget():
     sel = lambda o: sorted(k for k, r in o["tcpo_random_cf"].items() if r["g_sel"] == 1)  # noqa: E731
     assert sel(a) == sel(b) and sel(a) != sel(c)
     for g in range(3):
-        n_b = sum(1 for k, r in a["tcpo_random_cf"].items() if k[0].startswith(f"g{g:03d}") and r["b_gate"] == 1)
+        n_b = sum(
+            1 for k, r in a["tcpo_random_cf"].items() if k[0].startswith(f"g{g:03d}") and r["b_gate"] == 1
+        )
         n_sel = sum(1 for k in sel(a) if k[0].startswith(f"g{g:03d}"))
         assert n_sel == min(3, n_b)
 
@@ -182,12 +218,17 @@ def reference(groups, logprobs, cf, s):
                 reg = max(m - rk, 0.0) if succ else 0.0
                 c_ret = s["alpha_plus"] * delta + s["alpha_keep"] * keep - s["alpha_minus"] * reg
                 b = (m < s["tau"]) and delta == 0
-                rec[(i, k)] = dict(r=rk, m=m, delta=delta, c_ret=c_ret, b=b, u=max(r[k - 1:]),
-                                   xi=-logprobs[g][i][k - 1])
+                rec[(i, k)] = dict(
+                    r=rk, m=m, delta=delta, c_ret=c_ret, b=b, u=max(r[k - 1 :]), xi=-logprobs[g][i][k - 1]
+                )
         for (i, k), x in rec.items():
-            peers = [rec[(j, k)]["u"] for j in range(len(trajs)) if j != i and (j, k) in rec and rec[(j, k)]["b"]]
+            peers = [
+                rec[(j, k)]["u"] for j in range(len(trajs)) if j != i and (j, k) in rec and rec[(j, k)]["b"]
+            ]
             x["c_hin"] = (x["u"] - sum(peers) / len(peers)) if (x["b"] and peers) else 0.0
-        eligible = sorted((key for key, x in rec.items() if x["b"]), key=lambda key: (-rec[key]["xi"], tid[key[0]], key[1]))
+        eligible = sorted(
+            (key for key, x in rec.items() if x["b"]), key=lambda key: (-rec[key]["xi"], tid[key[0]], key[1])
+        )
         chosen = set(eligible[: s["L"]])
         for (i, k), x in rec.items():
             x["g"] = (i, k) in chosen
@@ -213,14 +254,21 @@ def reference(groups, logprobs, cf, s):
 
 
 score_st = st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0]) | st.floats(0, 1, allow_nan=False)
-groups_st = st.lists(st.lists(st.lists(score_st, min_size=1, max_size=5), min_size=1, max_size=5),
-                     min_size=1, max_size=3)
-settings_st = st.fixed_dictionaries({
-    "tau": st.sampled_from([1.0, 0.75, 0.5]), "alpha_plus": st.sampled_from([1.0, 2.0]),
-    "alpha_keep": st.sampled_from([0.5, 1.0, 0.25]), "alpha_minus": st.sampled_from([1.0, 0.5]),
-    "mu": st.sampled_from([1.0, 0.5]), "gamma": st.sampled_from([0.9, 1.0]), "L": st.integers(0, 4),
-    "norm_eps": st.just(1e-6),
-})
+groups_st = st.lists(
+    st.lists(st.lists(score_st, min_size=1, max_size=5), min_size=1, max_size=5), min_size=1, max_size=3
+)
+settings_st = st.fixed_dictionaries(
+    {
+        "tau": st.sampled_from([1.0, 0.75, 0.5]),
+        "alpha_plus": st.sampled_from([1.0, 2.0]),
+        "alpha_keep": st.sampled_from([0.5, 1.0, 0.25]),
+        "alpha_minus": st.sampled_from([1.0, 0.5]),
+        "mu": st.sampled_from([1.0, 0.5]),
+        "gamma": st.sampled_from([0.9, 1.0]),
+        "L": st.integers(0, 4),
+        "norm_eps": st.just(1e-6),
+    }
+)
 
 
 @st.composite
@@ -232,7 +280,9 @@ def cases(draw):
         for i, r in enumerate(trajs):
             for k in range(1, len(r) + 1):
                 if draw(st.booleans()):
-                    cf[(f"g{g:03d}-t{i:02d}", k)] = draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, None]), min_size=1, max_size=4))
+                    cf[(f"g{g:03d}-t{i:02d}", k)] = draw(
+                        st.lists(st.sampled_from([0.0, 0.5, 1.0, None]), min_size=1, max_size=4)
+                    )
     return groups, lp, cf, draw(settings_st)
 
 
@@ -316,8 +366,15 @@ def test_equal_q_gives_hindsight_and_constant_phi(groups, q):
 
 
 def test_select_cf_turns_ties_by_traj_then_turn():
-    frame = pl.DataFrame({"group_id": ["g"] * 4, "traj_id": ["b", "a", "a", "c"], "turn": [1, 2, 1, 1],
-                          "b_gate": [1.0, 1.0, 1.0, 0.0], "xi": [1.0, 1.0, 1.0, 9.0]})
+    frame = pl.DataFrame(
+        {
+            "group_id": ["g"] * 4,
+            "traj_id": ["b", "a", "a", "c"],
+            "turn": [1, 2, 1, 1],
+            "b_gate": [1.0, 1.0, 1.0, 0.0],
+            "xi": [1.0, 1.0, 1.0, 9.0],
+        }
+    )
     g = select_cf_turns(frame, 2, "top")
     assert g.tolist() == [False, True, True, False]  # (a,1), (a,2) before (b,1); c is not eligible
     assert select_cf_turns(frame, 2, "all").tolist() == [True, True, True, False]

@@ -19,7 +19,12 @@ def ldb(real_data):
 
 
 def meta_of(row) -> dict:
-    return {"verifier": "code_tests", "test": row["test"], "entry_point": row["entry_point"], "prompt": row["prompt"]}
+    return {
+        "verifier": "code_tests",
+        "test": row["test"],
+        "entry_point": row["entry_point"],
+        "prompt": row["prompt"],
+    }
 
 
 def test_ldb_passing_and_failing_programs(ldb):
@@ -49,8 +54,11 @@ def test_fraction_of_tests_passed(ldb):
 def test_infinite_loop_times_out_and_scores_zero(ldb):
     r = next(x for x in ldb if x["task_id"] == "HumanEval/45")
     t0 = time.perf_counter()
-    v = code_tests("def triangle_area(a, h):\n    while True:\n        pass\n", meta_of(r),
-                   limits=SandboxLimits(wall_s=1.5, cpu_s=5))
+    v = code_tests(
+        "def triangle_area(a, h):\n    while True:\n        pass\n",
+        meta_of(r),
+        limits=SandboxLimits(wall_s=1.5, cpu_s=5),
+    )
     assert v.score == 0.0 and "timeout" in v.error
     assert time.perf_counter() - t0 < 5
 
@@ -60,8 +68,10 @@ def test_socket_is_blocked(ldb):
     at_import = "import socket\nsocket.socket()\ndef triangle_area(a, h):\n    return a * h / 2\n"
     v = verify(at_import, "code", meta_of(r))
     assert v.score == 0.0 and "socket" in v.error and "blocked" in v.error
-    in_call = ("import socket\ndef triangle_area(a, h):\n"
-               "    socket.create_connection(('127.0.0.1', 9))\n    return a * h / 2\n")
+    in_call = (
+        "import socket\ndef triangle_area(a, h):\n"
+        "    socket.create_connection(('127.0.0.1', 9))\n    return a * h / 2\n"
+    )
     v = verify(in_call, "code", meta_of(r))
     assert v.score == 0.0 and "blocked" in v.error
 
@@ -80,18 +90,37 @@ def test_memory_subprocess_and_writes_are_limited(ldb, tmp_path):
 
 
 def test_qa_and_math():
-    assert verify("<think>x</think><answer> The Eiffel Tower. </answer>", "search_r1",
-                  {"golden_answers": ["eiffel tower"]}).score == 1.0
-    assert verify("<answer>a</answer> then <answer>Paris</answer>", "search_r1", {"golden_answers": "paris"}).score == 1.0
+    assert (
+        verify(
+            "<think>x</think><answer> The Eiffel Tower. </answer>",
+            "search_r1",
+            {"golden_answers": ["eiffel tower"]},
+        ).score
+        == 1.0
+    )
+    assert (
+        verify(
+            "<answer>a</answer> then <answer>Paris</answer>", "search_r1", {"golden_answers": "paris"}
+        ).score
+        == 1.0
+    )
     assert verify("<answer>London</answer>", "search_r1", {"golden_answers": ["Paris"]}).score == 0.0
     f1 = verify("<answer>Eiffel</answer>", "chat", {"verifier": "f1", "golden_answers": ["eiffel tower"]})
     assert f1.score == pytest.approx(2 / 3)
-    assert verify("So the answer is $\\boxed{\\frac{1}{2}}$.", "chat", {"verifier": "math", "answer": "0.5"}).score == 1.0
+    assert (
+        verify(
+            "So the answer is $\\boxed{\\frac{1}{2}}$.", "chat", {"verifier": "math", "answer": "0.5"}
+        ).score
+        == 1.0
+    )
     assert verify("The answer is \\boxed{3}", "chat", {"verifier": "math", "answer": "2"}).score == 0.0
     # off the main thread (the stage verifies in a pool) math-verify still answers
     out = {}
-    th = threading.Thread(target=lambda: out.setdefault("v", verify("\\boxed{x^2+2x+1}", "chat",
-                                                                      {"verifier": "math", "answer": "(x+1)^2"})))
+    th = threading.Thread(
+        target=lambda: out.setdefault(
+            "v", verify("\\boxed{x^2+2x+1}", "chat", {"verifier": "math", "answer": "(x+1)^2"})
+        )
+    )
     th.start()
     th.join(30)
     assert out["v"].score == 1.0

@@ -17,7 +17,9 @@ from trainer.envs.search_qa import questions  # noqa: E402
 def tiny(tmp_path_factory):
     from trainer.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", vocab_size=256, hidden=16, layers=1, heads=2)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "m", vocab_size=256, hidden=16, layers=1, heads=2
+    )
 
 
 def _check_layout(traj: pa.Table, steps: pa.Table, prompts: int, samples: int):
@@ -64,8 +66,10 @@ def test_local_collect_into_lake_logprobs_match_the_model(tiny, lake):
     from trainer.losses import token_logprobs_and_entropy
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval()
-    one = sorted((r for r in steps.to_pylist() if r["traj_id"] == traj.column("traj_id")[0].as_py()),
-                 key=lambda r: r["step_idx"])
+    one = sorted(
+        (r for r in steps.to_pylist() if r["traj_id"] == traj.column("traj_id")[0].as_py()),
+        key=lambda r: r["step_idx"],
+    )
     ids = torch.tensor([[t for r in one for t in r["token_ids"]]])
     with torch.no_grad():
         logp, _ = token_logprobs_and_entropy(model(input_ids=ids).logits, ids)
@@ -104,7 +108,9 @@ def test_collect_through_the_llm_client_against_the_standin(tiny, lake, llm_stan
 
     llm_standin.behaviour = _standin_behaviour(Codec(tiny))
     s = CollectSettings(env="search_qa", prompts=2, samples=3, turns=3, max_new_tokens=64)
-    llm = LLMSettings(endpoints=[llm_standin.url], model="policy", cache_dir=str(tmp_path / "c"), concurrency=4)
+    llm = LLMSettings(
+        endpoints=[llm_standin.url], model="policy", cache_dir=str(tmp_path / "c"), concurrency=4
+    )
     res = collect_to_lake(lake, tiny, s, 1, backend="vllm", llm_settings=llm)
     traj, steps = lake.read("trajectories", 1), lake.read("steps", 1)
     _check_layout(traj, steps, 2, 3)
@@ -118,8 +124,10 @@ def test_collect_through_the_llm_client_against_the_standin(tiny, lake, llm_stan
     assert all(r["content"].rstrip().endswith("</search>") and "ignored" not in r["content"] for r in first)
     assert all(r["verifier_score"] == 0.5 for r in first)  # the gold document was retrieved
     for r in asst:  # the server's token ids and logprobs, cut after the stop string
-        pieces = [r["content"][a:b] for a, b in zip(r["token_offsets"], [*r["token_offsets"][1:], len(r["content"])],
-                                                     strict=True)]
+        pieces = [
+            r["content"][a:b]
+            for a, b in zip(r["token_offsets"], [*r["token_offsets"][1:], len(r["content"])], strict=True)
+        ]
         assert r["token_ids"] == [token_id(p) for p in pieces]
         assert np.allclose(r["logprobs"], [token_logprob(t) for t in r["token_ids"]])
     # the prompt of turn 2 is exactly the concatenated token ids of the steps before it
@@ -136,7 +144,9 @@ def test_collect_through_the_llm_client_against_the_standin(tiny, lake, llm_stan
     assert calls.num_rows == 12 and set(calls.column("purpose").to_pylist()) == {"collect"}
     # identical layout to the local backend
     local = collect(tiny, s, 1, backend="local")
-    assert local.steps.schema.equals(res.steps.schema) and local.trajectories.schema.equals(res.trajectories.schema)
+    assert local.steps.schema.equals(res.steps.schema) and local.trajectories.schema.equals(
+        res.trajectories.schema
+    )
 
 
 def test_collect_code_repair_local(tiny):

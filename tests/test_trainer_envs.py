@@ -59,7 +59,9 @@ def test_search_qa_actions_and_rewards():
     bad = env.step("I think I know it.")
     assert bad.observation == f"\n{INVALID}\n" and bad.score == 0.0 and not bad.done
     miss = env.step("<search> herring season auction </search>")
-    assert miss.observation.startswith("\n\n<information>Doc 1(Title: ") and miss.observation.endswith("</information>\n\n")
+    assert miss.observation.startswith("\n\n<information>Doc 1(Title: ") and miss.observation.endswith(
+        "</information>\n\n"
+    )
     assert miss.score == 0.0  # gold document not retrieved
     # the first action counts: a search followed by an answer in the same text is a search
     hit = env.step("<think>poem</think><search> The Salt Road poem author </search><answer> x </answer>")
@@ -106,11 +108,17 @@ def test_code_repair_scores_and_budget():
     assert env.step(HALF_R01).done and env.reward() == 0.5
 
 
-@pytest.mark.parametrize("name,prior,alts", [
-    ("search_qa", ["<search> Vessari flag stars </search>", "nonsense"],
-     ["<answer> eleven </answer>", "<answer> twelve </answer>", "<search> flag </search>", "junk"]),
-    ("code_repair", [HALF_R01], [FIX_R01, HALF_R01, "no code"]),
-])
+@pytest.mark.parametrize(
+    "name,prior,alts",
+    [
+        (
+            "search_qa",
+            ["<search> Vessari flag stars </search>", "nonsense"],
+            ["<answer> eleven </answer>", "<answer> twelve </answer>", "<search> flag </search>", "junk"],
+        ),
+        ("code_repair", [HALF_R01], [FIX_R01, HALF_R01, "no code"]),
+    ],
+)
 def test_snapshot_restore_identical_continuations(name, prior, alts):
     env = make_env(name)
     task = {**(_task(env, "q19") if name == "search_qa" else _task(env, "r01")), "max_turns": 4}

@@ -48,14 +48,28 @@ def test_loop_two_rounds_and_resume(tmp_path, prefect_harness):
     from trainer.loop import checkpoint, checkpoint_done, run_loop
     from warehouse.lake import Lake
 
-    cfg = load_config(None, [f"lake={tmp_path / 'lake'}", "methods=[grpo]", "flow.progress=false",
-                             "loop.rounds=2", "loop.env=parity_test", "loop.prompts=2", "loop.samples=4",
-                             "loop.tiny_hidden=16", "loop.tiny_layers=1", "collect.max_new_tokens=8",
-                             "train.lr=0.001"])
+    cfg = load_config(
+        None,
+        [
+            f"lake={tmp_path / 'lake'}",
+            "methods=[grpo]",
+            "flow.progress=false",
+            "loop.rounds=2",
+            "loop.env=parity_test",
+            "loop.prompts=2",
+            "loop.samples=4",
+            "loop.tiny_hidden=16",
+            "loop.tiny_layers=1",
+            "collect.max_new_tokens=8",
+            "train.lr=0.001",
+        ],
+    )
     logs: list[str] = []
     rows = run_loop(cfg, log=logs.append)
     assert [r["round"] for r in rows] == [0, 1]
-    assert rows[0]["policy"] == "base-tiny" and rows[1]["policy"] == "ckpt-round0"  # round 1 collects with P_1
+    assert (
+        rows[0]["policy"] == "base-tiny" and rows[1]["policy"] == "ckpt-round0"
+    )  # round 1 collects with P_1
     lake = Lake(cfg.lake)
     work = tmp_path / "lake" / "_loop"
     for r in (0, 1):
@@ -80,7 +94,10 @@ def test_loop_two_rounds_and_resume(tmp_path, prefect_harness):
     rows2 = run_loop(cfg, log=logs.append)
     assert rows2[0].get("skipped") is True
     text = "\n".join(logs)
-    assert "round 1: rollouts exist, collect skipped" in text and "round 1: advantages exist, process skipped" in text
+    assert (
+        "round 1: rollouts exist, collect skipped" in text
+        and "round 1: advantages exist, process skipped" in text
+    )
     assert checkpoint_done(checkpoint(work, 1))
 
 
@@ -95,9 +112,20 @@ def test_round_loop_flow_runs_the_trainer_hooks(tmp_path, prefect_harness):
     from warehouse.lake import Lake
 
     assert set(round_hooks()) == {"collect", "train"}
-    cfg = load_config(None, [f"lake={tmp_path / 'lake'}", "methods=[grpo]", "flow.progress=false",
-                             "loop.env=parity_test", "loop.prompts=2", "loop.samples=4", "loop.tiny_hidden=16",
-                             "loop.tiny_layers=1", "collect.max_new_tokens=8"])
+    cfg = load_config(
+        None,
+        [
+            f"lake={tmp_path / 'lake'}",
+            "methods=[grpo]",
+            "flow.progress=false",
+            "loop.env=parity_test",
+            "loop.prompts=2",
+            "loop.samples=4",
+            "loop.tiny_hidden=16",
+            "loop.tiny_layers=1",
+            "collect.max_new_tokens=8",
+        ],
+    )
     out = round_loop_flow(cfg, start_round=0, rounds=1)
     assert out[0]["round"] == 0 and out[0]["collect"]["episodes"] == 8
     assert out[0]["train"]["train_steps"] >= 1

@@ -26,11 +26,19 @@ def test_policy_loss_hand_computed():
     assert clip_frac.item() == pytest.approx(1.0)
     assert approx_kl.item() == pytest.approx(0.5 * 0.25, abs=1e-6)
     # dual clip with c = 3: a negative-advantage token with ratio e^2 = 7.39 -> loss bounded by 3
-    loss_dc, _, _ = policy_loss(torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([[-1.0]]),
-                                torch.tensor([[1.0]]), 0.2, 0.2, dual_clip=3.0)
+    loss_dc, _, _ = policy_loss(
+        torch.tensor([[2.0]]),
+        torch.tensor([[0.0]]),
+        torch.tensor([[-1.0]]),
+        torch.tensor([[1.0]]),
+        0.2,
+        0.2,
+        dual_clip=3.0,
+    )
     assert loss_dc.item() == pytest.approx(3.0)
-    loss_nodc, _, _ = policy_loss(torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([[-1.0]]),
-                                  torch.tensor([[1.0]]), 0.2, 0.2)
+    loss_nodc, _, _ = policy_loss(
+        torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([[-1.0]]), torch.tensor([[1.0]]), 0.2, 0.2
+    )
     assert loss_nodc.item() == pytest.approx(math.exp(2.0), rel=1e-5)
 
 
@@ -77,9 +85,22 @@ def _batch(path, n=8, length=24, vocab=256, seed=0):
         ids = rng.integers(0, vocab, size=length).tolist()
         mask = [0] * 8 + [1] * (length - 8)
         sign = 1.0 if i % 2 == 0 else -1.0
-        rows.append(dict(round=0, method="grpo", traj_id=f"t{i}", group_id="g", reward=float(sign > 0), input_ids=ids,
-                         loss_mask=mask, old_logprobs=[0.0] * length, advantages=[sign * m for m in mask],
-                         values=None, returns=None, turn_ids=[m for m in mask]))
+        rows.append(
+            dict(
+                round=0,
+                method="grpo",
+                traj_id=f"t{i}",
+                group_id="g",
+                reward=float(sign > 0),
+                input_ids=ids,
+                loss_mask=mask,
+                old_logprobs=[0.0] * length,
+                advantages=[sign * m for m in mask],
+                values=None,
+                returns=None,
+                turn_ids=[m for m in mask],
+            )
+        )
     pq.write_table(pa.Table.from_pylist(rows), path)
     return rows
 
@@ -121,8 +142,12 @@ def test_train_with_value_head_and_kl(tmp_path):
         r["values"] = [0.0] * len(r["input_ids"])
         r["returns"] = [1.0] * len(r["input_ids"])
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "b.parquet")
-    metrics = train(tmp_path / "b.parquet", model_dir, tmp_path / "m1",
-                    TrainSettings(lr=1e-3, value_head=True, kl_coef=0.1, mini_batch_seqs=4))
+    metrics = train(
+        tmp_path / "b.parquet",
+        model_dir,
+        tmp_path / "m1",
+        TrainSettings(lr=1e-3, value_head=True, kl_coef=0.1, mini_batch_seqs=4),
+    )
     row = metrics.to_pylist()[0]
     assert row["vf_loss"] == pytest.approx(0.5, abs=1e-6)  # zero-initialised head: 0.5*(0-1)^2
     assert row["kl"] == pytest.approx(0.0, abs=1e-6)  # first step: policy == reference

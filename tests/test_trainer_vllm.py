@@ -29,7 +29,9 @@ def test_collect_against_vllm(policy_server, lake, tmp_path):
 
     model_dir = service.default_model_dir()
     s = CollectSettings(env="search_qa", prompts=2, samples=2, turns=2, max_new_tokens=32, temperature=1.0)
-    llm = LLMSettings(endpoints=[policy_server.url], cache_dir=str(tmp_path / "c"), timeout_s=300, concurrency=4)
+    llm = LLMSettings(
+        endpoints=[policy_server.url], cache_dir=str(tmp_path / "c"), timeout_s=300, concurrency=4
+    )
     res = collect_to_lake(lake, model_dir, s, 0, backend="vllm", llm_settings=llm)
     assert res.stats["errors"] == 0 and res.stats["generated_tokens"] > 0
     steps = lake.read("steps", 0).to_pylist()
@@ -74,10 +76,25 @@ def test_loop_on_vllm_reloads_each_new_policy(tmp_path, prefect_harness):
     from trainer.loop import checkpoint, checkpoint_done, run_loop
     from warehouse.lake import Lake
 
-    cfg = load_config(None, [f"lake={tmp_path / 'lake'}", "methods=[grpo]", "flow.progress=false",
-                             "loop.rounds=2", "loop.env=search_qa", "loop.model=smollm2", "loop.backend=vllm",
-                             "loop.prompts=2", "loop.samples=2", "loop.turns=1", "collect.max_new_tokens=16",
-                             "train.lr=1e-6", "train.mini_batch_seqs=4", f"llm.cache_dir={tmp_path / 'c'}"])
+    cfg = load_config(
+        None,
+        [
+            f"lake={tmp_path / 'lake'}",
+            "methods=[grpo]",
+            "flow.progress=false",
+            "loop.rounds=2",
+            "loop.env=search_qa",
+            "loop.model=smollm2",
+            "loop.backend=vllm",
+            "loop.prompts=2",
+            "loop.samples=2",
+            "loop.turns=1",
+            "collect.max_new_tokens=16",
+            "train.lr=1e-6",
+            "train.mini_batch_seqs=4",
+            f"llm.cache_dir={tmp_path / 'c'}",
+        ],
+    )
     logs: list[str] = []
     rows = run_loop(cfg, log=logs.append)
     assert [r["round"] for r in rows] == [0, 1] and all(r["backend"] == "vllm" for r in rows)
@@ -88,11 +105,15 @@ def test_loop_on_vllm_reloads_each_new_policy(tmp_path, prefect_harness):
     assert set(lake.read("trajectories", 1).column("policy_version").to_pylist()) == {"ckpt-round0"}
     steps = lake.read("steps", 1).to_pylist()
     asst = [r for r in steps if r["role"] == "assistant"]
-    assert asst and all(r["logprob_source"] == "rollout" and len(r["logprobs"]) == len(r["token_ids"]) for r in asst)
+    assert asst and all(
+        r["logprob_source"] == "rollout" and len(r["logprobs"]) == len(r["token_ids"]) for r in asst
+    )
     assert checkpoint_done(checkpoint(tmp_path / "lake" / "_loop", 1))
     assert lake.read("train_metrics", 1).num_rows >= 1
     pids = _server_pids(logs)
-    assert len(pids) == 2 and not any(service.pid_alive(p) for p in pids)  # every server it started is stopped
+    assert len(pids) == 2 and not any(
+        service.pid_alive(p) for p in pids
+    )  # every server it started is stopped
 
 
 def _server_pids(logs):

@@ -32,9 +32,16 @@ def _ldb_tasks(real_data, n):
 
 
 def _config(url, tmp_path, **stages):
-    return Config(llm={"endpoints": [url], "model": None, "cache_dir": str(tmp_path / "llm-cache"),
-                       "timeout_s": 600, "concurrency": 4},
-                  stages=stages)
+    return Config(
+        llm={
+            "endpoints": [url],
+            "model": None,
+            "cache_dir": str(tmp_path / "llm-cache"),
+            "timeout_s": 600,
+            "concurrency": 4,
+        },
+        stages=stages,
+    )
 
 
 def test_counterfactuals_on_ldb_tasks_with_real_vllm(vllm_server, real_data, tmp_path):
@@ -42,8 +49,12 @@ def test_counterfactuals_on_ldb_tasks_with_real_vllm(vllm_server, real_data, tmp
 
     res = ingest("ldb", [("ldb.jsonl", _ldb_tasks(real_data, 2))], round_=0)
     assert res.quarantine.num_rows == 0 and res.trajectories.num_rows == 2
-    cfg = _config(vllm_server.url, tmp_path, tcpo={"M": 2, "L": 1},
-                  counterfactual={"max_tokens": 256, "temperature": 0.7})
+    cfg = _config(
+        vllm_server.url,
+        tmp_path,
+        tcpo={"M": 2, "L": 1},
+        counterfactual={"max_tokens": 256, "temperature": 0.7},
+    )
     out = counterfactual(res.trajectories, res.steps, cfg, {})
     cf = out.tables["counterfactuals"]
     assert cf.num_rows == 2 * 2  # L = 1 turn per prompt (one trajectory per prompt), M = 2 alternatives
@@ -57,13 +68,21 @@ def test_counterfactuals_on_ldb_tasks_with_real_vllm(vllm_server, real_data, tmp
         assert "@" in row["sampler"] and row["verifier"]
     # the estimator uses them: c_cf = q0 - mean(q) where the gate is open
     tables, notes = process_batch(res.trajectories, res.steps, ["tcpo"], cfg, {"counterfactuals": cf})
-    comps = pl.from_arrow(tables["tcpo"].select(["traj_id", "turn", "role", "components"])).unnest("components")
+    comps = pl.from_arrow(tables["tcpo"].select(["traj_id", "turn", "role", "components"])).unnest(
+        "components"
+    )
     sel = comps.filter(pl.col("g_sel") == 1)
     assert sel.height == 2
-    scores = pl.from_arrow(res.steps.select(["traj_id", "turn", "role", "verifier_score"])).filter(pl.col("role") == "assistant")
+    scores = pl.from_arrow(res.steps.select(["traj_id", "turn", "role", "verifier_score"])).filter(
+        pl.col("role") == "assistant"
+    )
     for row in sel.iter_rows(named=True):
-        q = ok.filter(pc.and_(pc.equal(ok.column("traj_id"), row["traj_id"]), pc.equal(ok.column("turn"), row["turn"])))
-        q0 = scores.filter((pl.col("traj_id") == row["traj_id"]) & (pl.col("turn") == row["turn"]))["verifier_score"][0]
+        q = ok.filter(
+            pc.and_(pc.equal(ok.column("traj_id"), row["traj_id"]), pc.equal(ok.column("turn"), row["turn"]))
+        )
+        q0 = scores.filter((pl.col("traj_id") == row["traj_id"]) & (pl.col("turn") == row["turn"]))[
+            "verifier_score"
+        ][0]
         if q.num_rows and row["eta"] == 1:
             mean_q = sum(q.column("score").to_pylist()) / q.num_rows
             assert row["c_cf"] == pytest.approx(q0 - mean_q, abs=1e-9)
@@ -90,7 +109,9 @@ def test_llm_annotator_on_tau_bench_with_real_vllm(vllm_server, real_data, tmp_p
         assert 1 <= e["src_turn"] < e["dst_turn"]
         assert e["type"] in {"input", "success_utilization", "failed_utilization"}
     # and the refiner runs on whatever came back (uniform fallback on parse failures)
-    tables, _ = process_batch(res.trajectories, res.steps, ["grpo+iapo"], cfg, {"nodes": nodes, "edges": edges})
+    tables, _ = process_batch(
+        res.trajectories, res.steps, ["grpo+iapo"], cfg, {"nodes": nodes, "edges": edges}
+    )
     adv = tables["grpo+iapo"]
     assert adv.num_rows == res.steps.num_rows
     assert out.notes.get("llm_requests", 1) >= 1

@@ -45,7 +45,9 @@ from pipeline.config import StageSettings, register_settings
 @register_settings("collect")
 class CollectSettings(StageSettings):
     env: str = Field("search_qa", description="environment name (trainer/envs: search_qa | code_repair)")
-    prompts: int = Field(8, ge=1, description="prompts (tasks) per round; rotates through the env's tasks by round")
+    prompts: int = Field(
+        8, ge=1, description="prompts (tasks) per round; rotates through the env's tasks by round"
+    )
     samples: int = Field(4, ge=1, description="samples per prompt (the group size)")
     turns: int | None = Field(None, ge=1, description="turn budget K per episode (None: the env's default)")
     temperature: float = Field(1.0, ge=0, description="sampling temperature (0: greedy)")
@@ -53,15 +55,22 @@ class CollectSettings(StageSettings):
     max_new_tokens: int = Field(96, ge=1, description="max generated tokens per turn")
     max_context: int = Field(2048, ge=16, description="an episode ends when its context would exceed this")
     backend: Literal["auto", "vllm", "local"] = Field(
-        "auto", description="vllm: the LLM client against a server; local: transformers from the model folder; "
-        "auto: vllm when an endpoint is configured or a managed server is running, else local")
+        "auto",
+        description="vllm: the LLM client against a server; local: transformers from the model folder; "
+        "auto: vllm when an endpoint is configured or a managed server is running, else local",
+    )
     local_batch: int = Field(32, ge=1, description="episodes per forward batch in the local backend")
     device: str = Field("auto", description="local backend device: auto | cpu | cuda")
     threads: int | None = Field(
-        None, ge=1, description="torch CPU threads for the local backend (None: 1 for models under 20M parameters, "
-        "whose tiny matmuls only lose to thread synchronisation, else torch's default)")
+        None,
+        ge=1,
+        description="torch CPU threads for the local backend (None: 1 for models under 20M parameters, "
+        "whose tiny matmuls only lose to thread synchronisation, else torch's default)",
+    )
     seed: int = Field(0, description="base seed (task order and sampling); each request gets a derived seed")
-    policy_version: str | None = Field(None, description="recorded in trajectories.policy_version (None: model folder name)")
+    policy_version: str | None = Field(
+        None, description="recorded in trajectories.policy_version (None: model folder name)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -180,11 +189,30 @@ class Episode:
     truncated: bool = False
     errors: int = 0
 
-    def add_step(self, role: str, content: str, ids: list[int], offsets: list[int], turn: int | None,
-                 logprobs: list[float] | None = None, score: float | None = None, is_error: bool = False) -> None:
-        self.steps.append({"role": role, "content": content, "turn": turn, "token_ids": ids, "token_offsets": offsets,
-                           "logprobs": logprobs, "logprob_source": "rollout" if logprobs is not None else None,
-                           "verifier_score": score, "is_error": is_error})
+    def add_step(
+        self,
+        role: str,
+        content: str,
+        ids: list[int],
+        offsets: list[int],
+        turn: int | None,
+        logprobs: list[float] | None = None,
+        score: float | None = None,
+        is_error: bool = False,
+    ) -> None:
+        self.steps.append(
+            {
+                "role": role,
+                "content": content,
+                "turn": turn,
+                "token_ids": ids,
+                "token_offsets": offsets,
+                "logprobs": logprobs,
+                "logprob_source": "rollout" if logprobs is not None else None,
+                "verifier_score": score,
+                "is_error": is_error,
+            }
+        )
         self.context.extend(ids)
 
 
@@ -253,7 +281,9 @@ class LocalGenerator:
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.device = torch.device("cuda" if (device == "auto" and torch.cuda.is_available()) or device == "cuda" else "cpu")
+        self.device = torch.device(
+            "cuda" if (device == "auto" and torch.cuda.is_available()) or device == "cuda" else "cpu"
+        )
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(self.device).eval()
         import inspect
@@ -266,8 +296,9 @@ class LocalGenerator:
         self.codec = codec
         self.eos = set(codec.eos_ids)
 
-    def generate(self, contexts: list[list[int]], max_new: list[int], temperature: float, top_p: float,
-                 seed: int) -> list[Generation]:
+    def generate(
+        self, contexts: list[list[int]], max_new: list[int], temperature: float, top_p: float, seed: int
+    ) -> list[Generation]:
         torch = self.torch
         before = torch.get_num_threads()
         if self.threads:
@@ -277,16 +308,17 @@ class LocalGenerator:
         finally:
             torch.set_num_threads(before)
 
-    def _generate(self, contexts: list[list[int]], max_new: list[int], temperature: float, top_p: float,
-                  seed: int) -> list[Generation]:
+    def _generate(
+        self, contexts: list[list[int]], max_new: list[int], temperature: float, top_p: float, seed: int
+    ) -> list[Generation]:
         torch = self.torch
         B = len(contexts)
         L = max(len(c) for c in contexts)
         ids = torch.full((B, L), self.codec.pad_id, dtype=torch.long)
         attn = torch.zeros((B, L), dtype=torch.long)
         for r, c in enumerate(contexts):
-            ids[r, L - len(c):] = torch.tensor(c, dtype=torch.long)
-            attn[r, L - len(c):] = 1
+            ids[r, L - len(c) :] = torch.tensor(c, dtype=torch.long)
+            attn[r, L - len(c) :] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         gen = torch.Generator(device=self.device).manual_seed(int(seed))
         steps = max(max_new)
@@ -334,8 +366,14 @@ class LocalGenerator:
         for r in range(B):
             n = int(lengths[r])
             tids = out_ids[r, :n].tolist()
-            res.append(Generation(tids, out_lp[r, :n].tolist(), self.codec.decode(tids),
-                                  finish="stop" if n < max_new[r] else "length"))
+            res.append(
+                Generation(
+                    tids,
+                    out_lp[r, :n].tolist(),
+                    self.codec.decode(tids),
+                    finish="stop" if n < max_new[r] else "length",
+                )
+            )
         return res
 
 
@@ -345,15 +383,33 @@ class ServerGenerator:
     def __init__(self, client):
         self.client = client
 
-    def generate(self, contexts: list[list[int]], max_new: list[int], temperature: float, top_p: float,
-                 seeds: list[int], stop: list[str]) -> list[Generation]:
+    def generate(
+        self,
+        contexts: list[list[int]],
+        max_new: list[int],
+        temperature: float,
+        top_p: float,
+        seeds: list[int],
+        stop: list[str],
+    ) -> list[Generation]:
         from pipeline.llm.client import LLMError, LLMRequest
 
         extra = {"include_stop_str_in_output": True, "skip_special_tokens": False}
-        reqs = [LLMRequest.complete(list(c), max_tokens=int(m), temperature=temperature, top_p=top_p, logprobs=1,
-                                    seed=int(s), stop=list(stop) or None, purpose="collect", cache=False,
-                                    extra_body=extra)
-                for c, m, s in zip(contexts, max_new, seeds, strict=True)]
+        reqs = [
+            LLMRequest.complete(
+                list(c),
+                max_tokens=int(m),
+                temperature=temperature,
+                top_p=top_p,
+                logprobs=1,
+                seed=int(s),
+                stop=list(stop) or None,
+                purpose="collect",
+                cache=False,
+                extra_body=extra,
+            )
+            for c, m, s in zip(contexts, max_new, seeds, strict=True)
+        ]
         out = []
         for res in self.client.run_batch(reqs):
             if isinstance(res, LLMError) or not getattr(res, "choices", None):
@@ -361,8 +417,15 @@ class ServerGenerator:
                 continue
             ch = res.choices[0]
             lps = ch.token_logprobs
-            out.append(Generation(list(ch.token_ids or []), list(lps) if lps is not None else None, ch.text,
-                                  token_texts=list(ch.tokens) if ch.tokens else None, finish=ch.finish_reason))
+            out.append(
+                Generation(
+                    list(ch.token_ids or []),
+                    list(lps) if lps is not None else None,
+                    ch.text,
+                    token_texts=list(ch.tokens) if ch.tokens else None,
+                    finish=ch.finish_reason,
+                )
+            )
         return out
 
 
@@ -391,8 +454,15 @@ def resolve_backend(backend: str, endpoints: list[str] | None, lake: str | Path 
         return "local"
 
 
-def collect(model_dir: str | Path, settings: CollectSettings | None = None, round_: int = 0, *,
-            backend: str | None = None, llm_settings=None, progress=None) -> CollectResult:
+def collect(
+    model_dir: str | Path,
+    settings: CollectSettings | None = None,
+    round_: int = 0,
+    *,
+    backend: str | None = None,
+    llm_settings=None,
+    progress=None,
+) -> CollectResult:
     """Roll out `prompts x samples` episodes of the policy in `model_dir`; returns the two canonical tables.
     `llm_settings` (pipeline.llm.LLMSettings) configures the vllm backend (endpoints, concurrency, ...)."""
     s = settings or CollectSettings()
@@ -428,11 +498,22 @@ def collect(model_dir: str | Path, settings: CollectSettings | None = None, roun
             gens: list[Generation] = []
             for b in range(0, len(active), s.local_batch):
                 chunk = active[b : b + s.local_batch]
-                gens += generator.generate([e.context for e in chunk], budgets[b : b + s.local_batch], s.temperature,
-                                           s.top_p, _seed(s.seed, round_, turn, b))
+                gens += generator.generate(
+                    [e.context for e in chunk],
+                    budgets[b : b + s.local_batch],
+                    s.temperature,
+                    s.top_p,
+                    _seed(s.seed, round_, turn, b),
+                )
         else:
-            gens = generator.generate([e.context for e in active], budgets, s.temperature, s.top_p,
-                                      [_seed(s.seed, round_, e.traj_id, turn) for e in active], list(env0.stop))
+            gens = generator.generate(
+                [e.context for e in active],
+                budgets,
+                s.temperature,
+                s.top_p,
+                [_seed(s.seed, round_, e.traj_id, turn) for e in active],
+                list(env0.stop),
+            )
         t2 = time.perf_counter()
         for e, g in zip(active, gens, strict=True):
             advance(e, g, codec, s, server_ids=backend != "local")
@@ -440,20 +521,32 @@ def collect(model_dir: str | Path, settings: CollectSettings | None = None, roun
         env_s += time.perf_counter() - t2
         if progress is not None:
             progress(turn, sum(e.done for e in episodes), len(episodes))
-    trajectories, steps = to_tables(episodes, s, round_, backend, policy_version=s.policy_version or Path(model_dir).name)
+    trajectories, steps = to_tables(
+        episodes, s, round_, backend, policy_version=s.policy_version or Path(model_dir).name
+    )
     n_gen = int(sum(len(st["token_ids"]) for e in episodes for st in e.steps if st["role"] == "assistant"))
-    stats = {"backend": backend, "episodes": len(episodes), "groups": len({e.group_id for e in episodes}),
-             "turns": turn, "generated_tokens": n_gen, "load_s": round(t_load, 3), "generate_s": round(gen_s, 3),
-             "env_s": round(env_s, 3), "seconds": round(time.perf_counter() - t0, 3),
-             "gen_tokens_per_s": round(n_gen / gen_s, 1) if gen_s > 0 else None,
-             "mean_reward": float(np.mean([e.env.reward() for e in episodes])) if episodes else 0.0,
-             "errors": int(sum(e.errors for e in episodes)), "truncated": int(sum(e.truncated for e in episodes))}
+    stats = {
+        "backend": backend,
+        "episodes": len(episodes),
+        "groups": len({e.group_id for e in episodes}),
+        "turns": turn,
+        "generated_tokens": n_gen,
+        "load_s": round(t_load, 3),
+        "generate_s": round(gen_s, 3),
+        "env_s": round(env_s, 3),
+        "seconds": round(time.perf_counter() - t0, 3),
+        "gen_tokens_per_s": round(n_gen / gen_s, 1) if gen_s > 0 else None,
+        "mean_reward": float(np.mean([e.env.reward() for e in episodes])) if episodes else 0.0,
+        "errors": int(sum(e.errors for e in episodes)),
+        "truncated": int(sum(e.truncated for e in episodes)),
+    }
     calls = client.records_table() if client is not None else None
     return CollectResult(trajectories, steps, stats, calls)
 
 
-def to_tables(episodes: list[Episode], s: CollectSettings, round_: int, backend: str,
-              policy_version: str) -> tuple[pa.Table, pa.Table]:
+def to_tables(
+    episodes: list[Episode], s: CollectSettings, round_: int, backend: str, policy_version: str
+) -> tuple[pa.Table, pa.Table]:
     from schemas.steps import SPEC as STEPS
     from schemas.trajectories import SPEC as TRAJ
 
@@ -461,27 +554,63 @@ def to_tables(episodes: list[Episode], s: CollectSettings, round_: int, backend:
     trows, srows = [], []
     for e in episodes:
         comps = e.env.reward_components()
-        meta = {**e.meta, "sampling": sampling, "backend": backend, "turns_used": e.turn,
-                "truncated": e.truncated}
-        trows.append({"round": round_, "traj_id": e.traj_id, "group_id": e.group_id, "sample_idx": e.sample_idx,
-                      "reward": float(e.env.reward()),
-                      "reward_components": list(comps.items()) if comps else None,
-                      "source": f"collect:{backend}", "action_format": e.env.action_format,
-                      "policy_version": policy_version, "meta": json.dumps(meta, ensure_ascii=False)})
+        meta = {
+            **e.meta,
+            "sampling": sampling,
+            "backend": backend,
+            "turns_used": e.turn,
+            "truncated": e.truncated,
+        }
+        trows.append(
+            {
+                "round": round_,
+                "traj_id": e.traj_id,
+                "group_id": e.group_id,
+                "sample_idx": e.sample_idx,
+                "reward": float(e.env.reward()),
+                "reward_components": list(comps.items()) if comps else None,
+                "source": f"collect:{backend}",
+                "action_format": e.env.action_format,
+                "policy_version": policy_version,
+                "meta": json.dumps(meta, ensure_ascii=False),
+            }
+        )
         for k, st in enumerate(e.steps):
-            srows.append({"round": round_, "traj_id": e.traj_id, "step_idx": k, "role": st["role"], "turn": st["turn"],
-                          "content": st["content"], "tool_calls": None, "tool_call_id": None,
-                          "is_error": st["is_error"], "token_ids": st["token_ids"],
-                          "token_offsets": st["token_offsets"], "logprobs": st["logprobs"],
-                          "logprob_source": st["logprob_source"], "values": None,
-                          "verifier_score": st["verifier_score"]})
+            srows.append(
+                {
+                    "round": round_,
+                    "traj_id": e.traj_id,
+                    "step_idx": k,
+                    "role": st["role"],
+                    "turn": st["turn"],
+                    "content": st["content"],
+                    "tool_calls": None,
+                    "tool_call_id": None,
+                    "is_error": st["is_error"],
+                    "token_ids": st["token_ids"],
+                    "token_offsets": st["token_offsets"],
+                    "logprobs": st["logprobs"],
+                    "logprob_source": st["logprob_source"],
+                    "values": None,
+                    "verifier_score": st["verifier_score"],
+                }
+            )
     traj = pa.Table.from_pylist(trows, schema=TRAJ.schema)
     steps = pa.Table.from_pylist(srows, schema=STEPS.schema)
     return TRAJ.validate(traj), STEPS.validate(steps)
 
 
-def collect_to_lake(lake, model_dir: str | Path, settings: CollectSettings, round_: int, *, backend: str | None = None,
-                    llm_settings=None, batch_groups: int = 64, progress=None) -> CollectResult:
+def collect_to_lake(
+    lake,
+    model_dir: str | Path,
+    settings: CollectSettings,
+    round_: int,
+    *,
+    backend: str | None = None,
+    llm_settings=None,
+    batch_groups: int = 64,
+    progress=None,
+) -> CollectResult:
     """`collect` and write the round's trajectories/steps (aligned parts of whole groups) and, for the vllm
     backend, the client's `llm_calls` records."""
     from warehouse.rounds import write_round

@@ -50,15 +50,25 @@ class LoopSettings(StageSettings):
     prompts: int = Field(4, ge=1, description="prompts (groups) per round")
     samples: int = Field(4, ge=1, description="samples per prompt (group size)")
     turns: int | None = Field(None, ge=1, description="turn budget K (None: the env's default)")
-    method: str | None = Field(None, description="method chain whose advantages train the policy (None: the "
-                                                 "config's first `methods` entry); all configured methods are computed")
+    method: str | None = Field(
+        None,
+        description="method chain whose advantages train the policy (None: the "
+        "config's first `methods` entry); all configured methods are computed",
+    )
     model: str = Field("tiny", description="base policy: a checkpoint folder | tiny | smollm2")
-    backend: Literal["auto", "vllm", "local"] = Field("local", description="collect backend (see stages.collect)")
+    backend: Literal["auto", "vllm", "local"] = Field(
+        "local", description="collect backend (see stages.collect)"
+    )
     workdir: str | None = Field(None, description="checkpoints and batches; None: <lake>/_loop")
-    endpoint: str | None = Field(None, description="an external OpenAI-compatible server for the vllm backend "
-                                                   "(not restarted between rounds); None: a managed server")
+    endpoint: str | None = Field(
+        None,
+        description="an external OpenAI-compatible server for the vllm backend "
+        "(not restarted between rounds); None: a managed server",
+    )
     serve_max_model_len: int = Field(2048, ge=64, description="--max-model-len of the managed vLLM server")
-    serve_wait_s: float = Field(600.0, gt=0, description="seconds to wait for the managed server to be healthy")
+    serve_wait_s: float = Field(
+        600.0, gt=0, description="seconds to wait for the managed server to be healthy"
+    )
     tiny_tokenizer: Literal["bytes", "smollm2"] = Field("bytes", description="tokenizer of the tiny model")
     tiny_hidden: int = Field(32, ge=8, description="tiny model hidden size")
     tiny_layers: int = Field(2, ge=1, description="tiny model layers")
@@ -87,8 +97,14 @@ def base_model(s: LoopSettings, work: Path, log: Log = print) -> Path:
                 vocab = 49152
             tmp = work / ".tmp-base-tiny"
             shutil.rmtree(tmp, ignore_errors=True)
-            build_tiny_model(tmp, vocab_size=vocab, hidden=s.tiny_hidden, layers=s.tiny_layers, heads=s.tiny_heads,
-                             tokenizer_json=tok)
+            build_tiny_model(
+                tmp,
+                vocab_size=vocab,
+                hidden=s.tiny_hidden,
+                layers=s.tiny_layers,
+                heads=s.tiny_heads,
+                tokenizer_json=tok,
+            )
             tmp.replace(out)
             log(f"[loop] built tiny base model in {out}")
         return out
@@ -143,12 +159,22 @@ class ManagedServer:
     def ensure(self, model_dir: Path) -> str:
         from pipeline.llm import service
 
-        if self.info is not None and Path(self.info.model_dir) == Path(model_dir) and service.pid_alive(self.info.pid):
+        if (
+            self.info is not None
+            and Path(self.info.model_dir) == Path(model_dir)
+            and service.pid_alive(self.info.pid)
+        ):
             return self.info.url
         self.stop()
         t0 = time.perf_counter()
-        self.info = service.serve(model_dir, served_name="policy", max_model_len=self.s.serve_max_model_len,
-                                  wait_s=self.s.serve_wait_s, record=False, log=self.log)
+        self.info = service.serve(
+            model_dir,
+            served_name="policy",
+            max_model_len=self.s.serve_max_model_len,
+            wait_s=self.s.serve_wait_s,
+            record=False,
+            log=self.log,
+        )
         self.log(f"[loop] serving {model_dir} at {self.info.url} ({time.perf_counter() - t0:.0f}s)")
         return self.info.url
 
@@ -176,8 +202,16 @@ class LoopState:
         self.work = workdir(cfg, s)
         self.work.mkdir(parents=True, exist_ok=True)
         self.base = base_model(s, self.work, log)
-        self.cs = CollectSettings(**{**cfg.stage("collect").model_dump(), "env": s.env, "prompts": s.prompts,
-                                     "samples": s.samples, "turns": s.turns, "backend": s.backend})
+        self.cs = CollectSettings(
+            **{
+                **cfg.stage("collect").model_dump(),
+                "env": s.env,
+                "prompts": s.prompts,
+                "samples": s.samples,
+                "turns": s.turns,
+                "backend": s.backend,
+            }
+        )
         self.ts = cfg.stage("train")
         self.endpoints = [s.endpoint] if s.endpoint else list(cfg.llm.get("endpoints") or [])
         self.backend = resolve_backend(self.cs.backend, self.endpoints, cfg.lake)
@@ -205,13 +239,20 @@ def collect_round(st: LoopState, r: int) -> dict:
     if st.backend == "vllm":
         eps = st.endpoints or [st.server.ensure(policy)]
         llm = LLMSettings.from_config(st.cfg, endpoints=eps)
-    res = collect_to_lake(st.lake, policy, st.cs, r, backend=st.backend, llm_settings=llm,
-                          batch_groups=st.cfg.batch_groups)
-    row = {"collect_s": round(time.perf_counter() - t0, 2), "episodes": res.stats["episodes"],
-           "generated_tokens": res.stats["generated_tokens"], "mean_reward": round(res.stats["mean_reward"], 4),
-           "gen_tokens_per_s": res.stats["gen_tokens_per_s"]}
-    st.log(f"[loop] round {r}: collected {res.stats['episodes']} episodes "
-           f"({res.stats['generated_tokens']} tokens, mean reward {res.stats['mean_reward']:.3f}) in {row['collect_s']}s")
+    res = collect_to_lake(
+        st.lake, policy, st.cs, r, backend=st.backend, llm_settings=llm, batch_groups=st.cfg.batch_groups
+    )
+    row = {
+        "collect_s": round(time.perf_counter() - t0, 2),
+        "episodes": res.stats["episodes"],
+        "generated_tokens": res.stats["generated_tokens"],
+        "mean_reward": round(res.stats["mean_reward"], 4),
+        "gen_tokens_per_s": res.stats["gen_tokens_per_s"],
+    }
+    st.log(
+        f"[loop] round {r}: collected {res.stats['episodes']} episodes "
+        f"({res.stats['generated_tokens']} tokens, mean reward {res.stats['mean_reward']:.3f}) in {row['collect_s']}s"
+    )
     return row
 
 
@@ -240,13 +281,20 @@ def train_round(st: LoopState, r: int) -> dict:
     if ckpt.exists():
         shutil.rmtree(ckpt)
     tmp.replace(ckpt)
-    row.update({"train_s": round(time.perf_counter() - t3, 2), "train_steps": metrics.num_rows,
-                "train_tokens": int(sum(metrics.column("tokens").to_pylist())) if metrics.num_rows else 0,
-                "checkpoint": str(ckpt)})
+    row.update(
+        {
+            "train_s": round(time.perf_counter() - t3, 2),
+            "train_steps": metrics.num_rows,
+            "train_tokens": int(sum(metrics.column("tokens").to_pylist())) if metrics.num_rows else 0,
+            "checkpoint": str(ckpt),
+        }
+    )
     st.log(f"[loop] round {r}: trained {metrics.num_rows} steps in {row['train_s']}s -> {ckpt}")
     if st.s.keep_checkpoints:
-        old = sorted((p for p in st.work.glob("ckpt-round*") if checkpoint_done(p)),
-                     key=lambda p: int(p.name.removeprefix("ckpt-round")))
+        old = sorted(
+            (p for p in st.work.glob("ckpt-round*") if checkpoint_done(p)),
+            key=lambda p: int(p.name.removeprefix("ckpt-round")),
+        )
         for p in old[: -st.s.keep_checkpoints]:
             shutil.rmtree(p, ignore_errors=True)
     return row

@@ -9,8 +9,13 @@ import torch
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm_tokens: float | None = None,
-              norm_seqs: float | None = None) -> torch.Tensor:
+def aggregate(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    norm_tokens: float | None = None,
+    norm_seqs: float | None = None,
+) -> torch.Tensor:
     """Reduce a per-token loss. `norm_tokens`/`norm_seqs` are the mini-batch totals when a micro-batch is
     one slice of a larger mini-batch (gradient accumulation), so the accumulated gradient equals the
     gradient of the whole mini-batch's loss."""
@@ -29,9 +34,18 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm_tokens: fl
     return (per_seq * seqs_with_tokens).sum() / denom
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
-                agg: str = "token-mean", norm_tokens: float | None = None, norm_seqs: float | None = None):
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+    norm_tokens: float | None = None,
+    norm_seqs: float | None = None,
+):
     """Token-level clipped surrogate. Returns (loss, clip_fraction, approx_kl)."""
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
@@ -61,9 +75,16 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_
     raise ValueError(f"unknown kl kind {kind!r}")
 
 
-def value_loss(vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip_value: float = 0.5, agg: str = "token-mean", norm_tokens: float | None = None,
-               norm_seqs: float | None = None) -> torch.Tensor:
+def value_loss(
+    vpred: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_value: float = 0.5,
+    agg: str = "token-mean",
+    norm_tokens: float | None = None,
+    norm_seqs: float | None = None,
+) -> torch.Tensor:
     """Clipped value loss (PPO): 0.5 * max((v - R)^2, (clip(v, v_old +- eps) - R)^2)."""
     v_clipped = old_values + (vpred - old_values).clamp(-clip_value, clip_value)
     loss = 0.5 * torch.maximum((vpred - returns) ** 2, (v_clipped - returns) ** 2)

@@ -28,11 +28,15 @@ class TrainSettings(StageSettings):
     weight_decay: float = Field(0.0, description="AdamW weight decay")
     epochs: int = Field(1, ge=1, description="passes over the batch (PPO epochs)")
     mini_batch_seqs: int = Field(16, ge=1, description="trajectories per optimizer step")
-    token_budget: int = Field(8192, ge=16, description="max padded tokens per micro-batch (grad accumulation)")
+    token_budget: int = Field(
+        8192, ge=16, description="max padded tokens per micro-batch (grad accumulation)"
+    )
     max_seq_len: int = Field(4096, ge=8, description="longer trajectories are truncated at the end")
     clip_low: float = Field(0.2, description="ratio clip below 1")
     clip_high: float = Field(0.2, description="ratio clip above 1 (clip-higher when > clip_low)")
-    dual_clip: float | None = Field(None, description="dual-clip constant c > 1 for negative advantages (None: off)")
+    dual_clip: float | None = Field(
+        None, description="dual-clip constant c > 1 for negative advantages (None: off)"
+    )
     loss_agg: str = Field("token-mean", description="token-mean | seq-mean-token-sum | seq-mean-token-mean")
     kl_coef: float = Field(0.0, description="KL-to-reference loss coefficient (0: no reference model)")
     kl_kind: str = Field("low_var_kl", description="kl | low_var_kl | mse")
@@ -41,7 +45,9 @@ class TrainSettings(StageSettings):
     vf_coef: float = Field(0.5, description="value loss coefficient")
     clip_value: float = Field(0.5, description="value clip range")
     grad_clip: float = Field(1.0, description="max gradient norm")
-    old_logprobs: str = Field("auto", description="batch | recompute | auto (recompute rows with no logprobs)")
+    old_logprobs: str = Field(
+        "auto", description="batch | recompute | auto (recompute rows with no logprobs)"
+    )
     seed: int = Field(0, description="shuffling and init seed")
     device: str = Field("auto", description="auto | cpu | cuda")
 
@@ -70,17 +76,21 @@ def load_batch(path: str | Path, max_seq_len: int) -> tuple[list[Sequence], dict
         old = np.asarray(cols["old_logprobs"][i][:max_seq_len], dtype=np.float32)
         vals = cols.get("values", [None] * table.num_rows)[i]
         rets = cols.get("returns", [None] * table.num_rows)[i]
-        seqs.append(Sequence(
-            input_ids=np.asarray(cols["input_ids"][i][:max_seq_len], dtype=np.int64),
-            loss_mask=mask,
-            old_logprobs=old,
-            advantages=np.asarray(cols["advantages"][i][:max_seq_len], dtype=np.float32),
-            values=None if vals is None else np.asarray(vals[:max_seq_len], dtype=np.float32),
-            returns=None if rets is None else np.asarray(rets[:max_seq_len], dtype=np.float32),
-            has_logprobs=bool(np.any(old[mask > 0] != 0)) if mask.any() else False,
-        ))
+        seqs.append(
+            Sequence(
+                input_ids=np.asarray(cols["input_ids"][i][:max_seq_len], dtype=np.int64),
+                loss_mask=mask,
+                old_logprobs=old,
+                advantages=np.asarray(cols["advantages"][i][:max_seq_len], dtype=np.float32),
+                values=None if vals is None else np.asarray(vals[:max_seq_len], dtype=np.float32),
+                returns=None if rets is None else np.asarray(rets[:max_seq_len], dtype=np.float32),
+                has_logprobs=bool(np.any(old[mask > 0] != 0)) if mask.any() else False,
+            )
+        )
     info = {
-        "method": table.column("method")[0].as_py() if "method" in table.column_names and table.num_rows else None,
+        "method": table.column("method")[0].as_py()
+        if "method" in table.column_names and table.num_rows
+        else None,
         "round": table.column("round")[0].as_py() if "round" in table.column_names and table.num_rows else 0,
     }
     return seqs, info
@@ -126,15 +136,23 @@ class ValueHead:
         return self.linear(hidden_states).squeeze(-1)
 
 
-def train(batch_path: str | Path, model_dir: str | Path, out_dir: str | Path, settings: TrainSettings | None = None,
-          ref_model_dir: str | Path | None = None, progress=None) -> pa.Table:
+def train(
+    batch_path: str | Path,
+    model_dir: str | Path,
+    out_dir: str | Path,
+    settings: TrainSettings | None = None,
+    ref_model_dir: str | Path | None = None,
+    progress=None,
+) -> pa.Table:
     """One policy update on the batch; saves the new checkpoint to out_dir; returns train_metrics rows."""
     import torch
     from transformers import AutoModelForCausalLM
 
     s = settings or TrainSettings()
     torch.manual_seed(s.seed)
-    device = torch.device("cuda" if (s.device == "auto" and torch.cuda.is_available()) or s.device == "cuda" else "cpu")
+    device = torch.device(
+        "cuda" if (s.device == "auto" and torch.cuda.is_available()) or s.device == "cuda" else "cpu"
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     seqs, info = load_batch(batch_path, s.max_seq_len)
     if not seqs:
@@ -142,7 +160,11 @@ def train(batch_path: str | Path, model_dir: str | Path, out_dir: str | Path, se
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype).to(device)
     ref = None
     if s.kl_coef > 0:
-        ref = AutoModelForCausalLM.from_pretrained(str(ref_model_dir or model_dir), torch_dtype=dtype).to(device).eval()
+        ref = (
+            AutoModelForCausalLM.from_pretrained(str(ref_model_dir or model_dir), torch_dtype=dtype)
+            .to(device)
+            .eval()
+        )
     vhead = ValueHead(model.config.hidden_size, device, torch.float32) if s.value_head else None
     if vhead is not None and any(q.returns is None for q in seqs):
         raise ValueError("value_head needs a batch with `returns` (export a gae method)")
@@ -163,7 +185,11 @@ def train(batch_path: str | Path, model_dir: str | Path, out_dir: str | Path, se
         return ids, attn, L, logp, ent, vpred
 
     # old logprobs: from the batch, or recomputed with the current weights before any update
-    recompute = [i for i, q in enumerate(seqs) if s.old_logprobs == "recompute" or (s.old_logprobs == "auto" and not q.has_logprobs)]
+    recompute = [
+        i
+        for i, q in enumerate(seqs)
+        if s.old_logprobs == "recompute" or (s.old_logprobs == "auto" and not q.has_logprobs)
+    ]
     model.eval()
     for mb in pack_micro_batches([len(seqs[i].input_ids) for i in recompute], s.token_budget):
         idx = [recompute[j] for j in mb]
@@ -193,23 +219,43 @@ def train(batch_path: str | Path, model_dir: str | Path, out_dir: str | Path, se
                 mask = torch.from_numpy(_pad([seqs[i].loss_mask for i in idx], L, np.float32)).to(device)
                 old = torch.from_numpy(_pad([seqs[i].old_logprobs for i in idx], L, np.float32)).to(device)
                 adv = torch.from_numpy(_pad([seqs[i].advantages for i in idx], L, np.float32)).to(device)
-                pg, clip_frac, approx_kl = policy_loss(logp, old, adv, mask, s.clip_low, s.clip_high, s.dual_clip,
-                                                       s.loss_agg, norm_tokens, norm_seqs)
+                pg, clip_frac, approx_kl = policy_loss(
+                    logp,
+                    old,
+                    adv,
+                    mask,
+                    s.clip_low,
+                    s.clip_high,
+                    s.dual_clip,
+                    s.loss_agg,
+                    norm_tokens,
+                    norm_seqs,
+                )
                 loss = pg
                 share = float(mask.sum().item()) / norm_tokens
                 if ref is not None:
                     with torch.no_grad():
                         from trainer.losses import token_logprobs_and_entropy
 
-                        ref_logp, _ = token_logprobs_and_entropy(ref(input_ids=ids, attention_mask=attn).logits, ids)
-                    kl = aggregate(kl_penalty(logp, ref_logp, s.kl_kind), mask, s.loss_agg, norm_tokens, norm_seqs)
+                        ref_logp, _ = token_logprobs_and_entropy(
+                            ref(input_ids=ids, attention_mask=attn).logits, ids
+                        )
+                    kl = aggregate(
+                        kl_penalty(logp, ref_logp, s.kl_kind), mask, s.loss_agg, norm_tokens, norm_seqs
+                    )
                     loss = loss + s.kl_coef * kl
                     agg["kl"] += float(kl.item())
                 ent_m = aggregate(ent, mask, "token-mean", norm_tokens)
                 if s.entropy_coef:
                     loss = loss - s.entropy_coef * ent_m
                 if vhead is not None:
-                    vals = torch.from_numpy(_pad([seqs[i].values if seqs[i].values is not None else np.zeros(1) for i in idx], L, np.float32)).to(device)
+                    vals = torch.from_numpy(
+                        _pad(
+                            [seqs[i].values if seqs[i].values is not None else np.zeros(1) for i in idx],
+                            L,
+                            np.float32,
+                        )
+                    ).to(device)
                     rets = torch.from_numpy(_pad([seqs[i].returns for i in idx], L, np.float32)).to(device)
                     vf = value_loss(vpred, vals, rets, mask, s.clip_value, s.loss_agg, norm_tokens, norm_seqs)
                     loss = loss + s.vf_coef * vf
@@ -223,14 +269,27 @@ def train(batch_path: str | Path, model_dir: str | Path, out_dir: str | Path, se
             grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
             optim.step()
             gn = float(grad_norm.item())
-            rows.append({
-                "round": int(info["round"] or 0), "method": info["method"], "step": step, "epoch": epoch,
-                "micro_batches": len(micro), "sequences": len(mini), "tokens": int(norm_tokens),
-                "loss": agg["loss"], "pg_loss": agg["pg"], "vf_loss": agg["vf"] if vhead is not None else None,
-                "kl": agg["kl"] if ref is not None else None, "clip_frac": agg["clip"], "approx_kl": agg["akl"],
-                "entropy": agg["ent"], "grad_norm": gn if math.isfinite(gn) else float("nan"), "lr": s.lr,
-                "seconds": time.perf_counter() - t0,
-            })
+            rows.append(
+                {
+                    "round": int(info["round"] or 0),
+                    "method": info["method"],
+                    "step": step,
+                    "epoch": epoch,
+                    "micro_batches": len(micro),
+                    "sequences": len(mini),
+                    "tokens": int(norm_tokens),
+                    "loss": agg["loss"],
+                    "pg_loss": agg["pg"],
+                    "vf_loss": agg["vf"] if vhead is not None else None,
+                    "kl": agg["kl"] if ref is not None else None,
+                    "clip_frac": agg["clip"],
+                    "approx_kl": agg["akl"],
+                    "entropy": agg["ent"],
+                    "grad_norm": gn if math.isfinite(gn) else float("nan"),
+                    "lr": s.lr,
+                    "seconds": time.perf_counter() - t0,
+                }
+            )
             step += 1
             if progress is not None:
                 progress(step)

@@ -25,7 +25,11 @@ def _empty_file(lake: Lake, table: str) -> Path:
     path = lake.root / "_empty" / f"{table}.parquet"
     if not path.exists():
         spec = TABLES[table]
-        schema = spec.schema.remove(spec.schema.get_field_index("round")) if "round" in spec.schema.names else spec.schema
+        schema = (
+            spec.schema.remove(spec.schema.get_field_index("round"))
+            if "round" in spec.schema.names
+            else spec.schema
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".tmp-{uuid.uuid4().hex}.parquet")
         pq.write_table(schema.empty_table(), tmp)

@@ -25,10 +25,18 @@ def write_options(schema: pa.Schema) -> dict:
     """The lake's Parquet writer options: zstd, dictionary encoding only for the top-level string and binary
     columns (ids, methods, names). Token lists and float columns rarely repeat within a page, and building
     (then dropping) a dictionary for them made a train_batch part ~45% slower to write and ~12% larger."""
-    strings = [f.name for f in schema
-               if pa.types.is_string(f.type) or pa.types.is_large_string(f.type) or pa.types.is_binary(f.type)
-               or pa.types.is_large_binary(f.type) or pa.types.is_dictionary(f.type)]
+    strings = [
+        f.name
+        for f in schema
+        if pa.types.is_string(f.type)
+        or pa.types.is_large_string(f.type)
+        or pa.types.is_binary(f.type)
+        or pa.types.is_large_binary(f.type)
+        or pa.types.is_dictionary(f.type)
+    ]
     return {"compression": COMPRESSION, "use_dictionary": strings}
+
+
 _PART_NAME = re.compile(r"^[A-Za-z0-9_.=+-]+$")
 
 
@@ -58,8 +66,10 @@ def lake_path(root: str | os.PathLike) -> Path:
 
         url = urlparse(text)
         if url.scheme != "file":
-            raise ValueError(f"lake {text!r}: only local paths and file:// URLs are supported; mount {url.scheme}:// "
-                             "storage (s3fs-fuse, gcsfuse, NFS) and give the mount path")
+            raise ValueError(
+                f"lake {text!r}: only local paths and file:// URLs are supported; mount {url.scheme}:// "
+                "storage (s3fs-fuse, gcsfuse, NFS) and give the mount path"
+            )
         text = unquote(url.path)
     return Path(text).expanduser().resolve()
 
@@ -135,7 +145,9 @@ class Lake:
         staging.mkdir(parents=True)
         try:
             for name, tbl in parts.items():
-                self._write_file(self._prepare(table_name, tbl), staging / f"part-{safe_part_name(name)}.parquet")
+                self._write_file(
+                    self._prepare(table_name, tbl), staging / f"part-{safe_part_name(name)}.parquet"
+                )
             old = None
             if final.exists():
                 old = self.table_dir(table_name) / f".old-{uuid.uuid4().hex}"
@@ -190,7 +202,9 @@ class Lake:
                 file_cols = None
                 if columns is not None:
                     file_cols = [c for c in columns if c != "round"]
-                with pq.ParquetFile(f) as pf:  # one file: no dataset discovery (~40% less time than read_table)
+                with pq.ParquetFile(
+                    f
+                ) as pf:  # one file: no dataset discovery (~40% less time than read_table)
                     t = pf.read(columns=file_cols)
                 t = t.append_column("round", pa.array([r] * t.num_rows, pa.int32()))
                 pieces.append(t)
@@ -209,7 +223,9 @@ class Lake:
         if columns is not None:
             missing = [c for c in columns if c not in out.column_names]
             if missing:  # in no part at all (a part that lacks a column others have reads it as nulls)
-                raise KeyError(f"table {table_name!r}: no column {', '.join(map(repr, missing))} in any of its "
-                               f"{len(pieces)} part(s) read; columns: {', '.join(out.column_names)}")
+                raise KeyError(
+                    f"table {table_name!r}: no column {', '.join(map(repr, missing))} in any of its "
+                    f"{len(pieces)} part(s) read; columns: {', '.join(out.column_names)}"
+                )
             out = out.select(columns)
         return out

@@ -55,8 +55,11 @@ def _compact(values: list[float]) -> float | list[float]:
 
 
 def trajectory_payload(con, round_: int, traj_id: str, methods: list[str]) -> dict:
-    traj = _rows(con, "SELECT traj_id, group_id, reward, source, action_format FROM trajectories WHERE round = ? AND traj_id = ?",
-                 [round_, traj_id])[0]
+    traj = _rows(
+        con,
+        "SELECT traj_id, group_id, reward, source, action_format FROM trajectories WHERE round = ? AND traj_id = ?",
+        [round_, traj_id],
+    )[0]
     steps = _rows(
         con,
         "SELECT step_idx, role, turn, content, token_offsets, verifier_score, is_error FROM steps "
@@ -88,14 +91,24 @@ def trajectory_payload(con, round_: int, traj_id: str, methods: list[str]) -> di
     for s in steps:
         content = s["content"] or ""
         offs = list(s["token_offsets"] or [])
-        pieces = [content[a:b] for a, b in zip(offs, offs[1:] + [len(content)], strict=True)] if offs else [content]
+        pieces = (
+            [content[a:b] for a, b in zip(offs, offs[1:] + [len(content)], strict=True)]
+            if offs
+            else [content]
+        )
         if len(content) > 6000:  # keep the page light: long tool outputs are cut, tokens stay aligned
             keep = sum(1 for o in offs if o < 6000)
             pieces = pieces[:keep] + ["…"]
-        out_steps.append({
-            "i": s["step_idx"], "role": s["role"], "turn": s["turn"], "pieces": pieces,
-            "score": s["verifier_score"], "err": bool(s["is_error"]),
-        })
+        out_steps.append(
+            {
+                "i": s["step_idx"],
+                "role": s["role"],
+                "turn": s["turn"],
+                "pieces": pieces,
+                "score": s["verifier_score"],
+                "err": bool(s["is_error"]),
+            }
+        )
     return {
         **traj,
         "steps": out_steps,
@@ -112,8 +125,11 @@ def gather(lake: Lake, rounds: list[int] | None = None, n_traj: int = 8) -> dict
         rounds = rounds or all_rounds
         rounds = [r for r in rounds if r in all_rounds]
         summary = _rows(con, "SELECT * FROM credit_summary ORDER BY round, method")
-        by_turn = _rows(con, "SELECT round, method, turn, mean_adv, share_positive, tokens FROM credit_by_turn "
-                             "WHERE turn IS NOT NULL ORDER BY round, method, turn")
+        by_turn = _rows(
+            con,
+            "SELECT round, method, turn, mean_adv, share_positive, tokens FROM credit_by_turn "
+            "WHERE turn IS NOT NULL ORDER BY round, method, turn",
+        )
         categories = _rows(
             con,
             """
@@ -132,12 +148,22 @@ def gather(lake: Lake, rounds: list[int] | None = None, n_traj: int = 8) -> dict
             "SELECT round, method, components.w AS w FROM advantages WHERE role = 'assistant' "
             "AND components.w IS NOT NULL",
         )
-        behaviors = _rows(con, "SELECT round, behavior, count(*) AS spans, avg(severity) AS severity FROM spans "
-                               "GROUP BY ALL ORDER BY round, behavior")
-        quarantine = _rows(con, "SELECT round, reason, count(*) AS n FROM quarantine GROUP BY ALL ORDER BY round, n DESC")
+        behaviors = _rows(
+            con,
+            "SELECT round, behavior, count(*) AS spans, avg(severity) AS severity FROM spans "
+            "GROUP BY ALL ORDER BY round, behavior",
+        )
+        quarantine = _rows(
+            con, "SELECT round, reason, count(*) AS n FROM quarantine GROUP BY ALL ORDER BY round, n DESC"
+        )
         trajs = []
         for r in rounds:
-            methods = [row["method"] for row in _rows(con, "SELECT DISTINCT method FROM advantages WHERE round = ? ORDER BY 1", [r])]
+            methods = [
+                row["method"]
+                for row in _rows(
+                    con, "SELECT DISTINCT method FROM advantages WHERE round = ? ORDER BY 1", [r]
+                )
+            ]
             for tid in pick_trajectories(con, r, n_traj):
                 payload = trajectory_payload(con, r, tid, methods)
                 payload["round"] = r

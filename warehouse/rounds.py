@@ -19,7 +19,9 @@ def batch_name(index: int) -> str:
     return f"b{index:05d}"
 
 
-def split_groups(trajectories: pa.Table, steps: pa.Table, batch_groups: int) -> list[tuple[pa.Table, pa.Table]]:
+def split_groups(
+    trajectories: pa.Table, steps: pa.Table, batch_groups: int
+) -> list[tuple[pa.Table, pa.Table]]:
     """Split a round into batches of whole groups (groups in sorted order)."""
     import polars as pl
 
@@ -34,8 +36,14 @@ def split_groups(trajectories: pa.Table, steps: pa.Table, batch_groups: int) -> 
     return out
 
 
-def write_round(lake: Lake, round_: int, trajectories: pa.Table, steps: pa.Table, batch_groups: int = 64,
-                quarantine: pa.Table | None = None) -> list[str]:
+def write_round(
+    lake: Lake,
+    round_: int,
+    trajectories: pa.Table,
+    steps: pa.Table,
+    batch_groups: int = 64,
+    quarantine: pa.Table | None = None,
+) -> list[str]:
     """Replace the round's trajectories and steps partitions with aligned batch parts."""
     batches = split_groups(trajectories, steps, batch_groups) or [(trajectories, steps)]
     names = [batch_name(i) for i in range(len(batches))]
@@ -57,7 +65,9 @@ def write_round_parts(lake: Lake, round_: int, batches: Iterable[tuple[pa.Table,
         for index, batch in enumerate(batches):
             name = batch_name(index)
             for table_name, table in zip(tables, batch, strict=True):
-                lake._write_file(lake._prepare(table_name, table), staging[table_name] / f"part-{name}.parquet")
+                lake._write_file(
+                    lake._prepare(table_name, table), staging[table_name] / f"part-{name}.parquet"
+                )
             names.append(name)
         if not names:
             from schemas import TABLES

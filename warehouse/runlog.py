@@ -15,10 +15,21 @@ from warehouse.lake import Lake, safe_part_name
 TABLE = "stage_runs"
 
 
-def record_stage_run(lake: Lake, round_: int, stage: str, batch: str, *, seconds: float, trajectories: int = 0,
-                     steps: int = 0, tokens: int = 0, rows_out: dict[str, int] | None = None,
-                     notes: dict[str, float] | None = None, warnings: list[str] | None = None,
-                     cache_key: str | None = None) -> None:
+def record_stage_run(
+    lake: Lake,
+    round_: int,
+    stage: str,
+    batch: str,
+    *,
+    seconds: float,
+    trajectories: int = 0,
+    steps: int = 0,
+    tokens: int = 0,
+    rows_out: dict[str, int] | None = None,
+    notes: dict[str, float] | None = None,
+    warnings: list[str] | None = None,
+    cache_key: str | None = None,
+) -> None:
     row = {
         "round": [int(round_)],
         "stage": [stage],
@@ -83,7 +94,9 @@ def stage_seconds(runs: pa.Table) -> dict[str, float]:
     if runs.num_rows == 0:
         return {}
     grouped = runs.group_by("stage").aggregate([("seconds", "sum")])
-    return dict(zip(grouped.column("stage").to_pylist(), grouped.column("seconds_sum").to_pylist(), strict=True))
+    return dict(
+        zip(grouped.column("stage").to_pylist(), grouped.column("seconds_sum").to_pylist(), strict=True)
+    )
 
 
 def total_notes(runs: pa.Table, stages: list[str] | None = None) -> dict[str, float]:

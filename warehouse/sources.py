@@ -19,8 +19,15 @@ def source_files(paths: Iterable[str | Path], extensions: Iterable[str]) -> list
     for raw in paths:
         path = Path(raw).expanduser()
         if path.is_dir():
-            out.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(exts)
-                              and not any(part.startswith(".") for part in p.relative_to(path).parts)))
+            out.extend(
+                sorted(
+                    p
+                    for p in path.rglob("*")
+                    if p.is_file()
+                    and p.name.endswith(exts)
+                    and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                )
+            )
         elif path.exists():
             out.append(path)
         else:
@@ -61,8 +68,11 @@ def read_table_sources(paths: Iterable[str | Path]) -> list[tuple[str, dict[str,
                 if name in f.name:
                     loose[name].append(f)
     if any(loose.values()):
-        tables = {name: pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive")
-                  for name, files in loose.items() if files}
+        tables = {
+            name: pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive")
+            for name, files in loose.items()
+            if files
+        }
         where = ",".join(str(f) for files in loose.values() for f in files)
         out.append((where, tables))
     return out

@@ -12,8 +12,9 @@ from pipeline.stages import StageOutput, annotation_stage
 ANNOTATORS = ("rules", "llm")
 
 
-def run_annotator(steps: pa.Table, config: Config, annotator: str | None = None,
-                  annotator_id: str | None = None) -> StageOutput:
+def run_annotator(
+    steps: pa.Table, config: Config, annotator: str | None = None, annotator_id: str | None = None
+) -> StageOutput:
     """Annotate one batch with the named annotator (default: config.annotator)."""
     import pipeline.annotate.settings  # noqa: F401  (registers the settings models)
 
@@ -21,7 +22,9 @@ def run_annotator(steps: pa.Table, config: Config, annotator: str | None = None,
     if kind == "rules":
         from pipeline.annotate.rules import ANNOTATOR_ID, annotate_rules
 
-        nodes, edges, notes = annotate_rules(steps, config.stage("annotate_rules"), annotator_id or ANNOTATOR_ID)
+        nodes, edges, notes = annotate_rules(
+            steps, config.stage("annotate_rules"), annotator_id or ANNOTATOR_ID
+        )
         return StageOutput(tables={"nodes": nodes, "edges": edges}, notes=notes)
     if kind == "llm":
         from pipeline.annotate.llm import annotate_llm
@@ -30,8 +33,15 @@ def run_annotator(steps: pa.Table, config: Config, annotator: str | None = None,
     raise ValueError(f"unknown IAPO annotator {kind!r}; choose one of {ANNOTATORS}")
 
 
-@annotation_stage("annotate", produces=("nodes", "edges"), order=20, uses_llm=True,
-                  llm_if=lambda config: (config.annotator or "rules").strip() == "llm")
-def annotate(trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict[str, pa.Table]) -> StageOutput:
+@annotation_stage(
+    "annotate",
+    produces=("nodes", "edges"),
+    order=20,
+    uses_llm=True,
+    llm_if=lambda config: (config.annotator or "rules").strip() == "llm",
+)
+def annotate(
+    trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict[str, pa.Table]
+) -> StageOutput:
     """IAPO dependency graphs for one batch (annotator from config.annotator)."""
     return run_annotator(steps, config)

@@ -24,9 +24,13 @@ from pipeline.credit.ops import group_normalize
 def _actions(steps: pa.Table) -> pl.DataFrame:
     lengths = pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False)
     s = pl.from_arrow(steps.select(["traj_id", "step_idx", "role", "turn"])).with_columns(
-        pl.Series("L", lengths).cast(pl.Float64))
-    return (s.filter((pl.col("role") == "assistant") & (pl.col("L") > 0))
-            .sort("traj_id", "step_idx").select("traj_id", pl.col("turn").cast(pl.Int64), "L"))
+        pl.Series("L", lengths).cast(pl.Float64)
+    )
+    return (
+        s.filter((pl.col("role") == "assistant") & (pl.col("L") > 0))
+        .sort("traj_id", "step_idx")
+        .select("traj_id", pl.col("turn").cast(pl.Int64), "L")
+    )
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
@@ -55,18 +59,32 @@ def cohen_kappa(a: np.ndarray, b: np.ndarray) -> float:
     return float((po - pe) / (1 - pe))
 
 
-def _routing(actions: pl.DataFrame, nodes: pl.DataFrame, edges: pl.DataFrame, a_sign: np.ndarray,
-             traj_index: dict[str, int], s: IAPOSettings) -> dict[str, np.ndarray]:
+def _routing(
+    actions: pl.DataFrame,
+    nodes: pl.DataFrame,
+    edges: pl.DataFrame,
+    a_sign: np.ndarray,
+    traj_index: dict[str, int],
+    s: IAPOSettings,
+) -> dict[str, np.ndarray]:
     feats, _ = graph_features(actions.select("traj_id", "turn"), nodes, edges)
     seg = np.array([traj_index[t] for t in actions["traj_id"].to_list()], dtype=np.int64)
-    out = route_weights(feats["phi_plus"], feats["phi_minus"], actions["L"].to_numpy(), seg, len(traj_index),
-                        a_sign, s)
+    out = route_weights(
+        feats["phi_plus"], feats["phi_minus"], actions["L"].to_numpy(), seg, len(traj_index), a_sign, s
+    )
     out["e"] = feats["e"]
     return out
 
 
-def compare(trajectories: pa.Table, steps: pa.Table, nodes_a: pa.Table, edges_a: pa.Table, nodes_b: pa.Table,
-            edges_b: pa.Table, settings: IAPOSettings | None = None) -> dict[str, float]:
+def compare(
+    trajectories: pa.Table,
+    steps: pa.Table,
+    nodes_a: pa.Table,
+    edges_a: pa.Table,
+    nodes_b: pa.Table,
+    edges_b: pa.Table,
+    settings: IAPOSettings | None = None,
+) -> dict[str, float]:
     s = settings or IAPOSettings()
     traj = pl.from_arrow(trajectories.select(["traj_id", "group_id", "reward"])).sort("traj_id")
     traj_index = {t: k for k, t in enumerate(traj["traj_id"].to_list())}
@@ -87,8 +105,10 @@ def compare(trajectories: pa.Table, steps: pa.Table, nodes_a: pa.Table, edges_a:
     for (t, i, j, _), d in [(x, src_a) for x in sa] + [(x, src_b) for x in sb]:
         d.setdefault((t, j), set()).add(i)
     keys = set(src_a) | set(src_b)
-    jac = [len(src_a.get(k, set()) & src_b.get(k, set())) / len(src_a.get(k, set()) | src_b.get(k, set()))
-           for k in keys]
+    jac = [
+        len(src_a.get(k, set()) & src_b.get(k, set())) / len(src_a.get(k, set()) | src_b.get(k, set()))
+        for k in keys
+    ]
     seg = np.array([traj_index[t] for t in actions["traj_id"].to_list()], dtype=np.int64)
     ah = a_hat[seg]
     live = ah != 0
@@ -97,7 +117,9 @@ def compare(trajectories: pa.Table, steps: pa.Table, nodes_a: pa.Table, edges_a:
         d = ah * (w - 1.0)
         return np.where(np.abs(w - 1.0) < 1e-9, 0.0, np.sign(d))
 
-    sign_agree = float(np.mean(dev_sign(ra["w"])[live] == dev_sign(rb["w"])[live])) if live.any() else float("nan")
+    sign_agree = (
+        float(np.mean(dev_sign(ra["w"])[live] == dev_sign(rb["w"])[live])) if live.any() else float("nan")
+    )
     return {
         "trajectories": float(len(traj_index)),
         "actions": float(actions.height),
@@ -110,7 +132,9 @@ def compare(trajectories: pa.Table, steps: pa.Table, nodes_a: pa.Table, edges_a:
         "spearman_m_minus": spearman(ra["m_minus"], rb["m_minus"]),
         "routed_sign_agreement": sign_agree,
         "parse_failed_a": float(na.filter(pl.col("parse_failed").fill_null(False))["traj_id"].n_unique())
-        if na.height else 0.0,
+        if na.height
+        else 0.0,
         "parse_failed_b": float(nb.filter(pl.col("parse_failed").fill_null(False))["traj_id"].n_unique())
-        if nb.height else 0.0,
+        if nb.height
+        else 0.0,
     }

@@ -72,6 +72,7 @@ Answer with one JSON object and nothing else:
   branch or recovery it binds to"}}]}}]}}
 with one entry per assistant action, in order."""
 
+
 class _Source(BaseModel):
     source: str
     type: Literal["input", "success_utilization", "failed_utilization"]
@@ -214,8 +215,9 @@ def _as_int(v: Any) -> int | None:
     return None
 
 
-def validate_answer(entries: list[dict], idx: TranscriptIndex, max_chars: int = 200
-                    ) -> tuple[dict[int, list], list[tuple], dict[str, int]]:
+def validate_answer(
+    entries: list[dict], idx: TranscriptIndex, max_chars: int = 200
+) -> tuple[dict[int, list], list[tuple], dict[str, int]]:
     """-> ({turn: [error, error_kind, u_dir]}, [(i, j, type, info, binding)], counts of dropped items)."""
     actions = set(idx.actions)
     nodes: dict[int, list] = {t: [0, "none", 0] for t in idx.actions}
@@ -275,7 +277,10 @@ def validate_answer(entries: list[dict], idx: TranscriptIndex, max_chars: int = 
             if key in edges:
                 dropped["duplicate"] += 1
                 continue
-            edges[key] = (str(src.get("info_unit") or "")[:max_chars], str(src.get("binding") or "")[:max_chars])
+            edges[key] = (
+                str(src.get("info_unit") or "")[:max_chars],
+                str(src.get("binding") or "")[:max_chars],
+            )
     for j, users in user_dir.items():
         nodes[j][2] = len(users)
     return nodes, [(i, j, t, *edges[(i, j, t)]) for (i, j, t) in sorted(edges)], dict(dropped)
@@ -283,8 +288,11 @@ def validate_answer(entries: list[dict], idx: TranscriptIndex, max_chars: int = 
 
 # ---- the stage --------------------------------------------------------------------------------------
 def _split_trajectories(steps: pa.Table) -> list[tuple[str, list[dict]]]:
-    cols = [c for c in ("traj_id", "step_idx", "role", "turn", "content", "tool_calls", "tool_call_id", "is_error")
-            if c in steps.column_names]
+    cols = [
+        c
+        for c in ("traj_id", "step_idx", "role", "turn", "content", "tool_calls", "tool_call_id", "is_error")
+        if c in steps.column_names
+    ]
     rows = steps.select(cols).sort_by([("traj_id", "ascending"), ("step_idx", "ascending")]).to_pylist()
     out: list[tuple[str, list[dict]]] = []
     for row in rows:
@@ -294,7 +302,9 @@ def _split_trajectories(steps: pa.Table) -> list[tuple[str, list[dict]]]:
     return out
 
 
-def annotate_llm(steps: pa.Table, config: Config, annotator_id: str | None = None, client=None) -> StageOutput:
+def annotate_llm(
+    steps: pa.Table, config: Config, annotator_id: str | None = None, client=None
+) -> StageOutput:
     """The llm annotator over a batch of steps (one request per trajectory, concurrent)."""
     from pipeline.llm.client import LLMClient, LLMError, LLMRequest, LLMSettings
 
@@ -302,7 +312,9 @@ def annotate_llm(steps: pa.Table, config: Config, annotator_id: str | None = Non
     if client is None:
         overrides = {"model": s.model} if s.model else {}
         client = LLMClient(LLMSettings.from_config(config, **overrides))
-    round_ = int(steps.column("round")[0].as_py() or 0) if "round" in steps.column_names and steps.num_rows else 0
+    round_ = (
+        int(steps.column("round")[0].as_py() or 0) if "round" in steps.column_names and steps.num_rows else 0
+    )
     trajs = _split_trajectories(steps)
     prepared = []
     for tid, rows in trajs:
@@ -339,9 +351,15 @@ def annotate_llm(steps: pa.Table, config: Config, annotator_id: str | None = Non
                 notes["malformed_answers"] += 1
                 if attempt < s.retries:
                     retry.append(k)
-                    convo[k] = [*convo[k], {"role": "assistant", "content": text[:4000]},
-                                {"role": "user", "content": f"That answer was not valid ({str(exc)[:200]}). Answer "
-                                 "again with only the JSON object described in the instructions."}]
+                    convo[k] = [
+                        *convo[k],
+                        {"role": "assistant", "content": text[:4000]},
+                        {
+                            "role": "user",
+                            "content": f"That answer was not valid ({str(exc)[:200]}). Answer "
+                            "again with only the JSON object described in the instructions.",
+                        },
+                    ]
         pending = retry
     ann_id = annotator_id or s.annotator_id or f"llm:{model_name or 'default'}"
     n: dict[str, list] = defaultdict(list)
@@ -369,6 +387,8 @@ def annotate_llm(steps: pa.Table, config: Config, annotator_id: str | None = Non
     notes["edges"] = float(edges_t.num_rows)
     warnings = []
     if notes.get("llm_errors"):
-        warnings.append(f"iapo llm annotator: {int(notes['llm_errors'])} request(s) failed; those trajectories "
-                        "fall back to uniform weights")
+        warnings.append(
+            f"iapo llm annotator: {int(notes['llm_errors'])} request(s) failed; those trajectories "
+            "fall back to uniform weights"
+        )
     return StageOutput(tables={"nodes": nodes_t, "edges": edges_t}, notes=dict(notes), warnings=warnings)

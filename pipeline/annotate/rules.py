@@ -47,9 +47,47 @@ _NUMERIC = re.compile(r"^[+-]?\d+(\.\d+)?$")
 _UPPER_CODE = re.compile(r"^[A-Z][A-Z0-9]{2,9}$")
 _TITLE = re.compile(r"^[A-Z][a-z]+(?:[ '-][A-Z][a-z]+)*$")
 _UPPER_STOP = {
-    "EST", "PST", "CST", "MST", "UTC", "GMT", "YES", "NO", "OK", "THE", "AND", "FOR", "NOT", "YOU", "ARE",
-    "BUT", "ALL", "ANY", "CAN", "HAS", "HAVE", "WILL", "JSON", "API", "TRANSFER", "STOP", "NOTE", "PLEASE",
-    "HOLD", "AGENT", "HUMAN", "BEING", "TRANSFERRED", "ON", "TO", "A", "YOUR", "THIS", "THAT", "WITH", "ID",
+    "EST",
+    "PST",
+    "CST",
+    "MST",
+    "UTC",
+    "GMT",
+    "YES",
+    "NO",
+    "OK",
+    "THE",
+    "AND",
+    "FOR",
+    "NOT",
+    "YOU",
+    "ARE",
+    "BUT",
+    "ALL",
+    "ANY",
+    "CAN",
+    "HAS",
+    "HAVE",
+    "WILL",
+    "JSON",
+    "API",
+    "TRANSFER",
+    "STOP",
+    "NOTE",
+    "PLEASE",
+    "HOLD",
+    "AGENT",
+    "HUMAN",
+    "BEING",
+    "TRANSFERRED",
+    "ON",
+    "TO",
+    "A",
+    "YOUR",
+    "THIS",
+    "THAT",
+    "WITH",
+    "ID",
 }
 _ERROR_TEXT = re.compile(r"^\s*(error\b|exception\b|traceback\b)", re.IGNORECASE)
 _REJECTION = re.compile(
@@ -176,7 +214,9 @@ def _strip_tool_calls(content: str) -> str:
 
 
 # ---- per trajectory ---------------------------------------------------------------------------------
-def annotate_trajectory(rows: list[dict], s: RulesAnnotatorSettings) -> tuple[dict[int, tuple[str, int]], list[tuple]]:
+def annotate_trajectory(
+    rows: list[dict], s: RulesAnnotatorSettings
+) -> tuple[dict[int, tuple[str, int]], list[tuple]]:
     """One trajectory's steps (in step order) -> ({turn: (error_kind, u_dir)}, [edges]).
 
     An edge is (src_turn, dst_turn, type, info_unit, binding)."""
@@ -277,7 +317,9 @@ def annotate_trajectory(rows: list[dict], s: RulesAnnotatorSettings) -> tuple[di
         if bound and sources:
             _cover(turn, bound, sources, nodes, add_edge)
         last_action = turn
-    return {t: (k, u) for t, (k, u) in nodes.items()}, [(i, j, t, *edges[(i, j, t)]) for (i, j, t) in sorted(edges)]
+    return {t: (k, u) for t, (k, u) in nodes.items()}, [
+        (i, j, t, *edges[(i, j, t)]) for (i, j, t) in sorted(edges)
+    ]
 
 
 def _cover(turn: int, bound: dict[str, str], sources, nodes, add_edge) -> None:
@@ -295,7 +337,9 @@ def _cover(turn: int, bound: dict[str, str], sources, nodes, add_edge) -> None:
             entry[2][v].add(kind)
     remaining = set(bound)
     while remaining and by_key:
-        key, (order, units, kinds) = min(by_key.items(), key=lambda kv: (-len(kv[1][1] & remaining), kv[1][0]))
+        key, (order, units, kinds) = min(
+            by_key.items(), key=lambda kv: (-len(kv[1][1] & remaining), kv[1][0])
+        )
         new = units & remaining
         if not new:
             break
@@ -311,8 +355,9 @@ def _cover(turn: int, bound: dict[str, str], sources, nodes, add_edge) -> None:
         add_edge(int(key[1]), turn, typ, info, binding)
 
 
-def annotate_rules(steps: pa.Table, settings: RulesAnnotatorSettings | None = None,
-                   annotator_id: str = ANNOTATOR_ID) -> tuple[pa.Table, pa.Table, dict[str, float]]:
+def annotate_rules(
+    steps: pa.Table, settings: RulesAnnotatorSettings | None = None, annotator_id: str = ANNOTATOR_ID
+) -> tuple[pa.Table, pa.Table, dict[str, float]]:
     """The rules annotator over a batch of steps -> (nodes, edges, notes)."""
     s = settings or RulesAnnotatorSettings()
     cols = ["traj_id", "step_idx", "role", "turn", "content", "tool_calls", "tool_call_id", "is_error"]

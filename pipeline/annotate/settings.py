@@ -25,7 +25,8 @@ class RulesAnnotatorSettings(StageSettings):
         "erroneous action (it must fall back because of it)",
     )
     repeat_edges: bool = Field(
-        True, description="a later identical tool call (same name, same canonical arguments) of an errored call "
+        True,
+        description="a later identical tool call (same name, same canonical arguments) of an errored call "
         "is a failed_utilization edge",
     )
     rejections: bool = Field(True, description="explicit user rejections of the preceding action set e = 1")
@@ -35,13 +36,21 @@ class RulesAnnotatorSettings(StageSettings):
 @register_settings("annotate_llm")
 class LLMAnnotatorSettings(StageSettings):
     model: str | None = Field(None, description="annotator model (None: the LLM client's default model)")
-    retries: int = Field(1, ge=0, description="re-asks after a malformed answer before recording a parse failure")
+    retries: int = Field(
+        1, ge=0, description="re-asks after a malformed answer before recording a parse failure"
+    )
     max_tokens: int = Field(2048, ge=64, description="answer budget per trajectory")
     structured_output: bool = Field(
         True, description="send response_format json_schema (servers that reject it get plain JSON mode)"
     )
     max_message_chars: int = Field(
-        4000, ge=100, description="characters of one message sent to the annotator (longer ones are cut in the middle)"
+        4000,
+        ge=100,
+        description="characters of one message sent to the annotator (longer ones are cut in the middle)",
     )
-    include_system: bool = Field(False, description="send system messages too (policy text; no action cites them)")
-    annotator_id: str | None = Field(None, description="annotator id written to nodes/edges (None: llm:<model>)")
+    include_system: bool = Field(
+        False, description="send system messages too (policy text; no action cites them)"
+    )
+    annotator_id: str | None = Field(
+        None, description="annotator id written to nodes/edges (None: llm:<model>)"
+    )

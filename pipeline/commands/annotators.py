@@ -10,8 +10,9 @@ from pathlib import Path
 
 import typer
 
-annotators_app = typer.Typer(help="IAPO annotators: run one into the lake, compare two (paper Table 4)",
-                             no_args_is_help=True)
+annotators_app = typer.Typer(
+    help="IAPO annotators: run one into the lake, compare two (paper Table 4)", no_args_is_help=True
+)
 
 
 def _spec(spec: str) -> tuple[str, str | None]:
@@ -27,8 +28,15 @@ def _config(lake: Path, config: Path | None, sets: list[str], model: str | None)
     return load_config(config, [*sets, *extra], lake=str(lake))
 
 
-def annotate_into_lake(lake_dir: Path, round_: int, spec: str, config: Path | None = None, sets: list[str] | None = None,
-                       annotator_id: str | None = None, force: bool = False) -> str:
+def annotate_into_lake(
+    lake_dir: Path,
+    round_: int,
+    spec: str,
+    config: Path | None = None,
+    sets: list[str] | None = None,
+    annotator_id: str | None = None,
+    force: bool = False,
+) -> str:
     """Annotate every batch of a round with one annotator; returns the annotator id written."""
     from pipeline.annotate import run_annotator
     from warehouse.lake import Lake, safe_part_name
@@ -63,9 +71,18 @@ def _read_annotator(lake, table: str, round_: int, ann_id: str):
     return t.filter(pc.equal(t.column("annotator"), ann_id))
 
 
-def compare_in_lake(lake_dir: Path, round_: int, a: str, b: str, config: Path | None = None,
-                    sets: list[str] | None = None, id_a: str | None = None, id_b: str | None = None,
-                    force: bool = False, sets_b: list[str] | None = None) -> dict[str, float]:
+def compare_in_lake(
+    lake_dir: Path,
+    round_: int,
+    a: str,
+    b: str,
+    config: Path | None = None,
+    sets: list[str] | None = None,
+    id_a: str | None = None,
+    id_b: str | None = None,
+    force: bool = False,
+    sets_b: list[str] | None = None,
+) -> dict[str, float]:
     from pipeline.annotate.compare import compare
     from warehouse.lake import Lake
 
@@ -74,9 +91,14 @@ def compare_in_lake(lake_dir: Path, round_: int, a: str, b: str, config: Path | 
     if ida == idb:
         raise typer.BadParameter(f"both annotators write id {ida!r}; give --id-a / --id-b")
     lake = Lake(lake_dir)
-    res = compare(lake.read("trajectories", round_), lake.read("steps", round_),
-                  _read_annotator(lake, "nodes", round_, ida), _read_annotator(lake, "edges", round_, ida),
-                  _read_annotator(lake, "nodes", round_, idb), _read_annotator(lake, "edges", round_, idb))
+    res = compare(
+        lake.read("trajectories", round_),
+        lake.read("steps", round_),
+        _read_annotator(lake, "nodes", round_, ida),
+        _read_annotator(lake, "edges", round_, ida),
+        _read_annotator(lake, "nodes", round_, idb),
+        _read_annotator(lake, "edges", round_, idb),
+    )
     return {"annotator_a": ida, "annotator_b": idb, **res}
 
 
@@ -101,7 +123,9 @@ def register(app: typer.Typer) -> None:
         b: str = typer.Argument(..., help="annotator B"),
         lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
         round_: int = typer.Option(..., "--round", help="round"),
-        id_a: str | None = typer.Option(None, "--id-a", help="annotator id for A (default: rules / llm:<model>)"),
+        id_a: str | None = typer.Option(
+            None, "--id-a", help="annotator id for A (default: rules / llm:<model>)"
+        ),
         id_b: str | None = typer.Option(None, "--id-b", help="annotator id for B"),
         config: Path | None = typer.Option(None, "--config", help="YAML config file"),
         sets: list[str] = typer.Option([], "--set", help="override: stage.key=value (repeatable)"),
@@ -117,7 +141,9 @@ def register(app: typer.Typer) -> None:
             return
         from pipeline.display import print_kv
 
-        print_kv(f"annotator agreement, round {round_}",
-                 {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()})
+        print_kv(
+            f"annotator agreement, round {round_}",
+            {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()},
+        )
 
     app.add_typer(annotators_app, name="annotators")

@@ -32,7 +32,9 @@ def demo_methods(action_formats: set[str]) -> list[str]:
 def register(app: typer.Typer) -> None:
     @app.command("demo")
     def demo_cmd(
-        lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder (created; rounds 0 and 1 replaced)"),
+        lake: Path = typer.Option(
+            Path("lake"), "--lake", help="lake folder (created; rounds 0 and 1 replaced)"
+        ),
         groups: int = typer.Option(32, help="synthetic groups in round 1"),
         samples: int = typer.Option(8, help="samples per synthetic group"),
         turns: int = typer.Option(5, help="assistant turns per synthetic trajectory"),
@@ -52,18 +54,49 @@ def register(app: typer.Typer) -> None:
         def run(*args: str) -> None:
             cli([str(a) for a in args], standalone_mode=False)
 
-        console.print("[bold]1/4[/bold] ingest the shipped tau-bench sample (real gpt-4o airline trajectories) -> round 0")
-        run("ingest", DATA / "tau_bench_v1" / "gpt-4o-airline.json", "--format", "tau-bench", "--lake", lake,
-            "--round", 0, "--batch-groups", 16)
+        console.print(
+            "[bold]1/4[/bold] ingest the shipped tau-bench sample (real gpt-4o airline trajectories) -> round 0"
+        )
+        run(
+            "ingest",
+            DATA / "tau_bench_v1" / "gpt-4o-airline.json",
+            "--format",
+            "tau-bench",
+            "--lake",
+            lake,
+            "--round",
+            0,
+            "--batch-groups",
+            16,
+        )
         console.print("[bold]2/4[/bold] synthesise a search-QA + tool-service round -> round 1")
-        run("synth", "--groups", groups, "--samples", samples, "--turns", turns, "--tokens", tokens, "--out", lake,
-            "--round", 1, "--batch-groups", 16)
+        run(
+            "synth",
+            "--groups",
+            groups,
+            "--samples",
+            samples,
+            "--turns",
+            turns,
+            "--tokens",
+            tokens,
+            "--out",
+            lake,
+            "--round",
+            1,
+            "--batch-groups",
+            16,
+        )
 
         console.print("[bold]3/4[/bold] detect, annotate and compute credit")
         for round_ in (0, 1):
             methods = demo_methods(set())
             if round_ == 0:  # tau-bench has no per-turn verifier scores and no critic values
-                methods = [m for m in methods if m.split("+")[0] not in NEEDS_TURN_SCORES | {"gae", "gae_pr", "turn_ppo"}]
+                methods = [
+                    m
+                    for m in methods
+                    if m.split("+")[0] not in NEEDS_TURN_SCORES | {"gae", "gae_pr", "turn_ppo"}
+                ]
             run("process", "--lake", lake, "--round", round_, "--methods", ",".join(methods))
 
         from warehouse.catalog import query
@@ -85,10 +118,20 @@ def register(app: typer.Typer) -> None:
         except ImportError:
             outputs["report"] = "(report module not installed)"
         outputs["seconds"] = round(time.perf_counter() - t0, 1)
-        outputs["try"] = f"./dev query --lake {lake} \"select * from credit_by_turn where round = 1\""
+        outputs["try"] = f'./dev query --lake {lake} "select * from credit_by_turn where round = 1"'
         print_kv("creditflow demo: done", outputs)
 
 
 # estimators that need per-turn verifier scores (absent from tau-bench)
-NEEDS_TURN_SCORES = {"tcpo", "tcpo_retro", "tcpo_retro_hin", "tcpo_random_cf", "tcpo_all_cf", "turn_reward",
-                     "delta_reward", "traj_reward", "mt_grpo", "gigpo"}
+NEEDS_TURN_SCORES = {
+    "tcpo",
+    "tcpo_retro",
+    "tcpo_retro_hin",
+    "tcpo_random_cf",
+    "tcpo_all_cf",
+    "turn_reward",
+    "delta_reward",
+    "traj_reward",
+    "mt_grpo",
+    "gigpo",
+}

@@ -11,11 +11,19 @@ def register(app: typer.Typer) -> None:
     @app.command("ingest")
     def ingest_cmd(
         sources: list[Path] = typer.Argument(..., help="input file(s) or folder(s)"),
-        fmt: str = typer.Option(..., "--format", "-f", help="chat-jsonl | tau-bench | tau2-bench | react | ldb | parquet | rllm | areal | roll | trl | verl-batch"),
+        fmt: str = typer.Option(
+            ...,
+            "--format",
+            "-f",
+            help="chat-jsonl | tau-bench | tau2-bench | react | ldb | parquet | rllm | areal | roll | trl | verl-batch",
+        ),
         lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
-        round_: int = typer.Option(..., "--round", help="round to write (replaces the round's ingest tables)"),
+        round_: int = typer.Option(
+            ..., "--round", help="round to write (replaces the round's ingest tables)"
+        ),
         tokenizer: str | None = typer.Option(
-            None, "--tokenizer", help="tokenizer.json path, 'bytes', or default SmolLM2"),
+            None, "--tokenizer", help="tokenizer.json path, 'bytes', or default SmolLM2"
+        ),
         batch_groups: int = typer.Option(64, "--batch-groups", help="groups per part (unit of processing)"),
         strict: bool = typer.Option(False, "--strict", help="exit non-zero when any record was quarantined"),
     ) -> None:
@@ -79,7 +87,9 @@ def register(app: typer.Typer) -> None:
             summary["approximate token offsets"] = result.stats["offsets_approximate"]
         summary["parts written"] = len(parts)
         print_kv(f"ingest {fmt}", summary)
-        console.print(f"written: {store.root} (trajectories, steps, quarantine; round={round_})", soft_wrap=True)
+        console.print(
+            f"written: {store.root} (trajectories, steps, quarantine; round={round_})", soft_wrap=True
+        )
         if strict and result.quarantine.num_rows:
             console.print(f"[red]--strict: {result.quarantine.num_rows} record(s) quarantined[/red]")
             raise typer.Exit(1)

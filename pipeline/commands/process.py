@@ -18,14 +18,30 @@ def register(app: typer.Typer) -> None:
     def process_cmd(
         lake: str | None = typer.Option(None, "--lake", help="lake folder or file:// URL (config: lake)"),
         round_: int = typer.Option(..., "--round", help="round to process"),
-        methods: str | None = typer.Option(None, "--methods", help="comma-separated method chains (config: methods)"),
-        config: Path | None = typer.Option(None, "--config", help="YAML config file (see config.example.yaml)"),
-        sets: list[str] = typer.Option([], "--set", help="override: key=value or stage.key=value (repeatable)"),
-        annotator: str | None = typer.Option(None, "--annotator", help="IAPO annotator: rules | llm (config: annotator)"),
-        task_runner: str | None = typer.Option(None, "--task-runner", help="threads | ray | dask (config: task_runner)"),
-        max_workers: int | None = typer.Option(None, "--max-workers", help="parallel batches (config: max_workers)"),
-        address: str | None = typer.Option(None, "--address", help="Ray/Dask cluster address (config: task_runner_address)"),
-        no_cache: bool = typer.Option(False, "--no-cache", help="recompute every stage (config: flow.cache=false)"),
+        methods: str | None = typer.Option(
+            None, "--methods", help="comma-separated method chains (config: methods)"
+        ),
+        config: Path | None = typer.Option(
+            None, "--config", help="YAML config file (see config.example.yaml)"
+        ),
+        sets: list[str] = typer.Option(
+            [], "--set", help="override: key=value or stage.key=value (repeatable)"
+        ),
+        annotator: str | None = typer.Option(
+            None, "--annotator", help="IAPO annotator: rules | llm (config: annotator)"
+        ),
+        task_runner: str | None = typer.Option(
+            None, "--task-runner", help="threads | ray | dask (config: task_runner)"
+        ),
+        max_workers: int | None = typer.Option(
+            None, "--max-workers", help="parallel batches (config: max_workers)"
+        ),
+        address: str | None = typer.Option(
+            None, "--address", help="Ray/Dask cluster address (config: task_runner_address)"
+        ),
+        no_cache: bool = typer.Option(
+            False, "--no-cache", help="recompute every stage (config: flow.cache=false)"
+        ),
     ) -> None:
         """Run the process-round flow: detect, annotate, counterfactuals, credit for every method, export."""
         from flows.run import run_process
@@ -33,8 +49,16 @@ def register(app: typer.Typer) -> None:
 
         if no_cache:
             sets = [*sets, "flow.cache=false"]
-        cfg = load_config(config, sets, lake=lake, methods=_methods(methods), annotator=annotator,
-                          task_runner=task_runner, max_workers=max_workers, task_runner_address=address)
+        cfg = load_config(
+            config,
+            sets,
+            lake=lake,
+            methods=_methods(methods),
+            annotator=annotator,
+            task_runner=task_runner,
+            max_workers=max_workers,
+            task_runner_address=address,
+        )
         run_process(cfg, round_)
 
     @app.command("export")
@@ -43,7 +67,11 @@ def register(app: typer.Typer) -> None:
         round_: int = typer.Option(..., "--round", help="round"),
         method: str = typer.Option(..., "--method", help="method chain to export"),
         out: Path = typer.Option(..., "--out", help="output Parquet file"),
-        layout: str = typer.Option("flat", "--layout", help="flat (Parquet, one row per trajectory) | verl | openrlhf | skyrl (padded NumPy .npz)"),
+        layout: str = typer.Option(
+            "flat",
+            "--layout",
+            help="flat (Parquet, one row per trajectory) | verl | openrlhf | skyrl (padded NumPy .npz)",
+        ),
     ) -> None:
         """Write one method's advantages as a per-trajectory training batch."""
         from flows.run import run_export

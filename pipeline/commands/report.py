@@ -11,7 +11,9 @@ def register(app: typer.Typer) -> None:
     @app.command("report")
     def report_cmd(
         lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
-        round_: list[int] = typer.Option([], "--round", help="round(s) to show trajectories of (default: all)"),
+        round_: list[int] = typer.Option(
+            [], "--round", help="round(s) to show trajectories of (default: all)"
+        ),
         out: Path = typer.Option(Path("report.html"), "--out", help="HTML file to write"),
         trajectories: int = typer.Option(8, help="sample trajectories per round in the viewer"),
     ) -> None:

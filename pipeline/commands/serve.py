@@ -17,13 +17,23 @@ def build_deployments(cfg) -> list:
     params = {"config": config_parameter(cfg)}
     out = []
     if cfg.serve.cron:
-        out.append(process_pending_flow.to_deployment(
-            name="process-pending", cron=cfg.serve.cron, parameters=params,
-            description="process every round of the lake whose credit is incomplete"))
+        out.append(
+            process_pending_flow.to_deployment(
+                name="process-pending",
+                cron=cfg.serve.cron,
+                parameters=params,
+                description="process every round of the lake whose credit is incomplete",
+            )
+        )
     if cfg.serve.incoming:
-        out.append(incoming_flow.to_deployment(
-            name="incoming", interval=cfg.serve.poll_interval_s, parameters=params,
-            description=f"ingest + process each new round dropped into {cfg.serve.incoming}"))
+        out.append(
+            incoming_flow.to_deployment(
+                name="incoming",
+                interval=cfg.serve.poll_interval_s,
+                parameters=params,
+                description=f"ingest + process each new round dropped into {cfg.serve.incoming}",
+            )
+        )
     return out
 
 
@@ -32,12 +42,24 @@ def register(app: typer.Typer) -> None:
     def serve_cmd(
         config: Path | None = typer.Option(None, "--config", help="YAML config file"),
         lake: str | None = typer.Option(None, "--lake", help="lake folder (config: lake)"),
-        methods: str | None = typer.Option(None, "--methods", help="comma-separated method chains (config: methods)"),
-        incoming: Path | None = typer.Option(None, "--incoming", help="folder to watch for new rounds (serve.incoming)"),
-        fmt: str | None = typer.Option(None, "--format", help="ingest format of incoming files (serve.incoming_format)"),
-        interval: int | None = typer.Option(None, "--interval", help="poll interval, seconds (serve.poll_interval_s)"),
-        cron: str | None = typer.Option(None, "--cron", help="cron of process-pending, e.g. '*/30 * * * *' (serve.cron)"),
-        sets: list[str] = typer.Option([], "--set", help="override: key=value or stage.key=value (repeatable)"),
+        methods: str | None = typer.Option(
+            None, "--methods", help="comma-separated method chains (config: methods)"
+        ),
+        incoming: Path | None = typer.Option(
+            None, "--incoming", help="folder to watch for new rounds (serve.incoming)"
+        ),
+        fmt: str | None = typer.Option(
+            None, "--format", help="ingest format of incoming files (serve.incoming_format)"
+        ),
+        interval: int | None = typer.Option(
+            None, "--interval", help="poll interval, seconds (serve.poll_interval_s)"
+        ),
+        cron: str | None = typer.Option(
+            None, "--cron", help="cron of process-pending, e.g. '*/30 * * * *' (serve.cron)"
+        ),
+        sets: list[str] = typer.Option(
+            [], "--set", help="override: key=value or stage.key=value (repeatable)"
+        ),
         once: bool = typer.Option(False, "--once", help="poll the incoming folder once, then exit"),
     ) -> None:
         """Serve the process-pending (cron) and incoming (interval) deployments until interrupted."""
@@ -45,22 +67,34 @@ def register(app: typer.Typer) -> None:
 
         methods_list = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
         cfg = load_config(config, sets, lake=lake, methods=methods_list)
-        flags = {"incoming": str(incoming) if incoming else None, "incoming_format": fmt,
-                 "poll_interval_s": interval, "cron": cron}
-        serve = cfg.serve.model_validate({**cfg.serve.model_dump(), **{k: v for k, v in flags.items() if v is not None}})
+        flags = {
+            "incoming": str(incoming) if incoming else None,
+            "incoming_format": fmt,
+            "poll_interval_s": interval,
+            "cron": cron,
+        }
+        serve = cfg.serve.model_validate(
+            {**cfg.serve.model_dump(), **{k: v for k, v in flags.items() if v is not None}}
+        )
         cfg = cfg.model_copy(update={"serve": serve})
         if once:
             from flows.incoming import incoming_flow
             from pipeline.display import print_kv
 
             done = incoming_flow(cfg)
-            print_kv("creditflow serve --once", {k: f"round {v['round']}: {v['status']}" for k, v in done.items()}
-                     or {"incoming": "nothing new"})
+            print_kv(
+                "creditflow serve --once",
+                {k: f"round {v['round']}: {v['status']}" for k, v in done.items()}
+                or {"incoming": "nothing new"},
+            )
             return
         deployments = build_deployments(cfg)
         if not deployments:
-            typer.secho("nothing to serve: give --cron and/or --incoming (or serve.cron / serve.incoming)",
-                        fg="red", err=True)
+            typer.secho(
+                "nothing to serve: give --cron and/or --incoming (or serve.cron / serve.incoming)",
+                fg="red",
+                err=True,
+            )
             raise typer.Exit(2)
         import prefect
 

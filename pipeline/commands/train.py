@@ -11,7 +11,9 @@ def register(app: typer.Typer) -> None:
     @app.command("train")
     def train_cmd(
         batch: Path = typer.Option(..., "--batch", help="exported batch (creditflow export)"),
-        model: Path = typer.Option(..., "--model", help="Hugging Face model folder (policy before the update)"),
+        model: Path = typer.Option(
+            ..., "--model", help="Hugging Face model folder (policy before the update)"
+        ),
         out: Path = typer.Option(..., "--out", help="folder for the updated checkpoint"),
         lake: Path | None = typer.Option(None, "--lake", help="write train_metrics into this lake"),
         config: Path | None = typer.Option(None, "--config", help="YAML config (stages.train)"),
@@ -29,13 +31,23 @@ def register(app: typer.Typer) -> None:
         settings = cfg.stage("train")
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("train", total=None)
-            metrics = train(batch, model, out, settings, ref_model_dir=ref_model,
-                            progress=lambda step: progress.update(task, completed=step))
+            metrics = train(
+                batch,
+                model,
+                out,
+                settings,
+                ref_model_dir=ref_model,
+                progress=lambda step: progress.update(task, completed=step),
+            )
         if lake is not None:
             from warehouse.lake import Lake
 
             round_ = metrics.column("round")[0].as_py() if metrics.num_rows else 0
             Lake(lake).write_part("train_metrics", round_, metrics, part=f"{batch.stem}")
-        print_table(metrics.select(["step", "tokens", "loss", "pg_loss", "clip_frac", "approx_kl", "entropy", "grad_norm"]),
-                    title="train_metrics")
+        print_table(
+            metrics.select(
+                ["step", "tokens", "loss", "pg_loss", "clip_frac", "approx_kl", "entropy", "grad_norm"]
+            ),
+            title="train_metrics",
+        )
         print_kv("creditflow train", {"batch": str(batch), "steps": metrics.num_rows, "checkpoint": str(out)})

@@ -76,7 +76,9 @@ def make_env(meta: dict) -> StatefulEnv | None:
     return ENVS[name]()
 
 
-def score_from_snapshot(env: StatefulEnv, meta: dict, prior_actions: list[str], alternatives: list[str]) -> list[float]:
+def score_from_snapshot(
+    env: StatefulEnv, meta: dict, prior_actions: list[str], alternatives: list[str]
+) -> list[float]:
     """Scores of the alternatives, each applied to the same pre-turn state E_{i,k}."""
     env.reset(meta)
     for action in prior_actions:

@@ -36,13 +36,20 @@ CF_METHOD_SELECTION = {"tcpo": None, "tcpo_random_cf": "random", "tcpo_all_cf": 
 class CounterfactualSettings(StageSettings):
     max_tokens: int = Field(1024, ge=1, description="max tokens of one alternative")
     temperature: float | None = Field(
-        None, description="sampling temperature; None: the rollout's (meta sampling.temperature), else 1.0")
-    top_p: float | None = Field(None, description="nucleus top_p; None: the rollout's (meta sampling.top_p), else 1.0")
+        None, description="sampling temperature; None: the rollout's (meta sampling.temperature), else 1.0"
+    )
+    top_p: float | None = Field(
+        None, description="nucleus top_p; None: the rollout's (meta sampling.top_p), else 1.0"
+    )
     seed: int | None = Field(
-        0, description="base sampling seed; each turn gets its own seed derived from (seed, traj_id, turn), "
+        0,
+        description="base sampling seed; each turn gets its own seed derived from (seed, traj_id, turn), "
         "so turns with identical histories (turn 1 of a group) get independent samples. None: unseeded "
-        "(identical requests then share one answer through the client's in-flight dedup and cache)")
-    verify_workers: int = Field(8, ge=1, description="threads verifying alternatives (code runs in subprocesses)")
+        "(identical requests then share one answer through the client's in-flight dedup and cache)",
+    )
+    verify_workers: int = Field(
+        8, ge=1, description="threads verifying alternatives (code runs in subprocesses)"
+    )
     purpose: str = Field("tcpo", description="purpose tag of the LLM call records")
 
 
@@ -52,9 +59,14 @@ def history_messages(steps: list[dict]) -> list[dict]:
     for s in steps:
         msg: dict = {"role": s["role"], "content": s["content"]}
         if s["role"] == "assistant" and s.get("tool_calls"):
-            msg["tool_calls"] = [{"id": c["id"], "type": "function",
-                                  "function": {"name": c["name"], "arguments": c["arguments"]}}
-                                 for c in s["tool_calls"]]
+            msg["tool_calls"] = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": c["arguments"]},
+                }
+                for c in s["tool_calls"]
+            ]
         if s["role"] == "tool" and s.get("tool_call_id"):
             msg["tool_call_id"] = s["tool_call_id"]
         out.append(msg)
@@ -72,7 +84,9 @@ def _selected_turns(trajectories: pa.Table, steps: pa.Table, config: Config):
         return turns, s
     turns = retro_hindsight_frame(turns, s.tau)
     heads = {m.split("+")[0].strip() for m in config.methods}
-    modes = {CF_METHOD_SELECTION[h] or s.selection for h in heads if h in CF_METHOD_SELECTION} or {s.selection}
+    modes = {CF_METHOD_SELECTION[h] or s.selection for h in heads if h in CF_METHOD_SELECTION} or {
+        s.selection
+    }
     g = None
     for mode in sorted(modes):
         sel = select_cf_turns(turns, s.L, mode, s.seed)
@@ -113,12 +127,18 @@ def counterfactual(trajectories: pa.Table, steps: pa.Table, config: Config, inpu
     if selected.height == 0:
         return StageOutput({"counterfactuals": CF_SCHEMA.empty_table()}, notes)
 
-    traj_info = {r["traj_id"]: r for r in trajectories.select(["traj_id", "action_format", "meta"]).to_pylist()}
+    traj_info = {
+        r["traj_id"]: r for r in trajectories.select(["traj_id", "action_format", "meta"]).to_pylist()
+    }
     sel_ids = set(selected["traj_id"].to_list())
     cols = ["traj_id", "step_idx", "role", "turn", "content", "tool_calls", "tool_call_id"]
     by_traj: dict[str, list[dict]] = {}
-    for row in pl.from_arrow(steps.select(cols)).filter(pl.col("traj_id").is_in(list(sel_ids))).sort(
-            "traj_id", "step_idx").iter_rows(named=True):  # only the selected trajectories' steps
+    for row in (
+        pl.from_arrow(steps.select(cols))
+        .filter(pl.col("traj_id").is_in(list(sel_ids)))
+        .sort("traj_id", "step_idx")
+        .iter_rows(named=True)
+    ):  # only the selected trajectories' steps
         by_traj.setdefault(row["traj_id"], []).append(row)
 
     # ---- requests: one per selected turn, n = M --------------------------------------------------------
@@ -129,9 +149,17 @@ def counterfactual(trajectories: pa.Table, steps: pa.Table, config: Config, inpu
         meta = parse_meta(traj_info[t["traj_id"]]["meta"])
         temperature, top_p = _sampling(meta, cs)
         extra = {"tools": meta["tools"]} if meta.get("tools") else None
-        req = LLMRequest.chat(history_messages(tsteps[:first]), n=M, temperature=temperature, top_p=top_p,
-                              max_tokens=cs.max_tokens, logprobs=True, seed=_seed(cs.seed, t["traj_id"], t["turn"]),
-                              purpose=cs.purpose, extra_body=extra)
+        req = LLMRequest.chat(
+            history_messages(tsteps[:first]),
+            n=M,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=cs.max_tokens,
+            logprobs=True,
+            seed=_seed(cs.seed, t["traj_id"], t["turn"]),
+            purpose=cs.purpose,
+            extra_body=extra,
+        )
         prior = [s["content"] for s in tsteps[:first] if s["role"] == "assistant"]
         jobs.append((t, meta, req, prior))
     client = LLMClient(LLMSettings.from_config(config))
@@ -150,8 +178,19 @@ def counterfactual(trajectories: pa.Table, steps: pa.Table, config: Config, inpu
         base = {"round": round_, "traj_id": t["traj_id"], "turn": int(t["turn"]), "surprisal": t["xi"]}
         if isinstance(res, LLMError) or not isinstance(getattr(res, "choices", None), list):
             err = str(res)[:500]
-            return [{**base, "alt_idx": m, "text": None, "score": None, "sampler": "llm", "verifier": None,
-                     "status": "sample_failed", "error": err} for m in range(1, M + 1)]
+            return [
+                {
+                    **base,
+                    "alt_idx": m,
+                    "text": None,
+                    "score": None,
+                    "sampler": "llm",
+                    "verifier": None,
+                    "status": "sample_failed",
+                    "error": err,
+                }
+                for m in range(1, M + 1)
+            ]
         sampler = f"{res.model}@{res.endpoint}"
         texts = [c.text for c in res.choices[:M]]
         rows = []
@@ -166,21 +205,49 @@ def counterfactual(trajectories: pa.Table, steps: pa.Table, config: Config, inpu
                 scores = score_from_snapshot(env, meta, prior, texts)
                 vrows = [(s, f"env:{env.name}", "ok", None) for s in scores]
             except Exception as exc:  # noqa: BLE001 - recorded, the turn falls back to hindsight
-                vrows = [(None, f"env:{env.name}", "verify_failed", f"{type(exc).__name__}: {exc}")] * len(texts)
+                vrows = [(None, f"env:{env.name}", "verify_failed", f"{type(exc).__name__}: {exc}")] * len(
+                    texts
+                )
         elif env_err is not None:
             vrows = [(None, None, "verify_failed", env_err)] * len(texts)
         else:
             vrows = []
             for text in texts:
                 v = verify(text, info["action_format"], meta)
-                vrows.append((v.score if v.ok else None, v.verifier, "ok" if v.ok else "verify_failed",
-                              v.error if not v.ok else (v.error[:500] if v.error else None)))
+                vrows.append(
+                    (
+                        v.score if v.ok else None,
+                        v.verifier,
+                        "ok" if v.ok else "verify_failed",
+                        v.error if not v.ok else (v.error[:500] if v.error else None),
+                    )
+                )
         for m, (text, (score, vname, status, err)) in enumerate(zip(texts, vrows, strict=True), start=1):
-            rows.append({**base, "alt_idx": m, "text": text, "score": score, "sampler": sampler,
-                         "verifier": vname, "status": status, "error": err})
+            rows.append(
+                {
+                    **base,
+                    "alt_idx": m,
+                    "text": text,
+                    "score": score,
+                    "sampler": sampler,
+                    "verifier": vname,
+                    "status": status,
+                    "error": err,
+                }
+            )
         for m in range(len(texts) + 1, M + 1):  # the server returned fewer than M choices
-            rows.append({**base, "alt_idx": m, "text": None, "score": None, "sampler": sampler,
-                         "verifier": None, "status": "sample_failed", "error": f"only {len(texts)} choices"})
+            rows.append(
+                {
+                    **base,
+                    "alt_idx": m,
+                    "text": None,
+                    "score": None,
+                    "sampler": sampler,
+                    "verifier": None,
+                    "status": "sample_failed",
+                    "error": f"only {len(texts)} choices",
+                }
+            )
         return rows
 
     t0 = time.perf_counter()

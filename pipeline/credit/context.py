@@ -52,7 +52,9 @@ class _Deferred:
         self.lists = lists  # (list column, step token starts, n_tokens): lets values_at read a few tokens
 
 
-def _list_values_at(col: pa.ChunkedArray, starts: np.ndarray, n_tokens: int, positions: np.ndarray) -> np.ndarray | None:
+def _list_values_at(
+    col: pa.ChunkedArray, starts: np.ndarray, n_tokens: int, positions: np.ndarray
+) -> np.ndarray | None:
     """`_flat_list_floats(col, starts, n_tokens)[positions]` without building the per-token array, when every
     non-null list has one value per token of its step (else None: the caller flattens)."""
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
@@ -86,7 +88,7 @@ def _list_values_on_rows(col: pa.ChunkedArray, rows: np.ndarray, lengths: np.nda
         return None
     chosen = np.zeros(len(arr), dtype=bool)
     chosen[rows] = True
-    flat = arr.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
+    flat = arr.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
     return flat[np.repeat(chosen, list_len)].astype(np.float64)
 
 
@@ -155,13 +157,19 @@ class CreditContext:
             pl.int_range(pl.len(), dtype=pl.Int64).alias("traj_index"),
             pl.col("group_id").rank("dense").cast(pl.Int64).sub(1).alias("group_index"),
         )
-        for name, typ in (("logprobs", pa.list_(pa.float32())), ("values", pa.list_(pa.float32())),
-                          ("verifier_score", pa.float64()), ("turn", pa.int32())):
+        for name, typ in (
+            ("logprobs", pa.list_(pa.float32())),
+            ("values", pa.list_(pa.float32())),
+            ("verifier_score", pa.float64()),
+            ("turn", pa.int32()),
+        ):
             if name not in steps.column_names:  # optional columns of in-memory tables
                 steps = steps.append_column(name, pa.nulls(steps.num_rows, typ))
         if not _sorted_by_traj_step(steps):  # ingest and synth write steps in order: skip the big take
             steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
-        lengths = pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+        lengths = (
+            pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+        )
         starts = (np.cumsum(lengths) - lengths).astype(np.int64)
         n_tokens = int(lengths.sum())
         scalar_cols = [
@@ -172,7 +180,9 @@ class CreditContext:
         step_frame = pl.from_arrow(steps.select(scalar_cols)).with_columns(
             pl.Series("n_tokens", lengths), pl.Series("tok_start", starts)
         )
-        step_frame = step_frame.join(traj.select("traj_id", "traj_index", "group_index"), on="traj_id", how="left")
+        step_frame = step_frame.join(
+            traj.select("traj_id", "traj_index", "group_index"), on="traj_id", how="left"
+        )
         if step_frame["traj_index"].null_count():
             bad = step_frame.filter(pl.col("traj_index").is_null())["traj_id"][0]
             raise ValueError(f"steps: traj_id {bad!r} has no row in trajectories")
@@ -183,7 +193,9 @@ class CreditContext:
         tok_traj = _Deferred(lambda: np.repeat(step_traj, lengths))
         tok_mask = np.repeat(step_frame["is_assistant"].to_numpy(), lengths)
         lp_col, v_col = steps.column("logprobs"), steps.column("values")
-        tok_logprob = _Deferred(lambda: _flat_list_floats(lp_col, starts, n_tokens), (lp_col, starts, n_tokens))
+        tok_logprob = _Deferred(
+            lambda: _flat_list_floats(lp_col, starts, n_tokens), (lp_col, starts, n_tokens)
+        )
         tok_value = _Deferred(lambda: _flat_list_floats(v_col, starts, n_tokens), (v_col, starts, n_tokens))
         anns = {}
         for name, t in (annotations or {}).items():
@@ -245,7 +257,9 @@ class CreditContext:
     def broadcast_step(self, per_step: np.ndarray) -> np.ndarray:
         """A per-step value on every assistant token of the step (0 elsewhere)."""
         # tokens of a step are contiguous: repeat each step's value (0 off the assistant steps) over its tokens
-        per_step = np.where(self.steps["is_assistant"].to_numpy(), np.asarray(per_step, dtype=np.float64), 0.0)
+        per_step = np.where(
+            self.steps["is_assistant"].to_numpy(), np.asarray(per_step, dtype=np.float64), 0.0
+        )
         return np.repeat(per_step, self.steps["n_tokens"].to_numpy())
 
     def traj_to_steps(self, per_traj: np.ndarray) -> np.ndarray:
@@ -300,19 +314,35 @@ class CreditResult:
     step_adv: np.ndarray | None = None
 
     @classmethod
-    def per_step(cls, ctx: CreditContext, step_adv: np.ndarray, components: dict[str, np.ndarray] | None = None,
-                 notes: dict[str, float] | None = None, token_returns: np.ndarray | None = None) -> CreditResult:
+    def per_step(
+        cls,
+        ctx: CreditContext,
+        step_adv: np.ndarray,
+        components: dict[str, np.ndarray] | None = None,
+        notes: dict[str, float] | None = None,
+        token_returns: np.ndarray | None = None,
+    ) -> CreditResult:
         """A per-step advantage on every assistant token of the step (0 elsewhere); `ctx.broadcast_step` of it
         is `token_adv`, built on first read."""
         per_step = np.where(ctx.steps["is_assistant"].to_numpy(), np.asarray(step_adv, dtype=np.float64), 0.0)
         lengths = ctx.steps["n_tokens"].to_numpy()
-        return cls(_Deferred(lambda: np.repeat(per_step, lengths)), dict(components or {}), token_returns,
-                   dict(notes or {}), per_step)
+        return cls(
+            _Deferred(lambda: np.repeat(per_step, lengths)),
+            dict(components or {}),
+            token_returns,
+            dict(notes or {}),
+            per_step,
+        )
 
     def raw_token_adv(self):
         """token_adv as stored: the array, or its deferred builder (not built by this call)."""
         return self.__dict__.get("token_adv")
 
     def with_components(self, **comps: np.ndarray) -> CreditResult:
-        return CreditResult(self.raw_token_adv(), {**self.components, **comps}, self.token_returns, dict(self.notes),
-                            self.step_adv)
+        return CreditResult(
+            self.raw_token_adv(),
+            {**self.components, **comps},
+            self.token_returns,
+            dict(self.notes),
+            self.step_adv,
+        )

@@ -13,7 +13,9 @@ from schemas.advantages import COMPONENT_FIELDS, COMPONENTS
 
 
 def _list_column(flat: np.ndarray, offsets: np.ndarray, dtype=pa.float32()) -> pa.Array:
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat.astype(np.float32), type=dtype))
+    return pa.ListArray.from_arrays(
+        pa.array(offsets.astype(np.int32)), pa.array(flat.astype(np.float32), type=dtype)
+    )
 
 
 def _token_adv_column(ctx: CreditContext, result: CreditResult, offsets: np.ndarray) -> pa.Array:
@@ -54,7 +56,9 @@ def advantages_table(ctx: CreditContext, method: str, result: CreditResult) -> p
             "role": steps["role"].to_arrow().cast(pa.string()),
             "turn": steps["turn"].to_arrow().cast(pa.int32()),
             "token_adv": _token_adv_column(ctx, result, offsets),
-            "token_returns": returns if returns is not None else pa.nulls(ctx.n_steps, pa.list_(pa.float32())),
+            "token_returns": returns
+            if returns is not None
+            else pa.nulls(ctx.n_steps, pa.list_(pa.float32())),
             "components": _components_struct(ctx, result.components),
         }
     )

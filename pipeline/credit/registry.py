@@ -44,19 +44,25 @@ class MethodError(ValueError):
     pass
 
 
-def estimator(name: str, settings: str | None = None, needs: tuple[str, ...] = (), step_columns: tuple[str, ...] = ()):
+def estimator(
+    name: str, settings: str | None = None, needs: tuple[str, ...] = (), step_columns: tuple[str, ...] = ()
+):
     def deco(fn: Callable) -> Callable:
-        ESTIMATORS[name] = Stage(name, "estimator", fn, settings, tuple(needs), (fn.__doc__ or "").strip(),
-                                 tuple(step_columns))
+        ESTIMATORS[name] = Stage(
+            name, "estimator", fn, settings, tuple(needs), (fn.__doc__ or "").strip(), tuple(step_columns)
+        )
         return fn
 
     return deco
 
 
-def refiner(name: str, settings: str | None = None, needs: tuple[str, ...] = (), step_columns: tuple[str, ...] = ()):
+def refiner(
+    name: str, settings: str | None = None, needs: tuple[str, ...] = (), step_columns: tuple[str, ...] = ()
+):
     def deco(fn: Callable) -> Callable:
-        REFINERS[name] = Stage(name, "refiner", fn, settings, tuple(needs), (fn.__doc__ or "").strip(),
-                               tuple(step_columns))
+        REFINERS[name] = Stage(
+            name, "refiner", fn, settings, tuple(needs), (fn.__doc__ or "").strip(), tuple(step_columns)
+        )
         return fn
 
     return deco
@@ -131,7 +137,9 @@ def _finish(ctx: CreditContext, result: CreditResult) -> CreditResult:
         if not np.isfinite(step.sum()) and not np.isfinite(step).all():
             bad = int(np.flatnonzero(~np.isfinite(step))[0])
             traj = ctx.trajectories["traj_id"][int(ctx.step_traj[bad])]
-            raise MethodError(f"non-finite advantage on trajectory {traj!r} (token {int(ctx.steps['tok_start'][bad])})")
+            raise MethodError(
+                f"non-finite advantage on trajectory {traj!r} (token {int(ctx.steps['tok_start'][bad])})"
+            )
         return CreditResult.per_step(ctx, step, result.components, result.notes, result.token_returns)
     adv = np.asarray(result.token_adv, dtype=np.float64)
     if adv.shape != (ctx.n_tokens,):

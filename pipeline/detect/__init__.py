@@ -7,6 +7,18 @@ from pipeline.detect.stage import detect, detect_spans, run_detectors, spans_tab
 from pipeline.detect.text import jaccard, ngrams, normalize_answer
 
 __all__ = [
-    "DETECTORS", "DetectSettings", "Hit", "StepView", "TrajView", "detector", "detect", "detect_spans",
-    "run_detectors", "spans_table", "traj_views", "jaccard", "ngrams", "normalize_answer",
+    "DETECTORS",
+    "DetectSettings",
+    "Hit",
+    "StepView",
+    "TrajView",
+    "detector",
+    "detect",
+    "detect_spans",
+    "run_detectors",
+    "spans_table",
+    "traj_views",
+    "jaccard",
+    "ngrams",
+    "normalize_answer",
 ]

@@ -110,8 +110,10 @@ def parse_webshop(text: str, traj: TrajView, step: StepView) -> Parsed:
     blocks = list(_WS_ACTION.finditer(text))
     ok_format = (
         _WS_FORMAT.fullmatch(text) is not None
-        and text.count("<think>") == 1 and text.count("</think>") == 1
-        and text.count("<action>") == 1 and text.count("</action>") == 1
+        and text.count("<think>") == 1
+        and text.count("</think>") == 1
+        and text.count("<action>") == 1
+        and text.count("</action>") == 1
     )
     lo, hi = (blocks[0].start(), blocks[-1].end()) if blocks else (None, None)
     if not ok_format:
@@ -128,9 +130,13 @@ def parse_webshop(text: str, traj: TrajView, step: StepView) -> Parsed:
     if avail is not None:
         has_search, clicks = avail
         if verb.group(1) == "search" and not has_search:
-            return Parsed([], [("webshop.impermissible", b.start(), b.end(), f"{action[:200]} (no search bar)")])
+            return Parsed(
+                [], [("webshop.impermissible", b.start(), b.end(), f"{action[:200]} (no search bar)")]
+            )
         if verb.group(1) == "click" and verb.group(2).strip().lower() not in clicks:
-            return Parsed([], [("webshop.impermissible", b.start(), b.end(), f"{action[:200]} (not clickable)")])
+            return Parsed(
+                [], [("webshop.impermissible", b.start(), b.end(), f"{action[:200]} (not clickable)")]
+            )
     query = verb.group(2).strip() if verb.group(1) == "search" else None
     return Parsed([Action(b.start(), b.end(), query)], [])
 
@@ -266,8 +272,14 @@ def query_loop(traj: TrajView, settings: DetectSettings):
             g = ngrams(q, settings.ngram_n, settings.ngram_unit)
             current.append((q, g))
             if q in earlier:
-                yield Hit(step.step_idx, act.start, act.end, "query_loop", "query.exact",
-                          json.dumps({"query": q[:200], "earlier_turn": earlier[q]}))
+                yield Hit(
+                    step.step_idx,
+                    act.start,
+                    act.end,
+                    "query_loop",
+                    "query.exact",
+                    json.dumps({"query": q[:200], "earlier_turn": earlier[q]}),
+                )
                 continue
             if len(q) < settings.min_len or not grams:
                 continue
@@ -277,9 +289,21 @@ def query_loop(traj: TrajView, settings: DetectSettings):
                 if j > best:
                     best, best_q, best_t = j, q2, t2
             if best >= settings.jaccard:
-                yield Hit(step.step_idx, act.start, act.end, "near_repetition", f"query.{settings.ngram_unit}_jaccard",
-                          json.dumps({"query": q[:200], "earlier": best_q[:200], "earlier_turn": best_t,
-                                      "jaccard": round(best, 4)}))
+                yield Hit(
+                    step.step_idx,
+                    act.start,
+                    act.end,
+                    "near_repetition",
+                    f"query.{settings.ngram_unit}_jaccard",
+                    json.dumps(
+                        {
+                            "query": q[:200],
+                            "earlier": best_q[:200],
+                            "earlier_turn": best_t,
+                            "jaccard": round(best, 4),
+                        }
+                    ),
+                )
         for q, g in current:  # visible to later turns only
             if q not in earlier:
                 earlier[q] = turn

@@ -38,19 +38,27 @@ class DetectSettings(StageSettings):
         "near_repetition 0.5); a behaviour not listed uses its detector's default",
     )
     span_mode: Literal["action", "turn"] = Field(
-        "action", description="span = the offending action's text incl. tags (action) or the whole turn (turn)"
+        "action",
+        description="span = the offending action's text incl. tags (action) or the whole turn (turn)",
     )
-    ngram_unit: Literal["char", "word"] = Field("char", description="near repetition: character or word trigrams")
+    ngram_unit: Literal["char", "word"] = Field(
+        "char", description="near repetition: character or word trigrams"
+    )
     ngram_n: int = Field(3, ge=1, description="n of the n-grams (Table 5: trigrams)")
-    min_len: int = Field(8, ge=0, description="near repetition needs the current normalised query to have >= this many chars")
+    min_len: int = Field(
+        8, ge=0, description="near repetition needs the current normalised query to have >= this many chars"
+    )
     jaccard: float = Field(0.9, ge=0.0, le=1.0, description="near repetition: n-gram Jaccard threshold")
-    exclude_think: bool = Field(True, description="text inside <think>...</think> is neither parsed nor part of a turn span")
+    exclude_think: bool = Field(
+        True, description="text inside <think>...</think> is neither parsed nor part of a turn span"
+    )
     query_tools: list[str] | None = Field(
         None, description="tool-calling agents: tools whose calls count as queries (None = every tool call)"
     )
     default_action_format: str | None = Field(
-        None, description="action format for trajectories whose action_format is null (None: openai_tools when "
-        "the step has tool_calls, else no format rule)"
+        None,
+        description="action format for trajectories whose action_format is null (None: openai_tools when "
+        "the step has tool_calls, else no format rule)",
     )
 
 

@@ -24,8 +24,9 @@ def _col(table: pa.Table, name: str, default=None) -> list:
 
 def sorted_steps(steps: pa.Table) -> pa.Table:
     """Steps in (traj_id, step_idx) order; no copy when they already are."""
-    order = pc.sort_indices(steps.select(["traj_id", "step_idx"]),
-                            sort_keys=[("traj_id", "ascending"), ("step_idx", "ascending")])
+    order = pc.sort_indices(
+        steps.select(["traj_id", "step_idx"]), sort_keys=[("traj_id", "ascending"), ("step_idx", "ascending")]
+    )
     order_np = order.to_numpy()
     if len(order_np) and np.any(np.diff(order_np) != 1):
         return steps.take(order)
@@ -36,14 +37,23 @@ def traj_views(trajectories: pa.Table, steps: pa.Table) -> list[TrajView]:
     """Plain-Python views of the batch (steps sorted by (traj_id, step_idx)) for the detectors."""
     views: dict[str, TrajView] = {}
     for tid, fmt, meta, reward in zip(
-        _col(trajectories, "traj_id"), _col(trajectories, "action_format"), _col(trajectories, "meta"),
-        _col(trajectories, "reward", 0.0), strict=True,
+        _col(trajectories, "traj_id"),
+        _col(trajectories, "action_format"),
+        _col(trajectories, "meta"),
+        _col(trajectories, "reward", 0.0),
+        strict=True,
     ):
         views[tid] = TrajView(tid, fmt, parse_meta(meta), [], float(reward or 0.0))
     cols = zip(
-        _col(steps, "traj_id"), _col(steps, "step_idx"), _col(steps, "role"), _col(steps, "turn"),
-        _col(steps, "content", ""), _col(steps, "tool_calls"), _col(steps, "tool_call_id"),
-        _col(steps, "is_error", False), strict=True,
+        _col(steps, "traj_id"),
+        _col(steps, "step_idx"),
+        _col(steps, "role"),
+        _col(steps, "turn"),
+        _col(steps, "content", ""),
+        _col(steps, "tool_calls"),
+        _col(steps, "tool_call_id"),
+        _col(steps, "is_error", False),
+        strict=True,
     )
     for tid, idx, role, turn, content, calls, call_id, is_error in cols:
         view = views.get(tid)
@@ -89,8 +99,13 @@ def char_to_token(steps: pa.Table, rows: np.ndarray, char_start: np.ndarray, cha
     return lo.astype(np.int32), np.maximum(hi, lo).astype(np.int32)
 
 
-def spans_table(trajectories: pa.Table, steps: pa.Table, hits: list[tuple[str, Hit, float]],
-                settings: DetectSettings, views: list[TrajView] | None = None) -> pa.Table:
+def spans_table(
+    trajectories: pa.Table,
+    steps: pa.Table,
+    hits: list[tuple[str, Hit, float]],
+    settings: DetectSettings,
+    views: list[TrajView] | None = None,
+) -> pa.Table:
     """The spans table of the hits; `steps` sorted by (traj_id, step_idx) (see `sorted_steps`)."""
     if not hits:
         return SPANS_SCHEMA.empty_table()
@@ -109,8 +124,11 @@ def spans_table(trajectories: pa.Table, steps: pa.Table, hits: list[tuple[str, H
         cs_a[whole], ce_a[whole] = ranges[:, 0], ranges[:, 1]
     take = pa.array(rows_a)
     turn_col = pc.fill_null(steps.column("turn").combine_chunks().take(take), 0)
-    round_col = (pc.fill_null(steps.column("round").combine_chunks().take(take), 0) if "round" in steps.column_names
-                 else pa.array(np.zeros(len(hits), dtype=np.int32)))
+    round_col = (
+        pc.fill_null(steps.column("round").combine_chunks().take(take), 0)
+        if "round" in steps.column_names
+        else pa.array(np.zeros(len(hits), dtype=np.int32))
+    )
     tok_lo, tok_hi = char_to_token(steps, rows_a, cs_a, ce_a)
     table = pa.table(
         {
@@ -132,8 +150,9 @@ def spans_table(trajectories: pa.Table, steps: pa.Table, hits: list[tuple[str, H
     return table
 
 
-def detect_spans(trajectories: pa.Table, steps: pa.Table, settings: DetectSettings | None = None
-                 ) -> tuple[pa.Table, dict[str, float]]:
+def detect_spans(
+    trajectories: pa.Table, steps: pa.Table, settings: DetectSettings | None = None
+) -> tuple[pa.Table, dict[str, float]]:
     settings = settings or DetectSettings()
     steps = sorted_steps(steps)
     views = traj_views(trajectories, steps)
@@ -147,7 +166,9 @@ def detect_spans(trajectories: pa.Table, steps: pa.Table, settings: DetectSettin
 
 
 @annotation_stage("detect", produces=("spans",), order=10)
-def detect(trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict[str, pa.Table]) -> StageOutput:
+def detect(
+    trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict[str, pa.Table]
+) -> StageOutput:
     """C3 rule detectors -> spans."""
     table, notes = detect_spans(trajectories, steps, config.stage("detect"))
     return StageOutput(tables={"spans": table}, notes=notes)

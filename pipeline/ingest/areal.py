@@ -49,7 +49,12 @@ def read_dump(text: str, source_file: str):
     if not starts or text[: starts[0]].strip():
         lead = text[: starts[0]] if starts else text
         if lead.strip():
-            yield SourceRecord(source_file, "block -", lead, error=Reject(MALFORMED_JSON, "text before the first 'idx:' block"))
+            yield SourceRecord(
+                source_file,
+                "block -",
+                lead,
+                error=Reject(MALFORMED_JSON, "text before the first 'idx:' block"),
+            )
     for k, start in enumerate(starts):
         end = starts[k + 1] if k + 1 < len(starts) else len(text)
         raw = text[start:end]
@@ -61,7 +66,9 @@ def areal(record: SourceRecord) -> TrajectoryDraft:
     """AReaL rollout dump (<dump_dir>/<version>/<qid>.txt blocks: idx, seqlen, reward, prompt, sequence)."""
     m = _BLOCK.match(record.data)
     if m is None:
-        raise Reject(MALFORMED_JSON, "block does not match AReaL's dump layout (idx/seqlen/reward, prompt, sequence)")
+        raise Reject(
+            MALFORMED_JSON, "block does not match AReaL's dump layout (idx/seqlen/reward, prompt, sequence)"
+        )
     try:
         reward = float(m["reward"])
     except ValueError:

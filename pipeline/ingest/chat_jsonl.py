@@ -51,7 +51,9 @@ def parse_tool_calls(raw: Any, where: str) -> list[dict]:
         name = fn.get("name")
         if not name:
             raise Reject(MISSING_FIELD, f"'{w}.function.name' is missing", f"{w}.function.name")
-        calls.append({"id": str(call_id), "name": str(name), "arguments": arguments_text(fn.get("arguments"))})
+        calls.append(
+            {"id": str(call_id), "name": str(name), "arguments": arguments_text(fn.get("arguments"))}
+        )
     return calls
 
 
@@ -80,12 +82,16 @@ def message_step(msg: Any, w: str) -> tuple[StepDraft, str]:
     return step, text
 
 
-def convert_messages(messages: Any, where: str = "messages", tool_error_prefix: str | None = None) -> list[StepDraft]:
+def convert_messages(
+    messages: Any, where: str = "messages", tool_error_prefix: str | None = None
+) -> list[StepDraft]:
     """OpenAI chat messages -> steps. Assistant tool calls are rendered into the content (render_assistant)
     and kept structured in `tool_calls`. A tool message is an error when it says so (`is_error`/`error`),
     or, with `tool_error_prefix`, when its content starts with that prefix (tau-bench's convention)."""
     if not isinstance(messages, list):
-        raise Reject(INVALID_VALUE if messages is not None else MISSING_FIELD, f"'{where}' is not a list", where)
+        raise Reject(
+            INVALID_VALUE if messages is not None else MISSING_FIELD, f"'{where}' is not a list", where
+        )
     steps = []
     for i, msg in enumerate(messages):
         w = f"{where}[{i}]"
@@ -118,8 +124,17 @@ def prompt_group(messages: list) -> str:
     return prompt_hash(prefix)
 
 
-_KNOWN = {"messages", "reward", "group_id", "traj_id", "sample_idx", "reward_components", "tools",
-          "policy_version", "meta"}
+_KNOWN = {
+    "messages",
+    "reward",
+    "group_id",
+    "traj_id",
+    "sample_idx",
+    "reward_components",
+    "tools",
+    "policy_version",
+    "meta",
+}
 
 
 @adapter("chat-jsonl", reader=read_jsonl, action_format="openai_tools", extensions=(".jsonl",))

@@ -124,7 +124,9 @@ def require(obj: Any, key: str, where: str = "") -> Any:
     """`obj[key]`, or Reject(missing_field) naming `where.key`."""
     name = f"{where}.{key}" if where else key
     if not isinstance(obj, dict):
-        raise Reject(INVALID_VALUE, f"{where or 'record'} is {type(obj).__name__}, expected an object", where or None)
+        raise Reject(
+            INVALID_VALUE, f"{where or 'record'} is {type(obj).__name__}, expected an object", where or None
+        )
     if key not in obj or obj[key] is None:
         raise Reject(MISSING_FIELD, f"'{name}' is missing", name)
     return obj[key]
@@ -216,7 +218,9 @@ def read_jsonl(text: str, source_file: str) -> Iterator[SourceRecord]:
         yield SourceRecord(source_file, location, line, data)
 
 
-def iter_json_array(text: str, pos: int, source_file: str, path: str = "") -> Iterator[tuple[SourceRecord, int]]:
+def iter_json_array(
+    text: str, pos: int, source_file: str, path: str = ""
+) -> Iterator[tuple[SourceRecord, int]]:
     """Items of the JSON array starting at `pos`, each with its verbatim text; yields (record, end)."""
     pos = _skip_ws(text, pos)
     if pos >= len(text) or text[pos] != "[":
@@ -242,7 +246,10 @@ def iter_json_array(text: str, pos: int, source_file: str, path: str = "") -> It
             continue
         if pos < len(text) and text[pos] == "]":
             return
-        yield _malformed(source_file, f"{path}[{index}:]", text[pos:], ValueError("expected ',' or ']'")), len(text)
+        yield (
+            _malformed(source_file, f"{path}[{index}:]", text[pos:], ValueError("expected ',' or ']'")),
+            len(text),
+        )
         return
 
 
@@ -322,9 +329,13 @@ def finalize(draft: TrajectoryDraft) -> TrajectoryDraft:
             step.turn = turn or None
         for call in step.tool_calls or ():
             if not call.get("id"):
-                raise Reject(MISSING_FIELD, f"step {i} has a tool call without id", f"steps[{i}].tool_calls.id")
+                raise Reject(
+                    MISSING_FIELD, f"step {i} has a tool call without id", f"steps[{i}].tool_calls.id"
+                )
             if not call.get("name"):
-                raise Reject(MISSING_FIELD, f"step {i} has a tool call without name", f"steps[{i}].tool_calls.name")
+                raise Reject(
+                    MISSING_FIELD, f"step {i} has a tool call without name", f"steps[{i}].tool_calls.name"
+                )
             call_ids.add(call["id"])
         if step.role == "tool" and step.tool_call_id is not None and step.tool_call_id not in call_ids:
             raise Reject(
@@ -332,7 +343,11 @@ def finalize(draft: TrajectoryDraft) -> TrajectoryDraft:
                 f"tool step {i} answers call {step.tool_call_id!r}, which no earlier step made",
                 f"steps[{i}].tool_call_id",
             )
-        if step.token_ids is not None and step.logprobs is not None and len(step.token_ids) != len(step.logprobs):
+        if (
+            step.token_ids is not None
+            and step.logprobs is not None
+            and len(step.token_ids) != len(step.logprobs)
+        ):
             raise Reject(
                 LENGTH_MISMATCH,
                 f"step {i}: {len(step.token_ids)} token_ids but {len(step.logprobs)} logprobs",
@@ -340,7 +355,9 @@ def finalize(draft: TrajectoryDraft) -> TrajectoryDraft:
             )
         if step.logprobs is not None and not all(isinstance(x, (int, float)) for x in step.logprobs):
             raise Reject(INVALID_VALUE, f"step {i}: logprobs are not numbers", f"steps[{i}].logprobs")
-        if step.token_ids is not None and not all(isinstance(x, int) and not isinstance(x, bool) for x in step.token_ids):
+        if step.token_ids is not None and not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in step.token_ids
+        ):
             raise Reject(INVALID_VALUE, f"step {i}: token_ids are not integers", f"steps[{i}].token_ids")
         if step.verifier_score is not None:
             step.verifier_score = as_reward(step.verifier_score, f"steps[{i}].verifier_score")
@@ -434,12 +451,15 @@ def build_tables(
         lp = step.logprobs
         if step.token_ids is None:
             if lp is not None and len(lp) != len(ids):
-                rejected.setdefault(item, Reject(
-                    LENGTH_MISMATCH,
-                    f"{len(lp)} logprobs without token_ids, but the content has {len(ids)} tokens "
-                    f"({getattr(tokenizer, 'name', 'tokenizer')})",
-                    "logprobs",
-                ))
+                rejected.setdefault(
+                    item,
+                    Reject(
+                        LENGTH_MISMATCH,
+                        f"{len(lp)} logprobs without token_ids, but the content has {len(ids)} tokens "
+                        f"({getattr(tokenizer, 'name', 'tokenizer')})",
+                        "logprobs",
+                    ),
+                )
             token_ids.append(list(ids))
             token_offsets.append(list(offs))
         else:
@@ -468,11 +488,15 @@ def build_tables(
         traj_rows["group_id"].append(d.group_id)
         traj_rows["sample_idx"].append(d.sample_idx)
         traj_rows["reward"].append(d.reward)
-        traj_rows["reward_components"].append(list(d.reward_components.items()) if d.reward_components else None)
+        traj_rows["reward_components"].append(
+            list(d.reward_components.items()) if d.reward_components else None
+        )
         traj_rows["source"].append(d.source)
         traj_rows["action_format"].append(d.action_format)
         traj_rows["policy_version"].append(d.policy_version)
-        traj_rows["meta"].append(json.dumps(d.meta, ensure_ascii=False, default=str) if d.meta is not None else None)
+        traj_rows["meta"].append(
+            json.dumps(d.meta, ensure_ascii=False, default=str) if d.meta is not None else None
+        )
     trajectories = pa.Table.from_pydict(traj_rows, schema=trajectories_schema.SCHEMA)
 
     step_rows: dict[str, list] = {k: [] for k in steps_schema.SCHEMA.names}
@@ -554,8 +578,13 @@ def ingest_records(records: list[SourceRecord], spec, round_: int, tokenizer) ->
             rejected.append(Rejected(record, rej, _record_id(record)))
             continue
         if draft.traj_id in seen:
-            rejected.append(Rejected(record, Reject(
-                DUPLICATE_TRAJ_ID, f"traj_id {draft.traj_id!r} was already read", "traj_id"), draft.traj_id))
+            rejected.append(
+                Rejected(
+                    record,
+                    Reject(DUPLICATE_TRAJ_ID, f"traj_id {draft.traj_id!r} was already read", "traj_id"),
+                    draft.traj_id,
+                )
+            )
             continue
         seen.add(draft.traj_id)
         items.append((record, draft))

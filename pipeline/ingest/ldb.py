@@ -59,8 +59,12 @@ def ldb(record: SourceRecord) -> TrajectoryDraft:
     given_tests = _str_list(require(data, "given_tests"), "given_tests")
     is_solved = require(data, "is_solved")
     if not isinstance(feedback, list) or len(feedback) != len(implementations):
-        raise Reject(LENGTH_MISMATCH, f"{len(implementations)} implementations but "
-                     f"{len(feedback) if isinstance(feedback, list) else 'no'} test_feedback entries", "test_feedback")
+        raise Reject(
+            LENGTH_MISMATCH,
+            f"{len(implementations)} implementations but "
+            f"{len(feedback) if isinstance(feedback, list) else 'no'} test_feedback entries",
+            "test_feedback",
+        )
     if not implementations:
         raise Reject(INVALID_VALUE, "no implementations", "implementations")
     if not given_tests:
@@ -68,12 +72,20 @@ def ldb(record: SourceRecord) -> TrajectoryDraft:
     steps = [StepDraft(role="user", content=str(prompt))]
     for i, (program, failing) in enumerate(zip(implementations, feedback, strict=True)):
         failing = _str_list(failing, f"test_feedback[{i}]")
-        steps.append(StepDraft(role="assistant", content=program,
-                               verifier_score=visible_pass_fraction(given_tests, failing)))
+        steps.append(
+            StepDraft(
+                role="assistant", content=program, verifier_score=visible_pass_fraction(given_tests, failing)
+            )
+        )
         steps.append(StepDraft(role="user", content=feedback_text(failing)))
     meta = {k: data.get(k) for k in ("task_id", "entry_point", "prompt", "test", "given_tests")}
-    meta.update({k: data.get(k) for k in ("is_passing", "is_solved", "debug_iter", "canonical_solution", "seed")
-                 if k in data})
+    meta.update(
+        {
+            k: data.get(k)
+            for k in ("is_passing", "is_solved", "debug_iter", "canonical_solution", "seed")
+            if k in data
+        }
+    )
     return TrajectoryDraft(
         traj_id=f"{record.stem}:{task_id}",
         group_id=task_id,

@@ -64,9 +64,14 @@ def _with_round(table: pa.Table, round_: int) -> pa.Table:
 def _fill_tokens(steps: pa.Table, tokenizer) -> tuple[pa.Table, int]:
     """Tokenize the content of steps that have no token ids."""
     n = steps.num_rows
-    ids_col = steps.column("token_ids") if "token_ids" in steps.column_names else pa.nulls(n, pa.list_(pa.int32()))
-    offs_col = (steps.column("token_offsets") if "token_offsets" in steps.column_names
-                else pa.nulls(n, pa.list_(pa.int32())))
+    ids_col = (
+        steps.column("token_ids") if "token_ids" in steps.column_names else pa.nulls(n, pa.list_(pa.int32()))
+    )
+    offs_col = (
+        steps.column("token_offsets")
+        if "token_offsets" in steps.column_names
+        else pa.nulls(n, pa.list_(pa.int32()))
+    )
     missing = pc.or_(pc.is_null(ids_col), pc.is_null(offs_col))
     rows = pc.indices_nonzero(missing).to_pylist() if n else []
     if rows:
@@ -92,7 +97,11 @@ def _link_errors(steps: pa.Table) -> dict[str, Reject]:
     if not pc.any(has_id).as_py():
         return {}
     calls: dict[str, dict[str, int]] = defaultdict(dict)
-    cols = steps.select(["traj_id", "step_idx", "tool_calls"]).to_pylist() if "tool_calls" in steps.column_names else []
+    cols = (
+        steps.select(["traj_id", "step_idx", "tool_calls"]).to_pylist()
+        if "tool_calls" in steps.column_names
+        else []
+    )
     for row in cols:
         for call in row["tool_calls"] or ():
             calls[row["traj_id"]].setdefault(call["id"], row["step_idx"])
@@ -101,9 +110,15 @@ def _link_errors(steps: pa.Table) -> dict[str, Reject]:
     for row in tool_rows.select(["traj_id", "step_idx", "tool_call_id"]).to_pylist():
         made_at = calls.get(row["traj_id"], {}).get(row["tool_call_id"])
         if made_at is None or made_at >= row["step_idx"]:
-            out.setdefault(row["traj_id"], Reject(
-                UNMATCHED_TOOL_RESULT, f"step {row['step_idx']} answers call {row['tool_call_id']!r}, "
-                "which no earlier step made", "tool_call_id"))
+            out.setdefault(
+                row["traj_id"],
+                Reject(
+                    UNMATCHED_TOOL_RESULT,
+                    f"step {row['step_idx']} answers call {row['tool_call_id']!r}, "
+                    "which no earlier step made",
+                    "tool_call_id",
+                ),
+            )
     return out
 
 
@@ -118,11 +133,19 @@ def ingest_tables(sources: list[tuple[str, dict[str, pa.Table]]], round_: int, t
             table = tables.get(name)
             if table is None:
                 continue
-            parts.append(table.append_column(SOURCE_COL, pa.array([source_file] * table.num_rows, pa.string())))
-    trajectories = (pa.concat_tables(traj_parts, promote_options="permissive") if traj_parts
-                    else trajectories_schema.SPEC.empty().append_column(SOURCE_COL, pa.array([], pa.string())))
-    steps = (pa.concat_tables(step_parts, promote_options="permissive") if step_parts
-             else steps_schema.SPEC.empty().append_column(SOURCE_COL, pa.array([], pa.string())))
+            parts.append(
+                table.append_column(SOURCE_COL, pa.array([source_file] * table.num_rows, pa.string()))
+            )
+    trajectories = (
+        pa.concat_tables(traj_parts, promote_options="permissive")
+        if traj_parts
+        else trajectories_schema.SPEC.empty().append_column(SOURCE_COL, pa.array([], pa.string()))
+    )
+    steps = (
+        pa.concat_tables(step_parts, promote_options="permissive")
+        if step_parts
+        else steps_schema.SPEC.empty().append_column(SOURCE_COL, pa.array([], pa.string()))
+    )
     records_read = trajectories.num_rows
     trajectories, steps = _with_round(trajectories, round_), _with_round(steps, round_)
     steps, n_tokenized = _fill_tokens(steps, tokenizer)
@@ -133,9 +156,14 @@ def ingest_tables(sources: list[tuple[str, dict[str, pa.Table]]], round_: int, t
     orphans = sorted(x for x in step_ids - traj_ids if x is not None)
     for traj_id in orphans:
         rows = steps.filter(pc.equal(steps.column("traj_id"), traj_id))
-        record = SourceRecord(rows.column(SOURCE_COL)[0].as_py(), f"steps traj_id={traj_id}",
-                              _raw(None, rows.drop([SOURCE_COL]).to_pylist()))
-        rejected.append(Rejected(record, Reject(MISSING_FIELD, "steps without a trajectory row", "traj_id"), traj_id))
+        record = SourceRecord(
+            rows.column(SOURCE_COL)[0].as_py(),
+            f"steps traj_id={traj_id}",
+            _raw(None, rows.drop([SOURCE_COL]).to_pylist()),
+        )
+        rejected.append(
+            Rejected(record, Reject(MISSING_FIELD, "steps without a trajectory row", "traj_id"), traj_id)
+        )
     if orphans:
         steps = steps.filter(pc.invert(pc.is_in(steps.column("traj_id"), value_set=pa.array(orphans))))
 
@@ -171,9 +199,14 @@ def ingest_tables(sources: list[tuple[str, dict[str, pa.Table]]], round_: int, t
             except SchemaError as err:
                 reject = _reason(err)
         if reject is not None:
-            record = SourceRecord(t_row.column(SOURCE_COL)[0].as_py(), f"trajectories row {i}",
-                                  _raw(t_row.drop([SOURCE_COL]).to_pylist()[0],
-                                       s_rows.drop([SOURCE_COL]).to_pylist() if traj_id not in seen else []))
+            record = SourceRecord(
+                t_row.column(SOURCE_COL)[0].as_py(),
+                f"trajectories row {i}",
+                _raw(
+                    t_row.drop([SOURCE_COL]).to_pylist()[0],
+                    s_rows.drop([SOURCE_COL]).to_pylist() if traj_id not in seen else [],
+                ),
+            )
             rejected.append(Rejected(record, reject, traj_id))
             continue
         seen.add(traj_id)
@@ -185,17 +218,25 @@ def ingest_tables(sources: list[tuple[str, dict[str, pa.Table]]], round_: int, t
 
 
 def _result(trajectories, steps, rejected, round_, records_read, n_tokenized, tokenizer) -> IngestResult:
-    tokens = int(pc.sum(pc.list_value_length(steps.column("token_ids"))).as_py() or 0) if steps.num_rows else 0
-    stats = {"records_read": records_read, "tokens": tokens, "steps_tokenized": n_tokenized,
-             "tokenizer": getattr(tokenizer, "name", "?")}
+    tokens = (
+        int(pc.sum(pc.list_value_length(steps.column("token_ids"))).as_py() or 0) if steps.num_rows else 0
+    )
+    stats = {
+        "records_read": records_read,
+        "tokens": tokens,
+        "steps_tokenized": n_tokenized,
+        "tokenizer": getattr(tokenizer, "name", "?"),
+    }
     return IngestResult(trajectories, steps, quarantine_table(rejected, round_, "parquet"), stats)
 
 
-register_adapter(AdapterSpec(
-    name="parquet",
-    kind="tables",
-    action_format=None,
-    description="canonical trajectories + steps Parquet tables, validated with the schemas",
-    extensions=(".parquet",),
-    ingest_tables=ingest_tables,
-))
+register_adapter(
+    AdapterSpec(
+        name="parquet",
+        kind="tables",
+        action_format=None,
+        description="canonical trajectories + steps Parquet tables, validated with the schemas",
+        extensions=(".parquet",),
+        ingest_tables=ingest_tables,
+    )
+)

@@ -35,8 +35,13 @@ ERROR_MARKERS = ("generated an exception", "Invalid action")
 RESPONSE_HEADER = "### Response:"
 
 TOOL_SPECS = [
-    {"type": "function", "function": {"name": name, "parameters": {
-        "type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]}}}
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {"type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]},
+        },
+    }
     for name, arg in TOOLS.items()
 ]
 
@@ -82,8 +87,14 @@ def split_react(traj: str) -> list[StepDraft]:
             open_turn = kind == "Thought"
         elif kind == "Observation":
             text = line.split(":", 1)[1].strip()
-            steps.append(StepDraft(role="tool", content=line, tool_call_id=pending_call,
-                                   is_error=any(m in text for m in ERROR_MARKERS)))
+            steps.append(
+                StepDraft(
+                    role="tool",
+                    content=line,
+                    tool_call_id=pending_call,
+                    is_error=any(m in text for m in ERROR_MARKERS),
+                )
+            )
             pending_call, open_turn = None, False
         else:  # a continuation line: it belongs to the step before
             steps[-1].content += "\n" + line

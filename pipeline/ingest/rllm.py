@@ -66,9 +66,13 @@ def _context_steps(step: dict, seen: int, where: str) -> tuple[list[StepDraft], 
     if chat:
         new = [m for m in chat[seen:] if isinstance(m, dict) and m.get("role") != "assistant"]
         # the step's own answer may be the last message; it is the assistant step below
-        return convert_messages([{k: v for k, v in m.items() if k in ("role", "content", "tool_calls",
-                                                                       "tool_call_id")} for m in new],
-                                f"{where}.chat_completions"), len(chat)
+        return convert_messages(
+            [
+                {k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "tool_call_id")}
+                for m in new
+            ],
+            f"{where}.chat_completions",
+        ), len(chat)
     obs = step.get("observation")
     if obs is None or obs == "":
         return [], seen
@@ -86,7 +90,9 @@ def _assistant(step: dict, where: str) -> StepDraft:
     ids = ids or None
     lps = lps or None
     if lps is not None and ids is not None and len(lps) != len(ids):
-        raise Reject(LENGTH_MISMATCH, f"{where}: {len(ids)} response_ids but {len(lps)} logprobs", f"{where}.logprobs")
+        raise Reject(
+            LENGTH_MISMATCH, f"{where}: {len(ids)} response_ids but {len(lps)} logprobs", f"{where}.logprobs"
+        )
     text = step.get("model_response")
     if not text:
         chat = step.get("chat_completions") or []
@@ -135,25 +141,47 @@ def convert_trajectory(episode: dict, traj: dict, t_index: int, names: dict[str,
     names[name] = names.get(name, 0) + 1
     traj_id = f"{ep_id}/{name}" if names[name] == 1 else f"{ep_id}/{name}/{traj.get('uid') or t_index}"
     sample_idx = int(rollout) if rollout.isdigit() else None
-    meta = {"episode_id": ep_id, "trajectory_uid": traj.get("uid"), "name": name,
-            "is_correct": episode.get("is_correct"), "termination_reason": episode.get("termination_reason"),
-            "prompt_tokens": prompt_tokens, "info": traj.get("info") or None, "metrics": episode.get("metrics") or None}
-    return TrajectoryDraft(traj_id=traj_id, group_id=f"{task_id}:{name}", sample_idx=sample_idx, reward=reward,
-                           steps=steps, meta={k: v for k, v in meta.items() if v is not None})
+    meta = {
+        "episode_id": ep_id,
+        "trajectory_uid": traj.get("uid"),
+        "name": name,
+        "is_correct": episode.get("is_correct"),
+        "termination_reason": episode.get("termination_reason"),
+        "prompt_tokens": prompt_tokens,
+        "info": traj.get("info") or None,
+        "metrics": episode.get("metrics") or None,
+    }
+    return TrajectoryDraft(
+        traj_id=traj_id,
+        group_id=f"{task_id}:{name}",
+        sample_idx=sample_idx,
+        reward=reward,
+        steps=steps,
+        meta={k: v for k, v in meta.items() if v is not None},
+    )
 
 
 def _split(text: str, source_file: str):
     """One record per rLLM trajectory (an episode may hold several); an episode-level error is one record."""
     for record in read_episodes(text, source_file):
         data = record.data
-        if record.error is not None or not isinstance(data, dict) or not isinstance(data.get("trajectories"), list) \
-                or not data["trajectories"]:
+        if (
+            record.error is not None
+            or not isinstance(data, dict)
+            or not isinstance(data.get("trajectories"), list)
+            or not data["trajectories"]
+        ):
             yield record
             continue
         names: dict[str, int] = {}
         for i, traj in enumerate(data["trajectories"]):
-            sub = SourceRecord(record.source_file, f"{record.location}.trajectories[{i}]", record.raw, data,
-                               context={"t_index": i, "names": names, "traj": traj})
+            sub = SourceRecord(
+                record.source_file,
+                f"{record.location}.trajectories[{i}]",
+                record.raw,
+                data,
+                context={"t_index": i, "names": names, "traj": traj},
+            )
             yield sub
 
 
@@ -170,6 +198,7 @@ def rllm(record: SourceRecord) -> TrajectoryDraft:
         raise Reject(INVALID_VALUE, "'trajectories' is not a list", "trajectories")
     traj = record.context["traj"]
     if not isinstance(traj, dict):
-        raise Reject(INVALID_VALUE, "trajectory is not an object", f"trajectories[{record.context['t_index']}]")
+        raise Reject(
+            INVALID_VALUE, "trajectory is not an object", f"trajectories[{record.context['t_index']}]"
+        )
     return convert_trajectory(data, traj, record.context["t_index"], record.context["names"])
-

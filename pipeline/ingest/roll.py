@@ -29,7 +29,15 @@ from pipeline.ingest.core import (
 )
 from pipeline.ingest.registry import adapter
 
-_KNOWN = {"traj_id", "traj_group_id", "episode_scores", "step_scores", "messages", "messages_list", "global_step"}
+_KNOWN = {
+    "traj_id",
+    "traj_group_id",
+    "episode_scores",
+    "step_scores",
+    "messages",
+    "messages_list",
+    "global_step",
+}
 
 
 def _scalar(value, name: str):
@@ -58,14 +66,18 @@ def roll(record: SourceRecord) -> TrajectoryDraft:
         asst = [s for s in steps if s.role == "assistant"]
         scores = scores if isinstance(scores, list) else [scores] * len(asst)
         if len(scores) != len(asst):
-            raise Reject(LENGTH_MISMATCH, f"{len(scores)} step_scores for {len(asst)} assistant turns", "step_scores")
+            raise Reject(
+                LENGTH_MISMATCH, f"{len(scores)} step_scores for {len(asst)} assistant turns", "step_scores"
+            )
         for k, (step, score) in enumerate(zip(asst, scores, strict=True)):
             step.verifier_score = as_reward(score, f"step_scores[{k}]")
     line = record.location.removeprefix("line ")
     step_no = data.get("global_step")
     return TrajectoryDraft(
         traj_id=str(data["traj_id"]) if data.get("traj_id") is not None else f"{record.stem}:L{line}",
-        group_id=str(data["traj_group_id"]) if data.get("traj_group_id") is not None else prompt_group(messages),
+        group_id=str(data["traj_group_id"])
+        if data.get("traj_group_id") is not None
+        else prompt_group(messages),
         reward=reward,
         policy_version=str(as_int(step_no, "global_step")) if step_no is not None else None,
         meta={k: v for k, v in data.items() if k not in _KNOWN} or None,

@@ -48,7 +48,9 @@ def read_tau2_results(text: str, source_file: str) -> Iterator[SourceRecord]:
         yield SourceRecord(source_file, "$", text, error=Reject(MALFORMED_JSON, str(exc)))
         return
     if spans is None:
-        yield SourceRecord(source_file, "$", text, error=Reject(MISSING_FIELD, "no 'simulations' list", "simulations"))
+        yield SourceRecord(
+            source_file, "$", text, error=Reject(MISSING_FIELD, "no 'simulations' list", "simulations")
+        )
         return
     for record, _ in iter_json_array(text[: spans[1]], spans[0], source_file, "simulations"):
         record.context = context
@@ -66,7 +68,9 @@ def _steps(messages, where: str = "messages") -> tuple[list[StepDraft], list[dic
             step.tool_call_id = str(require(msg, "id", w))
             step.is_error = bool(msg.get("error"))
         if msg.get("errors"):
-            rejected_attempts.append({"step_idx": i, "turn_idx": msg.get("turn_idx"), "errors": msg["errors"]})
+            rejected_attempts.append(
+                {"step_idx": i, "turn_idx": msg.get("turn_idx"), "errors": msg["errors"]}
+            )
         steps.append(step)
     return steps, rejected_attempts
 

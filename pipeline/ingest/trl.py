@@ -65,8 +65,11 @@ def convert_row(record: SourceRecord) -> TrajectoryDraft:
             raise Reject(NON_FINITE_REWARD, f"{col} is {v}", col)
         components[col] = float(v)
     if not components:
-        raise Reject(NON_FINITE_REWARD, f"every reward column is NaN or missing ({', '.join(reward_cols) or 'none'})",
-                     "rewards")
+        raise Reject(
+            NON_FINITE_REWARD,
+            f"every reward column is NaN or missing ({', '.join(reward_cols) or 'none'})",
+            "rewards",
+        )
     step = row.get("step")
     prompt_key = json.dumps(row.get("prompt"), ensure_ascii=False, sort_keys=True, default=str)
     mode = f"{row['mode']}:" if row.get("mode") else ""
@@ -85,30 +88,39 @@ def convert_row(record: SourceRecord) -> TrajectoryDraft:
 
 
 def _reward_columns(table: pa.Table) -> list[str]:
-    return [f.name for f in table.schema
-            if f.name not in _NOT_REWARD and (pa.types.is_floating(f.type) or pa.types.is_integer(f.type))]
+    return [
+        f.name
+        for f in table.schema
+        if f.name not in _NOT_REWARD and (pa.types.is_floating(f.type) or pa.types.is_integer(f.type))
+    ]
 
 
 def ingest_tables(sources, round_: int, tokenizer) -> IngestResult:
     records: list[SourceRecord] = []
     for source_file, table in sources:
         if not isinstance(table, pa.Table):
-            records.append(SourceRecord(source_file, "$", "", error=Reject(INVALID_VALUE, "not a Parquet table")))
+            records.append(
+                SourceRecord(source_file, "$", "", error=Reject(INVALID_VALUE, "not a Parquet table"))
+            )
             continue
         cols = _reward_columns(table)
         for i, row in enumerate(table.to_pylist()):
             raw = json.dumps(row, ensure_ascii=False, default=str)
-            records.append(SourceRecord(source_file, f"row {i}", raw, row, context={"row": i, "reward_cols": cols}))
+            records.append(
+                SourceRecord(source_file, f"row {i}", raw, row, context={"row": i, "reward_cols": cols})
+            )
     return ingest_records(records, ADAPTERS["trl"], round_, tokenizer)
 
 
-register_adapter(AdapterSpec(
-    name="trl",
-    kind="tables",
-    action_format=None,
-    description="TRL GRPOTrainer completions_*.parquet (prompt, completion, reward columns, advantage)",
-    extensions=(".parquet",),
-    convert=convert_row,
-    ingest_tables=ingest_tables,
-    options={"raw_files": True},
-))
+register_adapter(
+    AdapterSpec(
+        name="trl",
+        kind="tables",
+        action_format=None,
+        description="TRL GRPOTrainer completions_*.parquet (prompt, completion, reward columns, advantage)",
+        extensions=(".parquet",),
+        convert=convert_row,
+        ingest_tables=ingest_tables,
+        options={"raw_files": True},
+    )
+)

@@ -60,11 +60,17 @@ def _arrays(columns) -> dict[str, np.ndarray]:
         if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
             lens = pc.list_value_length(col).to_numpy(zero_copy_only=False)
             if len(lens) and (lens != lens[0]).any():
-                raise Reject(INVALID_VALUE, f"column {name!r} has rows of different lengths (expected a padded batch)", name)
+                raise Reject(
+                    INVALID_VALUE,
+                    f"column {name!r} has rows of different lengths (expected a padded batch)",
+                    name,
+                )
             flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
             out[name] = flat.reshape(len(col), int(lens[0]) if len(lens) else 0)
         else:
-            out[name] = np.asarray(col.to_pylist() if pa.types.is_string(col.type) else col.to_numpy(zero_copy_only=False))
+            out[name] = np.asarray(
+                col.to_pylist() if pa.types.is_string(col.type) else col.to_numpy(zero_copy_only=False)
+            )
     return out
 
 
@@ -85,8 +91,10 @@ def _pieces(tokenizer, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 
 def _row_raw(a: dict[str, np.ndarray], r: int) -> str:
-    return json.dumps({k: (v[r].tolist() if v.ndim else v.tolist()) for k, v in a.items() if v.ndim and len(v) > r},
-                      default=str)
+    return json.dumps(
+        {k: (v[r].tolist() if v.ndim else v.tolist()) for k, v in a.items() if v.ndim and len(v) > r},
+        default=str,
+    )
 
 
 def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], stats: dict):
@@ -107,14 +115,17 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
     logprobs = a[lp_key].astype(np.float32) if lp_key else None
     if "attention_mask" in a:
         attn = a["attention_mask"].astype(np.int64)
-        p_real, r_real = attn[:, :P] == 1, attn[:, P:P + R] == 1
+        p_real, r_real = attn[:, :P] == 1, attn[:, P : P + R] == 1
     else:
         p_real = np.ones((B, P), bool)
         last = np.where(rmask == 1, np.arange(R)[None, :], -1).max(axis=1) if R else np.full(B, -1)
         r_real = np.arange(R)[None, :] <= last[:, None]
     uid = np.asarray(a["uid"]).astype(str)
-    traj_ids = (np.asarray(a["traj_id"]).astype(str) if "traj_id" in a
-                else np.array([f"{PurePath(source_file).stem}:{r}" for r in range(B)]))
+    traj_ids = (
+        np.asarray(a["traj_id"]).astype(str)
+        if "traj_id" in a
+        else np.array([f"{PurePath(source_file).stem}:{r}" for r in range(B)])
+    )
     reward = scores.sum(axis=1)
 
     bad = np.zeros(B, bool)
@@ -126,11 +137,18 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
         bad[rows] = True
 
     flag(np.char.str_len(uid.astype(str)) == 0, lambda r: Reject(MISSING_FIELD, "uid is empty", "uid"))
-    flag(~np.isfinite(reward), lambda r: Reject(NON_FINITE_REWARD, f"reward ({reward_key} sum) is {reward[r]}", reward_key))
-    flag(~np.isin(rmask, (0, 1)).all(axis=1),
-         lambda r: Reject(INVALID_VALUE, "response_mask has values other than 0/1", "response_mask"))
-    flag(((rmask == 1) & ~r_real).any(axis=1),
-         lambda r: Reject(INVALID_VALUE, "response_mask is 1 on a padding token", "response_mask"))
+    flag(
+        ~np.isfinite(reward),
+        lambda r: Reject(NON_FINITE_REWARD, f"reward ({reward_key} sum) is {reward[r]}", reward_key),
+    )
+    flag(
+        ~np.isin(rmask, (0, 1)).all(axis=1),
+        lambda r: Reject(INVALID_VALUE, "response_mask has values other than 0/1", "response_mask"),
+    )
+    flag(
+        ((rmask == 1) & ~r_real).any(axis=1),
+        lambda r: Reject(INVALID_VALUE, "response_mask is 1 on a padding token", "response_mask"),
+    )
     for r, rej in sorted(reasons.items()):
         rejected.append(Rejected(SourceRecord(source_file, f"row {r}", _row_raw(a, r)), rej, traj_ids[r]))
     keep = np.flatnonzero(~bad)
@@ -155,8 +173,11 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
     ids = np.concatenate([p_ids, r_ids])[order]
     new = np.concatenate([p_new, r_new])[order]
     mask = np.concatenate([np.zeros(len(p_row), np.int8), r_m])[order]
-    lp_flat = (np.concatenate([np.zeros(len(p_row), np.float32), logprobs[keep][r_row, r_col]])[order]
-               if logprobs is not None else None)
+    lp_flat = (
+        np.concatenate([np.zeros(len(p_row), np.float32), logprobs[keep][r_row, r_col]])[order]
+        if logprobs is not None
+        else None
+    )
 
     seg_start = np.flatnonzero(new)
     seg_end = np.append(seg_start[1:], len(ids))
@@ -175,50 +196,64 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
     stats["text"] = "decoded" if decoded else "placeholder"
     plen = np.fromiter((len(p) for p in piece), np.int64, len(piece))[inv]
     cum = np.cumsum(plen) - plen  # char start of each token in the whole stream
-    offsets = (cum - cum[seg_start].repeat(seg_end - seg_start)).astype(np.int32) if len(ids) else np.zeros(0, np.int32)
+    offsets = (
+        (cum - cum[seg_start].repeat(seg_end - seg_start)).astype(np.int32)
+        if len(ids)
+        else np.zeros(0, np.int32)
+    )
     tok_piece = piece[inv]
     content = ["".join(tok_piece[s:e]) for s, e in zip(seg_start, seg_end, strict=True)]
 
     tok_off = pa.array(np.append(seg_start, len(ids)).astype(np.int32))
     lp_valid = seg_asst if lp_flat is not None else np.zeros(n_seg, bool)
     kept_traj = traj_ids[keep]
-    steps = pa.table({
-        "traj_id": pa.array(kept_traj[seg_row], pa.string()),
-        "step_idx": pa.array(step_idx.astype(np.int32)),
-        "role": pa.array(role.astype(object), pa.string()),
-        "turn": pa.array(turn.astype(np.int32), mask=turn == 0),
-        "content": pa.array(content, pa.string()),
-        "tool_calls": pa.nulls(n_seg, steps_schema.SCHEMA.field("tool_calls").type),
-        "tool_call_id": pa.nulls(n_seg, pa.string()),
-        "is_error": pa.array(np.zeros(n_seg, bool)),
-        "token_ids": pa.ListArray.from_arrays(tok_off, pa.array(ids.astype(np.int32))),
-        "token_offsets": pa.ListArray.from_arrays(tok_off, pa.array(offsets)),
-        "logprobs": pa.ListArray.from_arrays(tok_off, pa.array(lp_flat if lp_flat is not None
-                                                               else np.zeros(len(ids), np.float32)),
-                                             mask=pa.array(~lp_valid)),
-        "logprob_source": pa.array(np.where(lp_valid, "rollout", None).astype(object), pa.string()),
-        "values": pa.nulls(n_seg, pa.list_(pa.float32())),
-        "verifier_score": pa.nulls(n_seg, pa.float64()),
-    })
+    steps = pa.table(
+        {
+            "traj_id": pa.array(kept_traj[seg_row], pa.string()),
+            "step_idx": pa.array(step_idx.astype(np.int32)),
+            "role": pa.array(role.astype(object), pa.string()),
+            "turn": pa.array(turn.astype(np.int32), mask=turn == 0),
+            "content": pa.array(content, pa.string()),
+            "tool_calls": pa.nulls(n_seg, steps_schema.SCHEMA.field("tool_calls").type),
+            "tool_call_id": pa.nulls(n_seg, pa.string()),
+            "is_error": pa.array(np.zeros(n_seg, bool)),
+            "token_ids": pa.ListArray.from_arrays(tok_off, pa.array(ids.astype(np.int32))),
+            "token_offsets": pa.ListArray.from_arrays(tok_off, pa.array(offsets)),
+            "logprobs": pa.ListArray.from_arrays(
+                tok_off,
+                pa.array(lp_flat if lp_flat is not None else np.zeros(len(ids), np.float32)),
+                mask=pa.array(~lp_valid),
+            ),
+            "logprob_source": pa.array(np.where(lp_valid, "rollout", None).astype(object), pa.string()),
+            "values": pa.nulls(n_seg, pa.list_(pa.float32())),
+            "verifier_score": pa.nulls(n_seg, pa.float64()),
+        }
+    )
     kept_uid = uid[keep]
     order_in_group = np.zeros(len(keep), np.int32)
     seen: dict[str, int] = {}
     for i, g in enumerate(kept_uid):
         order_in_group[i] = seen.get(g, 0)
         seen[g] = order_in_group[i] + 1
-    meta = [json.dumps({"uid": str(u), "row": int(r), "prompt_tokens": int(n)})
-            for u, r, n in zip(kept_uid, keep, p_real[keep].sum(axis=1), strict=True)]
-    trajectories = pa.table({
-        "traj_id": pa.array(kept_traj, pa.string()),
-        "group_id": pa.array(kept_uid, pa.string()),
-        "sample_idx": pa.array(order_in_group),
-        "reward": pa.array(reward[keep]),
-        "reward_components": pa.nulls(len(keep), trajectories_schema.SCHEMA.field("reward_components").type),
-        "source": pa.array([f"verl-batch:{source_file}"] * len(keep), pa.string()),
-        "action_format": pa.nulls(len(keep), pa.string()),
-        "policy_version": pa.nulls(len(keep), pa.string()),
-        "meta": pa.array(meta, pa.string()),
-    })
+    meta = [
+        json.dumps({"uid": str(u), "row": int(r), "prompt_tokens": int(n)})
+        for u, r, n in zip(kept_uid, keep, p_real[keep].sum(axis=1), strict=True)
+    ]
+    trajectories = pa.table(
+        {
+            "traj_id": pa.array(kept_traj, pa.string()),
+            "group_id": pa.array(kept_uid, pa.string()),
+            "sample_idx": pa.array(order_in_group),
+            "reward": pa.array(reward[keep]),
+            "reward_components": pa.nulls(
+                len(keep), trajectories_schema.SCHEMA.field("reward_components").type
+            ),
+            "source": pa.array([f"verl-batch:{source_file}"] * len(keep), pa.string()),
+            "action_format": pa.nulls(len(keep), pa.string()),
+            "policy_version": pa.nulls(len(keep), pa.string()),
+            "meta": pa.array(meta, pa.string()),
+        }
+    )
     return trajectories, steps
 
 
@@ -237,19 +272,25 @@ def ingest_tables(sources, round_: int, tokenizer) -> IngestResult:
         canonical.append((source_file, {"trajectories": t, "steps": s}))
     result = canonical_ingest(canonical, round_, tokenizer)
     q = result.quarantine
-    q = q.set_column(q.column_names.index("stage"), q.schema.field("stage"), pa.array(["ingest:verl-batch"] * q.num_rows, pa.string()))
+    q = q.set_column(
+        q.column_names.index("stage"),
+        q.schema.field("stage"),
+        pa.array(["ingest:verl-batch"] * q.num_rows, pa.string()),
+    )
     mine = quarantine_table(rejected, round_, "verl-batch")
     result.quarantine = pa.concat_tables([mine, q])
     result.stats.update(stats, records_read=n_rows + len(rejected))
     return result
 
 
-register_adapter(AdapterSpec(
-    name="verl-batch",
-    kind="tables",
-    action_format=None,
-    description="verl-style batch (.npz or Parquet): prompts, responses, response_mask, uid, scores, log probs",
-    extensions=(".npz", ".parquet"),
-    ingest_tables=ingest_tables,
-    options={"raw_files": True},
-))
+register_adapter(
+    AdapterSpec(
+        name="verl-batch",
+        kind="tables",
+        action_format=None,
+        description="verl-style batch (.npz or Parquet): prompts, responses, response_mask, uid, scores, log probs",
+        extensions=(".npz", ".parquet"),
+        ingest_tables=ingest_tables,
+        options={"raw_files": True},
+    )
+)

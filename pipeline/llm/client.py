@@ -168,8 +168,16 @@ class LLMError(Exception):
     """A request that failed for good. `kind`: timeout | connection | server | rate_limit | malformed |
     client (a 4xx other than 429) | config."""
 
-    def __init__(self, kind: str, message: str, *, status: int | None = None, endpoint: str | None = None,
-                 attempts: int = 0, request_hash: str = ""):
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        *,
+        status: int | None = None,
+        endpoint: str | None = None,
+        attempts: int = 0,
+        request_hash: str = "",
+    ):
         super().__init__(f"{kind}: {message}")
         self.kind, self.message, self.status = kind, message, status
         self.endpoint, self.attempts, self.request_hash = endpoint, attempts, request_hash
@@ -179,13 +187,16 @@ class LLMError(Exception):
         return self.kind in {"timeout", "connection", "server", "rate_limit", "malformed"}
 
     def __reduce__(self):  # picklable (Prefect / Ray move results between processes)
-        return (_rebuild_error, (self.kind, self.message, self.status, self.endpoint, self.attempts,
-                                 self.request_hash))
+        return (
+            _rebuild_error,
+            (self.kind, self.message, self.status, self.endpoint, self.attempts, self.request_hash),
+        )
 
 
 def _rebuild_error(kind, message, status, endpoint, attempts, request_hash):
-    return LLMError(kind, message, status=status, endpoint=endpoint, attempts=attempts,
-                    request_hash=request_hash)
+    return LLMError(
+        kind, message, status=status, endpoint=endpoint, attempts=attempts, request_hash=request_hash
+    )
 
 
 class CallRecord(BaseModel):
@@ -310,8 +321,9 @@ def _validate_output(text: str, schema: dict[str, Any] | None, model_cls: Any) -
 def _schema_instruction(schema: dict[str, Any] | None) -> str:
     if schema is None:
         return "Answer with one JSON object only, no other text."
-    return ("Answer with one JSON object only, no other text, that satisfies this JSON schema:\n"
-            + json.dumps(schema, sort_keys=True))
+    return "Answer with one JSON object only, no other text, that satisfies this JSON schema:\n" + json.dumps(
+        schema, sort_keys=True
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -319,7 +331,9 @@ def _schema_instruction(schema: dict[str, Any] | None) -> str:
 
 
 def _hash(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str, ensure_ascii=False).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps(obj, sort_keys=True, default=str, ensure_ascii=False).encode()
+    ).hexdigest()
 
 
 _POOL_SHARD = 16  # concurrent requests per HTTP connection pool (see LLMClient._client)
@@ -378,8 +392,15 @@ class LLMClient:
             from openai import AsyncOpenAI
 
             n = max(1, -(-self.settings.concurrency // _POOL_SHARD))
-            shards = [AsyncOpenAI(base_url=endpoint, api_key=self.settings.api_key, timeout=self.settings.timeout_s,
-                                  max_retries=0) for _ in range(n)]
+            shards = [
+                AsyncOpenAI(
+                    base_url=endpoint,
+                    api_key=self.settings.api_key,
+                    timeout=self.settings.timeout_s,
+                    max_retries=0,
+                )
+                for _ in range(n)
+            ]
             st.clients[endpoint] = shards
         return shards[next(st.turn) % len(shards)]
 
@@ -450,8 +471,15 @@ class LLMClient:
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
             tmp = p.parent / f".tmp-{uuid.uuid4().hex}"
-            tmp.write_text(json.dumps({"v": CACHE_VERSION, "kind": type(result).__name__,
-                                       "result": result.model_dump(mode="json")}))
+            tmp.write_text(
+                json.dumps(
+                    {
+                        "v": CACHE_VERSION,
+                        "kind": type(result).__name__,
+                        "result": result.model_dump(mode="json"),
+                    }
+                )
+            )
             os.replace(tmp, p)
         except OSError:
             pass  # a cache that cannot be written is a cache miss next time, never a failure
@@ -475,14 +503,21 @@ class LLMClient:
         extra_body: dict[str, Any] | None = None,
     ) -> ChatResult:
         """One chat completion request (n choices). Raises `LLMError` when it fails for good."""
-        params: dict[str, Any] = {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
-                                  "seed": seed, "stop": stop}
+        params: dict[str, Any] = {
+            "n": n,
+            "temperature": temperature,
+            "top_p": top_p,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "stop": stop,
+        }
         if logprobs:
             params["logprobs"] = True
             if top_logprobs:
                 params["top_logprobs"] = top_logprobs
-        return await self._request("chat", {"messages": messages}, params, response_format, purpose, cache,
-                                   extra_body)
+        return await self._request(
+            "chat", {"messages": messages}, params, response_format, purpose, cache, extra_body
+        )
 
     async def complete(
         self,
@@ -503,8 +538,16 @@ class LLMClient:
     ) -> CompletionResult:
         """One /v1/completions request. `prompt` may be token ids. `echo=True, logprobs=0, max_tokens=0/1`
         scores the prompt; `prompt_logprobs=k` is vLLM's direct prompt scoring."""
-        params: dict[str, Any] = {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
-                                  "seed": seed, "stop": stop, "echo": echo or None, "logprobs": logprobs}
+        params: dict[str, Any] = {
+            "n": n,
+            "temperature": temperature,
+            "top_p": top_p,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "stop": stop,
+            "echo": echo or None,
+            "logprobs": logprobs,
+        }
         eb = dict(extra_body or {})
         if prompt_logprobs is not None:
             eb["prompt_logprobs"] = prompt_logprobs
@@ -563,16 +606,33 @@ class LLMClient:
         return records_to_table([r.model_dump() for r in self.records])
 
     # ---- the request machinery ----------------------------------------------------------------------
-    async def _request(self, kind: str, content: dict[str, Any], params: dict[str, Any], response_format: Any,
-                       purpose: str | None, use_cache: bool, extra_body: dict[str, Any] | None) -> Any:
+    async def _request(
+        self,
+        kind: str,
+        content: dict[str, Any],
+        params: dict[str, Any],
+        response_format: Any,
+        purpose: str | None,
+        use_cache: bool,
+        extra_body: dict[str, Any] | None,
+    ) -> Any:
         params = {k: v for k, v in params.items() if v is not None}
         model = await self.model_name()
         rf_key = None
         if response_format is not None:
             name, schema, _ = _response_format_parts(response_format)
             rf_key = {"name": name, "schema": schema}
-        key = _hash({"v": CACHE_VERSION, "model": model, "kind": kind, "content": content, "params": params,
-                     "response_format": rf_key, "extra": extra_body or {}})
+        key = _hash(
+            {
+                "v": CACHE_VERSION,
+                "model": model,
+                "kind": kind,
+                "content": content,
+                "params": params,
+                "response_format": rf_key,
+                "extra": extra_body or {},
+            }
+        )
         t0 = time.perf_counter()
         result_cls = ChatResult if kind == "chat" else CompletionResult
         if use_cache:
@@ -593,10 +653,24 @@ class LLMClient:
             fut = asyncio.get_running_loop().create_future()
             st.inflight[key] = fut
         try:
-            res, attempts = await self._send(st, kind, model, content, params, response_format, extra_body, key)
+            res, attempts = await self._send(
+                st, kind, model, content, params, response_format, extra_body, key
+            )
         except LLMError as exc:
-            self._record(self._make_record(kind, purpose, exc.endpoint, model, key, None, exc, exc.attempts,
-                                           params, latency=time.perf_counter() - t0))
+            self._record(
+                self._make_record(
+                    kind,
+                    purpose,
+                    exc.endpoint,
+                    model,
+                    key,
+                    None,
+                    exc,
+                    exc.attempts,
+                    params,
+                    latency=time.perf_counter() - t0,
+                )
+            )
             if use_cache:
                 st.inflight.pop(key, None)
                 if not fut.done():
@@ -623,16 +697,34 @@ class LLMClient:
 
     def _make_record(self, kind, purpose, endpoint, model, key, res, err, attempts, params, latency=None):
         return CallRecord(
-            call_id=uuid.uuid4().hex, ts=time.time(), purpose=purpose, kind=kind, endpoint=endpoint, model=model,
-            request_hash=key, latency_s=float(latency if latency is not None else (res.latency_s if res else 0.0)),
+            call_id=uuid.uuid4().hex,
+            ts=time.time(),
+            purpose=purpose,
+            kind=kind,
+            endpoint=endpoint,
+            model=model,
+            request_hash=key,
+            latency_s=float(latency if latency is not None else (res.latency_s if res else 0.0)),
             prompt_tokens=res.usage.prompt_tokens if res else None,
             completion_tokens=res.usage.completion_tokens if res else None,
-            n=int(params.get("n", 1)), cached=bool(res.cached) if res else False, attempts=attempts,
-            error=str(err) if err else None, structured=res.structured if res else None,
+            n=int(params.get("n", 1)),
+            cached=bool(res.cached) if res else False,
+            attempts=attempts,
+            error=str(err) if err else None,
+            structured=res.structured if res else None,
         )
 
-    async def _send(self, st: _LoopState, kind: str, model: str, content: dict[str, Any], params: dict[str, Any],
-                    response_format: Any, extra_body: dict[str, Any] | None, key: str) -> tuple[Any, int]:
+    async def _send(
+        self,
+        st: _LoopState,
+        kind: str,
+        model: str,
+        content: dict[str, Any],
+        params: dict[str, Any],
+        response_format: Any,
+        extra_body: dict[str, Any] | None,
+        key: str,
+    ) -> tuple[Any, int]:
         s = self.settings
         n_ep = len(self.endpoints)
         start = self._next_start()
@@ -649,8 +741,9 @@ class LLMClient:
             try:
                 async with st.sem:
                     self.calls_made += 1
-                    res = await self._call_once(st, endpoint, kind, model, content, params, response_format,
-                                                extra_body)
+                    res = await self._call_once(
+                        st, endpoint, kind, model, content, params, response_format, extra_body
+                    )
                 return res, attempts
             except LLMError as exc:
                 exc.endpoint, exc.attempts, exc.request_hash = endpoint, attempts, key
@@ -667,8 +760,17 @@ class LLMClient:
             await asyncio.sleep(min(delay, s.backoff_max_s))
             delay *= 2
 
-    async def _call_once(self, st: _LoopState, endpoint: str, kind: str, model: str, content: dict[str, Any],
-                         params: dict[str, Any], response_format: Any, extra_body: dict[str, Any] | None) -> Any:
+    async def _call_once(
+        self,
+        st: _LoopState,
+        endpoint: str,
+        kind: str,
+        model: str,
+        content: dict[str, Any],
+        params: dict[str, Any],
+        response_format: Any,
+        extra_body: dict[str, Any] | None,
+    ) -> Any:
         import openai
         from openai.types import Completion
         from openai.types.chat import ChatCompletion
@@ -688,8 +790,10 @@ class LLMClient:
                 if schema is None:
                     req["response_format"] = {"type": "json_object"}
                 else:
-                    req["response_format"] = {"type": "json_schema",
-                                              "json_schema": {"name": name[:64], "schema": schema}}
+                    req["response_format"] = {
+                        "type": "json_schema",
+                        "json_schema": {"name": name[:64], "schema": schema},
+                    }
                 structured = "json_schema"
         t0 = time.perf_counter()
         try:
@@ -699,8 +803,13 @@ class LLMClient:
                     messages = [{"role": "system", "content": _schema_instruction(schema)}, *messages]
                     structured = "prompted"
                 try:
-                    raw = await _post(client, "/chat/completions", {"model": model, "messages": messages, **req},
-                                      body, ChatCompletion)
+                    raw = await _post(
+                        client,
+                        "/chat/completions",
+                        {"model": model, "messages": messages, **req},
+                        body,
+                        ChatCompletion,
+                    )
                 except (openai.BadRequestError, openai.UnprocessableEntityError) as exc:
                     if structured != "json_schema" or self.settings.structured_output != "auto":
                         raise
@@ -710,12 +819,22 @@ class LLMClient:
                     messages = [{"role": "system", "content": _schema_instruction(schema)}, *messages]
                     structured = "prompted"
                     del exc
-                    raw = await _post(client, "/chat/completions", {"model": model, "messages": messages, **req},
-                                      body, ChatCompletion)
+                    raw = await _post(
+                        client,
+                        "/chat/completions",
+                        {"model": model, "messages": messages, **req},
+                        body,
+                        ChatCompletion,
+                    )
                 res = _parse_chat(raw)
             else:
-                raw = await _post(client, "/completions", {"model": model, "prompt": content["prompt"], **req}, body,
-                                  Completion)
+                raw = await _post(
+                    client,
+                    "/completions",
+                    {"model": model, "prompt": content["prompt"], **req},
+                    body,
+                    Completion,
+                )
                 res = _parse_completion(raw, echo=bool(params.get("echo")))
         except openai.APITimeoutError as exc:
             raise LLMError("timeout", f"no answer within {self.settings.timeout_s}s") from exc
@@ -738,13 +857,16 @@ class LLMClient:
         return res
 
 
-async def _post(client: Any, path: str, params: dict[str, Any], extra_body: dict[str, Any], cast_to: type) -> Any:
+async def _post(
+    client: Any, path: str, params: dict[str, Any], extra_body: dict[str, Any], cast_to: type
+) -> Any:
     """POST an OpenAI-compatible request with the SDK's documented `client.post` (its retries, errors, auth and
     response parsing), with the JSON body as built here. `chat.completions.create` would first walk the params
     against the SDK's TypedDict schemas (a no-op for plain JSON messages) at ~1 ms of CPU per request, which at
     high concurrency bounds the request rate; the body sent is the same (extra_body keys override, as there)."""
-    return await client.post(path, body={**params, **extra_body}, cast_to=cast_to,
-                             options={"security": {"bearer_auth": True}})
+    return await client.post(
+        path, body={**params, **extra_body}, cast_to=cast_to, options={"security": {"bearer_auth": True}}
+    )
 
 
 def _status_message(exc: Any) -> str:
@@ -791,9 +913,16 @@ def _parse_chat(raw: Any) -> ChatResult:
             if any(getattr(c, "top_logprobs", None) for c in content):
                 tops = [{t.token: t.logprob for t in (c.top_logprobs or [])} for c in content]
         ids = _extra(ch, "token_ids") or _token_ids_from_strings(tokens)
-        choices.append(Choice(text=ch.message.content or "", token_ids=list(ids) if ids is not None else None,
-                              token_logprobs=lps, tokens=tokens, top_logprobs=tops,
-                              finish_reason=ch.finish_reason))
+        choices.append(
+            Choice(
+                text=ch.message.content or "",
+                token_ids=list(ids) if ids is not None else None,
+                token_logprobs=lps,
+                tokens=tokens,
+                top_logprobs=tops,
+                finish_reason=ch.finish_reason,
+            )
+        )
     return ChatResult(choices=choices, usage=_usage(raw))
 
 
@@ -810,8 +939,16 @@ def _parse_completion(raw: Any, echo: bool) -> CompletionResult:
         if lp is not None and lp.top_logprobs:
             tops = [dict(t or {}) for t in lp.top_logprobs]
         ids = _extra(ch, "token_ids") or _token_ids_from_strings(tokens)
-        choices.append(Choice(text=ch.text or "", token_ids=list(ids) if ids is not None else None,
-                              token_logprobs=lps, tokens=tokens, top_logprobs=tops, finish_reason=ch.finish_reason))
+        choices.append(
+            Choice(
+                text=ch.text or "",
+                token_ids=list(ids) if ids is not None else None,
+                token_logprobs=lps,
+                tokens=tokens,
+                top_logprobs=tops,
+                finish_reason=ch.finish_reason,
+            )
+        )
     res = CompletionResult(choices=choices, usage=usage)
     if raw.choices:
         ch0 = sorted(raw.choices, key=lambda c: c.index or 0)[0]
@@ -829,8 +966,14 @@ def _parse_completion(raw: Any, echo: bool) -> CompletionResult:
                     toks.append("")
                     ids_.append(res.prompt_token_ids[i] if res.prompt_token_ids else -1)
                     continue
-                chosen_id = res.prompt_token_ids[i] if res.prompt_token_ids and i < len(res.prompt_token_ids) else None
-                key_ = str(chosen_id) if chosen_id is not None and str(chosen_id) in entry else next(iter(entry))
+                chosen_id = (
+                    res.prompt_token_ids[i]
+                    if res.prompt_token_ids and i < len(res.prompt_token_ids)
+                    else None
+                )
+                key_ = (
+                    str(chosen_id) if chosen_id is not None and str(chosen_id) in entry else next(iter(entry))
+                )
                 info = entry[key_]
                 vals.append(float(info["logprob"]) if isinstance(info, dict) else float(info))
                 toks.append(info.get("decoded_token", "") if isinstance(info, dict) else "")

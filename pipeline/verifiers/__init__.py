@@ -70,7 +70,9 @@ def verifier_name(action_format: str | None, meta) -> str:
         return "code_tests"
     if any(meta.get(k) is not None for k in ("golden_answers", "answers", "answer", "gold")):
         return "em"
-    raise VerifierError(f"no verifier for action_format={action_format!r}: set meta.verifier (one of {sorted(VERIFIERS)})")
+    raise VerifierError(
+        f"no verifier for action_format={action_format!r}: set meta.verifier (one of {sorted(VERIFIERS)})"
+    )
 
 
 def verifier_for(action_format: str | None, meta) -> tuple[str, VerifyFn]:

@@ -21,8 +21,19 @@ def _limits(job):
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-BLOCKED_PREFIXES = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.fork",
-                    "os.spawn", "pty.", "ctypes.", "os.kill", "os.killpg")
+BLOCKED_PREFIXES = (
+    "socket.",
+    "subprocess.",
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.fork",
+    "os.spawn",
+    "pty.",
+    "ctypes.",
+    "os.kill",
+    "os.killpg",
+)
 
 
 def _install_guard(workdir):
@@ -54,7 +65,9 @@ def _split_check(test_code, entry_point):
         else:
             prelude.append(node)
     if body is None:  # plain assert statements at module level
-        return [], [(ast.Module([n], []), any(isinstance(x, ast.Assert) for x in ast.walk(n))) for n in tree.body]
+        return [], [
+            (ast.Module([n], []), any(isinstance(x, ast.Assert) for x in ast.walk(n))) for n in tree.body
+        ]
     stmts = [(ast.Module([n], []), any(isinstance(x, ast.Assert) for x in ast.walk(n))) for n in body]
     return [ast.Module(prelude, [])], stmts
 

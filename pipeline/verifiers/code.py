@@ -51,17 +51,36 @@ def extract_program(output: str) -> str:
     return blocks[-1] if blocks else output
 
 
-def run_tests(program: str, *, tests: list[str] | None = None, test_code: str | None = None,
-              entry_point: str | None = None, limits: SandboxLimits = DEFAULT_LIMITS) -> dict:
+def run_tests(
+    program: str,
+    *,
+    tests: list[str] | None = None,
+    test_code: str | None = None,
+    entry_point: str | None = None,
+    limits: SandboxLimits = DEFAULT_LIMITS,
+) -> dict:
     """Run in the sandbox; returns {"passed", "total", "errors", "timeout": bool, "crash": str | None}."""
     nonce = secrets.token_hex(16)
-    job = {"nonce": nonce, "program": program, "tests": tests, "test_code": test_code,
-           "entry_point": entry_point, "mem_bytes": limits.mem_bytes, "cpu_s": limits.cpu_s}
+    job = {
+        "nonce": nonce,
+        "program": program,
+        "tests": tests,
+        "test_code": test_code,
+        "entry_point": entry_point,
+        "mem_bytes": limits.mem_bytes,
+        "cpu_s": limits.cpu_s,
+    }
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
     with tempfile.TemporaryDirectory(prefix="cf-sandbox-") as work:
         proc = subprocess.Popen(
-            [sys.executable, "-I", str(RUNNER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, cwd=work, env=env, start_new_session=True, text=True,
+            [sys.executable, "-I", str(RUNNER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=work,
+            env=env,
+            start_new_session=True,
+            text=True,
         )
         try:
             stdout, stderr = proc.communicate(json.dumps(job), timeout=limits.wall_s)
@@ -73,11 +92,20 @@ def run_tests(program: str, *, tests: list[str] | None = None, test_code: str | 
             _kill(proc)
     for line in reversed(stdout.splitlines()):
         if line.startswith(nonce):
-            res = json.loads(line[len(nonce):])
+            res = json.loads(line[len(nonce) :])
             return {**res, "timeout": False, "crash": None}
-    why = "killed by CPU limit" if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL) else f"exit {proc.returncode}"
-    return {"passed": 0, "total": 0, "errors": [], "timeout": False,
-            "crash": f"{why}: {stderr.strip()[-300:]}"}
+    why = (
+        "killed by CPU limit"
+        if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL)
+        else f"exit {proc.returncode}"
+    )
+    return {
+        "passed": 0,
+        "total": 0,
+        "errors": [],
+        "timeout": False,
+        "crash": f"{why}: {stderr.strip()[-300:]}",
+    }
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -100,10 +128,17 @@ def code_tests(output: str, meta: dict, limits: SandboxLimits | None = None) -> 
         program = meta["prompt"] + program
     cfg = meta.get("sandbox") or {}
     limits = limits or SandboxLimits(
-        wall_s=float(cfg.get("wall_s", DEFAULT_LIMITS.wall_s)), cpu_s=int(cfg.get("cpu_s", DEFAULT_LIMITS.cpu_s)),
-        mem_bytes=int(cfg.get("mem_bytes", DEFAULT_LIMITS.mem_bytes)))
-    res = run_tests(program, tests=list(tests) if tests else None, test_code=test_code,
-                    entry_point=entry_point, limits=limits)
+        wall_s=float(cfg.get("wall_s", DEFAULT_LIMITS.wall_s)),
+        cpu_s=int(cfg.get("cpu_s", DEFAULT_LIMITS.cpu_s)),
+        mem_bytes=int(cfg.get("mem_bytes", DEFAULT_LIMITS.mem_bytes)),
+    )
+    res = run_tests(
+        program,
+        tests=list(tests) if tests else None,
+        test_code=test_code,
+        entry_point=entry_point,
+        limits=limits,
+    )
     if res["timeout"]:
         return Verdict(0.0, "code_tests", error=f"timeout after {limits.wall_s}s")
     if res["crash"]:

@@ -26,7 +26,11 @@ def _check(output: str, golds: list[str], main_thread: bool) -> bool:
     if not pred:
         return False
     for g in golds:
-        gold = parse(_gold_text(g), parsing_timeout=t) if main_thread else parse(_gold_text(g), parsing_timeout=None)
+        gold = (
+            parse(_gold_text(g), parsing_timeout=t)
+            if main_thread
+            else parse(_gold_text(g), parsing_timeout=None)
+        )
         if gold and verify(gold, pred, timeout_seconds=t):
             return True
     return False

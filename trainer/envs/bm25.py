@@ -9,7 +9,8 @@ import numpy as np
 _WORD = re.compile(r"[a-z0-9]+")
 STOPWORDS = frozenset(
     "a an and are as at be by did do does for from has have he her his how in is it its of on or she that the "
-    "their them there they this to was were what when where which who whom whose why with".split())
+    "their them there they this to was were what when where which who whom whose why with".split()
+)
 
 
 def tokenize(text: str) -> list[str]:
@@ -22,8 +23,9 @@ class BM25:
         self.vocab = {w: i for i, w in enumerate(sorted({w for t in toks for w in t}))}
         tf = np.zeros((len(docs), len(self.vocab)), dtype=np.float64)
         for d, t in enumerate(toks):
-            idx, cnt = np.unique(np.fromiter((self.vocab[w] for w in t), dtype=np.int64, count=len(t)),
-                                 return_counts=True)
+            idx, cnt = np.unique(
+                np.fromiter((self.vocab[w] for w in t), dtype=np.int64, count=len(t)), return_counts=True
+            )
             tf[d, idx] = cnt
         dl = tf.sum(axis=1, keepdims=True)
         avgdl = max(float(dl.mean()), 1e-9)

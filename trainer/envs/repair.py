@@ -24,8 +24,10 @@ from trainer.envs.base import EnvStep, RolloutEnv
 
 DATA = Path(__file__).with_name("data")
 FENCE = re.compile(r"```(?:python|py)?[^\n]*\n(.*?)```", re.DOTALL)
-SYSTEM = ("Fix the Python function so that it passes its tests. Answer with the complete corrected function "
-          "in one ```python code block. You will see the test results and may try again.\n\n")
+SYSTEM = (
+    "Fix the Python function so that it passes its tests. Answer with the complete corrected function "
+    "in one ```python code block. You will see the test results and may try again.\n\n"
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,8 +54,17 @@ class CodeRepairEnv(RolloutEnv):
         self._state: dict[str, Any] = {}
 
     def tasks(self) -> list[dict]:
-        return [{"env": self.name, "task_id": t["id"], "description": t["description"],
-                 "entry_point": t["entry_point"], "code": t["code"], "tests": t["tests"]} for t in repair_tasks()]
+        return [
+            {
+                "env": self.name,
+                "task_id": t["id"],
+                "description": t["description"],
+                "entry_point": t["entry_point"],
+                "code": t["code"],
+                "tests": t["tests"],
+            }
+            for t in repair_tasks()
+        ]
 
     def system_prompt(self, task: dict) -> str:
         return SYSTEM
@@ -72,13 +83,20 @@ class CodeRepairEnv(RolloutEnv):
         return int(res["passed"]), total, list(res["errors"]), None
 
     def reset(self, meta: dict) -> str:
-        self._state = {"tests": list(meta["tests"]), "program": meta["code"], "turn": 0, "done": False,
-                       "max_turns": int(meta.get("max_turns", self.default_turns))}
+        self._state = {
+            "tests": list(meta["tests"]),
+            "program": meta["code"],
+            "turn": 0,
+            "done": False,
+            "max_turns": int(meta.get("max_turns", self.default_turns)),
+        }
         passed, total, _, _ = self._run(meta["code"])
         self._state.update(passed=passed, total=total)
         tests = "\n".join(meta["tests"])
-        return (f"Task: {meta['description']}\n\n```python\n{meta['code']}```\n\nTests:\n{tests}\n\n"
-                f"Currently passing {passed}/{total}.\n")
+        return (
+            f"Task: {meta['description']}\n\n```python\n{meta['code']}```\n\nTests:\n{tests}\n\n"
+            f"Currently passing {passed}/{total}.\n"
+        )
 
     def score(self) -> float:
         st = self._state

@@ -30,13 +30,17 @@ from trainer.envs.bm25 import BM25
 
 DATA = Path(__file__).with_name("data")
 ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
-INVALID = ("My previous action is invalid. If I want to search, I should put the query between <search> and "
-           "</search>. If I want to give the final answer, I should put the answer between <answer> and "
-           "</answer>. Let me try again.")
-SYSTEM = ("Answer the question about the Vessari Isles. Think inside <think> and </think> when you get new "
-          "information. To look something up, write a query as <search> query </search>; the top results "
-          "come back between <information> and </information>. You may search several times. When you know "
-          "the answer, give it briefly as <answer> answer </answer>, for example <answer> Maribel </answer>.\n\n")
+INVALID = (
+    "My previous action is invalid. If I want to search, I should put the query between <search> and "
+    "</search>. If I want to give the final answer, I should put the answer between <answer> and "
+    "</answer>. Let me try again."
+)
+SYSTEM = (
+    "Answer the question about the Vessari Isles. Think inside <think> and </think> when you get new "
+    "information. To look something up, write a query as <search> query </search>; the top results "
+    "come back between <information> and </information>. You may search several times. When you know "
+    "the answer, give it briefly as <answer> answer </answer>, for example <answer> Maribel </answer>.\n\n"
+)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -76,17 +80,34 @@ class SearchQAEnv(RolloutEnv):
         self._state: dict[str, Any] = {}
 
     def tasks(self) -> list[dict]:
-        return [{"env": self.name, "task_id": q["id"], "question": q["question"], "golden_answers": q["answers"],
-                 "gold_docs": q["docs"]} for q in questions()]
+        return [
+            {
+                "env": self.name,
+                "task_id": q["id"],
+                "question": q["question"],
+                "golden_answers": q["answers"],
+                "gold_docs": q["docs"],
+            }
+            for q in questions()
+        ]
 
     def system_prompt(self, task: dict) -> str:
         return SYSTEM
 
     def reset(self, meta: dict) -> str:
-        self._state = {"question": meta["question"], "golds": list(meta["golden_answers"]),
-                       "gold_docs": list(meta.get("gold_docs") or []), "max_turns": int(meta.get("max_turns", self.default_turns)),
-                       "topk": int(meta.get("topk", self.topk)), "turn": 0, "answer": None, "hit": False,
-                       "done": False, "searches": [], "invalid": 0}
+        self._state = {
+            "question": meta["question"],
+            "golds": list(meta["golden_answers"]),
+            "gold_docs": list(meta.get("gold_docs") or []),
+            "max_turns": int(meta.get("max_turns", self.default_turns)),
+            "topk": int(meta.get("topk", self.topk)),
+            "turn": 0,
+            "answer": None,
+            "hit": False,
+            "done": False,
+            "searches": [],
+            "invalid": 0,
+        }
         return f"Question: {meta['question']}\n"
 
     def search(self, query: str, k: int | None = None) -> list[dict]:

@@ -23,10 +23,14 @@ from pipeline.credit.registry import refiner
 class C3Settings(StageSettings):
     lam: float = Field(1.0, ge=0.0, le=1.0, description="correction strength lambda in [0,1]")
     confidence: Literal["geometric", "arithmetic"] = Field(
-        "geometric", description="span confidence: exp(mean logprob) (geometric) or mean exp(logprob) (arithmetic)"
+        "geometric",
+        description="span confidence: exp(mean logprob) (geometric) or mean exp(logprob) (arithmetic)",
     )
     missing_confidence: float = Field(
-        1.0, ge=0.0, le=1.0, description="confidence of a span with a missing behaviour logprob (counted in notes)"
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="confidence of a span with a missing behaviour logprob (counted in notes)",
     )
 
 
@@ -34,8 +38,10 @@ def span_token_ranges(ctx: CreditContext, spans: pl.DataFrame) -> tuple[np.ndarr
     """Flat token range [lo, hi) of each span in the context, and its step row (-1: step not in batch)."""
     keyed = ctx.steps.select("traj_id", "step_idx", "tok_start", "n_tokens").with_row_index("step_row")
     joined = spans.select(
-        pl.col("traj_id").cast(pl.String), pl.col("step_idx").cast(ctx.steps.schema["step_idx"]),
-        "token_start", "token_end",
+        pl.col("traj_id").cast(pl.String),
+        pl.col("step_idx").cast(ctx.steps.schema["step_idx"]),
+        "token_start",
+        "token_end",
     ).join(keyed, on=["traj_id", "step_idx"], how="left", maintain_order="left")
     row = joined["step_row"].fill_null(-1).to_numpy().astype(np.int64)
     start = joined["tok_start"].fill_null(0).to_numpy().astype(np.int64)
@@ -55,8 +61,15 @@ def expand_ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return lo[owner] + local, owner
 
 
-def span_confidence(logprob: np.ndarray, lo: np.ndarray, hi: np.ndarray, mode: str, missing: float,
-                    idx: np.ndarray | None = None, owner: np.ndarray | None = None):
+def span_confidence(
+    logprob: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    mode: str,
+    missing: float,
+    idx: np.ndarray | None = None,
+    owner: np.ndarray | None = None,
+):
     """Per-span confidence from the behaviour logprobs of the span's tokens only (O(span tokens)); spans with
     a NaN logprob (or no tokens) get `missing`. Returns (confidence, missing mask)."""
     if idx is None:
@@ -86,15 +99,24 @@ def c3(ctx: CreditContext, base: CreditResult, settings: C3Settings) -> CreditRe
     nan_steps = np.full(ctx.n_steps, np.nan)
     if spans is None or spans.height == 0:
         comps = {"severity": nan_steps, "confidence": nan_steps.copy(), "factor": nan_steps.copy()}
-        return CreditResult(adv, {**base.components, **comps}, base.token_returns, {**base.notes, "c3.spans": 0.0})
+        return CreditResult(
+            adv, {**base.components, **comps}, base.token_returns, {**base.notes, "c3.spans": 0.0}
+        )
     lo, hi, row = span_token_ranges(ctx, spans)
     found = row >= 0
     lo, hi, row = lo[found], hi[found], row[found]
     severity = spans["severity"].to_numpy().astype(np.float64)[found]
     idx, owner = expand_ranges(lo, hi)
     # the logprobs of the span tokens only (the batch's per-token logprob array is not built for them)
-    conf, miss = span_confidence(ctx.values_at("tok_logprob", idx), lo, hi, settings.confidence,
-                                 settings.missing_confidence, np.arange(len(idx)), owner)
+    conf, miss = span_confidence(
+        ctx.values_at("tok_logprob", idx),
+        lo,
+        hi,
+        settings.confidence,
+        settings.missing_confidence,
+        np.arange(len(idx)),
+        owner,
+    )
     strength = np.clip(settings.lam * severity * conf, 0.0, 1.0)
     # per-token max of lambda*s*c over overlapping spans, touching span tokens only
     tok_g = np.zeros(ctx.n_tokens)

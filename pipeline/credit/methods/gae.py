@@ -69,7 +69,9 @@ def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
     steps = ctx.steps
     n_tok = steps["n_tokens"].to_numpy()
     is_asst = steps["is_assistant"].to_numpy()
-    a = np.flatnonzero(is_asst & (n_tok > 0))  # assistant steps with tokens: their tokens are the mask's, in order
+    a = np.flatnonzero(
+        is_asst & (n_tok > 0)
+    )  # assistant steps with tokens: their tokens are the mask's, in order
     lengths = n_tok[a]
     traj = ctx.step_traj[a]
     V = ctx.mask_values("tok_value")
@@ -78,7 +80,9 @@ def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
     a_hat = np.full(ctx.n_steps, np.nan)
     if n == 0:
         zeros = np.zeros(ctx.n_tokens)
-        return CreditResult(token_adv=zeros, components={"a_hat": a_hat, "score": score}, token_returns=zeros.copy())
+        return CreditResult(
+            token_adv=zeros, components={"a_hat": a_hat, "score": score}, token_returns=zeros.copy()
+        )
     # V[i]'s assistant step: the first whose token end lies past i
     check_values(ctx, V, lambda i: traj[np.searchsorted(np.cumsum(lengths), i, side="right")], "gae")
     first = np.ones(len(a), dtype=bool)
@@ -103,7 +107,9 @@ def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
         V_next[:-1] = V[1:]
         V_next[T] = 0.0
         delta = r + gamma * V_next - V  # delta_t = r_t + gamma V_{t+1} - V_t
-        A = segment_discounted_cumsum(delta, np.repeat(run, lengths), gamma * lam)  # A_t = delta_t + gamma lam A_{t+1}
+        A = segment_discounted_cumsum(
+            delta, np.repeat(run, lengths), gamma * lam
+        )  # A_t = delta_t + gamma lam A_{t+1}
         returns = A + V
     if settings.whiten:
         A = whiten(A)
@@ -113,5 +119,6 @@ def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
     token_returns[ctx.tok_mask] = returns
     score[a[last]] = R[last]
     a_hat[a] = np.add.reduceat(A, end - lengths) / lengths  # = step mean of token_adv
-    return CreditResult(token_adv=token_adv, components={"a_hat": a_hat, "score": score},
-                        token_returns=token_returns)
+    return CreditResult(
+        token_adv=token_adv, components={"a_hat": a_hat, "score": score}, token_returns=token_returns
+    )

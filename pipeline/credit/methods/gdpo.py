@@ -32,7 +32,8 @@ class GDPOSettings(StageSettings):
     components: list[str] | None = Field(None, description="components to use (None: every one in the batch)")
     eps: float = Field(1e-4, description="added to the unbiased group std and the batch std")
     whiten: Literal["trajectories", "tokens", "none"] = Field(
-        "trajectories", description="batch whitening: TRL over trajectories, verl masked_whiten over tokens, or none"
+        "trajectories",
+        description="batch whitening: TRL over trajectories, verl masked_whiten over tokens, or none",
     )
 
 
@@ -63,7 +64,9 @@ def gdpo(ctx: CreditContext, settings: GDPOSettings) -> CreditResult:
     names, R_c = component_matrix(ctx, settings.components)
     w = np.array([settings.weights.get(c, 1.0) for c in names], dtype=np.float64)
     # A_i^c = (R_i^c - mean_g^c) / (std_g^c + eps)
-    A_c = np.column_stack([group_normalize(R_c[:, j], ctx.traj_group, eps=settings.eps) for j in range(len(names))])
+    A_c = np.column_stack(
+        [group_normalize(R_c[:, j], ctx.traj_group, eps=settings.eps) for j in range(len(names))]
+    )
     # pre_i = sum_c w_c A_i^c
     pre = A_c @ w if ctx.n_traj else np.zeros(0)
     A = pre
@@ -76,8 +79,12 @@ def gdpo(ctx: CreditContext, settings: GDPOSettings) -> CreditResult:
         A = token_weighted_whiten(pre, L_i)
     score = R_c @ w
     a_step = ctx.traj_to_steps(A)
-    return CreditResult.per_step(ctx, a_step, {"a_hat": a_step, "score": ctx.traj_to_steps(score)},
-                                 notes={"components": float(len(names)), "singleton_batch": float(ctx.n_traj < 2)})
+    return CreditResult.per_step(
+        ctx,
+        a_step,
+        {"a_hat": a_step, "score": ctx.traj_to_steps(score)},
+        notes={"components": float(len(names)), "singleton_batch": float(ctx.n_traj < 2)},
+    )
 
 
 def token_weighted_whiten(x: np.ndarray, L_i: np.ndarray) -> np.ndarray:

@@ -31,14 +31,19 @@ from pipeline.credit.registry import estimator
 
 @register_settings("gigpo")
 class GiGPOSettings(StageSettings):
-    mode: Literal["mean_std_norm", "mean_norm"] = Field("mean_std_norm", description="normalisation of A^E and A^S")
+    mode: Literal["mean_std_norm", "mean_norm"] = Field(
+        "mean_std_norm", description="normalisation of A^E and A^S"
+    )
     eps: float = Field(1e-6, description="added to the unbiased std")
     gamma: float = Field(0.95, description="step-return discount")
     step_advantage_w: float = Field(1.0, description="omega, weight of the step term")
     step_reward: Literal["verifier_score", "outcome"] = Field(
-        "verifier_score", description="r_{i,k}: the turn's verifier score (null -> 0), or R_i on the last turn"
+        "verifier_score",
+        description="r_{i,k}: the turn's verifier score (null -> 0), or R_i on the last turn",
     )
-    invalid_action_penalty_coef: float = Field(0.1, description="subtracted from r when the action is invalid")
+    invalid_action_penalty_coef: float = Field(
+        0.1, description="subtracted from r when the action is invalid"
+    )
     enable_similarity: bool = Field(False, description="cluster anchors by similarity instead of exact match")
     similarity_thresh: float = Field(0.9, description="SequenceMatcher ratio to join a cluster (IAPO: 0.9)")
 
@@ -66,7 +71,9 @@ def anchor_observations(ctx: CreditContext) -> pl.DataFrame:
     run_len = rows - run_start
     content = steps["content"] if "content" in steps.columns else pl.Series("content", [None] * n, pl.String)
     # a null index (no observation before the turn) gathers a null: "" like a null content
-    first = pl.Series(np.where(run_len > 0, run_start, 0), dtype=pl.Int64).scatter(np.flatnonzero(run_len == 0), None)
+    first = pl.Series(np.where(run_len > 0, run_start, 0), dtype=pl.Int64).scatter(
+        np.flatnonzero(run_len == 0), None
+    )
     anchor = content.gather(first).fill_null("")
     multi = np.flatnonzero(run_len > 1)
     if len(multi):  # several observation steps: join them (a loop over those anchors, not over tokens)
@@ -77,16 +84,22 @@ def anchor_observations(ctx: CreditContext) -> pl.DataFrame:
         anchor = anchor.scatter(multi, pl.Series(joined, dtype=pl.String))
     cols = [c for c in ("traj_index", "group_index", "is_error", "verifier_score") if c in steps.columns]
     asst = steps.select(*cols, "is_assistant").filter(pl.col("is_assistant"))  # not the content
-    turns_before = idx[: len(rows)] - np.searchsorted(rows, traj_start[rows])  # assistant steps before, same trajectory
-    return pl.DataFrame({
-        "step_row": pl.Series(rows, dtype=pl.UInt32),
-        "traj_index": asst["traj_index"],
-        "group_index": asst["group_index"],
-        "turns_before": pl.Series(turns_before, dtype=pl.Int64),
-        "is_error": asst["is_error"] if "is_error" in asst.columns else pl.Series([None] * len(rows), dtype=pl.Boolean),
-        "verifier_score": asst["verifier_score"],
-        "anchor": anchor.rename("anchor"),
-    })
+    turns_before = idx[: len(rows)] - np.searchsorted(
+        rows, traj_start[rows]
+    )  # assistant steps before, same trajectory
+    return pl.DataFrame(
+        {
+            "step_row": pl.Series(rows, dtype=pl.UInt32),
+            "traj_index": asst["traj_index"],
+            "group_index": asst["group_index"],
+            "turns_before": pl.Series(turns_before, dtype=pl.Int64),
+            "is_error": asst["is_error"]
+            if "is_error" in asst.columns
+            else pl.Series([None] * len(rows), dtype=pl.Boolean),
+            "verifier_score": asst["verifier_score"],
+            "anchor": anchor.rename("anchor"),
+        }
+    )
 
 
 def step_groups(rows: pl.DataFrame, enable_similarity: bool, thresh: float) -> np.ndarray:
@@ -103,8 +116,9 @@ def step_groups(rows: pl.DataFrame, enable_similarity: bool, thresh: float) -> n
             # a 64-bit collision: number the distinct texts exactly instead
             text_id = anchor.unique(maintain_order=True)
             tid = anchor.replace_strict(text_id, np.arange(len(text_id)), return_dtype=pl.Int64).to_numpy()
-            _, first, inverse = np.unique(group.astype(np.int64) * max(len(text_id), 1) + tid, return_index=True,
-                                          return_inverse=True)
+            _, first, inverse = np.unique(
+                group.astype(np.int64) * max(len(text_id), 1) + tid, return_index=True, return_inverse=True
+            )
         order = np.argsort(np.argsort(first))  # number the keys by their first row
         return order[inverse.reshape(-1)].astype(np.int64)
     uniq = rows.select("group_index", "anchor").unique(maintain_order=True).with_row_index("anchor_id")
@@ -112,13 +126,17 @@ def step_groups(rows: pl.DataFrame, enable_similarity: bool, thresh: float) -> n
     cluster = np.empty(uniq.height, dtype=np.int64)
     for i, (g, text) in enumerate(zip(uniq["group_index"].to_list(), uniq["anchor"].to_list(), strict=True)):
         members = clusters.setdefault(g, [])
-        match = next((cid for rep, cid in members if difflib.SequenceMatcher(None, text, rep).ratio() >= thresh), None)
+        match = next(
+            (cid for rep, cid in members if difflib.SequenceMatcher(None, text, rep).ratio() >= thresh), None
+        )
         if match is None:
             match = i
             members.append((text, i))
         cluster[i] = match
     uniq = uniq.with_columns(pl.Series("anchor_id", cluster))
-    return rows.join(uniq, on=["group_index", "anchor"], how="left", maintain_order="left")["anchor_id"].to_numpy()
+    return rows.join(uniq, on=["group_index", "anchor"], how="left", maintain_order="left")[
+        "anchor_id"
+    ].to_numpy()
 
 
 @estimator("gigpo", settings="gigpo", step_columns=("content",))
@@ -161,6 +179,8 @@ def gigpo(ctx: CreditContext, settings: GiGPOSettings) -> CreditResult:
     for name, values in (("a_hat", A), ("a_episode", A_E), ("a_step", A_S), ("score", G)):
         per_step[name][step_row] = values
     return CreditResult.per_step(
-        ctx, np.nan_to_num(per_step["a_hat"]), per_step,
+        ctx,
+        np.nan_to_num(per_step["a_hat"]),
+        per_step,
         notes={"step_groups": float(len(np.unique(sg))), "singleton_step_groups": float(np.sum(sg_n < 2))},
     )

@@ -17,7 +17,9 @@ class GRPOSettings(StageSettings):
     eps: float = Field(1e-6, description="added to the unbiased group std")
 
 
-def grpo_traj_advantage(ctx: CreditContext, settings: GRPOSettings, rewards: np.ndarray | None = None) -> np.ndarray:
+def grpo_traj_advantage(
+    ctx: CreditContext, settings: GRPOSettings, rewards: np.ndarray | None = None
+) -> np.ndarray:
     """Per-trajectory A_i; a size-1 group gives A = R (verl: mean 0, std 1)."""
     rewards = ctx.rewards() if rewards is None else rewards
     return group_normalize(rewards, ctx.traj_group, eps=settings.eps, norm_by_std=settings.norm_by_std)

@@ -31,16 +31,22 @@ EDGE_SIGN = {"input": 1, "success_utilization": 1, "failed_utilization": -1}
 
 @register_settings("iapo")
 class IAPOSettings(StageSettings):
-    beta_plus: float = Field(0.05, ge=0, description="beta_+: error-evidence discount in the positive branch (Eq. 5)")
+    beta_plus: float = Field(
+        0.05, ge=0, description="beta_+: error-evidence discount in the positive branch (Eq. 5)"
+    )
     c: float = Field(0.25, gt=0, description="clip bound c of the standardised feature (Eq. 4)")
     eps: float = Field(1e-6, gt=0, description="epsilon added to the length-weighted std (Eq. 4)")
     negative_branch: Literal["cons", "proj"] = Field(
-        "cons", description="A_hat < 0: cons = w = m_minus (paper default); proj = support prior m_plus tilted "
-        "by +beta_minus * psi and renormalised ([INF] reading of the ablation 'proj. beta')"
+        "cons",
+        description="A_hat < 0: cons = w = m_minus (paper default); proj = support prior m_plus tilted "
+        "by +beta_minus * psi and renormalised ([INF] reading of the ablation 'proj. beta')",
     )
-    beta_minus: float = Field(0.05, ge=0, description="beta_-: tilt of the projected negative branch (proj only)")
+    beta_minus: float = Field(
+        0.05, ge=0, description="beta_-: tilt of the projected negative branch (proj only)"
+    )
     annotator: str | None = Field(
-        None, description="use the nodes/edges rows of this annotator id (None: the batch must hold exactly one)"
+        None,
+        description="use the nodes/edges rows of this annotator id (None: the batch must hold exactly one)",
     )
     traj_level_atol: float = Field(
         1e-6, gt=0, description="tolerance when checking that the base advantage is constant on a trajectory"
@@ -64,8 +70,9 @@ def _segment_constant(x: np.ndarray, seg: np.ndarray) -> np.ndarray:
     return np.repeat(const, counts)
 
 
-def bounded_weight(phi: np.ndarray, L: np.ndarray, seg: np.ndarray, n_seg: int, c: float, eps: float
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def bounded_weight(
+    phi: np.ndarray, L: np.ndarray, seg: np.ndarray, n_seg: int, c: float, eps: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Eq. 4 per segment (trajectory): (m, length-weighted mean of phi per element). `seg` is sorted."""
     L = L.astype(np.float64)
     Lsum = np.bincount(seg, weights=L, minlength=n_seg)
@@ -80,8 +87,15 @@ def bounded_weight(phi: np.ndarray, L: np.ndarray, seg: np.ndarray, n_seg: int, 
     return ez / norm[seg], mean
 
 
-def route_weights(phi_plus: np.ndarray, phi_minus: np.ndarray, L: np.ndarray, seg: np.ndarray, n_seg: int,
-                  a_sign: np.ndarray, s: IAPOSettings) -> dict[str, np.ndarray]:
+def route_weights(
+    phi_plus: np.ndarray,
+    phi_minus: np.ndarray,
+    L: np.ndarray,
+    seg: np.ndarray,
+    n_seg: int,
+    a_sign: np.ndarray,
+    s: IAPOSettings,
+) -> dict[str, np.ndarray]:
     """Per-action m+, m-, w+, w- and the applied w (by the sign of the trajectory's A_hat)."""
     Lf = L.astype(np.float64)
     Lsum = np.bincount(seg, weights=Lf, minlength=n_seg)
@@ -100,8 +114,9 @@ def route_weights(phi_plus: np.ndarray, phi_minus: np.ndarray, L: np.ndarray, se
     return {"m_plus": m_plus, "m_minus": m_minus, "w_plus": w_plus, "w_minus": w_minus, "w": w}
 
 
-def graph_features(actions: pl.DataFrame, nodes: pl.DataFrame | None, edges: pl.DataFrame | None
-                   ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+def graph_features(
+    actions: pl.DataFrame, nodes: pl.DataFrame | None, edges: pl.DataFrame | None
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """Validated degrees and features per action row.
 
     `actions`: one row per action with L > 0, columns traj_id, turn (sorted by trajectory, then turn).
@@ -117,9 +132,12 @@ def graph_features(actions: pl.DataFrame, nodes: pl.DataFrame | None, edges: pl.
     u_dir = np.zeros(n, dtype=np.float64)
     if nodes is not None and nodes.height:
         nd = nodes.select(
-            pl.col("traj_id").cast(pl.String), pl.col("turn").cast(pl.Int64),
-            pl.col("error").cast(pl.Int64).fill_null(0), pl.col("u_dir").cast(pl.Int64).fill_null(0),
-            pl.col("parse_failed").cast(pl.Boolean).fill_null(False) if "parse_failed" in nodes.columns
+            pl.col("traj_id").cast(pl.String),
+            pl.col("turn").cast(pl.Int64),
+            pl.col("error").cast(pl.Int64).fill_null(0),
+            pl.col("u_dir").cast(pl.Int64).fill_null(0),
+            pl.col("parse_failed").cast(pl.Boolean).fill_null(False)
+            if "parse_failed" in nodes.columns
             else pl.lit(False).alias("parse_failed"),
         )
         failed_traj = nd.filter(pl.col("parse_failed"))["traj_id"].unique()
@@ -133,11 +151,15 @@ def graph_features(actions: pl.DataFrame, nodes: pl.DataFrame | None, edges: pl.
     d_in_edges = np.zeros(n)
     if edges is not None and edges.height:
         ed = edges.select(
-            pl.col("traj_id").cast(pl.String), pl.col("src_turn").cast(pl.Int64), pl.col("dst_turn").cast(pl.Int64),
+            pl.col("traj_id").cast(pl.String),
+            pl.col("src_turn").cast(pl.Int64),
+            pl.col("dst_turn").cast(pl.Int64),
             pl.col("type").cast(pl.String),
         )
         total = ed.height
-        ed = ed.with_columns(pl.col("type").replace_strict(EDGE_SIGN, default=0, return_dtype=pl.Int8).alias("sgn"))
+        ed = ed.with_columns(
+            pl.col("type").replace_strict(EDGE_SIGN, default=0, return_dtype=pl.Int8).alias("sgn")
+        )
         ed = ed.filter((pl.col("sgn") != 0) & (pl.col("src_turn") < pl.col("dst_turn")))
         if len(failed_traj):
             ed = ed.filter(~pl.col("traj_id").is_in(failed_traj.implode()))
@@ -162,8 +184,14 @@ def graph_features(actions: pl.DataFrame, nodes: pl.DataFrame | None, edges: pl.
     d_in = u_dir + d_in_edges
     phi_plus = np.log1p(d_plus + d_in)
     phi_minus = np.log1p(e * (1.0 + d_minus + d_in))
-    return {"d_plus": d_plus, "d_minus": d_minus, "d_in": d_in, "e": e,
-            "phi_plus": phi_plus, "phi_minus": phi_minus}, notes
+    return {
+        "d_plus": d_plus,
+        "d_minus": d_minus,
+        "d_in": d_in,
+        "e": e,
+        "phi_plus": phi_plus,
+        "phi_minus": phi_minus,
+    }, notes
 
 
 def trajectory_advantage(ctx: CreditContext, base: CreditResult, atol: float) -> np.ndarray:
@@ -197,8 +225,10 @@ def _select_annotator(frame: pl.DataFrame | None, which: str | None, name: str) 
         return frame.filter(pl.col("annotator") == which)
     ids = frame["annotator"].unique().to_list()
     if len(ids) > 1:
-        raise MethodError(f"iapo: the batch's {name} hold several annotators {sorted(ids)}; "
-                          "choose one with --set iapo.annotator=ID")
+        raise MethodError(
+            f"iapo: the batch's {name} hold several annotators {sorted(ids)}; "
+            "choose one with --set iapo.annotator=ID"
+        )
     return frame
 
 
@@ -240,4 +270,6 @@ def iapo(ctx: CreditContext, base: CreditResult, settings: IAPOSettings) -> Cred
         "m_minus": per_step(routed["m_minus"]),
         "w": per_step(routed["w"]),
     }
-    return CreditResult(token_adv, comps, base.token_returns, {**base.notes, **{f"iapo.{k}": v for k, v in notes.items()}})
+    return CreditResult(
+        token_adv, comps, base.token_returns, {**base.notes, **{f"iapo.{k}": v for k, v in notes.items()}}
+    )

@@ -29,7 +29,9 @@ from pipeline.credit.registry import MethodError, estimator
 
 @register_settings("mt_grpo")
 class MTGRPOSettings(StageSettings):
-    mode: Literal["aae", "cae", "kturn"] = Field("aae", description="aae | cae | kturn ([INF] K-turn verifier)")
+    mode: Literal["aae", "cae", "kturn"] = Field(
+        "aae", description="aae | cae | kturn ([INF] K-turn verifier)"
+    )
     turn_advantage_coef: float = Field(1.0, description="λ, weight of the turn advantage")
     cae_gamma: float = Field(1.0, description="γ in the cae combined reward R^T + γ R^O")
     turn_reward: str = Field(
@@ -42,7 +44,9 @@ def turn_reward(ctx: CreditContext, source: str) -> tuple[np.ndarray, int]:
     """Per-trajectory R^T for aae/cae and the number of trajectories where it was missing (-> 0)."""
     steps = ctx.steps.with_row_index("row")
     if source == "verifier_score":
-        first = steps.filter(pl.col("is_assistant")).group_by("traj_index").agg(pl.col("verifier_score").first())
+        first = (
+            steps.filter(pl.col("is_assistant")).group_by("traj_index").agg(pl.col("verifier_score").first())
+        )
         keys, vals = first["traj_index"].to_numpy(), first["verifier_score"].fill_nan(None).to_numpy()
     elif source == "tool_ok":
         first = steps.filter(pl.col("role") == "tool").group_by("traj_index").agg(pl.col("is_error").first())
@@ -50,14 +54,20 @@ def turn_reward(ctx: CreditContext, source: str) -> tuple[np.ndarray, int]:
     elif source.startswith("component:"):
         name = source.split(":", 1)[1]
         long = (
-            ctx.trajectories.select("traj_index", "reward_components").explode("reward_components")
-            .unnest("reward_components").filter(pl.col("key") == name)
+            ctx.trajectories.select("traj_index", "reward_components")
+            .explode("reward_components")
+            .unnest("reward_components")
+            .filter(pl.col("key") == name)
             if "reward_components" in ctx.trajectories.columns
-            else pl.DataFrame({"traj_index": [], "value": []}, schema={"traj_index": pl.Int64, "value": pl.Float64})
+            else pl.DataFrame(
+                {"traj_index": [], "value": []}, schema={"traj_index": pl.Int64, "value": pl.Float64}
+            )
         )
         keys, vals = long["traj_index"].to_numpy(), long["value"].to_numpy()
     else:
-        raise MethodError(f"mt_grpo: unknown turn_reward {source!r} (verifier_score | tool_ok | component:<name>)")
+        raise MethodError(
+            f"mt_grpo: unknown turn_reward {source!r} (verifier_score | tool_ok | component:<name>)"
+        )
     R_T = np.full(ctx.n_traj, np.nan)
     R_T[keys.astype(np.int64)] = np.asarray(vals, dtype=np.float64)
     missing = int(np.isnan(R_T).sum())
@@ -76,7 +86,9 @@ def mt_grpo(ctx: CreditContext, settings: MTGRPOSettings) -> CreditResult:
         # Â^T_{i,k}: verifier score of turn k, normalised per (prompt, k)
         rows = np.flatnonzero(is_asst)
         turn = steps["turn"].fill_null(0).to_numpy()[rows].astype(np.int64)
-        _, key = np.unique(steps["group_index"].to_numpy()[rows] * (turn.max(initial=0) + 1) + turn, return_inverse=True)
+        _, key = np.unique(
+            steps["group_index"].to_numpy()[rows] * (turn.max(initial=0) + 1) + turn, return_inverse=True
+        )
         r = steps["verifier_score"].fill_nan(None).to_numpy()[rows].astype(np.float64)
         missing = int(np.isnan(r).sum())
         R_T_step = np.full(ctx.n_steps, np.nan)
@@ -118,6 +130,9 @@ def _segment_start_values(values: np.ndarray, segments: np.ndarray) -> np.ndarra
 
 def _result(ctx, per_step, score, turn_term, missing) -> CreditResult:
     is_asst = ctx.steps["is_assistant"].to_numpy()
-    return CreditResult.per_step(ctx, per_step,
-                                 {"a_hat": np.where(is_asst, per_step, np.nan), "score": score, "a_step": turn_term},
-                                 notes={"missing_turn_reward": float(missing)})
+    return CreditResult.per_step(
+        ctx,
+        per_step,
+        {"a_hat": np.where(is_asst, per_step, np.nan), "score": score, "a_step": turn_term},
+        notes={"missing_turn_reward": float(missing)},
+    )

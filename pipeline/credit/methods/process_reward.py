@@ -66,8 +66,13 @@ def grpo_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult
     a = grpo_traj_advantage(ctx, ctx.stage("grpo"), rewards)
     has = s_step > 0
     return CreditResult.per_step(
-        ctx, ctx.traj_to_steps(a),
-        {"a_hat": ctx.traj_to_steps(a), "score": ctx.traj_to_steps(rewards), "severity": np.where(has, s_step, np.nan)},
+        ctx,
+        ctx.traj_to_steps(a),
+        {
+            "a_hat": ctx.traj_to_steps(a),
+            "score": ctx.traj_to_steps(rewards),
+            "severity": np.where(has, s_step, np.nan),
+        },
         notes={"process_reward.penalised_turns": float(has.sum())},
     )
 
@@ -81,8 +86,12 @@ def gae_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
     notes = {"process_reward.penalised_turns": float(has.sum())}
     if settings.level == "outcome":
         base = gae(_with_rewards(ctx, penalised_rewards(ctx, settings.beta, s_step)), gs)
-        return CreditResult(base.token_adv, {**base.components, "severity": np.where(has, s_step, np.nan)},
-                            base.token_returns, notes)
+        return CreditResult(
+            base.token_adv,
+            {**base.components, "severity": np.where(has, s_step, np.nan)},
+            base.token_returns,
+            notes,
+        )
     raw = gae(ctx, gs.model_copy(update={"whiten": False}))
     t = np.flatnonzero(ctx.tok_mask)
     penalty = np.zeros(ctx.n_tokens)

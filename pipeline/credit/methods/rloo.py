@@ -18,7 +18,9 @@ from pipeline.credit.registry import estimator
 
 @register_settings("rloo")
 class RLOOSettings(StageSettings):
-    singleton: Literal["verl", "zero"] = Field("verl", description="size-1 group: verl (A = R) or zero (A = 0)")
+    singleton: Literal["verl", "zero"] = Field(
+        "verl", description="size-1 group: verl (A = R) or zero (A = 0)"
+    )
 
 
 @estimator("rloo", settings="rloo")
@@ -34,5 +36,9 @@ def rloo(ctx: CreditContext, settings: RLOOSettings) -> CreditResult:
     if settings.singleton == "zero":
         A = np.where(G > 1, A, 0.0)
     a_step = ctx.traj_to_steps(A)
-    return CreditResult.per_step(ctx, a_step, {"a_hat": a_step, "score": ctx.traj_to_steps(R)},
-                                 notes={"singleton_groups": float(np.sum(G == 1))})
+    return CreditResult.per_step(
+        ctx,
+        a_step,
+        {"a_hat": a_step, "score": ctx.traj_to_steps(R)},
+        notes={"singleton_groups": float(np.sum(G == 1))},
+    )

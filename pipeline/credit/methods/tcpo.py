@@ -60,15 +60,22 @@ class TCPOSettings(StageSettings):
     M: int = Field(8, ge=1, description="alternatives sampled per selected turn")
     norm_eps: float = Field(1e-6, description="added to the unbiased std in the (prompt, turn) z-score [INF]")
     selection: Selection = Field(
-        "top", description="which eligible turns get counterfactuals: top (Top-L by surprisal), random "
-        "(Rand-L, seeded), all (every eligible turn)")
+        "top",
+        description="which eligible turns get counterfactuals: top (Top-L by surprisal), random "
+        "(Rand-L, seeded), all (every eligible turn)",
+    )
     seed: int = Field(0, description="seed of the random selection (tcpo_random_cf)")
     cf_min_ok: int = Field(
-        1, ge=1, description="a selected turn needs at least this many alternatives with status ok, else it "
-        "falls back to hindsight (eta = 0) [INF]")
+        1,
+        ge=1,
+        description="a selected turn needs at least this many alternatives with status ok, else it "
+        "falls back to hindsight (eta = 0) [INF]",
+    )
     missing_score: Literal["error", "zero"] = Field(
-        "error", description="an assistant turn without verifier_score: error (names traj and turn) or "
-        "score it 0 (counted in notes)")
+        "error",
+        description="an assistant turn without verifier_score: error (names traj and turn) or "
+        "score it 0 (counted in notes)",
+    )
 
 
 # ---- per-(trajectory, turn) inputs -----------------------------------------------------------------
@@ -98,7 +105,10 @@ def turn_table(ctx: CreditContext, missing_score: str = "error") -> tuple[pl.Dat
         .sort("traj_index", "turn")
         .join(ctx.trajectories.select("traj_index", "traj_id", "group_id"), on="traj_index", how="left")
         .with_columns(
-            pl.when(pl.col("nlp_cnt") > 0).then(pl.col("nlp_sum") / pl.col("nlp_cnt")).otherwise(None).alias("xi")
+            pl.when(pl.col("nlp_cnt") > 0)
+            .then(pl.col("nlp_sum") / pl.col("nlp_cnt"))
+            .otherwise(None)
+            .alias("xi")
         )
     )
     missing = turns.filter(pl.col("r").is_null())
@@ -114,7 +124,9 @@ def turn_table(ctx: CreditContext, missing_score: str = "error") -> tuple[pl.Dat
     bad = turns.filter((pl.col("r") < 0) | (pl.col("r") > 1) | pl.col("r").is_nan())
     if bad.height:
         t = bad.row(0, named=True)
-        raise ValueError(f"tcpo: trajectory {t['traj_id']!r} turn {t['turn']} has verifier_score {t['r']} outside [0,1]")
+        raise ValueError(
+            f"tcpo: trajectory {t['traj_id']!r} turn {t['turn']} has verifier_score {t['r']} outside [0,1]"
+        )
     n_no_lp = int(turns["xi"].null_count())
     if n_no_lp:
         notes["surprisal_missing"] = float(n_no_lp)
@@ -125,19 +137,24 @@ def retro_hindsight_frame(turns: pl.DataFrame, tau: float) -> pl.DataFrame:
     """Add m_best, delta, b_gate, u_future and the eligible-peer sums (window expressions, no loops)."""
     per_traj = "traj_index"
     per_prompt_turn = ["group_index", "turn"]
-    out = turns.with_columns(
-        # m_{i,k} = max_{t<k} r: shift by one turn, running max; m_{i,1} = 0 (r >= 0, so max with 0 is exact)
-        pl.col("r").shift(1).cum_max().over(per_traj).fill_null(0.0).alias("m_best"),
-        # u_{i,k} = max_{t>=k} r: running max from the last turn backwards
-        pl.col("r").cum_max(reverse=True).over(per_traj).alias("u_future"),
-    ).with_columns(
-        (pl.col("r") - pl.col("m_best")).clip(lower_bound=0.0).alias("delta"),
-    ).with_columns(
-        ((pl.col("m_best") < tau) & (pl.col("delta") == 0.0)).cast(pl.Float64).alias("b_gate"),
-    ).with_columns(
-        (pl.col("b_gate") * pl.col("u_future")).sum().over(per_prompt_turn).alias("_sum_bu"),
-        pl.col("b_gate").sum().over(per_prompt_turn).alias("_n_b"),
-        pl.len().over(per_prompt_turn).alias("n_peers_all"),
+    out = (
+        turns.with_columns(
+            # m_{i,k} = max_{t<k} r: shift by one turn, running max; m_{i,1} = 0 (r >= 0, so max with 0 is exact)
+            pl.col("r").shift(1).cum_max().over(per_traj).fill_null(0.0).alias("m_best"),
+            # u_{i,k} = max_{t>=k} r: running max from the last turn backwards
+            pl.col("r").cum_max(reverse=True).over(per_traj).alias("u_future"),
+        )
+        .with_columns(
+            (pl.col("r") - pl.col("m_best")).clip(lower_bound=0.0).alias("delta"),
+        )
+        .with_columns(
+            ((pl.col("m_best") < tau) & (pl.col("delta") == 0.0)).cast(pl.Float64).alias("b_gate"),
+        )
+        .with_columns(
+            (pl.col("b_gate") * pl.col("u_future")).sum().over(per_prompt_turn).alias("_sum_bu"),
+            pl.col("b_gate").sum().over(per_prompt_turn).alias("_n_b"),
+            pl.len().over(per_prompt_turn).alias("n_peers_all"),
+        )
     )
     return out
 
@@ -178,19 +195,28 @@ def cf_scores(turns: pl.DataFrame, counterfactuals: pl.DataFrame | None, min_ok:
     """Per (traj_id, turn) of `turns`: q_mean (mean of the ok alternatives' scores), q_min, q_max, n_ok."""
     if counterfactuals is None or counterfactuals.height == 0:
         return turns.select(
-            pl.lit(None, pl.Float64).alias("q_mean"), pl.lit(None, pl.Float64).alias("q_min"),
-            pl.lit(None, pl.Float64).alias("q_max"), pl.lit(0, pl.Int64).alias("n_ok"),
+            pl.lit(None, pl.Float64).alias("q_mean"),
+            pl.lit(None, pl.Float64).alias("q_min"),
+            pl.lit(None, pl.Float64).alias("q_max"),
+            pl.lit(0, pl.Int64).alias("n_ok"),
         )
     ok = counterfactuals.filter((pl.col("status") == "ok") & pl.col("score").is_not_null())
-    per_turn = ok.group_by("traj_id", "turn").agg(
-        pl.col("score").mean().alias("q_mean"), pl.col("score").min().alias("q_min"),
-        pl.col("score").max().alias("q_max"), pl.len().cast(pl.Int64).alias("n_ok"),
-    ).with_columns(pl.col("traj_id").cast(pl.String), pl.col("turn").cast(pl.Int64))
+    per_turn = (
+        ok.group_by("traj_id", "turn")
+        .agg(
+            pl.col("score").mean().alias("q_mean"),
+            pl.col("score").min().alias("q_min"),
+            pl.col("score").max().alias("q_max"),
+            pl.len().cast(pl.Int64).alias("n_ok"),
+        )
+        .with_columns(pl.col("traj_id").cast(pl.String), pl.col("turn").cast(pl.Int64))
+    )
     joined = turns.select(pl.col("traj_id").cast(pl.String), pl.col("turn").cast(pl.Int64)).join(
         per_turn, on=["traj_id", "turn"], how="left", maintain_order="left"
     )
     return joined.select(
-        pl.when(pl.col("n_ok") >= min_ok).then(pl.col(c)).otherwise(None).alias(c) for c in ("q_mean", "q_min", "q_max")
+        pl.when(pl.col("n_ok") >= min_ok).then(pl.col(c)).otherwise(None).alias(c)
+        for c in ("q_mean", "q_min", "q_max")
     ).with_columns(joined["n_ok"].fill_null(0).alias("n_ok"))
 
 
@@ -205,8 +231,9 @@ def normalize_within(phi: np.ndarray, key: np.ndarray, eps: float) -> np.ndarray
     count = np.bincount(inv, minlength=n).astype(np.float64)
     mean = np.bincount(inv, weights=phi, minlength=n) / count
     dev = phi - mean[inv]
-    var = np.divide(np.bincount(inv, weights=dev * dev, minlength=n), count - 1,
-                    out=np.zeros(n), where=count > 1)
+    var = np.divide(
+        np.bincount(inv, weights=dev * dev, minlength=n), count - 1, out=np.zeros(n), where=count > 1
+    )
     hi = np.full(n, -np.inf)
     lo = np.full(n, np.inf)
     np.maximum.at(hi, inv, phi)
@@ -221,8 +248,9 @@ def normalize_within(phi: np.ndarray, key: np.ndarray, eps: float) -> np.ndarray
 Variant = Literal["traj_reward", "turn_reward", "delta_reward", "retro", "retro_hin", "full"]
 
 
-def tcpo_credit(ctx: CreditContext, s: TCPOSettings, variant: Variant = "full",
-                selection: str | None = None) -> CreditResult:
+def tcpo_credit(
+    ctx: CreditContext, s: TCPOSettings, variant: Variant = "full", selection: str | None = None
+) -> CreditResult:
     turns, notes = turn_table(ctx, s.missing_score)
     if turns.height == 0:
         return CreditResult(np.zeros(ctx.n_tokens), {}, notes=notes)
@@ -291,15 +319,20 @@ def tcpo_credit(ctx: CreditContext, s: TCPOSettings, variant: Variant = "full",
     if variant in ("retro", "retro_hin", "full"):
         per_turn |= {"m_best": m_best, "delta": delta, "c_ret": c_ret}
     if variant in ("retro_hin", "full"):
-        per_turn |= {"b_gate": b_gate, "u_future": u_future, "c_hin": c_hin, "c_del": c_del if variant == "full"
-                     else c_hin}
+        per_turn |= {
+            "b_gate": b_gate,
+            "u_future": u_future,
+            "c_hin": c_hin,
+            "c_del": c_del if variant == "full" else c_hin,
+        }
     if variant == "full":
         per_turn |= {"surprisal": xi, "c_cf": c_cf, "g_sel": g_sel, "eta": eta}
     return _broadcast(ctx, turns, per_turn, notes)
 
 
-def _broadcast(ctx: CreditContext, turns: pl.DataFrame, per_turn: dict[str, np.ndarray],
-               notes: dict[str, float]) -> CreditResult:
+def _broadcast(
+    ctx: CreditContext, turns: pl.DataFrame, per_turn: dict[str, np.ndarray], notes: dict[str, float]
+) -> CreditResult:
     """Per-turn values onto every assistant step of the turn (components) and its tokens (advantage)."""
     turn_row = turns.select("traj_index", "turn").with_row_index("_turn_row")
     steps = ctx.steps.with_row_index("step_row").select("step_row", "traj_index", "turn", "is_assistant")
