@@ -1,9 +1,19 @@
 """The DuckDB catalog: every lake table as a view of the same name over all rounds, plus the named
-analysis views registered in `warehouse.views`. Queries run on a read-only connection."""
+analysis views registered in `warehouse.views`. Queries run on a read-only, locked connection.
+
+The guard of `query` (what `creditflow query` runs), in two layers:
+- only SELECT statements (and EXPLAIN of one) are run: COPY, ATTACH, INSTALL/LOAD, SET/RESET, PRAGMA,
+  CREATE/INSERT/DROP, EXPORT, ... are refused before DuckDB executes anything (`QueryRefused`);
+- the connection itself opens the catalog file read-only, with `enable_external_access=false`, file access
+  limited to the lake's table folders (`allowed_directories`), extension autoinstall/autoload and community
+  extensions off, and `lock_configuration=true` (no SET can undo any of it).
+DuckDB cannot make a directory read-only but readable, so the statement check is what stops a write inside
+the lake; the connection settings stop reads and writes everywhere else, and any extension."""
 
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -15,6 +25,20 @@ from warehouse.lake import Lake
 from warehouse.views import VIEWS
 
 CATALOG_FILE = "catalog.duckdb"
+
+# settings fixed when the connection opens (the rest are SET before the configuration is locked)
+_SAFE_CONFIG = {
+    "autoinstall_known_extensions": False,
+    "autoload_known_extensions": False,
+    "allow_community_extensions": False,
+    "allow_unsigned_extensions": False,
+    "allow_persistent_secrets": False,
+}
+_EXPLAIN = re.compile(r"^\s*explain\b(\s+analy[sz]e\b)?", re.IGNORECASE)
+
+
+class QueryRefused(duckdb.PermissionException):
+    """A statement the read-only query guard does not run (one line, naming the statement type)."""
 
 
 def _quote(path: Path | str) -> str:
@@ -71,19 +95,75 @@ def refresh(lake: Lake) -> Path:
     return target
 
 
+def allowed_directories(lake: Lake) -> list[str]:
+    """The folders a read-only connection may read: each table's folder and the empty-table files."""
+    dirs = [lake.table_dir(table) for table in TABLES] + [lake.root / "_empty"]
+    return [str(d) + os.sep for d in dirs]
+
+
+def lock_down(con: duckdb.DuckDBPyConnection, lake: Lake) -> None:
+    """No file access outside the lake's tables, no extensions, and no SET that could undo it."""
+    dirs = ", ".join(_quote(d) for d in allowed_directories(lake))
+    con.execute(f"SET allowed_directories = [{dirs}]")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+
+
 def connect(lake: Lake | str, read_only: bool = True) -> duckdb.DuckDBPyConnection:
-    """A connection with every table and view defined. Read-only by default."""
+    """A connection with every table and view defined. Read-only (and locked down) by default."""
     lake = lake if isinstance(lake, Lake) else Lake(lake)
     if not read_only:
         con = duckdb.connect()
         build_catalog(lake, con)
         return con
     path = refresh(lake)
-    return duckdb.connect(str(path), read_only=True)
+    con = duckdb.connect(str(path), read_only=True, config=dict(_SAFE_CONFIG))
+    try:
+        lock_down(con, lake)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def _explains_a_select(text: str) -> bool:
+    match = _EXPLAIN.match(text)
+    if match is None or match.group(1):  # EXPLAIN ANALYZE executes its statement: SELECT it instead
+        return False
+    try:
+        inner = duckdb.extract_statements(text[match.end() :])
+    except duckdb.Error:
+        return False
+    return [s.type for s in inner] == [duckdb.StatementType.SELECT]
+
+
+def check_read_only(sql: str) -> None:
+    """Raise `QueryRefused` unless every statement in `sql` is a SELECT (or an EXPLAIN of one)."""
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise type(exc)(str(exc).splitlines()[0]) from None
+    if not statements:
+        raise QueryRefused("query is empty: give one SELECT statement")
+    for statement in statements:
+        kind = statement.type
+        if kind == duckdb.StatementType.EXPLAIN:
+            if _explains_a_select(statement.query):
+                continue
+        elif kind == duckdb.StatementType.SELECT:
+            continue
+        name = kind.name.replace("_", " ")
+        if kind == duckdb.StatementType.LOAD:  # INSTALL, FORCE INSTALL and LOAD share one type
+            name = "INSTALL" if "INSTALL" in statement.query[:40].upper() else "LOAD"
+        raise QueryRefused(
+            f"query is read-only: {name} statements are refused (only SELECT, or EXPLAIN of a SELECT, runs)"
+        )
 
 
 def query(lake: Lake | str, sql: str):
-    """Run SQL on a read-only connection; returns a pyarrow Table."""
+    """Run read-only SQL (SELECT only, on a locked-down connection); returns a pyarrow Table.
+    Raises `QueryRefused` (a `duckdb.Error`) for any other statement, before anything runs."""
+    check_read_only(sql)
     con = connect(lake, read_only=True)
     try:
         return con.sql(sql).to_arrow_table()
