@@ -419,10 +419,17 @@ def quarantine_table(rejected: list[Rejected], round_: int, stage: str) -> pa.Ta
 
 
 def _assign_sample_idx(drafts: list[TrajectoryDraft]) -> None:
+    """Unique sample indices within each group: a given index is kept where it is the first in its group
+    (input order); a repeat (several sources' runs of one task, each with its own trial 0) and a missing
+    index take the group's next free index. The source's own trial stays in `meta`."""
     used: dict[str, set[int]] = {}
     for d in drafts:
         if d.sample_idx is not None:
-            used.setdefault(d.group_id, set()).add(d.sample_idx)
+            taken = used.setdefault(d.group_id, set())
+            if d.sample_idx in taken:
+                d.sample_idx = None
+            else:
+                taken.add(d.sample_idx)
     for d in drafts:
         if d.sample_idx is None:
             taken = used.setdefault(d.group_id, set())

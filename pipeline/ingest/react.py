@@ -1,22 +1,33 @@
-"""`react`: FireAct-style ReAct trajectories, a JSON object id -> {reward, em, f1, gt, pred, traj, ...} where
-`traj` is one string: an instruction, then `Thought: ...` / `Action: name[arg]` / `Observation: ...` lines.
+"""`react`: FireAct-style ReAct trajectories, a JSON object id -> {reward, em, f1, gt, pred, traj, ...}. FireAct
+writes `traj` in one of two shapes (its generation.py):
+- one string (completion models): an instruction, then `Thought: ...` / `Action: name[arg]` /
+  `Observation: ...` lines;
+- a list of chat messages (`--chatgpt_format`): `user` (the question), then per iteration `assistant` (the
+  model's output, "Thought: ...\\nAction: ...") and `user` ("Observation: ...", the tool's return).
 
-Steps (contents are verbatim lines, so joining them with "\\n" gives back `traj`):
+Steps of the string form (contents are verbatim lines, so joining them with "\\n" gives back `traj`):
 - user: the instruction part, up to and including the `### Response:` line (or up to the first Thought);
-- assistant: each Thought with its Action line (one turn; a Thought without an Action is a turn of its own);
-- tool: each Observation, answering the turn before it.
-An Action `search[q]`, `lookup[q]` or `finish[a]` becomes a tool call in the assistant step's `tool_calls`
-(id `react-<turn>`, arguments `{"query": q}` / `{"answer": a}`) and its Observation links to it. Other actions
-(unknown tool names such as `reflect[...]`, unclosed brackets) are real, malformed behaviour: the assistant
-step keeps empty `tool_calls` and the Observation has no `tool_call_id`. An Observation that reports an
-exception ("generated an exception", "Invalid action") gets `is_error`.
-reward = float(em); group = the record's id (one sample per question).
+- assistant: each Thought with its Action line (one turn; a Thought without an Action is a turn of its own,
+  and so is an Action line that follows another Action);
+- tool: each Observation.
+Steps of the chat form: a `user` message whose first line is an Observation is a tool step; any other `user` or
+`system` message keeps its role; each `assistant` message is one turn (its content verbatim), its first Action
+line the turn's action.
+In both forms an Observation answers one Action: the one with its number (`Observation 2` -> `Action 2`),
+else the first Action since the previous Observation (the one FireAct and ReAct execute); an Action that no
+Observation answers gets none. An Action `search[q]`, `lookup[q]` or `finish[a]` becomes a tool call in the
+assistant step's `tool_calls` (id `react-<turn>`, arguments `{"query": q}` / `{"answer": a}`) and the Observation
+answering it links to it. Other actions (unknown tool names such as `reflect[...]`, unclosed brackets) are
+real, malformed behaviour: the assistant step keeps empty `tool_calls` and their Observation has no
+`tool_call_id`. An Observation that reports an exception ("generated an exception", "Invalid action") gets
+`is_error`. reward = float(em); group = the record's id (one sample per question).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 from pipeline.ingest.core import (
     INVALID_VALUE,
@@ -24,12 +35,14 @@ from pipeline.ingest.core import (
     SourceRecord,
     StepDraft,
     TrajectoryDraft,
+    content_text,
     read_json_entries,
     require,
 )
 from pipeline.ingest.registry import adapter
 
 ACTION = re.compile(r"^Action(?: \d+)?:\s*(?P<name>[A-Za-z_]+)\[(?P<arg>.*)\]\s*$", re.S)
+_LINE = re.compile(r"^(?P<kind>Thought|Action|Observation)(?: (?P<num>\d+))?:")
 TOOLS = {"search": "query", "lookup": "query", "finish": "answer"}
 ERROR_MARKERS = ("generated an exception", "Invalid action")
 RESPONSE_HEADER = "### Response:"
@@ -47,10 +60,13 @@ TOOL_SPECS = [
 
 
 def _kind(line: str) -> str | None:
-    for prefix in ("Thought", "Action", "Observation"):
-        if re.match(rf"^{prefix}(?: \d+)?:", line):
-            return prefix
-    return None
+    m = _LINE.match(line)
+    return m.group("kind") if m else None
+
+
+def _number(line: str) -> str | None:
+    m = _LINE.match(line)
+    return m.group("num") if m else None
 
 
 def parse_action(line: str) -> tuple[str, str] | None:
@@ -62,6 +78,34 @@ def parse_action(line: str) -> tuple[str, str] | None:
     return name, json.dumps({TOOLS[name]: match.group("arg")}, ensure_ascii=False)
 
 
+@dataclass
+class _Pending:
+    """Actions since the last Observation: (number, call id or None), in order."""
+
+    actions: list[tuple[str | None, str | None]]
+
+    def add(self, number: str | None, call_id: str | None) -> None:
+        self.actions.append((number, call_id))
+
+    def answer(self, number: str | None) -> str | None:
+        """The call id the Observation answers (None: a malformed action's, or no action's); clears the rest."""
+        found = next((a for a in self.actions if number is not None and a[0] == number), None)
+        if found is None and self.actions:
+            found = self.actions[0]
+        self.actions = []
+        return found[1] if found else None
+
+
+def _observation(line: str, pending: _Pending) -> StepDraft:
+    text = line.split(":", 1)[1]
+    return StepDraft(
+        role="tool",
+        content=line,
+        tool_call_id=pending.answer(_number(line)),
+        is_error=any(m in text for m in ERROR_MARKERS),
+    )
+
+
 def split_react(traj: str) -> list[StepDraft]:
     lines = traj.split("\n")
     if lines and lines[-1] == "":
@@ -71,33 +115,56 @@ def split_react(traj: str) -> list[StepDraft]:
     else:
         start = next((i for i, line in enumerate(lines) if _kind(line) == "Thought"), len(lines))
     steps = [StepDraft(role="user", content="\n".join(lines[:start]))]
-    pending_call: str | None = None  # id of the last turn's call, for its Observation
+    pending = _Pending([])
     open_turn = False  # the last step is an assistant Thought still waiting for its Action
     turn = 0
     for line in lines[start:]:
         kind = _kind(line)
         if kind == "Action" and open_turn:
             steps[-1].content += "\n" + line
-            pending_call = _attach_action(steps[-1], line, turn)
+            pending.add(_number(line), _attach_action(steps[-1], line, turn))
             open_turn = False
         elif kind in ("Thought", "Action"):
             turn += 1
             steps.append(StepDraft(role="assistant", content=line, tool_calls=[]))
-            pending_call = _attach_action(steps[-1], line, turn) if kind == "Action" else None
+            if kind == "Action":
+                pending.add(_number(line), _attach_action(steps[-1], line, turn))
             open_turn = kind == "Thought"
         elif kind == "Observation":
-            text = line.split(":", 1)[1].strip()
-            steps.append(
-                StepDraft(
-                    role="tool",
-                    content=line,
-                    tool_call_id=pending_call,
-                    is_error=any(m in text for m in ERROR_MARKERS),
-                )
-            )
-            pending_call, open_turn = None, False
+            steps.append(_observation(line, pending))
+            open_turn = False
         else:  # a continuation line: it belongs to the step before
             steps[-1].content += "\n" + line
+    return steps
+
+
+def chat_react(messages: list) -> list[StepDraft]:
+    """Steps of FireAct's chat-format `traj` (see the module doc)."""
+    steps: list[StepDraft] = []
+    pending = _Pending([])
+    turn = 0
+    for i, msg in enumerate(messages):
+        where = f"traj[{i}]"
+        if not isinstance(msg, dict):
+            raise Reject(INVALID_VALUE, f"{where} is {type(msg).__name__}, expected a message object", where)
+        role = msg.get("role")
+        content = content_text(msg.get("content"), f"{where}.content")
+        if role == "assistant":
+            turn += 1
+            step = StepDraft(role="assistant", content=content, tool_calls=[])
+            action = next((line for line in content.split("\n") if _kind(line) == "Action"), None)
+            pending.actions = []  # a new generation: an unanswered earlier action stays unanswered
+            if action is not None:
+                pending.add(_number(action), _attach_action(step, action, turn))
+            steps.append(step)
+        elif role == "user" and _kind(content) == "Observation" and turn:
+            steps.append(_observation(content, pending))
+        elif role in ("user", "system"):
+            steps.append(StepDraft(role=role, content=content))
+        else:
+            raise Reject(
+                INVALID_VALUE, f"{where}.role is {role!r}, expected user, assistant or system", where
+            )
     return steps
 
 
@@ -112,21 +179,27 @@ def _attach_action(step: StepDraft, line: str, turn: int) -> str | None:
 
 @adapter("react", reader=read_json_entries, action_format="react", extensions=(".json",))
 def react(record: SourceRecord) -> TrajectoryDraft:
-    """FireAct / ReAct trajectories (id -> {em, f1, gt, pred, traj})."""
+    """FireAct / ReAct trajectories (id -> {em, f1, gt, pred, traj}); traj is one string or chat messages."""
     data = record.data
     if not isinstance(data, dict):
         raise Reject(INVALID_VALUE, f"record is {type(data).__name__}, expected an object")
     traj = require(data, "traj")
-    if not isinstance(traj, str):
-        raise Reject(INVALID_VALUE, "traj is not a string", "traj")
     em = require(data, "em")
     key = record.context.get("key", record.location)
     meta = {"id": key, "question": None, "tools": TOOL_SPECS}
     meta.update({k: v for k, v in data.items() if k not in {"traj", "traj_by_line"}})
-    steps = split_react(traj)
-    instruction = steps[0].content.split("### Instruction:", 1)
-    if len(instruction) == 2:
-        meta["question"] = instruction[1].replace(RESPONSE_HEADER, "").strip()
+    if isinstance(traj, str):
+        steps = split_react(traj)
+        instruction = steps[0].content.split("### Instruction:", 1)
+        if len(instruction) == 2:
+            meta["question"] = instruction[1].replace(RESPONSE_HEADER, "").strip()
+    elif isinstance(traj, list):
+        steps = chat_react(traj)
+        meta["traj_shape"] = "chat"
+        first_user = next((s for s in steps if s.role == "user"), None)
+        meta["question"] = first_user.content.strip() if first_user else None
+    else:
+        raise Reject(INVALID_VALUE, "traj is neither a string nor a list of chat messages", "traj")
     return TrajectoryDraft(
         traj_id=f"{record.stem}:{key}",
         group_id=str(key),

@@ -9,6 +9,16 @@ on that user step (`tool_calls`, content not re-rendered) and are not agent acti
 orchestrator rejected before the accepted message; they go to `meta.rejected_attempts` (the step itself is
 the accepted message, not an error). The agent's system prompt is not in the messages: the domain policy is
 kept in `meta.policy`, with the task, reward_info, termination reason, costs and seed.
+
+Harness-injected messages: tau2's orchestrator opens every simulation with an assistant message it writes
+itself (`DEFAULT_FIRST_AGENT_MESSAGE`, "Hi! How can I help you today?", no LLM call), and a task's
+`initial_state.message_history` can put earlier assistant messages in. The agent did not generate them, so
+they are context: they become `system` steps (no turn number, no credit; their own turn numbering starts at
+the first message the agent generated) and are listed in `meta.harness_messages` with their tau2 role and
+turn_idx. The rule: an assistant message is harness-injected when it records no generation (`usage` and
+`raw_data` both null or absent) and either another assistant message of the simulation records one, or it comes
+before every user message (the opener). Every message the agent generated records its `usage` in tau2
+Results.
 """
 
 from __future__ import annotations
@@ -57,13 +67,32 @@ def read_tau2_results(text: str, source_file: str) -> Iterator[SourceRecord]:
         yield record
 
 
-def _steps(messages, where: str = "messages") -> tuple[list[StepDraft], list[dict]]:
+def _generated(msg) -> bool:
+    """The message records an LLM generation (tau2 keeps `usage` and `raw_data` of every model call)."""
+    return isinstance(msg, dict) and (msg.get("usage") is not None or msg.get("raw_data") is not None)
+
+
+def harness_injected(messages: list) -> set[int]:
+    """Positions of the assistant messages the harness injected (see the module doc)."""
+    assistant = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
+    records_generation = any(_generated(messages[i]) for i in assistant)
+    first_user = next(
+        (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), len(messages)
+    )
+    return {i for i in assistant if not _generated(messages[i]) and (records_generation or i < first_user)}
+
+
+def _steps(messages, where: str = "messages") -> tuple[list[StepDraft], list[dict], list[dict]]:
     if not isinstance(messages, list):
         raise Reject(INVALID_VALUE, f"'{where}' is not a list", where)
-    steps, rejected_attempts = [], []
+    steps, rejected_attempts, harness = [], [], []
+    injected = harness_injected(messages)
     for i, msg in enumerate(messages):
         w = f"{where}[{i}]"
         step, _ = message_step(msg, w)
+        if i in injected:
+            step.role = "system"
+            harness.append({"step_idx": i, "role": msg.get("role"), "turn_idx": msg.get("turn_idx")})
         if step.role == "tool":
             step.tool_call_id = str(require(msg, "id", w))
             step.is_error = bool(msg.get("error"))
@@ -72,7 +101,7 @@ def _steps(messages, where: str = "messages") -> tuple[list[StepDraft], list[dic
                 {"step_idx": i, "turn_idx": msg.get("turn_idx"), "errors": msg["errors"]}
             )
         steps.append(step)
-    return steps, rejected_attempts
+    return steps, rejected_attempts, harness
 
 
 @adapter("tau2-bench", reader=read_tau2_results, action_format="openai_tools", extensions=(".json",))
@@ -85,7 +114,7 @@ def tau2_bench(record: SourceRecord) -> TrajectoryDraft:
     trial = as_int(require(sim, "trial"), "trial")
     reward_info = require(sim, "reward_info")
     reward = require(reward_info, "reward", "reward_info")
-    steps, rejected_attempts = _steps(require(sim, "messages"))
+    steps, rejected_attempts, harness = _steps(require(sim, "messages"))
     breakdown = reward_info.get("reward_breakdown")
     info = record.context.get("info", {})
     agent = info.get("agent_info") if isinstance(info.get("agent_info"), dict) else {}
@@ -97,6 +126,7 @@ def tau2_bench(record: SourceRecord) -> TrajectoryDraft:
         "task": record.context.get("tasks", {}).get(task_id),
         "reward_info": reward_info,
         "rejected_attempts": rejected_attempts,
+        "harness_messages": harness,
         "domain": env.get("domain_name"),
         "policy": env.get("policy"),
         "tools": env.get("tool_defs"),
