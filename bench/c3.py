@@ -114,7 +114,7 @@ def main() -> None:
     if not (lake_dir / "steps" / "round=0").exists():
         from pipeline.synth import SynthSettings, iter_batches
         from warehouse.lake import Lake
-        from warehouse.rounds import write_round_parts
+        from warehouse.rounds import prefetched, write_round_parts
 
         s = SynthSettings(
             groups=args.groups,
@@ -125,7 +125,7 @@ def main() -> None:
             seed=0,
             batch_groups=64,
         )
-        write_round_parts(Lake(lake_dir), 0, iter_batches(s, prefetch=True))
+        write_round_parts(Lake(lake_dir), 0, prefetched(iter_batches(s)))
 
     def best(*w: str, root: Path = ROOT) -> dict:
         runs = [run_worker(__file__, "--root", str(root), "--worker", *w) for _ in range(args.reps)]

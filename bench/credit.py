@@ -33,13 +33,13 @@ def _use_root(root: str) -> None:
 def make_round(lake_dir: Path, round_: int, groups: int, samples: int, turns: int, tokens: int) -> dict:
     from pipeline.synth import SynthSettings, iter_batches
     from warehouse.lake import Lake
-    from warehouse.rounds import write_round_parts
+    from warehouse.rounds import prefetched, write_round_parts
 
     s = SynthSettings(
         groups=groups, samples=samples, turns=turns, tokens=tokens, round=round_, seed=round_, batch_groups=64
     )
     t0 = time.perf_counter()
-    names = write_round_parts(Lake(lake_dir), round_, iter_batches(s, prefetch=True))
+    names = write_round_parts(Lake(lake_dir), round_, prefetched(iter_batches(s)))
     return {"batches": len(names), "seconds": time.perf_counter() - t0}
 
 
@@ -196,8 +196,8 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         _use_root(args.root)
-        try:  # what the CLI and the flows do at start (pipeline/runtime.py), for every kind of worker alike
-            from pipeline.runtime import tune_allocator
+        try:  # what the CLI and the flows do at start (flows/runtime.py), for every kind of worker alike
+            from flows.runtime import tune_allocator
 
             tune_allocator()
         except ImportError:  # a baseline checkout from before it existed

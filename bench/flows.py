@@ -44,7 +44,7 @@ METHODS = ["grpo", "grpo+c3", "grpo+iapo", "tcpo_retro_hin"]
 
 
 def _config(lake: str, workers: int, runner: str = "threads", processes: str = "auto", api_idle: bool = True):
-    from pipeline.config import load_config
+    from flows.config import load_config
 
     return load_config(
         None,
@@ -156,7 +156,7 @@ def _stats(lake) -> dict:
 
 def child(mode: str, lake_dir: str) -> dict:
     from flows.batch import run_batch_plain
-    from pipeline.runtime import tune_allocator
+    from flows.runtime import tune_allocator
     from warehouse.lake import Lake
     from warehouse.rounds import batch_names
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from _common import machine_note
 
+from flows.batch import stage_io
 from pipeline.annotate.rules import annotate_rules
 from pipeline.config import Config
 from pipeline.credit import CreditContext
@@ -107,6 +108,7 @@ _SERVER = """
 import json, sys, time
 sys.path.insert(0, {tests!r})
 from llm_standin import StandIn
+from flows.batch import stage_io
 reply = json.dumps({{"actions": [{{"action_id": 1, "error": 0, "error_kind": "none", "sources": []}}]}})
 with StandIn(lambda body, kind, i: reply, latency_s={latency}) as server:
     print(server.url, flush=True)
@@ -137,9 +139,9 @@ def bench_llm(n_traj: int, latency: float, concurrency: int) -> tuple[list[str],
             annotator="llm",
             llm={"endpoints": [url], "cache": False, "concurrency": concurrency, "max_retries": 0},
         )
-        annotate_llm(steps.slice(0, 50), cfg)  # warm up (imports, model name)
+        annotate_llm(steps.slice(0, 50), cfg, io=stage_io(cfg))  # warm up (imports, model name)
         t0 = time.perf_counter()
-        out = annotate_llm(steps, cfg)
+        out = annotate_llm(steps, cfg, io=stage_io(cfg))
         elapsed = time.perf_counter() - t0
     finally:
         proc.stdin.close()

@@ -89,7 +89,7 @@ def main() -> None:
     from pipeline.config import Config
     from pipeline.synth import SynthSettings, iter_batches
     from warehouse.lake import Lake
-    from warehouse.rounds import batch_names, write_round_parts
+    from warehouse.rounds import batch_names, prefetched, write_round_parts
 
     lake_dir = args.lake or Path(tempfile.mkdtemp(prefix="interop-bench-"))
     lake = Lake(lake_dir)
@@ -101,7 +101,7 @@ def main() -> None:
             tokens=args.tokens,
             batch_groups=args.batch_groups,
         )
-        write_round_parts(lake, 0, iter_batches(s, prefetch=True))
+        write_round_parts(lake, 0, prefetched(iter_batches(s)))
     cfg = Config(lake=str(lake_dir), methods=["grpo"])
     for name in batch_names(lake, 0):
         if not lake.has_part("advantages", 0, f"{name}.grpo"):

@@ -1,4 +1,4 @@
-"""Benchmark of the shared LLM client (pipeline/llm/client.py).
+"""Benchmark of the shared LLM client (trainer/llm/client.py).
 
 1. Against the stand-in server (tests/llm_standin.py) with a fixed latency per request: the achieved
    concurrency (requests x latency / wall time) against the configured limit; target >= 0.9 of ideal.
@@ -25,7 +25,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from _common import machine_note  # noqa: E402
 from llm_standin import StandIn  # noqa: E402
 
-from pipeline.llm.client import LLMClient, LLMError, LLMRequest, LLMSettings  # noqa: E402
+from trainer.llm.client import LLMClient, LLMError, LLMRequest, LLMSettings  # noqa: E402
 
 
 def _serve_standin(latency_s: float, q, stop) -> None:
@@ -161,7 +161,7 @@ def main() -> None:
     ]
 
     if not args.standin_only:
-        from pipeline.llm import service
+        from trainer.llm import service
 
         endpoint, started = args.endpoint, None
         if endpoint is None:

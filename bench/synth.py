@@ -18,7 +18,7 @@ from _common import peak_rss_mb
 
 from pipeline.synth import SynthSettings, iter_batches
 from warehouse.lake import Lake
-from warehouse.rounds import write_round_parts
+from warehouse.rounds import prefetched, write_round_parts
 
 
 def main() -> None:
@@ -54,7 +54,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="synth-bench-")
     try:
         t0 = time.perf_counter()
-        parts = write_round_parts(Lake(root), 0, iter_batches(s, prefetch=True))
+        parts = write_round_parts(Lake(root), 0, prefetched(iter_batches(s)))
         total_s = time.perf_counter() - t0
         size = sum(f.stat().st_size for f in Lake(root).root.rglob("*.parquet"))
     finally:

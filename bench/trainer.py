@@ -6,7 +6,7 @@ GPU (when CUDA is present, or --gpu): additionally
   one a 0.5B-sized Llama is built from a config with random weights): tokens/s and MFU of `trainer.train`
   on a synthetic exported batch (MFU = 6 * params * tokens/s / peak bf16 FLOP/s, --peak-tflops, H100/H200 dense
   bf16 ~ 989);
-- collect throughput with vLLM (--vllm: the managed server via pipeline/llm/service.py on --model) in
+- collect throughput with vLLM (--vllm: the managed server via trainer/llm/service.py on --model) in
   generated tokens/s.
 
     python bench/trainer.py --rounds 2                      # CPU figures
@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 def cpu_loop(rounds: int, prompts: int, samples: int, max_new: int, env: str, work: Path) -> list[dict]:
     import trainer.loop  # noqa: F401
     import trainer.train  # noqa: F401
-    from pipeline.config import load_config
-    from trainer.loop import run_loop
+    from flows.config import load_config
+    from flows.round_loop import run_loop
 
     cfg = load_config(
         None,
@@ -137,9 +137,9 @@ def gpu_trainer(model_dir: str | None, work: Path, peak_tflops: float, seqs: int
 
 
 def gpu_collect_vllm(model_dir: str, prompts: int, samples: int, max_new: int) -> dict:
-    from pipeline.llm import service
-    from pipeline.llm.client import LLMSettings
+    from pipeline.llm.types import LLMSettings
     from trainer.collect import CollectSettings, collect
+    from trainer.llm import service
 
     info = service.serve(model_dir, served_name="policy", record=False, wait_s=900, log=print)
     try:

@@ -12,11 +12,27 @@ import pyarrow.compute as pc
 
 from pipeline.config import Config
 from pipeline.credit.process import annotation_names, process_batch
+from pipeline.stages import NO_IO, StageIO
 from warehouse.lake import Lake, safe_part_name
 from warehouse.rounds import batch_names, read_batch
 from warehouse.runlog import record_stage_run
 
 CREDIT, EXPORT = "credit", "export"
+
+
+def stage_io(config: Config) -> StageIO:
+    """The effects an LLM stage gets: the shared OpenAI-compatible client, and a thread pool for its checks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainer.llm.client import LLMClient
+
+    workers = int(getattr(config.stage("counterfactual"), "verify_workers", 4) or 4)
+
+    def pool_map(fn, *iterables):
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(fn, *iterables))
+
+    return StageIO(llm=LLMClient, map=pool_map)
 
 
 def method_slug(method: str) -> str:
@@ -77,7 +93,7 @@ def run_stage_batch(
     traj = read_batch(lake, "trajectories", round_, batch)
     steps = read_batch(lake, "steps", round_, batch)
     inputs = {t: read_batch(lake, t, round_, batch) for t in stage.needs}
-    out = stage.fn(traj, steps, config, inputs)
+    out = stage.fn(traj, steps, config, inputs, io=stage_io(config) if stage.calls_llm(config) else NO_IO)
     for table in stage.produces:
         lake.write_part(table, round_, out.tables[table], part=batch)
     rows = {t: out.tables[t].num_rows for t in stage.produces}

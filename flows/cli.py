@@ -1,4 +1,4 @@
-"""The `creditflow` command. Each sub-command lives in pipeline/commands/<name>.py and registers itself
+"""The `creditflow` command. Each sub-command lives in flows/commands/<name>.py and registers itself
 with `register(app)`, so adding a command never touches this file."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 import typer
 
-import pipeline.commands as _commands
+import flows.commands as _commands
 
 app = typer.Typer(
     name="creditflow",
@@ -28,13 +28,13 @@ app = typer.Typer(
 @app.callback()
 def _root() -> None:
     """creditflow: ingest rollouts, compute credit, query it in SQL, export it to a trainer."""
-    from pipeline.runtime import tune_allocator
+    from flows.runtime import tune_allocator
 
     tune_allocator()
 
 
 for _mod in sorted(m.name for m in pkgutil.iter_modules(_commands.__path__)):
-    module = importlib.import_module(f"pipeline.commands.{_mod}")
+    module = importlib.import_module(f"flows.commands.{_mod}")
     if hasattr(module, "register"):
         module.register(app)
 

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from pipeline.config import Config, load_config
+from pipeline.config import Config, ConfigError, build_config, parse_config_text
+
+
+def load_config(path: str | Path | None = None, sets: list[str] | None = None, **fields: Any) -> Config:
+    """The config of a command: the YAML file at `path` (if any), keyword fields, then `--set` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc})") from exc
+        data = parse_config_text(text, str(path))
+    return build_config(data, sets, **fields)
 
 
 def as_config(config: Config | dict[str, Any]) -> Config:
     if isinstance(config, Config):
         return config
-    return load_config(None, None, **config)
+    return build_config(None, None, **config)
 
 
 def config_parameter(config: Config) -> dict[str, Any]:

@@ -70,7 +70,7 @@ def read_sources_task(sources: list[str], fmt: str, round_: int) -> tuple[list, 
 @task(task_run_name="convert-{fmt}", cache_policy=NO_CACHE, persist_result=False)
 def convert_task(fmt: str, inputs: list, round_: int, tokenizer: str | None):
     from pipeline.ingest import ingest
-    from pipeline.tokenize import get_tokenizer
+    from warehouse.tokenizers import get_tokenizer
 
     return ingest(fmt, inputs, round_=round_, tokenizer=get_tokenizer(tokenizer))
 

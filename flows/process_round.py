@@ -40,8 +40,8 @@ from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
 from flows.caching import BatchStageCache, cache_dir, result_dir, stage_cache_key, stage_key_prefix
 from flows.config import as_config
 from flows.runners import settings_scope
+from flows.runtime import tune_allocator
 from pipeline.config import Config
-from pipeline.runtime import tune_allocator
 from warehouse.lake import Lake
 from warehouse.runlog import parts_present, prune_stale_parts
 
@@ -111,7 +111,7 @@ def process_round_flow(round_: int, config: Config | dict):
     """Every stage of one round, batch by batch; returns the round summary (a warning state if degraded)."""
     t0 = time.perf_counter()
     config = as_config(config)
-    tune_allocator()  # per-batch arrays stay on the heap (pipeline/runtime.py)
+    tune_allocator()  # per-batch arrays stay on the heap (flows/runtime.py)
     if workers.use_processes(config):
         workers.warm(config.max_workers)  # the worker processes start while the round is prepared
     lake = Lake(config.lake)

@@ -7,6 +7,7 @@ or hooks registered with `register_round_hook`. Without a trainer (no hooks, or 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prefect import flow, task
@@ -82,3 +83,44 @@ def round_loop_flow(config: Config | dict, start_round: int, rounds: int = 1) ->
             entry["train"] = round_hook_task("train", config, round_)
         out.append(entry)
     return out
+
+
+def run_loop(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
+    """Run (or resume) the loop; returns one row of timings and outcomes per round."""
+    from flows.run import run_process
+    from trainer.loop import (
+        LoopState,
+        checkpoint,
+        checkpoint_done,
+        collect_round,
+        has_advantages,
+        train_round,
+    )
+
+    st = LoopState(cfg, log)
+    rows = []
+    try:
+        for r in range(st.s.start_round, st.s.start_round + st.s.rounds):
+            row: dict = {"round": r, "policy": st.policy(r).name, "method": st.method, "backend": st.backend}
+            if checkpoint_done(checkpoint(st.work, r)):
+                log(f"[loop] round {r}: checkpoint {checkpoint(st.work, r)} exists, skipped")
+                rows.append({**row, "skipped": True})
+                continue
+            t0 = time.perf_counter()
+            row.update(collect_round(st, r))
+            t1 = time.perf_counter()
+            if has_advantages(st.lake, r, st.method):
+                log(f"[loop] round {r}: advantages exist, process skipped")
+                row["process_s"] = 0.0
+            else:
+                summary = run_process(st.cfg, r, quiet=True)
+                row["process_s"] = round(time.perf_counter() - t1, 2)
+                row["process_state"] = summary.get("state")
+                log(f"[loop] round {r}: processed ({summary.get('state')}) in {row['process_s']}s")
+            row.update(train_round(st, r))
+            row["total_s"] = round(time.perf_counter() - t0, 2)
+            rows.append(row)
+    finally:
+        if st.server is not None:
+            st.server.stop()
+    return rows

@@ -7,10 +7,8 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow.compute as pc
-
+from flows.display import console, print_kv, print_table
 from pipeline.config import Config
-from pipeline.display import console, print_kv, print_table
 
 # imported while Prefect's API starts rather than during the round: the flow's module and DuckDB (the round's
 # stats task refreshes the catalog; the summary queries it)
@@ -105,44 +103,15 @@ def run_stats(lake_dir: Path | str, round_: int) -> dict:
 
 
 def run_export(lake_dir: Path, round_: int, method: str, out: Path, layout: str = "flat") -> Path:
-    from pipeline.export import build_train_batch
-    from warehouse.lake import Lake
+    from warehouse.exports import ExportError, write_export
 
-    lake = Lake(lake_dir)
-    adv = lake.read("advantages", round_)
-    adv = adv.filter(pc.equal(adv.column("method"), method))
-    if adv.num_rows == 0:
-        raise SystemExit(
-            f"no advantages for method {method!r} in round {round_}; run `creditflow process` first"
-        )
-    steps = lake.read("steps", round_)
-    traj = lake.read("trajectories", round_)
-    batch = build_train_batch(traj, steps, adv)
-    from pipeline.layouts import LAYOUTS, save_padded, to_padded
-
-    if layout not in LAYOUTS:
-        raise SystemExit(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if layout == "flat":
-        import pyarrow.parquet as pq
-
-        from warehouse.lake import write_options
-
-        tmp = out.with_name(f".tmp-{out.name}")
-        pq.write_table(batch, tmp, **write_options(batch.schema))
-    else:
-        tmp = out.with_name(f".tmp-{out.stem}.npz")
-        save_padded(to_padded(batch, layout), tmp)
-    tmp.replace(out)
+    try:
+        rows = write_export(lake_dir, round_, method, out, layout)
+    except ExportError as exc:
+        raise SystemExit(str(exc)) from None
     print_kv(
         "creditflow export",
-        {
-            "method": method,
-            "round": round_,
-            "layout": layout,
-            "trajectories": batch.num_rows,
-            "out": str(out),
-        },
+        {"method": method, "round": round_, "layout": layout, "trajectories": rows, "out": str(out)},
     )
     return out
 

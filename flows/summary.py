@@ -56,7 +56,7 @@ def print_summary(summary: dict, title: str | None = None, console=None) -> None
     """The summary as two rich tables: the round at a glance, then one row per stage."""
     from rich.table import Table
 
-    from pipeline.display import console as default_console
+    from flows.display import console as default_console
 
     console = console or default_console
     rows = summary.get("rows", {})

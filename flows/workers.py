@@ -37,8 +37,8 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from flows.runtime import tune_allocator
 from pipeline.config import Config
-from pipeline.runtime import tune_allocator
 
 # imported once by the forkserver, so a worker starts with them (and their registries) loaded
 PRELOAD = [

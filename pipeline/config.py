@@ -4,7 +4,6 @@ defaults); `--set stage.key=value` on the command line overrides any of them."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
@@ -114,14 +113,13 @@ class Config(BaseModel):
 
 
 def _load_stage_modules() -> None:
-    # importing the credit package registers every method's settings model, the annotation stage packages
-    # theirs (detect, annotate_rules / annotate_llm, counterfactual)
+    # plugin discovery by name (the packages import this module, so not a static import): the credit package
+    # registers every method's settings model, the annotation stage packages theirs (detect, annotate_rules /
+    # annotate_llm, counterfactual)
     import importlib
 
-    import pipeline.credit  # noqa: F401
-    from pipeline.stages import load_stages
-
-    load_stages()
+    importlib.import_module("pipeline.credit")
+    importlib.import_module("pipeline.stages").load_stages()
     for module in ("pipeline.annotate.settings",):
         try:
             importlib.import_module(module)
@@ -153,19 +151,25 @@ def apply_overrides(data: dict[str, Any], sets: list[str]) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | Path | None = None, sets: list[str] | None = None, **fields: Any) -> Config:
-    data: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the config must be a mapping")
-        data.update(loaded)
-    data.update({k: v for k, v in fields.items() if v is not None})
-    data = apply_overrides(data, sets or [])
+def build_config(data: dict[str, Any] | None = None, sets: list[str] | None = None, **fields: Any) -> Config:
+    """A validated `Config` from a mapping (a parsed YAML file), keyword fields, then `--set` overrides."""
+    merged: dict[str, Any] = dict(data or {})
+    merged.update({k: v for k, v in fields.items() if v is not None})
+    merged = apply_overrides(merged, sets or [])
     try:
-        cfg = Config(**data)
+        cfg = Config(**merged)
     except ValidationError as exc:
         raise ConfigError(str(exc)) from exc
     cfg.check()
     return cfg
+
+
+def parse_config_text(text: str, source: str = "config") -> dict[str, Any]:
+    """A YAML config file's text -> its mapping (a ConfigError naming the source otherwise)."""
+    try:
+        loaded = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML ({exc})") from exc
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{source}: the config must be a mapping")
+    return loaded

@@ -10,8 +10,9 @@ methods need, run them in order, and write their tables as parts named like the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import pyarrow as pa
 
@@ -21,6 +22,38 @@ class StageOutput:
     tables: dict[str, pa.Table]
     notes: dict[str, float] = field(default_factory=dict)  # counts for the run summary (llm calls, fallbacks)
     warnings: list[str] = field(default_factory=list)  # degraded but completed (endpoint down, ...)
+
+
+class LLMRunner(Protocol):
+    """What an LLM stage needs from a client: send a batch, one result or `LLMError` per request."""
+
+    records: list[Any]
+
+    def run_batch(self, requests: Sequence[Any]) -> list[Any]: ...
+
+
+def _serial_map(fn: Callable[..., Any], *iterables: Iterable[Any]) -> list[Any]:
+    return list(map(fn, *iterables))
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """The effects a flow hands to a stage. Pipeline code builds requests and parses answers; it never opens a
+    socket or a process itself: `llm(settings)` returns a client (trainer.llm.client.LLMClient in a flow, a
+    stand-in in a test) and `map` may run independent checks (verifiers) in parallel."""
+
+    llm: Callable[[Any], LLMRunner] | None = None
+    map: Callable[..., list[Any]] = _serial_map
+
+    def client(self, settings: Any) -> LLMRunner:
+        if self.llm is None:
+            raise RuntimeError(
+                "this stage calls an LLM: run it through a flow (flows.batch.stage_io) or pass io=StageIO(llm=...)"
+            )
+        return self.llm(settings)
+
+
+NO_IO = StageIO()
 
 
 @dataclass(frozen=True)

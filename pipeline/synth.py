@@ -912,27 +912,11 @@ def generate_batch(settings: SynthSettings, first_group: int, n_groups: int) -> 
     )
 
 
-def iter_batches(settings: SynthSettings, prefetch: bool = False) -> Iterator[tuple[pa.Table, pa.Table]]:
-    """The round as batches of `batch_groups` whole groups (the unit a lake part holds). With `prefetch`, the
-    next batch is generated on a worker thread while the caller writes the current one (NumPy, Arrow and Parquet
-    release the GIL), so at most two batches are in memory."""
-    starts = list(range(0, settings.groups, settings.batch_groups))
-
-    def make(first: int) -> tuple[pa.Table, pa.Table]:
-        return generate_batch(settings, first, min(settings.batch_groups, settings.groups - first))
-
-    if not prefetch:
-        for first in starts:
-            yield make(first)
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="synth") as pool:
-        pending = pool.submit(make, starts[0]) if starts else None
-        for nxt in starts[1:] + [None]:
-            batch = pending.result()
-            pending = pool.submit(make, nxt) if nxt is not None else None
-            yield batch
+def iter_batches(settings: SynthSettings) -> Iterator[tuple[pa.Table, pa.Table]]:
+    """The round as batches of `batch_groups` whole groups (the unit a lake part holds). A writer may generate
+    the next batch while it writes this one (`warehouse.rounds.prefetched`)."""
+    for first in range(0, settings.groups, settings.batch_groups):
+        yield generate_batch(settings, first, min(settings.batch_groups, settings.groups - first))
 
 
 def generate(settings: SynthSettings) -> tuple[pa.Table, pa.Table]:

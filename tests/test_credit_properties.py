@@ -452,7 +452,7 @@ def test_export_layout_shared_by_methods(seed, methods):
 def test_cli_process_and_export(tmp_path, lake, prefect_harness):
     from typer.testing import CliRunner
 
-    from pipeline.cli import app
+    from flows.cli import app
     from warehouse.rounds import write_round
 
     traj, steps = random_round(7, max_groups=5, max_group_size=4, max_steps=6, round_=3)

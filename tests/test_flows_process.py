@@ -12,9 +12,9 @@ import pyarrow.compute as pc
 import pytest
 
 from flows.batch import round_stages, run_batch_plain
+from flows.config import load_config
 from flows.process_round import WARNING_STATE
 from flows.run import run_process
-from pipeline.config import load_config
 from pipeline.synth import SynthSettings, generate
 from warehouse.lake import Lake
 from warehouse.rounds import batch_names, write_round
@@ -258,7 +258,7 @@ def test_process_runner_matches_thread_runner(tmp_path, prefect_harness, runner)
 def test_stats_command_prints_summary_from_lake(tmp_path, prefect_harness):
     from typer.testing import CliRunner
 
-    from pipeline.cli import app
+    from flows.cli import app
 
     lake = Lake(tmp_path / "lake")
     make_round(lake, groups=4, batch_groups=2)

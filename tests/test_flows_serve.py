@@ -10,10 +10,10 @@ from test_flows_faults import write_chat_files
 from test_flows_process import cfg_for, make_round
 from typer.testing import CliRunner
 
+from flows.cli import app
+from flows.config import load_config
 from flows.incoming import incoming_flow, pending_rounds, process_pending_flow
 from flows.round_loop import HOOKS, register_round_hook, round_loop_flow
-from pipeline.cli import app
-from pipeline.config import load_config
 from warehouse.incoming import read_ledger
 from warehouse.lake import Lake
 
@@ -49,7 +49,7 @@ def test_incoming_folder_ingests_and_processes_each_new_round_once(tmp_path, pre
 
 
 def test_serve_once_cli_and_deployments(tmp_path, prefect_harness):
-    from pipeline.commands.serve import build_deployments
+    from flows.commands.serve import build_deployments
 
     incoming = tmp_path / "in"
     write_chat_files(incoming / "r", n_files=1)

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.cli import app
+from flows.cli import app
 from schemas import TABLES, SchemaError
 from schemas import steps as steps_schema
 from schemas import trajectories as traj_schema

@@ -112,7 +112,7 @@ def test_rank_stats():
 def test_compare_command_end_to_end(real_data, tmp_path, llm_standin):
     from test_iapo_rules import _ingest
 
-    from pipeline.cli import app
+    from flows.cli import app
     from warehouse.lake import Lake
     from warehouse.rounds import write_round
 

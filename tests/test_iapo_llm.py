@@ -7,6 +7,7 @@ import json
 import polars as pl
 import pyarrow as pa
 
+from flows.batch import stage_io
 from pipeline.annotate.llm import PROMPT_VERSION, SYSTEM_PROMPT, build_transcript
 from pipeline.annotate.settings import LLMAnnotatorSettings
 from pipeline.config import Config
@@ -146,7 +147,7 @@ VALID = {
 
 def _annotate(cfg, steps):
     stage = load_stages()["annotate"]
-    return stage.fn(None, steps, cfg, {})
+    return stage.fn(None, steps, cfg, {}, io=stage_io(cfg))
 
 
 def test_valid_answers(llm_standin, tmp_path):

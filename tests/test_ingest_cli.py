@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.cli import app
+from flows.cli import app
 
 runner = CliRunner()
 TAU2 = "tau2_bench/qwen2.5-7b_airline_1trial.json"

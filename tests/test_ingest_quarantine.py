@@ -7,7 +7,8 @@ import pyarrow as pa
 import pytest
 
 from pipeline.ingest import ingest
-from pipeline.tokenize import ByteTokenizer, get_tokenizer
+from pipeline.tokenize import ByteTokenizer
+from warehouse.tokenizers import get_tokenizer
 
 BYTES = ByteTokenizer()
 

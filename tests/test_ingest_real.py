@@ -8,7 +8,8 @@ import pyarrow.compute as pc
 import pytest
 
 from pipeline.ingest import ingest
-from pipeline.tokenize import ByteTokenizer, get_tokenizer
+from pipeline.tokenize import ByteTokenizer
+from warehouse.tokenizers import get_tokenizer
 
 BYTES = ByteTokenizer()
 TAU = "tau_bench_v1/gpt-4o-airline.json"

@@ -7,7 +7,7 @@ import pyarrow.compute as pc
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.cli import app
+from flows.cli import app
 from warehouse.lake import Lake
 
 runner = CliRunner()

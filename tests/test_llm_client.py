@@ -10,8 +10,8 @@ import pytest
 from llm_standin import Fail, StandIn, dead_endpoint, default_reply, token_id, token_logprob, tokenize
 from pydantic import BaseModel
 
-from pipeline.config import load_config
-from pipeline.llm.client import LLMClient, LLMError, LLMRequest, LLMSettings
+from flows.config import load_config
+from trainer.llm.client import LLMClient, LLMError, LLMRequest, LLMSettings
 
 MSG = [{"role": "user", "content": "what is two plus two"}]
 

@@ -11,10 +11,10 @@ import pytest
 from llm_standin import token_id, token_logprob, tokenize
 from typer.testing import CliRunner
 
-from pipeline.llm.client import LLMClient, LLMSettings
-from pipeline.llm.rescore import RescoreSettings, rescore_steps
-from pipeline.tokenize import get_tokenizer
 from schemas.steps import SPEC as STEPS
+from trainer.llm.client import LLMClient, LLMSettings
+from trainer.llm.rescore import RescoreSettings, rescore_steps
+from warehouse.tokenizers import get_tokenizer
 
 
 def make_steps(tok_spec, convs, with_lp=None) -> pa.Table:
@@ -143,7 +143,7 @@ def test_rescore_failure_leaves_steps_unscored(llm_standin, tmp_path):
 
 
 def test_rescore_command(llm_standin, tmp_path, lake):
-    from pipeline.cli import app
+    from flows.cli import app
 
     steps = make_steps("bytes", CONVS)
     lake.write_part("steps", 2, steps, part="b0")

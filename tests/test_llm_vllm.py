@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 from pydantic import BaseModel
 
-from pipeline.llm.client import LLMClient, LLMSettings
+from trainer.llm.client import LLMClient, LLMSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -65,9 +65,9 @@ def test_chat_logprobs_and_alternatives(client, vllm_server):
 def test_rescore_matches_generation_logprobs(client):
     """Generate greedily with logprobs, store the tokens as steps, rescore them by prompt logprobs: the
     rescored behaviour logprobs equal the ones the server reported while generating."""
-    from pipeline.llm.rescore import rescore_steps
-    from pipeline.tokenize import get_tokenizer
     from schemas.steps import SPEC
+    from trainer.llm.rescore import rescore_steps
+    from warehouse.tokenizers import get_tokenizer
 
     tok = get_tokenizer(None)
     if tok.name == "bytes":

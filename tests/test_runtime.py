@@ -1,4 +1,4 @@
-"""pipeline/runtime.py: the allocator tuning is applied once per process, and can be turned off."""
+"""flows/runtime.py: the allocator tuning is applied once per process, and can be turned off."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-CODE = "from pipeline.runtime import tune_allocator; print(tune_allocator(), tune_allocator())"
+CODE = "from flows.runtime import tune_allocator; print(tune_allocator(), tune_allocator())"
 
 
 def _run(**env: str) -> str:

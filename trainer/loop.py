@@ -6,21 +6,21 @@ Round r (policy P_r = the base model for the first round, else the checkpoint of
    one that serves; backend local: transformers from P_r's folder);
 2. process: `flows.run.run_process` (the Prefect process_round flow: annotation stages, every configured
    method's advantages, train_batch);
-3. export: `flows.run.run_export` of the loop's method -> `WORKDIR/batch-round<r>.parquet`;
+3. export: `warehouse.exports.write_export` of the loop's method -> `WORKDIR/batch-round<r>.parquet`;
 4. train: `trainer.train.train` P_r on the batch -> `WORKDIR/ckpt-round<r>` (= P_{r+1}), train_metrics into
    the lake. The checkpoint is written to a temporary folder and renamed, so it exists only when complete.
 
 Resume: a round whose checkpoint exists is skipped; one whose trajectories+steps exist skips collect; one
 whose advantages for the method exist skips process; one whose batch file exists skips export.
-The stages are functions (`collect_round`, `train_round`) shared by this plain driver and by the Prefect
-form of the loop, `flows.round_loop.round_loop_flow`, which finds them through `trainer/hooks.py`.
+The stages are functions (`collect_round`, `train_round`) called by the loop's drivers in flows/round_loop.py
+(`run_loop`, and the Prefect flow `round_loop_flow`, which finds them through `trainer/hooks.py`).
 
 Models: `model: tiny` builds a tiny Llama from a config into WORKDIR/base (no download; tokenizer bytes or
 the SmolLM2 tokenizer), `smollm2` is the service's converted SmolLM2-135M-Instruct checkpoint
 (`creditflow llm setup`), anything else is a checkpoint folder.
 
 Reloading the policy into the server: the managed server is restarted with the new checkpoint folder
-(pipeline/llm/service.py serve/kill) before the next collect. vLLM's in-place weight reload endpoints
+(trainer/llm/service.py serve/kill) before the next collect. vLLM's in-place weight reload endpoints
 (sleep/wake_up, collective_rpc reload_weights) exist only in dev mode and vary by version; a restart is
 the portable path. An external endpoint (`loop.endpoint`) is not reloaded: use it only with a server
 that reloads itself.
@@ -69,10 +69,15 @@ class LoopSettings(StageSettings):
     serve_wait_s: float = Field(
         600.0, gt=0, description="seconds to wait for the managed server to be healthy"
     )
-    tiny_tokenizer: Literal["bytes", "smollm2"] = Field("bytes", description="tokenizer of the tiny model")
+    tiny_tokenizer: Literal["bytes", "smollm2", "env"] = Field(
+        "bytes",
+        description="tokenizer of the tiny model; env: a word-level tokenizer over the env's closed "
+        "vocabulary (envs with `vocabulary()`: c3_search, tcpo_refine, iapo_service; one token per action)",
+    )
     tiny_hidden: int = Field(32, ge=8, description="tiny model hidden size")
     tiny_layers: int = Field(2, ge=1, description="tiny model layers")
     tiny_heads: int = Field(2, ge=1, description="tiny model attention heads")
+    tiny_seed: int = Field(0, description="initialisation seed of the tiny model")
     keep_checkpoints: int | None = Field(None, ge=1, description="keep only the newest N round checkpoints")
 
 
@@ -89,7 +94,7 @@ def base_model(s: LoopSettings, work: Path, log: Log = print) -> Path:
             tok = None
             vocab = 256
             if s.tiny_tokenizer == "smollm2":
-                from pipeline.tokenize import smollm2_tokenizer_json
+                from warehouse.tokenizers import smollm2_tokenizer_json
 
                 tok = smollm2_tokenizer_json()
                 if tok is None:
@@ -97,6 +102,15 @@ def base_model(s: LoopSettings, work: Path, log: Log = print) -> Path:
                 vocab = 49152
             tmp = work / ".tmp-base-tiny"
             shutil.rmtree(tmp, ignore_errors=True)
+            if s.tiny_tokenizer == "env":
+                from trainer.envs import make_env
+                from trainer.tiny import word_tokenizer_json
+
+                env = make_env(s.env)
+                if not hasattr(env, "vocabulary"):
+                    raise RuntimeError(f"tiny_tokenizer env: {s.env} has no closed vocabulary; use bytes")
+                words = env.vocabulary()
+                tok, vocab = word_tokenizer_json(words, tmp / "tok" / "tokenizer.json"), len(words)
             build_tiny_model(
                 tmp,
                 vocab_size=vocab,
@@ -104,12 +118,14 @@ def base_model(s: LoopSettings, work: Path, log: Log = print) -> Path:
                 layers=s.tiny_layers,
                 heads=s.tiny_heads,
                 tokenizer_json=tok,
+                seed=s.tiny_seed,
             )
+            shutil.rmtree(tmp / "tok", ignore_errors=True)
             tmp.replace(out)
             log(f"[loop] built tiny base model in {out}")
         return out
     if s.model == "smollm2":
-        from pipeline.llm.service import default_model_dir, model_ready
+        from trainer.llm.service import default_model_dir, model_ready
 
         d = default_model_dir()
         if not model_ready(d):
@@ -157,7 +173,7 @@ class ManagedServer:
         self.info = None
 
     def ensure(self, model_dir: Path) -> str:
-        from pipeline.llm import service
+        from trainer.llm import service
 
         if (
             self.info is not None
@@ -180,7 +196,7 @@ class ManagedServer:
 
     def stop(self) -> None:
         if self.info is not None:
-            from pipeline.llm import service
+            from trainer.llm import service
 
             service.kill(self.info.pid)
             self.info = None
@@ -227,7 +243,7 @@ class LoopState:
 
 def collect_round(st: LoopState, r: int) -> dict:
     """Stage 1: P_r rolls out into the lake's round r (skipped when the rollouts exist)."""
-    from pipeline.llm.client import LLMSettings
+    from pipeline.llm.types import LLMSettings
     from trainer.collect import collect_to_lake
 
     t0 = time.perf_counter()
@@ -258,8 +274,8 @@ def collect_round(st: LoopState, r: int) -> dict:
 
 def train_round(st: LoopState, r: int) -> dict:
     """Stages 3-4: export the method's batch, train P_r on it -> the round's checkpoint (atomic rename)."""
-    from flows.run import run_export
     from trainer.train import train
+    from warehouse.exports import write_export
 
     ckpt = checkpoint(st.work, r)
     if checkpoint_done(ckpt):
@@ -268,7 +284,7 @@ def train_round(st: LoopState, r: int) -> dict:
     t2 = time.perf_counter()
     batch = st.work / f"batch-round{r}.parquet"
     if not batch.exists():
-        run_export(Path(st.cfg.lake), r, st.method, batch)
+        write_export(st.cfg.lake, r, st.method, batch)
     row: dict = {"export_s": round(time.perf_counter() - t2, 2)}
     t3 = time.perf_counter()
     tmp = st.work / f".tmp-ckpt-round{r}"
@@ -298,36 +314,3 @@ def train_round(st: LoopState, r: int) -> dict:
         for p in old[: -st.s.keep_checkpoints]:
             shutil.rmtree(p, ignore_errors=True)
     return row
-
-
-def run_loop(cfg: Config, log: Log = print) -> list[dict]:
-    """Run (or resume) the loop; returns one row of timings and outcomes per round."""
-    from flows.run import run_process
-
-    st = LoopState(cfg, log)
-    rows = []
-    try:
-        for r in range(st.s.start_round, st.s.start_round + st.s.rounds):
-            row: dict = {"round": r, "policy": st.policy(r).name, "method": st.method, "backend": st.backend}
-            if checkpoint_done(checkpoint(st.work, r)):
-                log(f"[loop] round {r}: checkpoint {checkpoint(st.work, r)} exists, skipped")
-                rows.append({**row, "skipped": True})
-                continue
-            t0 = time.perf_counter()
-            row.update(collect_round(st, r))
-            t1 = time.perf_counter()
-            if has_advantages(st.lake, r, st.method):
-                log(f"[loop] round {r}: advantages exist, process skipped")
-                row["process_s"] = 0.0
-            else:
-                summary = run_process(st.cfg, r, quiet=True)
-                row["process_s"] = round(time.perf_counter() - t1, 2)
-                row["process_state"] = summary.get("state")
-                log(f"[loop] round {r}: processed ({summary.get('state')}) in {row['process_s']}s")
-            row.update(train_round(st, r))
-            row["total_s"] = round(time.perf_counter() - t0, 2)
-            rows.append(row)
-    finally:
-        if st.server is not None:
-            st.server.stop()
-    return rows

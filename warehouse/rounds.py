@@ -7,12 +7,15 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from warehouse.lake import Lake
+
+T = TypeVar("T")
 
 
 def batch_name(index: int) -> str:
@@ -111,3 +114,20 @@ def read_batch(lake: Lake, table: str, round_: int, batch: str, columns: list[st
 
         return TABLES[table].empty()
     return lake.read(table, round_, columns=columns, parts=[path])
+
+
+def prefetched(batches: Iterator[T]) -> Iterator[T]:
+    """The items of `batches`, the next one made on a worker thread while the caller uses this one (NumPy,
+    Arrow and Parquet release the GIL), so at most two are in memory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    it = iter(batches)
+    done = object()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as pool:
+        pending = pool.submit(next, it, done)
+        while True:
+            item = pending.result()
+            if item is done:
+                return
+            pending = pool.submit(next, it, done)
+            yield item

@@ -22,7 +22,7 @@ def _spec(spec: str) -> tuple[str, str | None]:
 
 
 def _config(lake: Path, config: Path | None, sets: list[str], model: str | None):
-    from pipeline.config import load_config
+    from flows.config import load_config
 
     extra = [f"annotate_llm.model={model}"] if model else []
     return load_config(config, [*sets, *extra], lake=str(lake))
@@ -38,6 +38,7 @@ def annotate_into_lake(
     force: bool = False,
 ) -> str:
     """Annotate every batch of a round with one annotator; returns the annotator id written."""
+    from flows.batch import stage_io
     from pipeline.annotate import run_annotator
     from warehouse.lake import Lake, safe_part_name
     from warehouse.rounds import batch_names, read_batch
@@ -55,7 +56,7 @@ def annotate_into_lake(
             if not force and lake.has_part("edges", round_, part) and lake.has_part("nodes", round_, part):
                 continue
         steps = read_batch(lake, "steps", round_, batch)
-        out = run_annotator(steps, cfg, kind, annotator_id=ann_id)
+        out = run_annotator(steps, cfg, kind, annotator_id=ann_id, io=stage_io(cfg))
         ids = set(out.tables["nodes"].column("annotator").to_pylist())
         ann_id = ann_id or (ids.pop() if ids else kind)
         part = f"{batch}.ann-{safe_part_name(ann_id)}"
@@ -139,7 +140,7 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(res))
             return
-        from pipeline.display import print_kv
+        from flows.display import print_kv
 
         print_kv(
             f"annotator agreement, round {round_}",

@@ -34,9 +34,9 @@ def register(app: typer.Typer) -> None:
         """Roll out prompts x samples episodes and write the round's trajectories + steps."""
         import trainer.loop  # noqa: F401 - registers the loop / train settings a shared config may carry
         import trainer.train  # noqa: F401
-        from pipeline.config import load_config
-        from pipeline.display import print_kv
-        from pipeline.llm.client import LLMSettings
+        from flows.config import load_config
+        from flows.display import print_kv
+        from pipeline.llm.types import LLMSettings
         from trainer.collect import CollectSettings, collect_to_lake, resolve_backend
         from warehouse.lake import Lake
 

@@ -43,13 +43,13 @@ def register(app: typer.Typer) -> None:
         fresh: bool = typer.Option(False, "--fresh", help="delete the lake first"),
     ) -> None:
         """Ingest real + synthetic rollouts, compute every credit method, print the statistics."""
-        from pipeline.display import console, print_kv, print_table
+        from flows.display import console, print_kv, print_table
 
         t0 = time.perf_counter()
         if fresh and lake.exists():
             shutil.rmtree(lake)
         console.rule("[bold]creditflow demo")
-        from pipeline.cli import app as cli
+        from flows.cli import app as cli
 
         def run(*args: str) -> None:
             cli([str(a) for a in args], standalone_mode=False)

@@ -28,12 +28,12 @@ def register(app: typer.Typer) -> None:
         strict: bool = typer.Option(False, "--strict", help="exit non-zero when any record was quarantined"),
     ) -> None:
         """Ingest rollouts: validate, quarantine bad records with a reason, tokenize, write the round."""
-        from pipeline.display import console, print_kv
+        from flows.display import console, print_kv
         from pipeline.ingest import get_adapter, ingest
-        from pipeline.tokenize import get_tokenizer
         from warehouse.lake import Lake
         from warehouse.rounds import write_round
         from warehouse.sources import read_table_sources, read_text_sources
+        from warehouse.tokenizers import get_tokenizer
 
         try:
             spec = get_adapter(fmt)

@@ -1,4 +1,4 @@
-"""`creditflow llm setup|serve|stop|status`: the vLLM service (its own venv; see pipeline/llm/service.py)
+"""`creditflow llm setup|serve|stop|status`: the vLLM service (its own venv; see trainer/llm/service.py)
 and `creditflow rescore`: fill missing behaviour logprobs of assistant steps with a served model."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Create the service venv, install vLLM, convert SmolLM2-135M-Instruct (idempotent)."""
-        from pipeline.llm import service
+        from trainer.llm import service
 
         try:
             rep = service.setup(venv, gpu=gpu, model_dir=model_dir, log=typer.echo)
@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
         wait_s: float = typer.Option(300.0, "--wait", help="seconds to wait for /health"),
     ) -> None:
         """Start a vLLM server in the background, wait until it is healthy, print its address."""
-        from pipeline.llm import service
+        from trainer.llm import service
 
         current = service.read_state(lake)
         if current is not None and service.pid_alive(current.pid) and service.healthy(current.url):
@@ -88,7 +88,7 @@ def register(app: typer.Typer) -> None:
     @llm_app.command("stop")
     def stop_cmd(lake: Path | None = typer.Option(None, "--lake")) -> None:
         """Stop the recorded vLLM server."""
-        from pipeline.llm import service
+        from trainer.llm import service
 
         info = service.stop(lake)
         typer.echo("no server recorded" if info is None else f"stopped {info.url} (pid {info.pid})")
@@ -96,7 +96,7 @@ def register(app: typer.Typer) -> None:
     @llm_app.command("status")
     def status_cmd(lake: Path | None = typer.Option(None, "--lake")) -> None:
         """Service venv, checkpoint and server state (JSON)."""
-        from pipeline.llm import service
+        from trainer.llm import service
 
         typer.echo(json.dumps(service.status(lake), indent=2))
 
@@ -112,9 +112,10 @@ def register(app: typer.Typer) -> None:
         force: bool = typer.Option(False, "--force", help="rescore steps that already have logprobs"),
     ) -> None:
         """Fill missing behaviour logprobs of assistant steps with prompt logprobs from a served model."""
-        from pipeline.config import ConfigError, load_config
-        from pipeline.llm.client import LLMClient, LLMSettings
-        from pipeline.llm.rescore import rescore_steps
+        from flows.config import load_config
+        from pipeline.config import ConfigError
+        from trainer.llm.client import LLMClient, LLMSettings
+        from trainer.llm.rescore import rescore_steps
         from warehouse.lake import Lake
         from warehouse.llm_calls import write_llm_calls
 

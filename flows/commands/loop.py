@@ -22,11 +22,11 @@ def register(app: typer.Typer) -> None:
         """Run (or resume) the collect -> process -> train loop; prints per-round timings."""
         import pyarrow as pa
 
-        from pipeline.config import load_config
-        from pipeline.display import print_table
+        from flows.config import load_config
+        from flows.display import print_table
 
         cfg = load_config(config, sets)
-        from trainer.loop import run_loop
+        from flows.round_loop import run_loop
 
         rows = run_loop(cfg, log=typer.echo)
         keys = [

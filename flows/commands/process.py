@@ -44,8 +44,8 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Run the process-round flow: detect, annotate, counterfactuals, credit for every method, export."""
+        from flows.config import load_config
         from flows.run import run_process
-        from pipeline.config import load_config
 
         if no_cache:
             sets = [*sets, "flow.cache=false"]

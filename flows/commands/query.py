@@ -63,6 +63,6 @@ def register(app: typer.Typer) -> None:
             else:
                 typer.echo(text)
             return
-        from pipeline.display import print_table
+        from flows.display import print_table
 
         print_table(result, limit=limit)

@@ -63,7 +63,7 @@ def register(app: typer.Typer) -> None:
         once: bool = typer.Option(False, "--once", help="poll the incoming folder once, then exit"),
     ) -> None:
         """Serve the process-pending (cron) and incoming (interval) deployments until interrupted."""
-        from pipeline.config import load_config
+        from flows.config import load_config
 
         methods_list = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
         cfg = load_config(config, sets, lake=lake, methods=methods_list)
@@ -78,8 +78,8 @@ def register(app: typer.Typer) -> None:
         )
         cfg = cfg.model_copy(update={"serve": serve})
         if once:
+            from flows.display import print_kv
             from flows.incoming import incoming_flow
-            from pipeline.display import print_kv
 
             done = incoming_flow(cfg)
             print_kv(

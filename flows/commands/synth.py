@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
         """Generate synthetic rollouts and write them as round ROUND of the lake (batch by batch)."""
         from pipeline.synth import SynthSettings, iter_batches
         from warehouse.lake import Lake
-        from warehouse.rounds import write_round_parts
+        from warehouse.rounds import prefetched, write_round_parts
 
         settings = SynthSettings(
             groups=groups,
@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
         def counted():
             import pyarrow.compute as pc
 
-            for traj, steps in iter_batches(settings, prefetch=True):
+            for traj, steps in prefetched(iter_batches(settings)):
                 counts["trajectories"] += traj.num_rows
                 counts["steps"] += steps.num_rows
                 counts["tokens"] += int(pc.sum(pc.list_value_length(steps.column("token_ids"))).as_py() or 0)

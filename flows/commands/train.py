@@ -23,8 +23,8 @@ def register(app: typer.Typer) -> None:
         """Clipped-surrogate policy update with the batch's per-token advantages; saves a HF checkpoint."""
         from rich.progress import Progress
 
-        from pipeline.config import load_config
-        from pipeline.display import console, print_kv, print_table
+        from flows.config import load_config
+        from flows.display import console, print_kv, print_table
         from trainer.train import train
 
         cfg = load_config(config, sets)

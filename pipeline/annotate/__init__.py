@@ -7,13 +7,17 @@ from __future__ import annotations
 import pyarrow as pa
 
 from pipeline.config import Config
-from pipeline.stages import StageOutput, annotation_stage
+from pipeline.stages import NO_IO, StageIO, StageOutput, annotation_stage
 
 ANNOTATORS = ("rules", "llm")
 
 
 def run_annotator(
-    steps: pa.Table, config: Config, annotator: str | None = None, annotator_id: str | None = None
+    steps: pa.Table,
+    config: Config,
+    annotator: str | None = None,
+    annotator_id: str | None = None,
+    io: StageIO = NO_IO,
 ) -> StageOutput:
     """Annotate one batch with the named annotator (default: config.annotator)."""
     import pipeline.annotate.settings  # noqa: F401  (registers the settings models)
@@ -29,7 +33,7 @@ def run_annotator(
     if kind == "llm":
         from pipeline.annotate.llm import annotate_llm
 
-        return annotate_llm(steps, config, annotator_id=annotator_id)
+        return annotate_llm(steps, config, annotator_id=annotator_id, io=io)
     raise ValueError(f"unknown IAPO annotator {kind!r}; choose one of {ANNOTATORS}")
 
 
@@ -41,7 +45,11 @@ def run_annotator(
     llm_if=lambda config: (config.annotator or "rules").strip() == "llm",
 )
 def annotate(
-    trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict[str, pa.Table]
+    trajectories: pa.Table,
+    steps: pa.Table,
+    config: Config,
+    inputs: dict[str, pa.Table],
+    io: StageIO = NO_IO,
 ) -> StageOutput:
     """IAPO dependency graphs for one batch (annotator from config.annotator)."""
-    return run_annotator(steps, config)
+    return run_annotator(steps, config, io=io)

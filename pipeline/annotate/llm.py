@@ -30,7 +30,8 @@ from pydantic import BaseModel
 from pipeline.annotate.settings import LLMAnnotatorSettings
 from pipeline.annotate.tables import add_edges, graph_tables
 from pipeline.config import Config
-from pipeline.stages import StageOutput
+from pipeline.llm.types import LLMError, LLMRequest, LLMSettings
+from pipeline.stages import NO_IO, LLMRunner, StageIO, StageOutput
 
 PROMPT_VERSION = "iapo-annotate-v1"
 ERROR_KINDS = ("tool", "schema", "runtime", "rule", "rejection", "none")
@@ -303,15 +304,17 @@ def _split_trajectories(steps: pa.Table) -> list[tuple[str, list[dict]]]:
 
 
 def annotate_llm(
-    steps: pa.Table, config: Config, annotator_id: str | None = None, client=None
+    steps: pa.Table,
+    config: Config,
+    annotator_id: str | None = None,
+    client: LLMRunner | None = None,
+    io: StageIO = NO_IO,
 ) -> StageOutput:
-    """The llm annotator over a batch of steps (one request per trajectory, concurrent)."""
-    from pipeline.llm.client import LLMClient, LLMError, LLMRequest, LLMSettings
-
+    """The llm annotator over a batch of steps (one request per trajectory, sent by the flow's client)."""
     s: LLMAnnotatorSettings = config.stage("annotate_llm")
     if client is None:
         overrides = {"model": s.model} if s.model else {}
-        client = LLMClient(LLMSettings.from_config(config, **overrides))
+        client = io.client(LLMSettings.from_config(config, **overrides))
     round_ = (
         int(steps.column("round")[0].as_py() or 0) if "round" in steps.column_names and steps.num_rows else 0
     )

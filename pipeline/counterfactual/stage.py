@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import polars as pl
 import pyarrow as pa
 from pydantic import Field
 
 from pipeline.config import Config, StageSettings, register_settings
-from pipeline.stages import StageOutput, annotation_stage
+from pipeline.llm.types import LLMError, LLMRequest, LLMSettings
+from pipeline.stages import NO_IO, StageIO, StageOutput, annotation_stage
 from schemas.counterfactuals import SCHEMA as CF_SCHEMA
 
 CF_METHOD_SELECTION = {"tcpo": None, "tcpo_random_cf": "random", "tcpo_all_cf": "all"}
@@ -109,9 +109,10 @@ def _seed(base: int | None, traj_id: str, turn: int) -> int | None:
 
 
 @annotation_stage("counterfactual", produces=("counterfactuals",), order=30, uses_llm=True)
-def counterfactual(trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict) -> StageOutput:
+def counterfactual(
+    trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict, io: StageIO = NO_IO
+) -> StageOutput:
     from pipeline.counterfactual.env import make_env, score_from_snapshot
-    from pipeline.llm import LLMClient, LLMError, LLMRequest, LLMSettings
     from pipeline.verifiers import parse_meta, verify
 
     cs: CounterfactualSettings = config.stage("counterfactual")
@@ -162,7 +163,7 @@ def counterfactual(trajectories: pa.Table, steps: pa.Table, config: Config, inpu
         )
         prior = [s["content"] for s in tsteps[:first] if s["role"] == "assistant"]
         jobs.append((t, meta, req, prior))
-    client = LLMClient(LLMSettings.from_config(config))
+    client = io.client(LLMSettings.from_config(config))
     t0 = time.perf_counter()
     results = client.run_batch([j[2] for j in jobs])
     notes["llm_wall_s"] = time.perf_counter() - t0
@@ -251,8 +252,7 @@ def counterfactual(trajectories: pa.Table, steps: pa.Table, config: Config, inpu
         return rows
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=cs.verify_workers) as pool:
-        per_turn = list(pool.map(score_turn, jobs, results))
+    per_turn = io.map(score_turn, jobs, results)  # the flow's parallel map (cs.verify_workers threads)
     notes["verify_wall_s"] = time.perf_counter() - t0
     rows = [r for rs in per_turn for r in rs]
     table = pa.Table.from_pylist(rows, schema=CF_SCHEMA)

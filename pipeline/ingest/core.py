@@ -623,12 +623,13 @@ def ingest(
     tokenizer=None,
 ) -> IngestResult:
     """Ingest sources of format `fmt`: for text formats a list of (source_file, text); for table formats
-    what the adapter's `ingest_tables` takes. `tokenizer` defaults to `get_tokenizer()`."""
+    what the adapter's `ingest_tables` takes. `tokenizer`: loaded by the caller (`warehouse.tokenizers`);
+    None: the byte tokenizer."""
     from pipeline.ingest.registry import get_adapter
-    from pipeline.tokenize import get_tokenizer
+    from pipeline.tokenize import ByteTokenizer
 
     spec = get_adapter(fmt)
-    tokenizer = tokenizer if tokenizer is not None else get_tokenizer(None)
+    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
     if spec.kind == "tables":
         return spec.ingest_tables(sources, round_, tokenizer)
     records: list[SourceRecord] = []

@@ -1,17 +1,15 @@
-"""LLM access for every stage that needs a model (IAPO annotation, TCPO counterfactuals, rescoring).
+"""What the pipeline's LLM stages (IAPO annotation, TCPO counterfactuals) build and read: requests, results,
+errors and the client's settings (`pipeline.llm.types`). Sending them is the trainer floor's job
+(`trainer.llm.client.LLMClient`, over the `openai` SDK); vLLM runs as a separate service in its own venv
+(`trainer.llm.service`) and is never imported."""
 
-All of it goes through one OpenAI-compatible client (`pipeline.llm.client.LLMClient`) talking to vLLM
-servers (or any OpenAI-compatible endpoint); vLLM itself runs as a separate service in its own venv
-(`pipeline.llm.service`) and is never imported here."""
-
-from pipeline.llm.client import (
+from pipeline.llm.types import (
     ChatResult,
     Choice,
     CompletionResult,
-    LLMClient,
     LLMError,
     LLMRequest,
     LLMSettings,
 )
 
-__all__ = ["ChatResult", "Choice", "CompletionResult", "LLMClient", "LLMError", "LLMRequest", "LLMSettings"]
+__all__ = ["ChatResult", "Choice", "CompletionResult", "LLMError", "LLMRequest", "LLMSettings"]

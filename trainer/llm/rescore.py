@@ -38,7 +38,7 @@ from pipeline.config import StageSettings, register_settings
 
 @register_settings("rescore")
 class RescoreSettings(StageSettings):
-    mode: str = Field("auto", description="auto | ids | text (see pipeline/llm/rescore.py)")
+    mode: str = Field("auto", description="auto | ids | text (see trainer/llm/rescore.py)")
     max_context: int = Field(
         2000, ge=16, description="tokens per scoring request (server max-model-len minus 1+)"
     )
@@ -74,7 +74,7 @@ def rescore_steps(
     settings: RescoreSettings | None = None,
 ) -> tuple[pa.Table, dict[str, int]]:
     """-> (steps with logprobs filled for assistant steps that lacked them, counts)."""
-    from pipeline.tokenize import get_tokenizer
+    from warehouse.tokenizers import get_tokenizer
 
     settings = settings or RescoreSettings()
     tok = get_tokenizer(tokenizer)
@@ -142,7 +142,7 @@ def rescore_steps(
                     else:
                         jobs.append(job)
 
-    from pipeline.llm.client import LLMError, LLMRequest
+    from pipeline.llm.types import LLMError, LLMRequest
 
     reqs = [
         LLMRequest.complete(

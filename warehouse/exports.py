@@ -1,0 +1,42 @@
+"""Writing one method's advantages of a round as a training batch file (flat Parquet, or a framework's padded
+layout as .npz), atomically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.compute as pc
+
+from warehouse.lake import Lake, write_options
+
+
+class ExportError(ValueError):
+    """A user's export request that cannot be met (no advantages for the method, unknown layout)."""
+
+
+def write_export(lake_dir: Path | str, round_: int, method: str, out: Path, layout: str = "flat") -> int:
+    """Write the batch to `out` (temp file, then rename); returns the number of trajectories."""
+    import pyarrow.parquet as pq
+
+    from pipeline.export import build_train_batch
+    from pipeline.layouts import LAYOUTS, save_padded, to_padded
+
+    if layout not in LAYOUTS:
+        raise ExportError(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
+    lake = Lake(lake_dir)
+    adv = lake.read("advantages", round_)
+    adv = adv.filter(pc.equal(adv.column("method"), method))
+    if adv.num_rows == 0:
+        raise ExportError(
+            f"no advantages for method {method!r} in round {round_}; run `creditflow process` first"
+        )
+    batch = build_train_batch(lake.read("trajectories", round_), lake.read("steps", round_), adv)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if layout == "flat":
+        tmp = out.with_name(f".tmp-{out.name}")
+        pq.write_table(batch, tmp, **write_options(batch.schema))
+    else:
+        tmp = out.with_name(f".tmp-{out.stem}.npz")
+        save_padded(to_padded(batch, layout), tmp)
+    tmp.replace(out)
+    return batch.num_rows
