@@ -1,4 +1,5 @@
-"""`creditflow query`: SQL over the lake on a read-only DuckDB connection."""
+"""`creditflow query`: SQL over the lake on a read-only DuckDB connection (SELECT only; no file access outside
+the lake's tables, no extensions: see `warehouse.catalog`)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ def register(app: typer.Typer) -> None:
 
         try:
             result = query(str(lake), sql)
-        except duckdb.Error as exc:
-            typer.secho(f"query failed: {exc}", fg="red", err=True)
+        except duckdb.Error as exc:  # refused by the read-only guard, or a SQL error: one line
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            typer.secho(f"query failed: {first}", fg="red", err=True)
             raise typer.Exit(2) from exc
         if fmt is Format.parquet:
             if out is None:
