@@ -42,3 +42,22 @@ def build_tiny_model(
         )
         tok.save_pretrained(str(out))
     return out
+
+
+def word_tokenizer_json(words: list[str], path: str | Path) -> Path:
+    """A word-level tokenizer over a closed vocabulary (`words[i]` gets id i; text splits on whitespace; an
+    unknown word is `[UNK]`), written as tokenizer.json. `<|im_end|>` and `[UNK]` must be in `words`; they
+    are special tokens (`<|im_end|>` ends a generation)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    if "<|im_end|>" not in words or "[UNK]" not in words:
+        raise ValueError("word vocabulary needs <|im_end|> and [UNK]")
+    if len(set(words)) != len(words) or any(not w or any(c.isspace() for c in w) for w in words):
+        raise ValueError("word vocabulary: words must be unique, non-empty and without whitespace")
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|im_end|>", "[UNK]"])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 from pipeline.config import Config
 from pipeline.detect.registry import DETECTORS, DetectSettings, Hit, StepView, TrajView, parse_meta
 from pipeline.detect.text import turn_range
-from pipeline.stages import StageOutput, annotation_stage
+from pipeline.stages import NO_IO, StageIO, StageOutput, annotation_stage
 from schemas.spans import SCHEMA as SPANS_SCHEMA
 
 
@@ -167,8 +167,12 @@ def detect_spans(
 
 @annotation_stage("detect", produces=("spans",), order=10)
 def detect(
-    trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict[str, pa.Table]
+    trajectories: pa.Table,
+    steps: pa.Table,
+    config: Config,
+    inputs: dict[str, pa.Table],
+    io: StageIO = NO_IO,
 ) -> StageOutput:
-    """C3 rule detectors -> spans."""
+    """C3 rule detectors -> spans (no effects: `io` is accepted like every stage's and unused)."""
     table, notes = detect_spans(trajectories, steps, config.stage("detect"))
     return StageOutput(tables={"spans": table}, notes=notes)

@@ -11,7 +11,9 @@ Every env is also registered in `pipeline.counterfactual.env.ENVS` under the sam
 counterfactual stage can replay a collected trajectory (meta["env"]) from its pre-turn snapshot.
 
 Registered: `search_qa` (Search-R1 tags over a shipped corpus with BM25, exact-match reward) and
-`code_repair` (fix a buggy Python function; per-turn score = fraction of tests passed in the sandbox).
+`code_repair` (fix a buggy Python function; per-turn score = fraction of tests passed in the sandbox), and the
+learning benchmark's small credit-assignment tasks over a closed word vocabulary (trainer/envs/toy.py; one
+word per action): `c3_search` (C3), `tcpo_refine` (TCPO), `iapo_service` (IAPO).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def env_names() -> list[str]:
 
 
 def _load() -> None:
-    from trainer.envs import repair, search_qa  # noqa: F401
+    from trainer.envs import c3_search, iapo_service, repair, search_qa, tcpo_refine  # noqa: F401
 
 
 _load()

@@ -1,0 +1,94 @@
+"""Shared base of the three learning-benchmark environments (issue 27): `c3_search`, `tcpo_refine`,
+`iapo_service`. Each is a small, fully observable credit-assignment problem a tiny policy learns in minutes.
+
+Design (the same for all three):
+- A closed word vocabulary (`vocabulary()`): every text the env emits (system prompt, task prompt,
+  observations) is a sequence of these words separated by spaces, and every action is ONE word. The loop
+  builds the tiny model's word-level tokenizer from it (`loop.tiny_tokenizer: env`), so an action is one
+  token and `collect.max_new_tokens: 1` suffices; a word that is not an action is an invalid action.
+- The information an action needs comes back as the LAST word of an observation (the next prediction sits
+  right after it), which keeps the structure learnable by a 2-layer model within a few rounds.
+- Many tasks (every combination of the hidden values), so the policy cannot memorise answers: it must act to
+  find them. A group is the samples of one task (same hidden values), as GRPO requires.
+- `snapshot()` / `restore()` deep-copy the whole state (TCPO's fixed-history counterfactuals replay from it).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from trainer.envs.base import EnvStep, RolloutEnv
+
+EOS = "<|im_end|>"
+UNK = "[UNK]"
+
+
+class ToyEnv(RolloutEnv):
+    """Single-token actions over a closed vocabulary; subclasses define the task and the transition."""
+
+    default_turns = 3
+    obs_role = "tool"
+    actions: tuple[str, ...] = ()
+    words: tuple[str, ...] = ()  # prompt and observation words (actions are added by vocabulary())
+    invalid_text = "invalid action"
+
+    def __init__(self) -> None:
+        self._state: dict[str, Any] = {}
+
+    # ---- vocabulary -------------------------------------------------------------------------------------
+    def vocabulary(self) -> list[str]:
+        """Every word the env can emit or accept, specials first (ids 0, 1), no duplicates."""
+        out: list[str] = []
+        for w in (EOS, UNK, *self.words, *self.invalid_text.split(), *self.actions):
+            if w not in out:
+                out.append(w)
+        return out
+
+    def parse(self, action: str) -> str | None:
+        """The action word of a generated text (None: not an action -> an invalid turn)."""
+        word = action.strip()
+        return word if word in self.actions else None
+
+    # ---- state ------------------------------------------------------------------------------------------
+    def start(self, meta: dict) -> dict:
+        return {
+            "turn": 0,
+            "done": False,
+            "max_turns": int(meta.get("max_turns", self.default_turns)),
+            "invalid": 0,
+            "actions": [],
+        }
+
+    def transition(self, word: str) -> str:
+        """Apply a valid action to self._state; return the observation text."""
+        raise NotImplementedError
+
+    def score(self) -> float:
+        raise NotImplementedError
+
+    def finished(self) -> bool:
+        """The episode ends before the budget (e.g. an answer was given)."""
+        return False
+
+    def step(self, action: str) -> EnvStep:
+        st = self._state
+        if st["done"]:
+            return EnvStep("", self.score(), True)
+        st["turn"] += 1
+        word = self.parse(action)
+        st["actions"].append(word)
+        if word is None:
+            st["invalid"] += 1
+            obs = f" {self.invalid_text}"
+        else:
+            obs = self.transition(word)
+        if self.finished() or st["turn"] >= st["max_turns"]:
+            st["done"] = True
+        return EnvStep("" if st["done"] else obs, self.score(), st["done"])
+
+    def snapshot(self) -> Any:
+        return copy.deepcopy(self._state)
+
+    def restore(self, snap: Any) -> None:
+        self._state = copy.deepcopy(snap)
