@@ -22,6 +22,7 @@ from pipeline.detect import (
     ngrams,
     normalize_answer,
 )
+from pipeline.detect.text import identifiers, normalize_query
 from pipeline.render import render_assistant
 from pipeline.stages import stages_for
 
@@ -99,13 +100,62 @@ def test_exact_loop_uses_search_r1_normalisation():
 
 
 def test_near_repetition_char_trigrams():
-    a, b = "who directed the film jaws in 1975", "who directed the film jaws in 1976"
+    a, b = "who directed the film jaws in 1975", "who was director of the film jaws in 1975"
+    a, b = "nancy soderberg senate seat", "nancy soderberg senate seats"
     assert jaccard(ngrams(normalize_answer(a)), ngrams(normalize_answer(b))) >= 0.9
     df = spans_of([sr1(f"<search>{a}</search>", f"<search>{b}</search>")])
     assert df["behavior"].to_list() == ["near_repetition"] and df["severity"].to_list() == [0.5]
     assert df["rule"][0] == "query.char_jaccard"
-    # word trigrams: 0.9 is out of reach for a one-word change in 6 words
+    # word trigrams: 0.9 is out of reach for a one-word change in 4 words
     assert spans_of([sr1(f"<search>{a}</search>", f"<search>{b}</search>")], ngram_unit="word").height == 0
+
+
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        ("who directed the film jaws in 1975", "who directed the film jaws in 1976"),  # numbers differ
+        (
+            "socialist conference during first world war 1915",
+            "socialist conference during first world war 1916",
+        ),
+        (
+            "list every direct flight leaving JFK airport for SEA on the twentieth of may 2024",
+            "list every direct flight leaving JFK airport for SFO on the twentieth of may 2024",
+        ),  # codes differ
+        (
+            "please show me the full details of reservation L1001 for this customer",
+            "please show me the full details of reservation L1002 for this customer",
+        ),
+    ],
+)
+def test_near_repetition_never_matches_other_identifiers_or_numbers(a, b):
+    assert jaccard(ngrams(normalize_query(a)), ngrams(normalize_query(b))) >= 0.85
+    assert identifiers(a) != identifiers(b)
+    assert spans_of([sr1(f"<search>{a}</search>", f"<search>{b}</search>")], jaccard=0.85).height == 0
+
+
+def test_empty_normalised_query_is_never_a_loop():
+    df = spans_of([sr1("<search>!!!</search>", "<search>???</search>", "<search> ... </search>")])
+    assert df.height == 0
+    df = spans_of([react("Thought: a\nAction: search[!!!]", "Thought: b\nAction: search[???]")])
+    assert df.height == 0
+
+
+def test_nfkc_before_comparing():
+    nfc, nfd = "caf\u00e9 in montr\u00e9al", "cafe\u0301 in montre\u0301al"
+    assert nfc != nfd
+    df = spans_of([sr1(f"<search>{nfc}</search>", f"<search>{nfd}</search>")])
+    assert df["behavior"].to_list() == ["query_loop"]
+    # compatibility forms: full-width letters and digits are the same query
+    df = spans_of(
+        [
+            sr1(
+                "<search>Eiffel Tower 1889</search>",
+                "<search>\uff25iffel Tower \uff11\uff18\uff18\uff19</search>",
+            )
+        ]
+    )
+    assert df["behavior"].to_list() == ["query_loop"]
 
 
 def test_same_turn_queries_are_not_loops_and_answers_are_not_queries():
@@ -125,12 +175,14 @@ def test_query_properties(queries):
     assert 1 not in df["turn"].to_list()
     for k, q in enumerate(norm, start=1):
         rows = df.filter(pl.col("turn") == k)
-        earlier = norm[: k - 1]
-        if q in earlier:  # exact beats near
+        earlier = [e for e in norm[: k - 1] if e]
+        if not q:  # an empty normalised query is never a loop
+            assert rows.height == 0
+        elif q in earlier:  # exact beats near
             assert rows["behavior"].to_list() == ["query_loop"]
         elif len(q) < 8:  # < 8 chars: never near
             assert rows.height == 0
-        else:
+        else:  # (no digits or capitals in this alphabet: no identifiers)
             best = max((jaccard(ngrams(q), ngrams(e)) for e in earlier), default=0.0)
             assert rows["behavior"].to_list() == (["near_repetition"] if best >= 0.9 else [])
 
@@ -290,6 +342,46 @@ def test_tool_call_rules():
     row = df.filter(pl.col("rule") == "tool.unknown_name").row(0, named=True)
     assert content[row["char_start"] : row["char_end"]].startswith('<tool_call>\n{"name": "delete_all"')
     assert content[row["char_start"] : row["char_end"]].endswith("</tool_call>")
+
+
+def test_tool_calls_exact_repeats_loop_for_every_tool_near_only_for_query_tools():
+    calls = [
+        [("get_details_by_id", '{"id": "L1001"}')],
+        [("get_details_by_id", '{"id": "L1002"}')],  # another id: not a repetition
+        [("book_reservation", '{"flight": "HAT001", "note": "retry after Not enough seats"}')],
+        [
+            ("book_reservation", '{"flight": "HAT002", "note": "retry after Not enough seats"}')
+        ],  # a correction
+        [("transfer_to_human_agents", '{"summary": "help"}')],
+        [("transfer_to_human_agents", '{ "summary" : "help" }')],  # the same call again: a loop
+        [("search", '{"query": "cheap flights to boston in may for a family of four adults"}')],
+        [
+            ("search", '{"query": "Cheap flights to Boston in May for a family of four adults!"}')
+        ],  # a query tool: same normalised query
+        [("search", '{"query": "cheap flights to boston in may for a family of four adult"}')],
+    ]
+    tools = {"type": "object"}
+    traj = tool_traj(calls)
+    traj["meta"] = {"tools": [{"name": n, "parameters": tools} for n in sorted({c[0][0] for c in calls})]}
+    df = spans_of([traj])
+    got = sorted(df.select("turn", "behavior").rows())
+    assert got == [(6, "query_loop"), (8, "query_loop"), (9, "near_repetition")]
+    assert json.loads(df.filter(pl.col("turn") == 6)["evidence"][0])["earlier_turn"] == 5
+    # the tool name is not part of the compared text: a near repeat is a query's text alone
+    assert (
+        json.loads(df.filter(pl.col("turn") == 9)["evidence"][0])["earlier"]
+        == "cheap flights to boston in may for family of four adults"
+    )
+    # a declared query tool: its free text is compared, its other calls too
+    kb = tool_traj(
+        [
+            [("kb_lookup", '{"text": "refund policy for basic economy fares on all domestic routes"}')],
+            [("kb_lookup", '{"text": "refund policies for basic economy fares on all domestic routes"}')],
+        ]
+    )
+    kb["meta"] = {"tools": [{"name": "kb_lookup", "parameters": tools}]}
+    assert spans_of([kb]).height == 0
+    assert spans_of([kb], query_tools=["kb_lookup"])["behavior"].to_list() == ["near_repetition"]
 
 
 def test_error_return_spans_the_call_that_produced_it():

@@ -1,23 +1,40 @@
 """The built-in detectors of C3's Table 5 (spec 5): invalid actions per action format, tool returns flagged
-as errors, and query loops / near repetitions. Parsing is per step (regex over its content)."""
+as errors, and query loops / near repetitions. Parsing is per step (regex over its content).
+
+The query rules (issue 24):
+- query loop (exact, severity 1.0): an action repeats an earlier turn's action exactly. For every tool call:
+  same name and canonically the same arguments (sorted keys, NFKC). For query actions (`search[q]`,
+  `lookup[q]`, `<search>`, and tool calls of query tools): same action name and the same normalised query
+  (NFKC, then Search-R1's normalize_answer). An empty normalised query (`search[!!!]`) is never a loop.
+- near repetition (0.5): only free-text queries of query actions, compared by their text alone (not the tool
+  name) with an earlier query of the same action: n-gram Jaccard >= `jaccard`, current query >= `min_len`
+  chars, and never two queries whose identifiers or numbers differ (`text.identifiers`: L1001 vs L1002,
+  1914 vs 1915, JFK vs SEA). Query tools of tool-calling agents: `search` and `lookup`, plus the tools named in
+  `detect.query_tools`; their query text is their string arguments.
+"""
 
 from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from dataclasses import dataclass
 from functools import lru_cache
 
 from pipeline.detect.registry import DetectSettings, Hit, StepView, TrajView, detector
-from pipeline.detect.text import jaccard, mask_think, ngrams, normalize_answer
+from pipeline.detect.text import identifiers, jaccard, mask_think, ngrams, normalize_query
 from pipeline.render import canonical_arguments, tool_call_spans
+
+QUERY_ACTIONS = ("search", "lookup")  # actions whose argument is a free-text query, in every format
 
 
 @dataclass
 class Action:
     start: int | None  # char range of the action text (tags included); None = the whole turn
     end: int | None
-    query: str | None = None  # the query text when the action is a search / tool call
+    query: str | None = None  # the free-text query of a query action (search / lookup / a query tool)
+    name: str = ""  # the action or tool name
+    call: str | None = None  # a tool call's canonical arguments: its exact repeats are loops, any tool
 
 
 @dataclass
@@ -43,7 +60,7 @@ def parse_search_r1(text: str) -> Parsed:
         return Parsed([], [("search_r1.multiple", lo, hi, f"{max(n_search, n_answer)} <{tag}> tags")])
     b = blocks[0]
     query = b.group(2).strip() if b.group(1) == "search" else None
-    return Parsed([Action(b.start(), b.end(), query)], [])
+    return Parsed([Action(b.start(), b.end(), query, b.group(1))], [])
 
 
 # ---- ReAct ----------------------------------------------------------------------------------------
@@ -63,8 +80,8 @@ def parse_react(text: str) -> Parsed:
         if act is None:
             invalid.append(("react.unparseable", start, end, m.group(1)[:200]))
             continue
-        query = act.group(2).strip() if act.group(1) == "search" else None
-        actions.append(Action(start, end, query))
+        query = act.group(2).strip() if act.group(1) in QUERY_ACTIONS else None
+        actions.append(Action(start, end, query, act.group(1)))
     return Parsed(actions, invalid)
 
 
@@ -138,7 +155,7 @@ def parse_webshop(text: str, traj: TrajView, step: StepView) -> Parsed:
                 [], [("webshop.impermissible", b.start(), b.end(), f"{action[:200]} (not clickable)")]
             )
     query = verb.group(2).strip() if verb.group(1) == "search" else None
-    return Parsed([Action(b.start(), b.end(), query)], [])
+    return Parsed([Action(b.start(), b.end(), query, verb.group(1))], [])
 
 
 # ---- OpenAI tool calls ----------------------------------------------------------------------------
@@ -177,8 +194,12 @@ def parse_openai_tools(step: StepView, traj: TrajView, settings: DetectSettings)
             err = next(iter(_validator(json.dumps(schema, sort_keys=True)).iter_errors(args)), None)
             if err is not None:
                 invalid.append(("tool.schema", lo, hi, f"{name}: {err.message[:160]}"))
-        is_query = settings.query_tools is None or name in settings.query_tools
-        actions.append(Action(lo, hi, f"{name} {canonical_arguments(raw)}" if is_query else None))
+        query = None
+        if name in QUERY_ACTIONS or name in settings.query_tools:
+            texts = [v for _, v in sorted(args.items()) if isinstance(v, str)] if args else []
+            query = " ".join(texts)
+        call = unicodedata.normalize("NFKC", canonical_arguments(raw))
+        actions.append(Action(lo, hi, query, name, None if query is not None else call))
     return Parsed(actions, invalid)
 
 
@@ -255,10 +276,12 @@ def tool_error(traj: TrajView, settings: DetectSettings):
 
 @detector("query_loop", default_severity=1.0)
 def query_loop(traj: TrajView, settings: DetectSettings):
-    """Exact repetition of an earlier turn's normalised query (query_loop, 1.0); otherwise n-gram
-    Jaccard >= threshold with an earlier turn's query, current query >= min_len chars (near_repetition, 0.5)."""
-    earlier: dict[str, int] = {}  # normalised query -> first turn
-    grams: list[tuple[str, int, frozenset]] = []
+    """Exact repetition of an earlier turn's action: same call (name, canonical arguments) or same normalised
+    query of a query action (query_loop, 1.0); otherwise a query action's text with n-gram Jaccard >=
+    threshold against an earlier query of the same action, >= min_len chars and the same identifiers and
+    numbers (near_repetition, 0.5). See the module doc."""
+    earlier: dict[tuple[str, str], int] = {}  # (name, normalised query or canonical call) -> first turn
+    grams: dict[str, list[tuple[str, int, frozenset, frozenset]]] = {}  # name -> (query, turn, grams, ids)
     for step in traj.assistant_steps():
         parsed = parse_step(traj, step, settings)
         if not parsed:
@@ -266,25 +289,38 @@ def query_loop(traj: TrajView, settings: DetectSettings):
         turn = step.turn if step.turn is not None else step.step_idx
         current = []
         for act in parsed.actions:
-            if act.query is None:
+            if act.query is not None:
+                q = normalize_query(act.query)
+                if not q:
+                    continue  # nothing left to compare: never a loop
+                key = (act.name, q)
+            elif act.call is not None:
+                q, key = f"{act.name} {act.call}", (act.name, act.call)
+            else:
                 continue
-            q = normalize_answer(act.query)
-            g = ngrams(q, settings.ngram_n, settings.ngram_unit)
-            current.append((q, g))
-            if q in earlier:
+            if key in earlier:
                 yield Hit(
                     step.step_idx,
                     act.start,
                     act.end,
                     "query_loop",
                     "query.exact",
-                    json.dumps({"query": q[:200], "earlier_turn": earlier[q]}),
+                    json.dumps({"query": q[:200], "earlier_turn": earlier[key]}, ensure_ascii=False),
                 )
+                current.append((key, None))
                 continue
-            if len(q) < settings.min_len or not grams:
+            if act.query is None:
+                current.append((key, None))
+                continue
+            g = ngrams(q, settings.ngram_n, settings.ngram_unit)
+            ids = identifiers(act.query)
+            current.append((key, (q, g, ids)))
+            if len(q) < settings.min_len:
                 continue
             best, best_q, best_t = -1.0, "", 0
-            for q2, t2, g2 in grams:
+            for q2, t2, g2, ids2 in grams.get(act.name, ()):
+                if ids2 != ids:
+                    continue  # other identifiers or numbers: another question, however alike the letters
                 j = jaccard(g, g2)
                 if j > best:
                     best, best_q, best_t = j, q2, t2
@@ -301,10 +337,12 @@ def query_loop(traj: TrajView, settings: DetectSettings):
                             "earlier": best_q[:200],
                             "earlier_turn": best_t,
                             "jaccard": round(best, 4),
-                        }
+                        },
+                        ensure_ascii=False,
                     ),
                 )
-        for q, g in current:  # visible to later turns only
-            if q not in earlier:
-                earlier[q] = turn
-                grams.append((q, turn, g))
+        for key, text in current:  # visible to later turns only
+            if key not in earlier:
+                earlier[key] = turn
+                if text is not None:
+                    grams.setdefault(key[0], []).append((text[0], turn, text[1], text[2]))

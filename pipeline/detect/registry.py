@@ -52,8 +52,10 @@ class DetectSettings(StageSettings):
     exclude_think: bool = Field(
         True, description="text inside <think>...</think> is neither parsed nor part of a turn span"
     )
-    query_tools: list[str] | None = Field(
-        None, description="tool-calling agents: tools whose calls count as queries (None = every tool call)"
+    query_tools: list[str] = Field(
+        default_factory=list,
+        description="tool-calling agents: tools whose string arguments are a free-text query (near repetition "
+        "compares them), besides search and lookup; an exact repeat of any tool call is a query loop",
     )
     default_action_format: str | None = Field(
         None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import string
+import unicodedata
 
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -17,6 +18,35 @@ def normalize_answer(s: str) -> str:
     s = "".join(ch for ch in s if ch not in _PUNCT)
     s = _ARTICLES.sub(" ", s)
     return " ".join(s.split())
+
+
+def normalize_query(s: str) -> str:
+    """A query as the query rules compare it: NFKC (so NFC / NFD / compatibility forms of one text match),
+    then `normalize_answer`."""
+    return normalize_answer(unicodedata.normalize("NFKC", s))
+
+
+_TOKEN = re.compile(r"[^\s,;()\[\]{}\"'`]+")
+_EDGE = re.compile(r"^[^\w]+|[^\w]+$")
+
+
+def identifiers(s: str) -> frozenset[str]:
+    """Identifier and number tokens of a text (NFKC, lower-cased): tokens with a digit (L1002, 2024-05-20,
+    1914), with an underscore (user ids), or codes in capitals (JFK, EHGLP). Two queries whose sets differ ask
+    about different things, however similar their letters."""
+    out = set()
+    for tok in _TOKEN.findall(unicodedata.normalize("NFKC", s)):
+        tok = _EDGE.sub("", tok)
+        if not tok:
+            continue
+        letters = [c for c in tok if c.isalpha()]
+        if (
+            any(c.isdigit() for c in tok)
+            or "_" in tok
+            or (len(letters) >= 2 and all(c.isupper() for c in letters))
+        ):
+            out.add(tok.lower())
+    return frozenset(out)
 
 
 def ngrams(s: str, n: int = 3, unit: str = "char") -> frozenset:
