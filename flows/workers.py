@@ -37,11 +37,12 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from flows.runtime import tune_allocator
+from flows.runtime import die_with_parent, tune_allocator
 from pipeline.config import Config
 
 # imported once by the forkserver, so a worker starts with them (and their registries) loaded
 PRELOAD = [
+    "flows.worker_init",  # first: the forkserver dies with its parent
     "flows.batch",
     "pipeline.stages",
     "pipeline.detect",
@@ -90,7 +91,7 @@ def _pool(size: int) -> ProcessPoolExecutor:
 
             ctx = mp.get_context("forkserver")  # never fork a process that runs Prefect's threads
             ctx.set_forkserver_preload(PRELOAD)
-            pool = _pools[size] = ProcessPoolExecutor(size, mp_context=ctx)
+            pool = _pools[size] = ProcessPoolExecutor(size, mp_context=ctx, initializer=die_with_parent)
         return pool
 
 

@@ -1,0 +1,75 @@
+"""kill -9 of a process that runs batch stages in worker processes leaves none of them behind (issue 22):
+the forkserver and each worker ask the kernel for SIGKILL when their parent dies (flows.runtime.die_with_parent)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = """
+import os, sys, time
+from flows import workers
+pids = {workers.run(2, os.getpid) for _ in range(8)}
+print(" ".join(map(str, sorted(pids))), flush=True)
+time.sleep(120)
+"""
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.add(int(entry.name))
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    todo, seen = [pid], set()
+    while todo:
+        for child in _children(todo.pop()):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_workers_die_with_a_killed_parent():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DRIVER], cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ}
+    )
+    try:
+        worker_pids = {int(p) for p in proc.stdout.readline().split()}
+        assert worker_pids, "the driver reported no worker process"
+        tree = _descendants(proc.pid)
+        assert worker_pids <= tree  # the workers are the driver's (forkserver's) children
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in tree):
+            time.sleep(0.1)
+        assert not [p for p in tree if _alive(p)], "processes outlived their killed parent"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
