@@ -5,10 +5,10 @@ import hashlib
 
 import duckdb
 import pytest
+from test_foundation_lake import _steps, _traj
 from typer.testing import CliRunner
 
 from flows.cli import app
-from tests.test_foundation_lake import _steps, _traj
 from warehouse.catalog import QueryRefused, check_read_only, connect, query
 from warehouse.rounds import write_round
 
