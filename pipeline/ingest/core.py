@@ -13,6 +13,13 @@ Token ids given by the source are kept as they are (they are what the policy sam
    `stats["offsets_approximate"]`.
 Logprobs given by the source are kept with `logprob_source = "rollout"`; without token ids they must match
 the tokenizer's token count, or the record is quarantined.
+
+Token data cannot lie (`invalid_tokens`, the field named): token ids are integers in [0, vocab size) when the
+tokenizer knows its vocabulary (`tokenizer.vocab_size`), else in [0, 2^31); logprobs are finite and
+<= `LOGPROB_TOLERANCE`; token offsets lie inside the content; lengths agree (token_ids, token_offsets,
+logprobs, values). Nothing is cast silently: an id that does not fit int32 is quarantined, not wrapped.
+A record with bytes that are not UTF-8 (`invalid_utf8`), nested too deep to parse, or that makes an adapter
+raise is quarantined on its own; a file that cannot be read at all (`Unreadable`) is one quarantine row.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -46,6 +54,21 @@ UNKNOWN_ROLE = "unknown_role"
 UNMATCHED_TOOL_RESULT = "unmatched_tool_result"
 SCHEMA_VIOLATION = "schema_violation"
 ADAPTER_ERROR = "adapter_error"  # the adapter raised on this record: a shape it does not handle
+INVALID_TOKENS = "invalid_tokens"  # token ids / logprobs / offsets that cannot be what a policy sampled
+INVALID_UTF8 = "invalid_utf8"  # bytes that are not UTF-8 (or lone surrogates) in the record's text
+UNREADABLE_FILE = "unreadable_file"  # a source file that could not be read or parsed at all
+
+TOKEN_ID_LIMIT = 2**31  # ids are stored as int32: every id must be < 2^31 (and < the vocabulary size)
+LOGPROB_TOLERANCE = 1e-4  # a logprob above this is not a log probability (rounding may give tiny positives)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """What a reader puts in place of a source file it could not read (corrupt Parquet, bad .npz, ...):
+    `ingest` turns it into one quarantine row and goes on with the other files."""
+
+    reason: str
 
 
 class Reject(Exception):
@@ -201,7 +224,8 @@ def _skip_ws(text: str, pos: int) -> int:
 
 
 def _malformed(source_file: str, location: str, raw: str, exc: Exception) -> SourceRecord:
-    return SourceRecord(source_file, location, raw, error=Reject(MALFORMED_JSON, str(exc)))
+    detail = "nested too deep to parse" if isinstance(exc, RecursionError) else str(exc)
+    return SourceRecord(source_file, location, raw, error=Reject(MALFORMED_JSON, detail))
 
 
 def read_jsonl(text: str, source_file: str) -> Iterator[SourceRecord]:
@@ -212,7 +236,7 @@ def read_jsonl(text: str, source_file: str) -> Iterator[SourceRecord]:
         location = f"line {lineno}"
         try:
             data = json.loads(line)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             yield _malformed(source_file, location, line, exc)
             continue
         yield SourceRecord(source_file, location, line, data)
@@ -234,7 +258,7 @@ def iter_json_array(
         location = f"{path}[{index}]"
         try:
             data, end = _DECODER.raw_decode(text, pos)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             # the rest of the array cannot be split reliably: quarantine it as one record
             yield _malformed(source_file, f"{path}[{index}:]", text[pos:], exc), len(text)
             return
@@ -296,7 +320,7 @@ def read_json_entries(text: str, source_file: str) -> Iterator[SourceRecord]:
             key, value, start, end = next(members)
         except StopIteration:
             return
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             yield _malformed(source_file, "$[...]", text[pos:], exc)
             return
         pos = end
@@ -353,15 +377,191 @@ def finalize(draft: TrajectoryDraft) -> TrajectoryDraft:
                 f"step {i}: {len(step.token_ids)} token_ids but {len(step.logprobs)} logprobs",
                 f"steps[{i}].logprobs",
             )
-        if step.logprobs is not None and not all(isinstance(x, (int, float)) for x in step.logprobs):
+        if step.logprobs is not None and not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in step.logprobs
+        ):
             raise Reject(INVALID_VALUE, f"step {i}: logprobs are not numbers", f"steps[{i}].logprobs")
         if step.token_ids is not None and not all(
             isinstance(x, int) and not isinstance(x, bool) for x in step.token_ids
         ):
             raise Reject(INVALID_VALUE, f"step {i}: token_ids are not integers", f"steps[{i}].token_ids")
+        _check_step_tokens(i, step)
         if step.verifier_score is not None:
             step.verifier_score = as_reward(step.verifier_score, f"steps[{i}].verifier_score")
+    _check_text(draft)
     return draft
+
+
+# ---- token data and text that cannot lie ---------------------------------------------------------------
+
+
+def bad_token_ids(ids: np.ndarray, limit: int = TOKEN_ID_LIMIT) -> np.ndarray:
+    """Mask of ids that are not in [0, limit) (NaN and fractional values too, for float input)."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            return ~np.isfinite(ids) | (ids < 0) | (ids >= limit) | (ids != np.floor(ids))
+    if ids.dtype.kind == "u":
+        return ids >= limit
+    return (ids < 0) | (ids >= limit)
+
+
+def bad_logprobs(logprobs: np.ndarray) -> np.ndarray:
+    """Mask of logprobs that are not finite or above `LOGPROB_TOLERANCE`."""
+    lp = np.asarray(logprobs, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        return ~np.isfinite(lp) | (lp > LOGPROB_TOLERANCE)
+
+
+def token_id_problem(value, position: int, limit: int = TOKEN_ID_LIMIT, vocab_note: str = "") -> str:
+    """Why the id `value` (found bad by `bad_token_ids`) at `position` of its step is refused."""
+    if isinstance(value, float) and not (math.isfinite(value) and value == int(value)):
+        return f"token id {value!r} at position {position} is not an integer"
+    if value < 0:
+        return f"token id {value} at position {position} is negative"
+    if value >= TOKEN_ID_LIMIT:
+        return f"token id {value} at position {position} does not fit int32 (>= 2^31)"
+    return f"token id {value} at position {position} is >= the vocabulary size {limit}{vocab_note}"
+
+
+def logprob_problem(value, position: int) -> str:
+    """Why the logprob `value` (found bad by `bad_logprobs`) at `position` of its step is refused."""
+    if not math.isfinite(value):
+        return f"logprob {value} at position {position} is not finite"
+    return f"logprob {value} at position {position} is > 0 (not a log probability)"
+
+
+def checked_ids(values: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids from a framework's array as int64, without a silent cast: (ids, bad), `bad` marking entries
+    that are not integers in [0, 2^31) (set to 0 in `ids`). A non-numeric dtype is a Reject for the file."""
+    values = np.asarray(values)
+    if values.dtype.kind not in "iuf":
+        raise Reject(INVALID_VALUE, f"{name} has dtype {values.dtype}, expected integer token ids", name)
+    bad = bad_token_ids(values)
+    return np.where(bad, 0, values).astype(np.int64), bad
+
+
+def _check_step_tokens(i: int, step: StepDraft) -> None:
+    """Before any cast: ids in [0, 2^31), logprobs finite and <= tolerance (the vocabulary bound is checked
+    on the whole steps table, `token_rejects`)."""
+    if step.token_ids:
+        try:
+            ids = np.array(step.token_ids, dtype=np.int64)
+            bad = bad_token_ids(ids)
+        except OverflowError:
+            bad = np.array([not (0 <= x < TOKEN_ID_LIMIT) for x in step.token_ids])
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise Reject(
+                INVALID_TOKENS, f"step {i}: {token_id_problem(step.token_ids[k], k)}", f"steps[{i}].token_ids"
+            )
+    if step.logprobs:
+        try:
+            values = np.array(step.logprobs, dtype=np.float64)
+        except OverflowError:  # an int too large for a float: infinite
+            values = np.array(
+                [x if isinstance(x, float) or abs(x) < 2**1023 else math.inf for x in step.logprobs]
+            )
+        bad = bad_logprobs(values)
+        if bad.any():
+            k = int(np.argmax(bad))
+            detail = logprob_problem(float(values[k]), k)
+            raise Reject(INVALID_TOKENS, f"step {i}: {detail}", f"steps[{i}].logprobs")
+
+
+def _bad_text(value) -> bool:
+    return isinstance(value, str) and _SURROGATE.search(value) is not None
+
+
+def _check_text(draft: TrajectoryDraft) -> None:
+    """Every text of the trajectory is valid Unicode (no lone surrogates from `\\ud800` escapes or
+    undecodable bytes), and its meta can be written as JSON."""
+    for name in ("traj_id", "group_id", "action_format", "policy_version", "source"):
+        if _bad_text(getattr(draft, name)):
+            raise Reject(INVALID_UTF8, f"{name} is not valid Unicode (a lone surrogate)", name)
+    for key in draft.reward_components or {}:
+        if _bad_text(key):
+            raise Reject(INVALID_UTF8, "a reward_components key is not valid Unicode", "reward_components")
+    for i, step in enumerate(draft.steps):
+        texts = [("content", step.content), ("tool_call_id", step.tool_call_id)]
+        for call in step.tool_calls or ():
+            texts += [("tool_calls", call.get("id")), ("tool_calls", call.get("name"))]
+            texts.append(("tool_calls", call.get("arguments")))
+        for name, text in texts:
+            if _bad_text(text):
+                raise Reject(INVALID_UTF8, f"step {i}: {name} is not valid Unicode", f"steps[{i}].{name}")
+    if draft.meta is not None:
+        try:
+            text = json.dumps(draft.meta, ensure_ascii=False, default=str)
+        except (ValueError, TypeError, RecursionError) as exc:
+            detail = "nested too deep" if isinstance(exc, RecursionError) else str(exc)
+            raise Reject(INVALID_VALUE, f"meta cannot be written as JSON: {detail}", "meta") from None
+        if _bad_text(text):
+            raise Reject(INVALID_UTF8, "meta is not valid Unicode (a lone surrogate)", "meta")
+
+
+def token_rejects(steps: pa.Table, vocab_size: int | None = None, vocab_note: str = "") -> dict[int, Reject]:
+    """Row -> Reject for every step row whose token data lie, whole-column: ids outside [0, vocab size)
+    (or [0, 2^31) without one) or null, logprobs not finite or > tolerance, offsets outside the content.
+    The field is `steps[<step_idx>].<column>`; only the rows with a problem are visited in Python."""
+    import pyarrow.compute as pc
+
+    limit = min(int(vocab_size), TOKEN_ID_LIMIT) if vocab_size else TOKEN_ID_LIMIT
+    out: dict[int, Reject] = {}
+    names = steps.column_names
+    step_idx = steps.column("step_idx").to_pylist() if "step_idx" in names else None
+    content_len = None
+    if "content" in names and pa.types.is_string(steps.schema.field("content").type):
+        content_len = pc.fill_null(pc.utf8_length(steps.column("content")), 0).to_numpy()
+
+    def scan(column: str, bad_of, problem) -> None:
+        if column not in names:
+            return
+        col = steps.column(column).combine_chunks()
+        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+            return
+        flat = pc.list_flatten(col)
+        if not (pa.types.is_integer(flat.type) or pa.types.is_floating(flat.type)) or not len(flat):
+            return
+        parents = pc.list_parent_indices(col).to_numpy()
+        values = flat.to_numpy(zero_copy_only=False)
+        bad = bad_of(values, parents) | pc.is_null(flat).to_numpy(zero_copy_only=False)
+        if not bad.any():
+            return
+        hit = np.flatnonzero(bad)
+        rows, first = np.unique(parents[hit], return_index=True)
+        row_start = np.searchsorted(parents, rows)
+        for row, k, start in zip(rows.tolist(), hit[first].tolist(), row_start.tolist(), strict=True):
+            if row in out:
+                continue
+            value = flat[k].as_py()
+            where = f"step {step_idx[row]}" if step_idx else f"row {row}"
+            field_name = f"steps[{step_idx[row]}].{column}" if step_idx else column
+            detail = (
+                f"{column} value is null at position {k - start}"
+                if value is None
+                else problem(value, k - start)
+            )
+            out[row] = Reject(INVALID_TOKENS, f"{where}: {detail}", field_name)
+
+    scan(
+        "token_ids",
+        lambda v, _p: bad_token_ids(v, limit),
+        lambda v, k: token_id_problem(v, k, limit, vocab_note),
+    )
+    scan("logprobs", lambda v, _p: bad_logprobs(v), logprob_problem)
+    if content_len is not None:
+
+        def bad_offsets(values, parents):
+            with np.errstate(invalid="ignore"):
+                return (values < 0) | (values > content_len[parents])
+
+        scan(
+            "token_offsets",
+            bad_offsets,
+            lambda v, k: f"token offset {v} at position {k} is outside the content",
+        )
+    return out
 
 
 # ---- offsets of given token ids ------------------------------------------------------------------------
@@ -404,15 +604,27 @@ class Rejected:
     record_id: str | None = None
 
 
+def printable(text: str | None) -> str | None:
+    """`text` as valid UTF-8: bytes that were not UTF-8 (read with `surrogateescape`) and lone surrogates
+    become backslash escapes, so a quarantine row can hold any record verbatim."""
+    if text is None or _SURROGATE.search(text) is None:
+        return text
+    try:
+        data = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        data = text.encode("utf-8", "backslashreplace")
+    return data.decode("utf-8", "backslashreplace")
+
+
 def quarantine_table(rejected: list[Rejected], round_: int, stage: str) -> pa.Table:
     rows = {
         "round": [round_] * len(rejected),
-        "source_file": [r.record.source_file for r in rejected],
-        "location": [r.record.location for r in rejected],
-        "record_id": [r.record_id for r in rejected],
-        "field": [r.reject.field for r in rejected],
-        "reason": [r.reject.reason for r in rejected],
-        "raw": [r.record.raw for r in rejected],
+        "source_file": [printable(r.record.source_file) for r in rejected],
+        "location": [printable(r.record.location) for r in rejected],
+        "record_id": [printable(r.record_id) for r in rejected],
+        "field": [printable(r.reject.field) for r in rejected],
+        "reason": [printable(r.reject.reason) for r in rejected],
+        "raw": [printable(r.record.raw) for r in rejected],
         "stage": [f"ingest:{stage}"] * len(rejected),
     }
     return pa.Table.from_pydict(rows, schema=quarantine_schema.SCHEMA)
@@ -537,6 +749,34 @@ def build_tables(
     return trajectories, steps, bad, dict(stats)
 
 
+def vocab_of(tokenizer) -> tuple[int | None, str]:
+    """The tokenizer's vocabulary size when it knows one (`vocab_size`), and a note naming it."""
+    size = getattr(tokenizer, "vocab_size", None)
+    if not isinstance(size, int) or size <= 0:
+        return None, ""
+    return size, f" of tokenizer {getattr(tokenizer, 'name', '?')} (pass --tokenizer: the policy's own)"
+
+
+def quarantine_token_rejects(
+    trajectories: pa.Table, steps: pa.Table, items_by_id: dict[str, SourceRecord], tokenizer
+) -> tuple[pa.Table, pa.Table, list[Rejected]]:
+    """Quarantine every trajectory with a step whose token data lie (`token_rejects`), first step first."""
+    import pyarrow.compute as pc
+
+    found = token_rejects(steps, *vocab_of(tokenizer))
+    if not found:
+        return trajectories, steps, []
+    traj_col = steps.column("traj_id")
+    first: dict[str, Reject] = {}
+    for row in sorted(found):
+        first.setdefault(traj_col[row].as_py(), found[row])
+    bad = [Rejected(items_by_id[t], rej, t) for t, rej in first.items()]
+    drop = pa.array(list(first), pa.string())
+    trajectories = trajectories.filter(pc.invert(pc.is_in(trajectories.column("traj_id"), value_set=drop)))
+    steps = steps.filter(pc.invert(pc.is_in(traj_col, value_set=drop)))
+    return trajectories, steps, bad
+
+
 def validate_or_quarantine(
     trajectories: pa.Table, steps: pa.Table, items_by_id: dict[str, SourceRecord]
 ) -> tuple[pa.Table, pa.Table, list[Rejected]]:
@@ -599,8 +839,11 @@ def ingest_records(records: list[SourceRecord], spec, round_: int, tokenizer) ->
     trajectories, steps, bad, stats = build_tables(items, round_, tokenizer)
     rejected += bad
     items_by_id = {d.traj_id: r for r, d in items}
-    trajectories, steps, bad = validate_or_quarantine(trajectories, steps, items_by_id)
+    trajectories, steps, bad = quarantine_token_rejects(trajectories, steps, items_by_id, tokenizer)
     rejected += bad
+    trajectories, steps, more = validate_or_quarantine(trajectories, steps, items_by_id)
+    rejected += more
+    bad += more
     if bad:
         stats["tokens"] = int(sum(len(x) for x in steps.column("token_ids").to_pylist()))
     stats.update(records_read=len(records), tokenizer=getattr(tokenizer, "name", "?"))
@@ -630,9 +873,112 @@ def ingest(
 
     spec = get_adapter(fmt)
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+    unreadable = [
+        Rejected(SourceRecord(name, "$", f"<unreadable file {name}>"), Reject(UNREADABLE_FILE, src.reason))
+        for name, src in sources
+        if isinstance(src, Unreadable)
+    ]
+    sources = [(name, src) for name, src in sources if not isinstance(src, Unreadable)]
     if spec.kind == "tables":
-        return spec.ingest_tables(sources, round_, tokenizer)
+        result = _ingest_tables(spec, sources, round_, tokenizer)
+    else:
+        records: list[SourceRecord] = []
+        for source_file, text in sources:
+            records.extend(read_records(spec, text, source_file))
+        result = ingest_records(records, spec, round_, tokenizer)
+    if unreadable:
+        result.quarantine = pa.concat_tables(
+            [quarantine_table(unreadable, round_, spec.name), result.quarantine]
+        )
+        result.stats["records_read"] = result.stats.get("records_read", 0) + len(unreadable)
+    return result
+
+
+def read_records(spec, text: str, source_file: str) -> list[SourceRecord]:
+    """The adapter's reader over one file, where no record can stop the others: a record with bytes that
+    were not UTF-8 (read with `surrogateescape`) is quarantined on its own, and a reader that raises
+    quarantines the rest of the file as one record."""
     records: list[SourceRecord] = []
-    for source_file, text in sources:
-        records.extend(spec.reader(text, source_file))
-    return ingest_records(records, spec, round_, tokenizer)
+    try:
+        for record in spec.reader(text, source_file):
+            if record.error is None and _SURROGATE.search(record.raw):
+                record.error = Reject(INVALID_UTF8, "the record has bytes that are not UTF-8")
+            records.append(record)
+    except Exception as exc:  # noqa: BLE001 -- a reader bug or a shape it does not handle: keep the rest
+        detail = (
+            "nested too deep to parse" if isinstance(exc, RecursionError) else f"{type(exc).__name__}: {exc}"
+        )
+        rest = f"<the rest of {source_file} after {len(records)} record(s)>"
+        records.append(
+            SourceRecord(
+                source_file, f"after record {len(records)}", rest, error=Reject(ADAPTER_ERROR, detail)
+            )
+        )
+    return records
+
+
+def _ingest_tables(spec, sources: list, round_: int, tokenizer) -> IngestResult:
+    """A table adapter over all sources; where it raises (a shape it does not handle), over each source on
+    its own, a source that still raises becoming one quarantine row, so no file stops the others."""
+    try:
+        return spec.ingest_tables(sources, round_, tokenizer)
+    except Exception:  # noqa: BLE001 -- retried per source below, where the bad file is found
+        if not sources:
+            raise
+    parts: list[IngestResult] = []
+    for name, src in sources:
+        try:
+            parts.append(spec.ingest_tables([(name, src)], round_, tokenizer))
+        except Exception as exc:  # noqa: BLE001 -- this file only
+            detail = "nested too deep" if isinstance(exc, RecursionError) else f"{type(exc).__name__}: {exc}"
+            reject = Rejected(
+                SourceRecord(name, "$", f"<{spec.name} source {name}>"), Reject(ADAPTER_ERROR, detail)
+            )
+            parts.append(
+                IngestResult(
+                    trajectories_schema.SPEC.empty(),
+                    steps_schema.SPEC.empty(),
+                    quarantine_table([reject], round_, spec.name),
+                    {"records_read": 1},
+                )
+            )
+    return _merge_results(parts, round_, spec.name)
+
+
+def _merge_results(parts: list[IngestResult], round_: int, stage: str) -> IngestResult:
+    """Results of separate sources as one; a traj_id already taken by an earlier source is quarantined."""
+    import pyarrow.compute as pc
+
+    trajs, steps, quarantines, seen = [], [], [], set()
+    stats: Counter = Counter()
+    for part in parts:
+        t, s = part.trajectories, part.steps
+        ids = t.column("traj_id").to_pylist()
+        dup = [x for x in ids if x in seen]
+        if dup:
+            rows = [
+                Rejected(
+                    SourceRecord(stage, f"traj_id={x}", json.dumps({"traj_id": x})),
+                    Reject(
+                        DUPLICATE_TRAJ_ID, f"traj_id {x!r} was already read from another source", "traj_id"
+                    ),
+                    x,
+                )
+                for x in dup
+            ]
+            quarantines.append(quarantine_table(rows, round_, stage))
+            keep = pc.invert(pc.is_in(t.column("traj_id"), value_set=pa.array(dup, pa.string())))
+            t = t.filter(keep)
+            s = s.filter(pc.invert(pc.is_in(s.column("traj_id"), value_set=pa.array(dup, pa.string()))))
+        seen.update(ids)
+        trajs.append(t)
+        steps.append(s)
+        quarantines.append(part.quarantine)
+        for key, value in part.stats.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                stats[key] += value
+            else:
+                stats.setdefault(key, value)
+    return IngestResult(
+        pa.concat_tables(trajs), pa.concat_tables(steps), pa.concat_tables(quarantines), dict(stats)
+    )

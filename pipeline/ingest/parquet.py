@@ -29,6 +29,8 @@ from pipeline.ingest.core import (
     Rejected,
     SourceRecord,
     quarantine_table,
+    token_rejects,
+    vocab_of,
 )
 from pipeline.ingest.registry import AdapterSpec, register_adapter
 from schemas import SchemaError
@@ -53,6 +55,16 @@ def _reason(err: SchemaError) -> Reject:
     else:
         code = SCHEMA_VIOLATION
     return Reject(code, str(err), err.field)
+
+
+def _with_missing_columns(table: pa.Table, name: str) -> pa.Table:
+    """A column the schema has and the table lacks becomes nulls, so a missing required column is a
+    quarantine row per record naming the field (not an error for the whole file)."""
+    schema = (trajectories_schema if name == "trajectories" else steps_schema).SCHEMA
+    for f in schema:
+        if f.name not in table.column_names and f.name != "round":
+            table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
+    return table
 
 
 def _with_round(table: pa.Table, round_: int) -> pa.Table:
@@ -133,6 +145,7 @@ def ingest_tables(sources: list[tuple[str, dict[str, pa.Table]]], round_: int, t
             table = tables.get(name)
             if table is None:
                 continue
+            table = _with_missing_columns(table, name)
             parts.append(
                 table.append_column(SOURCE_COL, pa.array([source_file] * table.num_rows, pa.string()))
             )
@@ -168,6 +181,9 @@ def ingest_tables(sources: list[tuple[str, dict[str, pa.Table]]], round_: int, t
         steps = steps.filter(pc.invert(pc.is_in(steps.column("traj_id"), value_set=pa.array(orphans))))
 
     bad = _link_errors(steps)
+    traj_col = steps.column("traj_id")
+    for row, reject in sorted(token_rejects(steps, *vocab_of(tokenizer)).items()):
+        bad.setdefault(traj_col[row].as_py(), reject)
     for traj_id in traj_ids - step_ids:
         if traj_id is not None:
             bad.setdefault(traj_id, Reject(MISSING_FIELD, "trajectory has no steps", "steps"))

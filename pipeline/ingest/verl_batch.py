@@ -19,7 +19,9 @@ the placeholder `<id>`; a step's content is the concatenation of its token piece
 exact (the pieces' start chars). The rows then go through the `parquet` adapter's schema checks.
 
 Quarantined: a file without a required key or with ragged rows (one record for the file), and per row: an empty
-uid, a non-finite reward, a response_mask value other than 0/1, a trained token on padding, a duplicate traj_id.
+uid, a non-finite reward, a response_mask value other than 0/1, a trained token on padding, a duplicate traj_id,
+a real prompt/response token id that is not an integer in [0, 2^31) (never wrapped to int32), and what the shared
+checks refuse (`pipeline.ingest.core.token_rejects`: ids beyond the vocabulary, logprobs not finite or > 0).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.ingest.core import (
+    INVALID_TOKENS,
     INVALID_VALUE,
     MISSING_FIELD,
     NON_FINITE_REWARD,
@@ -39,7 +42,9 @@ from pipeline.ingest.core import (
     Reject,
     Rejected,
     SourceRecord,
+    checked_ids,
     quarantine_table,
+    token_id_problem,
 )
 from pipeline.ingest.parquet import ingest_tables as canonical_ingest
 from pipeline.ingest.registry import AdapterSpec, register_adapter
@@ -105,9 +110,11 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
     reward_key = next((k for k in REWARD_KEYS if k in a), None)
     if reward_key is None:
         raise Reject(MISSING_FIELD, f"verl batch has no reward ({' / '.join(REWARD_KEYS)})", REWARD_KEYS[0])
-    responses = a["responses"].astype(np.int64)
+    responses, responses_bad = checked_ids(a["responses"], "responses")  # no silent wrap to int32
     B, R = responses.shape
-    prompts = a["prompts"].astype(np.int64) if "prompts" in a else np.zeros((B, 0), np.int64)
+    prompts, prompts_bad = (
+        checked_ids(a["prompts"], "prompts") if "prompts" in a else (np.zeros((B, 0), np.int64),) * 2
+    )
     P = prompts.shape[1]
     rmask = a["response_mask"]
     scores = a[reward_key].astype(np.float64).reshape(B, -1)
@@ -149,6 +156,19 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
         ((rmask == 1) & ~r_real).any(axis=1),
         lambda r: Reject(INVALID_VALUE, "response_mask is 1 on a padding token", "response_mask"),
     )
+    for name, raw, ids_bad, real in (
+        ("prompts", a.get("prompts"), prompts_bad, p_real),
+        ("responses", a["responses"], responses_bad, r_real),
+    ):
+        hit = ids_bad.astype(bool) & real
+        flag(
+            hit.any(axis=1),
+            lambda r, name=name, raw=raw, hit=hit: Reject(
+                INVALID_TOKENS,
+                token_id_problem(raw[r, np.argmax(hit[r])].item(), int(np.argmax(hit[r]))),
+                name,
+            ),
+        )
     for r, rej in sorted(reasons.items()):
         rejected.append(Rejected(SourceRecord(source_file, f"row {r}", _row_raw(a, r)), rej, traj_ids[r]))
     keep = np.flatnonzero(~bad)
