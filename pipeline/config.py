@@ -95,7 +95,7 @@ class Config(BaseModel):
     flow: FlowSettings = Field(default_factory=FlowSettings, description="Prefect flow settings")
     serve: ServeSettings = Field(default_factory=ServeSettings, description="`creditflow serve` deployments")
 
-    def stage(self, name: str) -> BaseModel:
+    def stage(self, name: str) -> Any:  # the registered model of `name` (callers annotate its class)
         """The validated settings model of one stage (defaults where the config is silent)."""
         _load_stage_modules()
         model = SETTINGS_MODELS.get(name)
@@ -120,7 +120,7 @@ def _load_stage_modules() -> None:
 
     importlib.import_module("pipeline.credit")
     importlib.import_module("pipeline.stages").load_stages()
-    for module in ("pipeline.annotate.settings",):
+    for module in ("pipeline.annotate.settings", "pipeline.verifiers.code"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -34,7 +34,8 @@ def render_assistant(text: str | None, calls: list[dict]) -> tuple[str, list[tup
 
 def tool_call_spans(content: str) -> list[tuple[int, int]]:
     """Char ranges of the rendered `<tool_call>...</tool_call>` blocks in a content string."""
-    spans, pos = [], 0
+    spans: list[tuple[int, int]] = []
+    pos = 0
     while True:
         start = content.find(TOOL_CALL_OPEN, pos)
         if start < 0:

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from schemas import steps as steps_schema
 from schemas import trajectories as traj_schema
@@ -234,7 +235,7 @@ TOOL_SPECS = [
         },
     },
 ]
-_TOOL_NAMES = [t["function"]["name"] for t in TOOL_SPECS]
+_TOOL_NAMES = [t["function"]["name"] for t in TOOL_SPECS]  # type: ignore[index]
 _UNKNOWN_TOOLS = ["get_order_info", "lookup_user", "cancel_order"]
 _TOOL_LEADS = (
     "I need to authenticate the user first. ",
@@ -680,21 +681,21 @@ def _build_tool(
         inv_kind = rng.integers(0, 3, N)
         unknown = rng.integers(0, len(_UNKNOWN_TOOLS), N)
         has_call = valid_call | invalid
-        name = np.where(invalid & (inv_kind == 0), unknown_piece[unknown], name_piece[m])
-        args = np.where(near, near_piece[g_of, m], args_piece[g_of, m])
-        args = np.where(invalid & (inv_kind == 1), badjson_piece[g_of, m], args)
-        args = np.where(invalid & (inv_kind == 2), P["{}"], args)
-        call_name[has_call, k] = name[has_call]
-        call_args[has_call, k] = args[has_call]
+        call_piece = np.where(invalid & (inv_kind == 0), unknown_piece[unknown], name_piece[m])
+        args_now = np.where(near, near_piece[g_of, m], args_piece[g_of, m])
+        args_now = np.where(invalid & (inv_kind == 1), badjson_piece[g_of, m], args_now)
+        args_now = np.where(invalid & (inv_kind == 2), P["{}"], args_now)
+        call_name[has_call, k] = call_piece[has_call]
+        call_args[has_call, k] = args_now[has_call]
         sa = seg[:, st]
         b, ln = _filler(rng, word_starts, np.maximum(text_len[:, k], 8))
         fstart[:, st, 1], flen[:, st, 1] = b, ln
         sa[:, 0] = lead_piece[m]
         sa[:, 1] = -2
         _put(sa, has_call, 2, P['\n<tool_call>\n{"name": "'])
-        _put(sa, has_call, 3, name)
+        _put(sa, has_call, 3, call_piece)
         _put(sa, has_call, 4, P['", "arguments": '])
-        _put(sa, has_call, 5, args)
+        _put(sa, has_call, 5, args_now)
         _put(sa, has_call, 6, P["}\n</tool_call>"])
         _put(sa, clarify, 0, P["Could you confirm which order you would like to cancel? "])
         _put(sa, closing, 0, P["Is there anything else I can help you with? "])
@@ -800,7 +801,7 @@ def _tables(
     values = rng.standard_normal(n_a, dtype=np.float32)
     values *= np.float32(0.03)
     values += np.repeat(base.astype(np.float32), asst_bytes)
-    score = np.full((N, n_steps), np.nan)
+    score: np.ndarray = np.full((N, n_steps), np.nan)
     score[:, 2::2] = b.score
     score = score.reshape(-1)
     # ids
@@ -809,15 +810,15 @@ def _tables(
     traj_ids = [f"{group_str[i // s.samples]}-s{i % s.samples:02d}" for i in range(N)]
     traj_arr = pa.array(traj_ids, pa.string())
     step_traj = np.repeat(np.arange(N), n_steps)
-    turn = np.zeros((N, n_steps), dtype=np.int32)
+    turn: np.ndarray = np.zeros((N, n_steps), dtype=np.int32)
     turn[:, 2::2] = np.arange(1, K + 1)
     turn[:, 3::2] = np.arange(1, K)
     turn = turn.reshape(-1)
     # tool calls (one per assistant turn that calls a tool) and tool_call_id on its observation
     names = pa.array(pool.strings, pa.string())
-    call_name = np.full((N, n_steps), -1, dtype=np.int64)
+    call_name: np.ndarray = np.full((N, n_steps), -1, dtype=np.int64)
     call_name[:, 2::2] = b.call_name
-    call_args = np.full((N, n_steps), -1, dtype=np.int64)
+    call_args: np.ndarray = np.full((N, n_steps), -1, dtype=np.int64)
     call_args[:, 2::2] = b.call_args
     call_name, call_args = call_name.reshape(-1), call_args.reshape(-1)
     has_call = call_name >= 0
@@ -852,7 +853,7 @@ def _tables(
             "token_ids": token_ids,
             "token_offsets": token_offsets,
             "logprobs": _list_array(a_off, pa.array(logprobs), is_asst),
-            "logprob_source": pa.array(np.where(is_asst, "synthetic", None).astype(object), pa.string()),
+            "logprob_source": pc.if_else(pa.array(is_asst), "synthetic", pa.scalar(None, pa.string())),
             "values": _list_array(a_off, pa.array(values), is_asst),
             "verifier_score": pa.array(score, pa.float64(), mask=~is_asst),
         },

@@ -92,10 +92,10 @@ def check_unique(table_name: str, *keys: str) -> RowCheck:
             return None
         import polars as pl
 
-        frame = pl.from_arrow(table.select(list(keys)))
+        frame = pl.DataFrame(table.select(list(keys)))
         dup = ~frame.select(pl.struct(pl.all()).is_first_distinct()).to_series()
         if dup.any():
-            row = int(dup.arg_max())
+            row = int(dup.arg_max() or 0)
             return SchemaError(table_name, keys[-1], row, f"duplicate key {tuple(frame.row(row))}")
         return None
 

@@ -23,7 +23,7 @@ from pipeline.credit.ops import group_normalize
 
 def _actions(steps: pa.Table) -> pl.DataFrame:
     lengths = pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False)
-    s = pl.from_arrow(steps.select(["traj_id", "step_idx", "role", "turn"])).with_columns(
+    s = pl.DataFrame(steps.select(["traj_id", "step_idx", "role", "turn"])).with_columns(
         pl.Series("L", lengths).cast(pl.Float64)
     )
     return (
@@ -86,12 +86,12 @@ def compare(
     settings: IAPOSettings | None = None,
 ) -> dict[str, float]:
     s = settings or IAPOSettings()
-    traj = pl.from_arrow(trajectories.select(["traj_id", "group_id", "reward"])).sort("traj_id")
+    traj = pl.DataFrame(trajectories.select(["traj_id", "group_id", "reward"])).sort("traj_id")
     traj_index = {t: k for k, t in enumerate(traj["traj_id"].to_list())}
     groups = traj["group_id"].rank("dense").cast(pl.Int64).to_numpy() - 1
     a_hat = group_normalize(traj["reward"].to_numpy().astype(np.float64), groups)
     actions = _actions(steps).filter(pl.col("traj_id").is_in(list(traj_index)))
-    na, ea, nb, eb = (pl.from_arrow(t) for t in (nodes_a, edges_a, nodes_b, edges_b))
+    na, ea, nb, eb = (pl.DataFrame(t) for t in (nodes_a, edges_a, nodes_b, edges_b))
     ra = _routing(actions, na, ea, np.sign(a_hat), traj_index, s)
     rb = _routing(actions, nb, eb, np.sign(a_hat), traj_index, s)
 

@@ -146,7 +146,7 @@ def build_transcript(rows: list[dict], s: LLMAnnotatorSettings) -> tuple[list[di
             n_tool += 1
             owner = call_owner.get(row.get("tool_call_id") or "", last_action)
             idx.tool_owner[n_tool] = owner
-            item = {"id": f"tool:{n_tool}", "role": "tool", "text": text}
+            item: dict[str, Any] = {"id": f"tool:{n_tool}", "role": "tool", "text": text}
             if owner is not None:
                 item["answers"] = f"action:{owner}"
             if row.get("is_error"):
@@ -224,7 +224,7 @@ def validate_answer(
     nodes: dict[int, list] = {t: [0, "none", 0] for t in idx.actions}
     edges: dict[tuple[int, int, str], tuple[str, str]] = {}
     user_dir: dict[int, set[int]] = defaultdict(set)
-    dropped = defaultdict(int)
+    dropped: defaultdict[str, int] = defaultdict(int)
     seen_actions: set[int] = set()
     for a in entries:
         j = _as_int(a.get("action_id"))
@@ -249,8 +249,9 @@ def validate_answer(
                 continue
             raw = src.get("source")
             m = _SOURCE.match(str(raw)) if raw is not None else None
-            if m is None and _as_int(raw) is not None:
-                kind_s, n = "action", _as_int(raw)
+            as_action = _as_int(raw) if m is None else None
+            if as_action is not None:
+                kind_s, n = "action", as_action
             elif m is None:
                 dropped["unresolved"] += 1
                 continue
@@ -331,7 +332,7 @@ def annotate_llm(
     model_name: str | None = s.model
     pending = list(range(len(prepared)))
     convo = {k: prepared[k][2] for k in pending}
-    notes = defaultdict(float)
+    notes: defaultdict[str, float] = defaultdict(float)
     for attempt in range(s.retries + 1):
         if not pending:
             break

@@ -135,7 +135,7 @@ def counterfactual(
     cols = ["traj_id", "step_idx", "role", "turn", "content", "tool_calls", "tool_call_id"]
     by_traj: dict[str, list[dict]] = {}
     for row in (
-        pl.from_arrow(steps.select(cols))
+        pl.DataFrame(steps.select(cols))
         .filter(pl.col("traj_id").is_in(list(sel_ids)))
         .sort("traj_id", "step_idx")
         .iter_rows(named=True)
@@ -195,6 +195,8 @@ def counterfactual(
         sampler = f"{res.model}@{res.endpoint}"
         texts = [c.text for c in res.choices[:M]]
         rows = []
+        vrows: list[tuple[float | None, str | None, str, str | None]]
+        env_err: str | None
         try:
             env = make_env(meta)
         except KeyError as exc:
@@ -223,7 +225,7 @@ def counterfactual(
                         v.error if not v.ok else (v.error[:500] if v.error else None),
                     )
                 )
-        for m, (text, (score, vname, status, err)) in enumerate(zip(texts, vrows, strict=True), start=1):
+        for m, (text, (score, vname, status, v_err)) in enumerate(zip(texts, vrows, strict=True), start=1):
             rows.append(
                 {
                     **base,
@@ -233,7 +235,7 @@ def counterfactual(
                     "sampler": sampler,
                     "verifier": vname,
                     "status": status,
-                    "error": err,
+                    "error": v_err,
                 }
             )
         for m in range(len(texts) + 1, M + 1):  # the server returned fewer than M choices
