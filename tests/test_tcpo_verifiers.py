@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pipeline.verifiers import VERIFIERS, verifier_name, verify
-from pipeline.verifiers.code import SandboxLimits, code_tests
+from trainer.sandbox import SandboxLimits, code_tests
 
 
 @pytest.fixture(scope="module")
@@ -63,24 +63,28 @@ def test_infinite_loop_times_out_and_scores_zero(ldb):
     assert time.perf_counter() - t0 < 5
 
 
-def test_socket_is_blocked(ldb):
+def test_network_is_unreachable(ldb):
     r = next(x for x in ldb if x["task_id"] == "HumanEval/45")
-    at_import = "import socket\nsocket.socket()\ndef triangle_area(a, h):\n    return a * h / 2\n"
+    at_import = (
+        "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\n"
+        "def triangle_area(a, h):\n    return a * h / 2\n"
+    )
     v = verify(at_import, "code", meta_of(r))
-    assert v.score == 0.0 and "socket" in v.error and "blocked" in v.error
+    assert v.score == 0.0 and v.error.startswith("program: OSError")
     in_call = (
         "import socket\ndef triangle_area(a, h):\n"
-        "    socket.create_connection(('127.0.0.1', 9))\n    return a * h / 2\n"
+        "    socket.create_connection(('127.0.0.1', 9), timeout=2)\n    return a * h / 2\n"
     )
     v = verify(in_call, "code", meta_of(r))
-    assert v.score == 0.0 and "blocked" in v.error
+    assert v.score == 0.0 and "Error" in v.error
 
 
 def test_memory_subprocess_and_writes_are_limited(ldb, tmp_path):
     r = next(x for x in ldb if x["task_id"] == "HumanEval/45")
     ok_body = "\ndef triangle_area(a, h):\n    return a * h / 2\n"
     assert verify("x = bytearray(4 * 1024**3)" + ok_body, "code", meta_of(r)).score == 0.0
-    assert verify("import subprocess\nsubprocess.run(['true'])" + ok_body, "code", meta_of(r)).score == 0.0
+    shell = "import subprocess\nsubprocess.run(['sh', '-c', 'true'], check=True)"  # no shell in the sandbox
+    assert verify(shell + ok_body, "code", meta_of(r)).score == 0.0
     target = tmp_path / "written"
     assert verify(f"open({str(target)!r}, 'w').write('x')" + ok_body, "code", meta_of(r)).score == 0.0
     assert not target.exists()

@@ -6,7 +6,9 @@ gold fields present (tests -> code_tests, answer(s) -> em). Every verifier retur
 a crash or a timeout scores 0 with `ok=False` (or, for code, the timeout recorded in `error`).
 
 Registered: `em` (Search-R1 exact match after normalize_answer), `f1` (token F1, max over gold answers),
-`math` (final-answer equivalence with math-verify), `code_tests` (sandboxed Python tests, fraction passed).
+`math` (final-answer equivalence with math-verify). `code_tests` (Python tests in an OS sandbox, fraction
+passed) runs candidate programs, so it is registered from the trainer floor by `trainer.sandbox` (flows import
+it; pipeline/verifiers/code.py holds its pure half: splitting the tests and deciding pass/fail).
 """
 
 from __future__ import annotations
@@ -79,7 +81,10 @@ def verifier_for(action_format: str | None, meta) -> tuple[str, VerifyFn]:
     _load()
     name = verifier_name(action_format, meta)
     if name not in VERIFIERS:
-        raise VerifierError(f"unknown verifier {name!r}; known: {sorted(VERIFIERS)}")
+        hint = (
+            "; it runs candidate code: import trainer.sandbox to register it" if name == "code_tests" else ""
+        )
+        raise VerifierError(f"unknown verifier {name!r}{hint}; known: {sorted(VERIFIERS)}")
     return name, VERIFIERS[name]
 
 

@@ -1,49 +1,68 @@
-"""Python code verifier: run the candidate program against its tests in a sandboxed subprocess.
+"""Python code verifier, the pure half: program extraction, test splitting, value decoding and the score.
 
-score = passed tests / total tests. Tests come from the trajectory's meta: `tests` (a list of assert
-statements, e.g. LDB's given_tests) or `test` + `entry_point` (a HumanEval `check(candidate)` function;
-each top-level statement of `check` that contains an assert is one test). The program is the last
-```python fenced block of the output, or the whole output; a HumanEval `prompt` in meta is prepended when
-the output does not define the entry point (completion-style answers).
+The half that runs candidate programs is `trainer.sandbox` (an OS-level sandbox, bubblewrap); it registers
+the `code_tests` verifier as `code_tests_with(its executor)`. The pass/fail decision is made here, in the
+caller's process, never in a process that ran candidate code:
 
-The sandbox, honestly: a fresh `python -I` subprocess in an empty temporary folder, own session (killed as
-a process group), environment reduced to PATH/LANG (no proxies, no PYTHONPATH), with
-- RLIMIT_AS (default 1 GiB) and RLIMIT_CPU (default = wall timeout) and RLIMIT_FSIZE 16 MiB, no core files;
-- a wall timeout (default 10 s) after which the group is killed: the candidate scores 0, error 'timeout';
-- a PEP 578 audit hook that raises on socket, subprocess/exec/spawn/fork, ctypes and file writes outside
-  the temporary folder.
-This stops accidental network use, runaway loops and memory blow-ups from model-written code. It is not a
-security boundary against deliberately hostile code (an audit hook can be evaded from C, and the process
-runs as the same user): for untrusted adversarial code run the verifier inside a container or nsjail.
+- Tests come from the trajectory's meta: `tests` (assert statements, e.g. LDB's given_tests) or `test` +
+  `entry_point` (a HumanEval `check(candidate)`; each top-level statement of `check` that contains an
+  assert is one test, the others are setup run in order). score = passed tests / total tests, in [0, 1].
+- Each `assert E` is split (`split_expr`) into a *skeleton* evaluated here by a small safe evaluator
+  (literals, displays, arithmetic, comparisons, boolean logic, subscripts, a few pure builtins and `math`
+  functions) and *holes*: the sub-expressions it cannot evaluate (calls to the candidate, test variables).
+  The sandbox evaluates only the holes and returns their values serialized as plain data (exact builtin
+  types; anything else is an opaque value that equals nothing); the expected side of `assert f(1) == 2`
+  never leaves this process, so hidden tests stay hidden from the candidate.
+- A hole that mentions no name of the candidate (`expected`, `x` of a test loop) is evaluated again in a
+  *reference* run that never sees candidate code (the task's own prompt, then the tests with `candidate`
+  bound to a stub that raises); its value there wins. A reference run is needed only when some test has
+  such a hole or is more than a bare assert (loops, setup): then the number of times each assert ran
+  must also match the reference run's. `random` is seeded identically before every test unit in both runs.
+- Not splittable (documented limits): a test whose expected value is computed *from the candidate's output*
+  by helper code the program also defines (HumanEval/32 evaluates `poly(coeffs, candidate(...))` where
+  `poly` comes from the prompt the candidate completes) takes that helper's result from the candidate's
+  run; a test whose control flow depends on the candidate's values takes the assert count from that run.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import ast
+import math
 import re
-import secrets
-import signal
-import subprocess
-import sys
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from pipeline.verifiers import Verdict, register_verifier
+from pydantic import Field
 
-RUNNER = Path(__file__).with_name("_sandbox_runner.py")
+from pipeline.config import StageSettings, register_settings
+from pipeline.verifiers import Verdict
+
 _FENCE = re.compile(r"```(?:python|py|Python)?[^\n]*\n(.*?)```", re.DOTALL)
+RECORDER = "__cf_rec__"  # the child's hole recorder: __cf_rec__(assert_id, [lambda: hole, ...])
+HOLE = "__cf_hole_"  # skeleton placeholder names: __cf_hole_0, __cf_hole_1, ...
 
 
-@dataclass(frozen=True)
-class SandboxLimits:
-    wall_s: float = 10.0
-    cpu_s: int = 10
-    mem_bytes: int = 1 << 30
+@register_settings("sandbox")
+class SandboxSettings(StageSettings):
+    """The code verifier's sandbox (trainer.sandbox): limits per run of a candidate program."""
+
+    wall_s: float = Field(10.0, gt=0, description="wall-clock limit per run; the whole process tree dies")
+    cpu_s: int = Field(10, gt=0, description="RLIMIT_CPU seconds")
+    mem_bytes: int = Field(1 << 30, gt=0, description="RLIMIT_AS bytes")
+    nproc: int = Field(64, gt=0, description="RLIMIT_NPROC of the sandbox user (no fork bombs)")
+    fsize_bytes: int = Field(16 << 20, gt=0, description="RLIMIT_FSIZE bytes (largest file written)")
+    tmpfs_bytes: int = Field(64 << 20, gt=0, description="size of the private /tmp")
+    output_bytes: int = Field(8 << 20, gt=0, description="bytes read from the sandbox before it is killed")
+    unsafe_no_sandbox: bool = Field(
+        False,
+        description="run candidate programs WITHOUT the OS sandbox when bubblewrap is unavailable "
+        "(rlimits and a process group only; the score stays unforgeable, the host is not protected)",
+    )
 
 
-DEFAULT_LIMITS = SandboxLimits()
+SandboxLimits = SandboxSettings  # the old name (trainer/envs/repair.py, tests)
+DEFAULT_LIMITS = SandboxSettings()
 
 
 def extract_program(output: str) -> str:
@@ -51,101 +70,642 @@ def extract_program(output: str) -> str:
     return blocks[-1] if blocks else output
 
 
-def run_tests(
-    program: str,
-    *,
-    tests: list[str] | None = None,
-    test_code: str | None = None,
-    entry_point: str | None = None,
-    limits: SandboxLimits = DEFAULT_LIMITS,
-) -> dict:
-    """Run in the sandbox; returns {"passed", "total", "errors", "timeout": bool, "crash": str | None}."""
-    nonce = secrets.token_hex(16)
-    job = {
-        "nonce": nonce,
-        "program": program,
-        "tests": tests,
-        "test_code": test_code,
-        "entry_point": entry_point,
-        "mem_bytes": limits.mem_bytes,
-        "cpu_s": limits.cpu_s,
-    }
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-    with tempfile.TemporaryDirectory(prefix="cf-sandbox-") as work:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", str(RUNNER)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=work,
-            env=env,
-            start_new_session=True,
-            text=True,
-        )
-        try:
-            stdout, stderr = proc.communicate(json.dumps(job), timeout=limits.wall_s)
-        except subprocess.TimeoutExpired:
-            _kill(proc)
-            proc.communicate()
-            return {"passed": 0, "total": 0, "errors": [], "timeout": True, "crash": None}
-        finally:
-            _kill(proc)
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(nonce):
-            res = json.loads(line[len(nonce) :])
-            return {**res, "timeout": False, "crash": None}
-    why = (
-        "killed by CPU limit"
-        if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL)
-        else f"exit {proc.returncode}"
-    )
-    return {
-        "passed": 0,
-        "total": 0,
-        "errors": [],
-        "timeout": False,
-        "crash": f"{why}: {stderr.strip()[-300:]}",
-    }
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            proc.kill()
-
-
-@register_verifier("code_tests")
-def code_tests(output: str, meta: dict, limits: SandboxLimits | None = None) -> Verdict:
-    tests = meta.get("tests") or meta.get("given_tests")
-    test_code = meta.get("test")
-    entry_point = meta.get("entry_point")
-    if not tests and not test_code:
-        return Verdict(0.0, "code_tests", ok=False, error="no tests in meta (tests or test + entry_point)")
+def program_for(output: str, meta: dict) -> str:
+    """The program to run: the last fenced block; a HumanEval prompt is prepended to a bare completion."""
     program = extract_program(output)
-    if entry_point and meta.get("prompt") and not re.search(rf"def\s+{re.escape(entry_point)}\s*\(", program):
+    ep = meta.get("entry_point")
+    if ep and meta.get("prompt") and not re.search(rf"def\s+{re.escape(ep)}\s*\(", program):
         program = meta["prompt"] + program
-    cfg = meta.get("sandbox") or {}
-    limits = limits or SandboxLimits(
-        wall_s=float(cfg.get("wall_s", DEFAULT_LIMITS.wall_s)),
-        cpu_s=int(cfg.get("cpu_s", DEFAULT_LIMITS.cpu_s)),
-        mem_bytes=int(cfg.get("mem_bytes", DEFAULT_LIMITS.mem_bytes)),
+    return program
+
+
+# ---- splitting ------------------------------------------------------------------------------------------
+
+SAFE_FUNCS: dict[str, Callable[..., Any]] = {
+    "abs": abs,
+    "len": len,
+    "round": round,
+    "sorted": sorted,
+    "set": set,
+    "frozenset": frozenset,
+    "list": list,
+    "tuple": tuple,
+    "dict": dict,
+    "sum": sum,
+    "min": min,
+    "max": max,
+    "all": all,
+    "any": any,
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": bool,
+    "isinstance": isinstance,
+    "reversed": lambda x: list(reversed(x)),
+}
+SAFE_TYPES = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": bool,
+    "list": list,
+    "tuple": tuple,
+    "dict": dict,
+}
+SAFE_MATH = {"isclose", "fabs", "sqrt", "floor", "ceil", "isnan", "isinf", "log", "exp", "fsum", "prod"}
+MATH_CONSTS = {"pi", "e", "tau", "inf", "nan"}
+_SAFE_KW = {"rel_tol", "abs_tol", "reverse", "key", "ndigits", "start", "default"}
+
+
+class _Splitter:
+    """Skeleton + holes of one assert's test expression (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.holes: list[ast.expr] = []
+
+    def hole(self, node: ast.expr) -> ast.expr:
+        self.holes.append(node)
+        return ast.Name(f"{HOLE}{len(self.holes) - 1}", ast.Load())
+
+    def split(self, node: ast.expr) -> ast.expr:
+        if isinstance(node, ast.Constant):
+            return node
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            if any(isinstance(e, ast.Starred) for e in node.elts):
+                return self.hole(node)
+            return type(node)(
+                [self.split(e) for e in node.elts], *([ast.Load()] if hasattr(node, "ctx") else [])
+            )
+        if isinstance(node, ast.Dict):
+            keys = [k for k in node.keys if k is not None]
+            if len(keys) != len(node.keys):  # {**x}
+                return self.hole(node)
+            return ast.Dict([self.split(k) for k in keys], [self.split(v) for v in node.values])
+        if isinstance(node, ast.UnaryOp):
+            return ast.UnaryOp(node.op, self.split(node.operand))
+        if isinstance(node, ast.BinOp):
+            return ast.BinOp(self.split(node.left), node.op, self.split(node.right))
+        if isinstance(node, ast.BoolOp):
+            return ast.BoolOp(node.op, [self.split(v) for v in node.values])
+        if isinstance(node, ast.Compare):
+            return ast.Compare(self.split(node.left), node.ops, [self.split(c) for c in node.comparators])
+        if isinstance(node, ast.IfExp):
+            return ast.IfExp(self.split(node.test), self.split(node.body), self.split(node.orelse))
+        if isinstance(node, ast.Subscript):
+            return ast.Subscript(self.split(node.value), self.split(node.slice), ast.Load())
+        if isinstance(node, ast.Slice):
+            return ast.Slice(
+                *(None if p is None else self.split(p) for p in (node.lower, node.upper, node.step))
+            )
+        if isinstance(node, ast.Attribute) and _is_math(node.value) and node.attr in MATH_CONSTS:
+            return node
+        if isinstance(node, ast.Call) and _safe_callee(node.func) and _safe_keywords(node):
+            if isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+                if not _is_isinstance(node):
+                    return self.hole(node)  # isinstance(x, int) / (int, float): the type names stay names
+                return ast.Call(node.func, [self.split(node.args[0]), node.args[1]], [])
+            return ast.Call(
+                node.func,
+                [self.split(a) for a in node.args],
+                [
+                    ast.keyword(k.arg, k.value if k.arg == "key" else self.split(k.value))
+                    for k in node.keywords
+                ],
+            )
+        return self.hole(node)
+
+
+def _is_math(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id == "math"
+
+
+def _is_isinstance(node: ast.Call) -> bool:
+    if not (isinstance(node.func, ast.Name) and node.func.id == "isinstance" and len(node.args) == 2):
+        return False
+    t = node.args[1]
+    elts = t.elts if isinstance(t, ast.Tuple) else [t]
+    return all(isinstance(e, ast.Name) and e.id in SAFE_TYPES for e in elts)
+
+
+def _safe_callee(func: ast.expr) -> bool:
+    if isinstance(func, ast.Name):
+        return func.id in SAFE_FUNCS
+    return isinstance(func, ast.Attribute) and _is_math(func.value) and func.attr in SAFE_MATH
+
+
+def _safe_keywords(node: ast.Call) -> bool:
+    return not any(isinstance(a, ast.Starred) for a in node.args) and all(
+        k.arg in _SAFE_KW and not (k.arg == "key" and not isinstance(k.value, ast.Name))
+        for k in node.keywords
     )
-    res = run_tests(
-        program,
-        tests=list(tests) if tests else None,
-        test_code=test_code,
-        entry_point=entry_point,
-        limits=limits,
+
+
+def split_expr(expr: ast.expr) -> tuple[ast.Expression, list[ast.expr]]:
+    """(skeleton, holes): the skeleton names hole i `__cf_hole_i`."""
+    sp = _Splitter()
+    skeleton = ast.Expression(sp.split(expr))
+    return ast.fix_missing_locations(skeleton), sp.holes
+
+
+@dataclass
+class AssertPlan:
+    skeleton: ast.Expression
+    holes: list[ast.expr]
+    reference: list[bool]  # per hole: mentions no candidate name (its value comes from the reference run)
+    source: str  # for error messages
+
+
+@dataclass
+class Unit:
+    src: str  # what the child runs: the statement with each assert replaced by a recorder call
+    is_test: bool
+    bare: bool  # the statement is one assert (it must run exactly once)
+    asserts: dict[int, AssertPlan] = field(default_factory=dict)
+    error: str | None = None  # unparsable test: it fails
+
+
+@dataclass
+class TestPlan:
+    setup: list[str]  # the test module's prelude (HumanEval: imports, METADATA), run before the units
+    units: list[Unit]
+    total: int
+
+    @property
+    def needs_reference(self) -> bool:
+        return any(
+            (u.is_test and not u.bare) or any(any(a.reference) for a in u.asserts.values())
+            for u in self.units
+        )
+
+
+class _AssertRewriter(ast.NodeTransformer):
+    def __init__(self, candidate_names: set[str], start: int) -> None:
+        self.names = candidate_names
+        self.plans: dict[int, AssertPlan] = {}
+        self.next = start
+
+    def visit_Assert(self, node: ast.Assert) -> ast.stmt:
+        skeleton, holes = split_expr(node.test)
+        aid = self.next
+        self.next += 1
+        reference = [not (_names(h) & self.names) for h in holes]
+        self.plans[aid] = AssertPlan(skeleton, holes, reference, ast.unparse(node)[:200])
+        call = ast.Call(
+            ast.Name(RECORDER, ast.Load()),
+            [ast.Constant(aid), ast.List([ast.Lambda(_no_args(), h) for h in holes], ast.Load())],
+            [],
+        )
+        return ast.copy_location(ast.Expr(call), node)
+
+
+def _no_args() -> ast.arguments:
+    return ast.arguments(
+        posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]
     )
-    if res["timeout"]:
-        return Verdict(0.0, "code_tests", error=f"timeout after {limits.wall_s}s")
-    if res["crash"]:
-        return Verdict(0.0, "code_tests", error=res["crash"])
-    total = int(res["total"])
-    if total == 0:
-        return Verdict(0.0, "code_tests", ok=False, error="no test statements found")
-    detail = {"passed": int(res["passed"]), "total": total}
-    err = "; ".join(res["errors"][:3]) or None
-    return Verdict(res["passed"] / total, "code_tests", error=err, detail=detail)
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def defined_names(program: str) -> set[str]:
+    """Top-level names a program binds (functions, classes, assignments, imports); empty if it does not parse."""
+    try:
+        tree = ast.parse(program)
+    except (SyntaxError, ValueError):
+        return set()
+    out: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        else:
+            out |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return out
+
+
+def plan_tests(
+    tests: list[str] | None, test_code: str | None, entry_point: str | None, candidate_names: set[str]
+) -> TestPlan:
+    """Split the tests into units (as the old runner counted them) and every assert into skeleton + holes."""
+    names = set(candidate_names) | {"candidate"} | ({entry_point} if entry_point else set())
+    setup: list[str] = []
+    stmts: list[ast.stmt | str] = []
+    if tests:
+        for t in tests:
+            try:
+                body = ast.parse(t).body
+            except (SyntaxError, ValueError) as exc:
+                stmts.append(f"SyntaxError: {exc}")
+                continue
+            stmts.append(body[0] if len(body) == 1 else ast.Module(body, []))  # type: ignore[arg-type]
+    else:
+        tree = ast.parse(test_code or "")
+        check = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"), None)
+        if check is None:
+            stmts = list(tree.body)
+        else:
+            setup = [ast.unparse(n) for n in tree.body if n is not check]
+            stmts = list(check.body)
+    units: list[Unit] = []
+    aid = 0
+    for st in stmts:
+        if isinstance(st, str):
+            units.append(Unit("", True, True, error=st))
+            continue
+        is_test = any(isinstance(x, ast.Assert) for x in ast.walk(st))
+        rw = _AssertRewriter(names, aid)
+        new = rw.visit(st)
+        aid = rw.next
+        module = new if isinstance(new, ast.Module) else ast.Module([new], [])
+        src = ast.unparse(ast.fix_missing_locations(module))
+        units.append(Unit(src, is_test, isinstance(st, ast.Assert), rw.plans))
+    return TestPlan(setup, units, sum(u.is_test for u in units))
+
+
+# ---- the values a sandbox returns --------------------------------------------------------------------------
+
+
+class Opaque:
+    """A value the sandbox could not serialize as plain data: it equals nothing and has no truth value."""
+
+    __slots__ = ("type_name",)
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = str(type_name)[:80]
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    def __ne__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return hash(("opaque", self.type_name))
+
+    def __bool__(self) -> bool:
+        raise TypeError(f"a {self.type_name} object returned by the program is not plain data")
+
+    def __repr__(self) -> str:
+        return f"<{self.type_name}>"
+
+
+class DecodeError(ValueError):
+    pass
+
+
+def decode(v: Any, depth: int = 0) -> Any:
+    """Plain data from the child's tagged JSON: lists {"l"}, tuples {"t"}, sets {"s"}, frozensets {"fs"},
+    dicts {"d": pairs}, bytes {"b": hex}, complex {"c"}, big ints {"i": hex}, opaque {"o": type name}."""
+    if depth > 200:
+        raise DecodeError("value nested too deep")
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if not isinstance(v, dict) or len(v) != 1:
+        raise DecodeError("malformed value")
+    (tag, x), d = next(iter(v.items())), depth + 1
+    if tag == "l" and isinstance(x, list):
+        return [decode(e, d) for e in x]
+    if tag == "t" and isinstance(x, list):
+        return tuple(decode(e, d) for e in x)
+    if tag in ("s", "fs") and isinstance(x, list):
+        items = [decode(e, d) for e in x]
+        try:
+            return set(items) if tag == "s" else frozenset(items)
+        except TypeError as exc:
+            raise DecodeError("unhashable set element") from exc
+    if tag == "d" and isinstance(x, list):
+        try:
+            return {decode(p[0], d): decode(p[1], d) for p in x}
+        except (TypeError, IndexError, KeyError) as exc:
+            raise DecodeError("malformed dict") from exc
+    if tag == "b" and isinstance(x, str):
+        return bytes.fromhex(x)
+    if tag == "c" and isinstance(x, list) and len(x) == 2:
+        return complex(float(x[0]), float(x[1]))
+    if tag == "i" and isinstance(x, str):
+        return int(x, 16)
+    if tag == "o":
+        return Opaque(str(x))
+    raise DecodeError(f"unknown tag {tag!r}")
+
+
+# ---- the safe evaluator -------------------------------------------------------------------------------------
+
+_BIN = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+    ast.FloorDiv: lambda a, b: a // b,
+    ast.Mod: lambda a, b: a % b,
+    ast.Pow: lambda a, b: a**b,
+    ast.BitAnd: lambda a, b: a & b,
+    ast.BitOr: lambda a, b: a | b,
+    ast.BitXor: lambda a, b: a ^ b,
+    ast.LShift: lambda a, b: a << b,
+    ast.RShift: lambda a, b: a >> b,
+}
+_CMP = {
+    ast.Eq: lambda a, b: a == b,
+    ast.NotEq: lambda a, b: a != b,
+    ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b,
+    ast.Gt: lambda a, b: a > b,
+    ast.GtE: lambda a, b: a >= b,
+    ast.Is: lambda a, b: a is b,
+    ast.IsNot: lambda a, b: a is not b,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+}
+_MAX_ITEMS = 10_000_000
+
+
+class EvalError(ValueError):
+    pass
+
+
+def _size_guard(op: ast.operator, a: Any, b: Any) -> None:
+    """No huge results from the candidate's values: sequence repetition, powers and shifts are bounded."""
+    if isinstance(op, ast.Mult):
+        for seq, n in ((a, b), (b, a)):
+            if (
+                isinstance(seq, (str, bytes, list, tuple))
+                and isinstance(n, int)
+                and len(seq) * n > _MAX_ITEMS
+            ):
+                raise EvalError("repetition too large")
+    if isinstance(op, ast.Pow) and isinstance(b, int) and isinstance(a, int) and abs(b) > 4096:
+        raise EvalError("power too large")
+    if isinstance(op, ast.LShift) and isinstance(b, int) and b > 65536:
+        raise EvalError("shift too large")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Opaque):
+        raise EvalError(f"{value!r} is not plain data")
+    return value
+
+
+def safe_eval(node: ast.AST, env: dict[str, Any]) -> Any:
+    """Evaluate a skeleton: only the node kinds `split_expr` keeps, over plain data; never runs user code."""
+    ev = safe_eval
+    if isinstance(node, ast.Expression):
+        return ev(node.body, env)
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id in env:
+            return env[node.id]
+        raise EvalError(f"unknown name {node.id}")
+    if isinstance(node, ast.Tuple):
+        return tuple(ev(e, env) for e in node.elts)
+    if isinstance(node, ast.List):
+        return [ev(e, env) for e in node.elts]
+    if isinstance(node, ast.Set):
+        return {_plain(ev(e, env)) for e in node.elts}
+    if isinstance(node, ast.Dict):
+        return {
+            _plain(ev(k, env)): ev(v, env)
+            for k, v in zip(node.keys, node.values, strict=True)
+            if k is not None
+        }
+    if isinstance(node, ast.UnaryOp):
+        x = ev(node.operand, env)
+        if isinstance(node.op, ast.Not):
+            return not x
+        return {ast.USub: lambda v: -v, ast.UAdd: lambda v: +v, ast.Invert: lambda v: ~v}[type(node.op)](
+            _plain(x)
+        )
+    if isinstance(node, ast.BinOp):
+        a, b = _plain(ev(node.left, env)), _plain(ev(node.right, env))
+        _size_guard(node.op, a, b)
+        return _BIN[type(node.op)](a, b)
+    if isinstance(node, ast.BoolOp):
+        value: Any = None
+        for v in node.values:
+            value = ev(v, env)
+            if isinstance(node.op, ast.And) and not value:
+                return value
+            if isinstance(node.op, ast.Or) and value:
+                return value
+        return value
+    if isinstance(node, ast.Compare):
+        left = ev(node.left, env)
+        for op, comp in zip(node.ops, node.comparators, strict=True):
+            right = ev(comp, env)
+            if not _CMP[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.IfExp):
+        return ev(node.body, env) if ev(node.test, env) else ev(node.orelse, env)
+    if isinstance(node, ast.Subscript):
+        return _plain(ev(node.value, env))[_plain(ev(node.slice, env))]
+    if isinstance(node, ast.Slice):
+        return slice(
+            *(None if p is None else _plain(ev(p, env)) for p in (node.lower, node.upper, node.step))
+        )
+    if isinstance(node, ast.Attribute) and _is_math(node.value) and node.attr in MATH_CONSTS:
+        return getattr(math, node.attr)
+    if isinstance(node, ast.Call) and _safe_callee(node.func):
+        func: Any = node.func
+        fn = SAFE_FUNCS[func.id] if isinstance(func, ast.Name) else getattr(math, func.attr)
+        if fn is isinstance:
+            if not _is_isinstance(node):
+                raise EvalError("isinstance against a type that is not a builtin")
+            t: Any = node.args[1]
+            elts: list[Any] = t.elts if isinstance(t, ast.Tuple) else [t]
+            types = tuple(SAFE_TYPES[e.id] for e in elts)
+            return isinstance(ev(node.args[0], env), types)
+        args = [_plain(ev(a, env)) for a in node.args]
+        kwargs: dict[str, Any] = {}
+        for k in node.keywords:
+            kv: Any = k.value
+            if k.arg == "key":  # key=len / key=abs / key=str: only the safe functions
+                if not isinstance(kv, ast.Name) or kv.id not in SAFE_FUNCS:
+                    raise EvalError("key= is not a safe function")
+                kwargs["key"] = SAFE_FUNCS[kv.id]
+            elif k.arg is not None:
+                kwargs[k.arg] = _plain(ev(kv, env))
+        return fn(*args, **kwargs)
+    raise EvalError(f"cannot evaluate {type(node).__name__}")
+
+
+# ---- the score ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What a sandbox run returned: `result` is the child's JSON document, or None when it produced none."""
+
+    result: dict | None
+    status: str = "ok"  # ok | timeout | output_limit | crash
+    detail: str | None = None
+
+
+def _records(run: dict | None, index: int) -> tuple[bool, str | None, dict[int, list]]:
+    units = run.get("units") if isinstance(run, dict) else None
+    if not isinstance(units, list) or index >= len(units) or not isinstance(units[index], dict):
+        return False, "no result for this test", {}
+    u = units[index]
+    recs = u.get("rec") if isinstance(u.get("rec"), dict) else {}
+    out: dict[int, list] = {}
+    for k, occ in recs.items():
+        if isinstance(occ, list):
+            try:
+                out[int(k)] = occ
+            except ValueError:
+                continue
+    return bool(u.get("ok")), (str(u.get("err"))[:300] if u.get("err") else None), out
+
+
+def _hole_value(occ: Any, j: int) -> tuple[bool, Any]:
+    """(ok, value or error) of hole j in one recorded occurrence: [[1, value] | [0, "error"], ...]."""
+    if not isinstance(occ, list) or j >= len(occ) or not isinstance(occ[j], list) or len(occ[j]) != 2:
+        return False, "malformed record"
+    ok, val = occ[j]
+    if ok == 1:
+        try:
+            return True, decode(val)
+        except (DecodeError, ValueError, TypeError) as exc:
+            return False, f"undecodable value: {exc}"
+    return False, str(val)[:300]
+
+
+def score_plan(plan: TestPlan, cand: dict | None, ref: dict | None) -> tuple[int, list[str]]:
+    """Tests passed (decided here, from the returned values alone) and the first errors."""
+    passed, errors = 0, list[str]()
+    for i, unit in enumerate(plan.units):
+        if not unit.is_test:
+            continue
+        err = unit.error or _unit_error(unit, i, cand, ref)
+        if err is None:
+            passed += 1
+        elif len(errors) < 10:
+            errors.append(err[:300])
+    return min(passed, plan.total), errors
+
+
+def _unit_error(unit: Unit, i: int, cand: dict | None, ref: dict | None) -> str | None:
+    ok, err, recs = _records(cand, i)
+    if not ok:
+        return err or "test did not run"
+    ref_ok, _, ref_recs = _records(ref, i) if ref is not None else (False, None, {})
+    ran = 0
+    for aid, ap in unit.asserts.items():
+        occs = recs.get(aid, [])
+        if unit.bare and len(occs) != 1:
+            return f"{ap.source}: ran {len(occs)} times"
+        ref_occs = ref_recs.get(aid, []) if ref_ok else None
+        if ref_occs is not None and len(ref_occs) != len(occs):
+            return f"{ap.source}: ran {len(occs)} times, the reference run {len(ref_occs)}"
+        for n, occ in enumerate(occs):
+            env = {}
+            for j in range(len(ap.holes)):
+                good, val = _hole_value(occ, j)
+                if ap.reference[j] and ref is not None:
+                    rgood, rval = _hole_value(_occ(ref_recs.get(aid), n), j)
+                    if rgood:
+                        good, val = True, rval
+                if not good:
+                    return f"{ap.source}: {val}"
+                env[f"{HOLE}{j}"] = val
+            try:
+                if not _truthy(safe_eval(ap.skeleton, env)):
+                    return f"{ap.source}: assertion failed"
+            except Exception as exc:  # noqa: BLE001 - the returned values did not fit the test
+                return f"{ap.source}: {type(exc).__name__}: {exc}"
+            ran += 1
+    if unit.asserts and ran == 0:
+        return "no assert ran"
+    return None
+
+
+def _occ(occs: Any, n: int) -> Any:
+    return occs[n] if isinstance(occs, list) and n < len(occs) else None
+
+
+def _truthy(value: Any) -> bool:
+    return bool(_plain(value))
+
+
+def job_for(
+    plan: TestPlan, program: str | None, entry_point: str | None, *, stubs: list[str] | None = None
+) -> dict:
+    """The child's job: the program (candidate run) or the trusted prompt (reference run, `stubs` raise)."""
+    return {
+        "program": program,
+        "entry_point": entry_point,
+        "stubs": stubs or [],
+        "setup": plan.setup,
+        "units": [u.src for u in plan.units],
+        "seed": 1234,
+    }
+
+
+Executor = Callable[[dict, SandboxSettings], Outcome]
+
+
+def run_plan(program: str, meta: dict, execute: Executor, settings: SandboxSettings) -> dict:
+    """Run the tests of `meta` on `program` through `execute`; {"passed", "total", "errors", "timeout", "crash"}."""
+    tests = meta.get("tests") or meta.get("given_tests")
+    entry_point = meta.get("entry_point")
+    try:
+        plan = plan_tests(
+            list(tests) if tests else None, meta.get("test"), entry_point, defined_names(program)
+        )
+    except (SyntaxError, ValueError) as exc:
+        return {
+            "passed": 0,
+            "total": 0,
+            "errors": [f"tests do not parse: {exc}"],
+            "timeout": False,
+            "crash": None,
+        }
+    base = {"passed": 0, "total": plan.total, "errors": [], "timeout": False, "crash": None}
+    cand = execute(job_for(plan, program, entry_point), settings)
+    if cand.status == "timeout":
+        return {**base, "timeout": True}
+    if cand.status != "ok" or cand.result is None:
+        return {**base, "crash": f"{cand.status}: {cand.detail or ''}".strip()}
+    perr = cand.result.get("program_error") if isinstance(cand.result, dict) else "malformed result"
+    if perr:
+        return {**base, "errors": [f"program: {str(perr)[:500]}"]}
+    ref = None
+    if plan.needs_reference:
+        stubs = ["candidate"] + ([entry_point] if entry_point else [])
+        r = execute(
+            job_for(plan, meta.get("prompt") if entry_point else None, entry_point, stubs=stubs), settings
+        )
+        ref = r.result if r.status == "ok" and isinstance(r.result, dict) else {"units": []}
+    passed, errors = score_plan(plan, cand.result, ref)
+    return {**base, "passed": passed, "errors": errors}
+
+
+def code_tests_with(execute: Executor, settings: Callable[[], SandboxSettings]) -> Callable[..., Verdict]:
+    """The `code_tests` verifier over an executor (trainer.sandbox registers it): fraction of tests passed."""
+
+    def code_tests(output: str, meta: dict, limits: SandboxSettings | None = None) -> Verdict:
+        if not (meta.get("tests") or meta.get("given_tests")) and not meta.get("test"):
+            return Verdict(
+                0.0, "code_tests", ok=False, error="no tests in meta (tests or test + entry_point)"
+            )
+        s = limits or settings()
+        cfg = meta.get("sandbox") or {}
+        if cfg:
+            s = s.model_copy(update={k: cfg[k] for k in ("wall_s", "cpu_s", "mem_bytes") if k in cfg})
+        res = run_plan(program_for(output, meta), meta, execute, s)
+        if res["timeout"]:
+            return Verdict(0.0, "code_tests", error=f"timeout after {s.wall_s}s")
+        if res["crash"]:
+            return Verdict(0.0, "code_tests", error=res["crash"][:500])
+        total = int(res["total"])
+        if total == 0:
+            return Verdict(0.0, "code_tests", ok=False, error="no test statements found")
+        passed = max(0, min(int(res["passed"]), total))
+        err = "; ".join(res["errors"][:3]) or None
+        return Verdict(passed / total, "code_tests", error=err, detail={"passed": passed, "total": total})
+
+    return code_tests

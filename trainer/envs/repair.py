@@ -2,7 +2,7 @@
 each a description, a buggy implementation and 4 assert tests).
 
 Each turn the model writes a whole corrected function in a ```python fenced block (generation stops at the
-closing fence). The env runs the tests on it in pipeline.verifiers' sandbox and answers with the result
+closing fence). The env runs the tests on it in trainer.sandbox (bubblewrap) and answers with the result
 (`Tests passed: 2/4` and the first failures), until every test passes or the K-turn budget (meta
 `max_turns`, default 3) is spent. A turn without a code block keeps the previous program (no progress).
 
@@ -37,9 +37,10 @@ def repair_tasks() -> list[dict]:
 
 
 def run_program(program: str, tests: list[str], wall_s: float = 10.0) -> dict:
-    from pipeline.verifiers.code import SandboxLimits, run_tests
+    from trainer.sandbox import current_settings, run_tests
 
-    return run_tests(program, tests=tests, limits=SandboxLimits(wall_s=wall_s, cpu_s=int(max(wall_s, 1))))
+    limits = current_settings().model_copy(update={"wall_s": wall_s, "cpu_s": int(max(wall_s, 1))})
+    return run_tests(program, tests=tests, limits=limits)
 
 
 @register("code_repair")
