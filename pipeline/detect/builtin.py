@@ -8,8 +8,9 @@ The query rules (issue 24):
   (NFKC, then Search-R1's normalize_answer). An empty normalised query (`search[!!!]`) is never a loop.
 - near repetition (0.5): only free-text queries of query actions, compared by their text alone (not the tool
   name) with an earlier query of the same action: n-gram Jaccard >= `jaccard`, current query >= `min_len`
-  chars, and never two queries whose identifiers or numbers differ (`text.identifiers`: L1001 vs L1002,
-  1914 vs 1915, JFK vs SEA). Query tools of tool-calling agents: `search` and `lookup`, plus the tools named in
+  chars, never two queries whose identifiers or numbers differ (`text.identifiers`: L1001 vs L1002,
+  1914 vs 1915, JFK vs SEA), and never a query that adds a content word the earlier one lacks (a refinement:
+  "... extraction 2015 cast" after "... extraction 2015"; `detect.near_refinements` lifts this). Query tools of tool-calling agents: `search` and `lookup`, plus the tools named in
   `detect.query_tools`; their query text is their string arguments.
 """
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pipeline.detect.registry import DetectSettings, Hit, StepView, TrajView, detector
-from pipeline.detect.text import identifiers, jaccard, mask_think, ngrams, normalize_query
+from pipeline.detect.text import content_words, identifiers, jaccard, mask_think, ngrams, normalize_query
 from pipeline.render import canonical_arguments, tool_call_spans
 
 QUERY_ACTIONS = ("search", "lookup")  # actions whose argument is a free-text query, in every format
@@ -281,7 +282,7 @@ def query_loop(traj: TrajView, settings: DetectSettings):
     threshold against an earlier query of the same action, >= min_len chars and the same identifiers and
     numbers (near_repetition, 0.5). See the module doc."""
     earlier: dict[tuple[str, str], int] = {}  # (name, normalised query or canonical call) -> first turn
-    grams: dict[str, list[tuple[str, int, frozenset, frozenset]]] = {}  # name -> (query, turn, grams, ids)
+    grams: dict[str, list[tuple]] = {}  # name -> (query, turn, grams, identifiers, content words)
     for step in traj.assistant_steps():
         parsed = parse_step(traj, step, settings)
         if not parsed:
@@ -314,13 +315,16 @@ def query_loop(traj: TrajView, settings: DetectSettings):
                 continue
             g = ngrams(q, settings.ngram_n, settings.ngram_unit)
             ids = identifiers(act.query)
-            current.append((key, (q, g, ids)))
+            words = content_words(q)
+            current.append((key, (q, g, ids, words)))
             if len(q) < settings.min_len:
                 continue
             best, best_q, best_t = -1.0, "", 0
-            for q2, t2, g2, ids2 in grams.get(act.name, ()):
+            for q2, t2, g2, ids2, words2 in grams.get(act.name, ()):
                 if ids2 != ids:
                     continue  # other identifiers or numbers: another question, however alike the letters
+                if not settings.near_refinements and not words <= words2:
+                    continue  # it adds a word: a refinement of the earlier query, not a repeat
                 j = jaccard(g, g2)
                 if j > best:
                     best, best_q, best_t = j, q2, t2
@@ -345,4 +349,4 @@ def query_loop(traj: TrajView, settings: DetectSettings):
             if key not in earlier:
                 earlier[key] = turn
                 if text is not None:
-                    grams.setdefault(key[0], []).append((text[0], turn, text[1], text[2]))
+                    grams.setdefault(key[0], []).append((text[0], turn, *text[1:]))

@@ -49,6 +49,11 @@ class DetectSettings(StageSettings):
         8, ge=0, description="near repetition needs the current normalised query to have >= this many chars"
     )
     jaccard: float = Field(0.9, ge=0.0, le=1.0, description="near repetition: n-gram Jaccard threshold")
+    near_refinements: bool = Field(
+        False,
+        description="near repetition also matches a query that adds a content word the earlier one lacks "
+        "(false: such a refinement is never a near repetition; reorderings, inflections and dropped words are)",
+    )
     exclude_think: bool = Field(
         True, description="text inside <think>...</think> is neither parsed nor part of a turn span"
     )

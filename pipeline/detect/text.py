@@ -49,6 +49,21 @@ def identifiers(s: str) -> frozenset[str]:
     return frozenset(out)
 
 
+_STOP = frozenset(
+    "a an the of in on at to for from by with and or is are was were be which what who whom whose when where "
+    "how did does do".split()
+)
+
+
+def content_words(normalised: str) -> frozenset[str]:
+    """The content words of a normalised query, lightly stemmed (a trailing s dropped), stop words left out:
+    a query whose words are all among an earlier query's re-asks it (reordered, inflected, shortened); one that
+    adds a word refines it."""
+    return frozenset(
+        w[:-1] if len(w) > 3 and w.endswith("s") else w for w in normalised.split() if w not in _STOP
+    )
+
+
 def ngrams(s: str, n: int = 3, unit: str = "char") -> frozenset:
     """Character (or word) n-grams of a normalised string; a string shorter than n is its own single gram."""
     items = list(s) if unit == "char" else s.split()
