@@ -520,17 +520,21 @@ def token_rejects(steps: pa.Table, vocab_size: int | None = None, vocab_note: st
         col = steps.column(column).combine_chunks()
         if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
             return
-        flat = pc.list_flatten(col)
+        # the child values between the first and last offset (a null list may still own values: they are
+        # not data, so they are masked out, not skipped, to keep each value's parent row exact)
+        offsets = col.offsets.to_numpy().astype(np.int64)
+        flat = col.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
         if not (pa.types.is_integer(flat.type) or pa.types.is_floating(flat.type)) or not len(flat):
             return
-        parents = pc.list_parent_indices(col).to_numpy()
+        parents = np.repeat(np.arange(len(col)), np.diff(offsets))
         values = flat.to_numpy(zero_copy_only=False)
         bad = bad_of(values, parents) | pc.is_null(flat).to_numpy(zero_copy_only=False)
+        bad &= col.is_valid().to_numpy(zero_copy_only=False)[parents]
         if not bad.any():
             return
         hit = np.flatnonzero(bad)
         rows, first = np.unique(parents[hit], return_index=True)
-        row_start = np.searchsorted(parents, rows)
+        row_start = offsets[rows] - offsets[0]
         for row, k, start in zip(rows.tolist(), hit[first].tolist(), row_start.tolist(), strict=True):
             if row in out:
                 continue
