@@ -46,9 +46,10 @@ class ToyEnv(RolloutEnv):
         return out
 
     def parse(self, action: str) -> str | None:
-        """The action word of a generated text (None: not an action -> an invalid turn)."""
-        word = action.strip()
-        return word if word in self.actions else None
+        """The action of a generated text: its first word when that is an action (None: an invalid turn). With
+        the env's word tokenizer the text is one word; a subword model (SmolLM2) may write more after it."""
+        words = action.split(maxsplit=1)
+        return words[0] if words and words[0] in self.actions else None
 
     # ---- state ------------------------------------------------------------------------------------------
     def start(self, meta: dict) -> dict:
