@@ -1,24 +1,37 @@
-"""Export layouts for the RL frameworks people run. Each turns the flat per-trajectory batch (one row per
-trajectory: input_ids, loss_mask, old_logprobs, advantages, values, returns, turn_ids) into the padded arrays
-the framework's update consumes, whole-column (NumPy fancy indexing over the flat tokens, no loop over tokens).
+"""Export layouts for the RL frameworks people run, as each one's current code lays out a training batch. Each
+turns the flat per-trajectory batch (one row per trajectory: input_ids, loss_mask, old_logprobs, advantages,
+values, returns, turn_ids) into the padded arrays the framework's update consumes, whole-column (boolean-mask
+assignment of the flat tokens, no loop over tokens).
 
 The prompt of a trajectory is everything before its first trained (assistant) token; the response is the
-rest, so tool and user tokens between turns sit inside the response with mask 0, as in verl's and SkyRL's
-multi-turn rollouts.
+rest, so tool and user tokens between turns sit inside the response with mask 0, as in verl's, OpenRLHF's and
+SkyRL's multi-turn rollouts.
 
-- verl:     prompts (left-padded), responses (right-padded), input_ids = [prompts | responses],
-            attention_mask, position_ids, response_mask, old_log_probs, advantages, returns, values, uid,
-            token_level_scores (the trajectory reward on its last real response token, so `creditflow ingest
-            -f verl-batch` reads an export back)
-- openrlhf: sequences (left-padded prompt + right-padded response), attention_mask, action_mask (over the
-            last `num_actions` positions), action_log_probs, advantages, returns, values, action_ranges
-            (per turn [start, end) within the response, padded with -1)
-- skyrl:    sequences, attention_mask, loss_mask (assistant tokens of the response), response_mask (every
-            real response token), action_log_probs, advantages, returns, values
-Arrays are C-contiguous NumPy of one padded length, saved with `np.savez` (no pickle), so
-`torch.from_numpy(np.load(f)[k])` needs no copy."""
+- verl (0.9, `DataProto.batch` of `RayPPOTrainer.fit`): prompts (left-padded), responses (right-padded to the
+  run's `rollout.response_length` when given, else the longest; longer ones are cut), input_ids = [prompts |
+  responses], attention_mask, position_ids, response_mask, old_log_probs, advantages, returns, values,
+  token_level_scores (the reward where `reward_columns` puts it), uid (the group id), key (`sample_keys`: what
+  a live run looks a sample up by, since `fit()` gives every sample a fresh uuid each step)
+- openrlhf (0.11, `Experience` after `concat_experiences`): sequences (whole sequence, right-padded),
+  attention_mask, action_mask of shape (B, T-1) shifted by one (action_mask[:, j] says whether token j + 1 is
+  trained; it lines up with the log-probs the actor's forward returns), rollout_log_probs, advantages, returns,
+  values (all (B, T-1)), rewards (B,), response_length, total_length, action_ranges ([start, end) per turn in
+  sequence positions, as OpenRLHF's agent returns them; -1 padded)
+- skyrl (0.3, `convert_prompts_responses_to_batch_tensors`): sequences (whole sequence, left-padded),
+  attention_mask, response_mask (int64) and the response tensors right-aligned in (B, max response length):
+  loss_mask (float32), rollout_logprobs, rewards, advantages, returns, values (float32)
+Every layout also carries traj_id, uid and key. Arrays are C-contiguous NumPy, saved with `np.savez` layout
+(no pickle), so `torch.from_numpy(np.load(f)[k])` needs no copy.
+
+Reward placement (one rule, shared with the GAE estimator, `pipeline/credit/methods/gae.py` Eq. 1): the
+outcome reward sits on the trajectory's last trained (assistant, mask 1) token, never on a trailing
+observation token: verl's `compute_gae_advantage_return` carries `lastgaelam` through mask-0 tokens, so a
+reward on an observation token would be dropped there. A row without trained tokens gets it on its last
+token."""
 
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 import pyarrow as pa
@@ -38,7 +51,8 @@ def _flat(table: pa.Table, name: str, dtype, fill=0) -> np.ndarray:
 
 
 def _geometry(table: pa.Table):
-    """Per-row lengths and prompt lengths, the flat loss mask, and which flat tokens are prompt tokens."""
+    """Per-row lengths, starts and prompt lengths, the flat loss mask, and each flat token's position in its
+    row."""
     lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
     starts = np.cumsum(lengths) - lengths
     mask = _flat(table, "loss_mask", np.int8)
@@ -48,116 +62,217 @@ def _geometry(table: pa.Table):
     k = np.searchsorted(trained, starts)
     first = np.append(trained, np.iinfo(np.int64).max)[k] - starts
     prompt_len = np.minimum(first, lengths)
-    # each row is prompt_len prompt tokens then the rest: one run of True then one of False per row
-    in_prompt = np.repeat(
-        np.tile(np.array([True, False]), len(lengths)),
-        np.column_stack([prompt_len, lengths - prompt_len]).ravel(),
-    )
-    return lengths, starts, mask, prompt_len, in_prompt
+    local = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
+    return lengths, starts, mask, prompt_len, local
 
 
-def to_padded(table: pa.Table, layout: str, pad_token_id: int = 0) -> dict[str, np.ndarray]:
+def _place(flat: np.ndarray, offset: np.ndarray, count: np.ndarray, width: int, dtype, fill=0) -> np.ndarray:
+    """(rows, width) array with row r's `count[r]` values at columns offset[r] .. offset[r] + count[r] - 1:
+    `flat` holds exactly those values, row after row. The cells are in row-major order, so one boolean-mask
+    assignment fills them (no per-token index arrays)."""
+    cols = np.arange(width)[None, :]
+    cells = (cols >= offset[:, None]) & (cols < (offset + count)[:, None])
+    out = np.full((len(offset), width), fill, dtype=dtype)
+    out[cells] = flat
+    return out
+
+
+def reward_columns(mask: np.ndarray, last_real: np.ndarray) -> np.ndarray:
+    """The reward placement rule on laid-out rows: per row of a (rows, width) loss mask, the column of its last
+    trained token, else `last_real` (the row's last real column)."""
+    width = mask.shape[1]
+    if width == 0:
+        return np.zeros(len(mask), dtype=np.int64)
+    trained = mask != 0
+    last = width - 1 - np.argmax(trained[:, ::-1], axis=1)
+    return np.where(trained.any(axis=1), last, np.maximum(last_real, 0)).astype(np.int64)
+
+
+def sample_key(prompt_ids, response_ids) -> str:
+    """The stable key of one sample: a hash of its prompt and response token ids (what a trainer still has when
+    its per-step uids are fresh). Any integer sequences; the same ids give the same key."""
+    p = np.asarray(prompt_ids, dtype="<i8")
+    r = np.asarray(response_ids, dtype="<i8")
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.int64(len(p)).astype("<i8").tobytes())
+    h.update(p.tobytes())
+    h.update(r.tobytes())
+    return h.hexdigest()
+
+
+def sample_keys(
+    ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray, prompt_len: np.ndarray
+) -> np.ndarray:
+    """`sample_key` of every row of a flat batch (one hash per row, not per token)."""
+    ids = np.ascontiguousarray(ids, dtype="<i8")
+    out = [
+        sample_key(ids[s : s + p], ids[s + p : s + n])
+        for s, n, p in zip(starts.tolist(), lengths.tolist(), prompt_len.tolist(), strict=True)
+    ]
+    return np.asarray(out, dtype="U32")
+
+
+def to_padded(
+    table: pa.Table,
+    layout: str,
+    pad_token_id: int = 0,
+    response_length: int | None = None,
+    prompt_length: int | None = None,
+) -> dict[str, np.ndarray]:
+    """The batch in a framework's layout. `response_length` / `prompt_length` (verl only): pad (and, for
+    responses, cut) to the run's `data.max_response_length` / `data.max_prompt_length`."""
     if layout not in LAYOUTS or layout == "flat":
         raise ValueError(f"unknown padded layout {layout!r}; one of {LAYOUTS[1:]}")
-    lengths, starts, mask, prompt_len, in_prompt = _geometry(table)
+    if layout != "verl" and (response_length is not None or prompt_length is not None):
+        raise ValueError("response_length / prompt_length apply to the verl layout only")
+    lengths, starts, mask, prompt_len, local = _geometry(table)
     n = len(lengths)
     resp_len = lengths - prompt_len
-    P = int(prompt_len.max()) if n else 0
-    R = max(int(resp_len.max()) if n else 0, 1)
-    # the real tokens of a padded row, in row-major order, are exactly the flat tokens in order: boolean-mask
-    # assignment fills them with one compress + one copy per array (no per-token index arrays)
-    p_real = np.arange(P)[None, :] >= (P - prompt_len)[:, None]  # left-padded prompt
-    r_real = np.arange(R)[None, :] < resp_len[:, None]  # right-padded response
-    in_resp = ~in_prompt
-
-    def prompt_side(flat: np.ndarray, dtype, fill=0) -> np.ndarray:
-        out = np.full((n, P), fill, dtype=dtype)
-        out[p_real] = flat[in_prompt]
-        return out
-
-    def resp_side(flat: np.ndarray, dtype, fill=0) -> np.ndarray:
-        out = np.full((n, R), fill, dtype=dtype)
-        out[r_real] = flat[in_resp]
-        return out
-
-    def resp(name: str, dtype=np.float32) -> np.ndarray:
-        return resp_side(_flat(table, name, dtype), dtype)
-
     ids = _flat(table, "input_ids", np.int64)
-    prompts = prompt_side(ids, np.int64, pad_token_id)
-    responses = resp_side(ids, np.int64, pad_token_id)
-    response_real = r_real.astype(np.int64)
-    response_mask = resp_side(mask, np.int64)
-    old_lp, adv = resp("old_logprobs"), resp("advantages")
     has_returns = table.column("returns").null_count < table.num_rows
-    returns = resp("returns") if has_returns else np.zeros((n, R), np.float32)
-    values = (
-        resp("values") if table.column("values").null_count < table.num_rows else np.zeros((n, R), np.float32)
-    )
-    sequences = np.concatenate([prompts, responses], axis=1)
-    attention = np.concatenate([p_real, r_real], axis=1).astype(np.int64)
-    uid = np.asarray(table.column("group_id").to_pylist(), dtype=np.str_)
-    traj_id = np.asarray(table.column("traj_id").to_pylist(), dtype=np.str_)
-    common = {"uid": uid, "traj_id": traj_id}
+    has_values = table.column("values").null_count < table.num_rows
+    floats = {
+        "old_logprobs": _flat(table, "old_logprobs", np.float32),
+        "advantages": _flat(table, "advantages", np.float32),
+        "returns": _flat(table, "returns", np.float32) if has_returns else None,
+        "values": _flat(table, "values", np.float32) if has_values else None,
+    }
+    reward = table.column("reward").to_numpy(zero_copy_only=False).astype(np.float32)
+    common = {
+        "uid": np.asarray(table.column("group_id").to_pylist(), dtype=np.str_),
+        "traj_id": np.asarray(table.column("traj_id").to_pylist(), dtype=np.str_),
+        "key": sample_keys(ids, starts, lengths, prompt_len),
+    }
     if layout == "verl":
-        # = clip(cumsum(attention) - 1, 0): the real tokens of a row are one contiguous block starting at
-        # P - prompt_len, so position j counts j - (P - prompt_len), held at 0 before it and at len - 1 after it
-        position_ids = np.arange(P + R, dtype=np.int64)[None, :] - (P - prompt_len)[:, None]
-        np.clip(position_ids, 0, np.maximum(lengths - 1, 0)[:, None], out=position_ids)
-        # verl's outcome reward: the scalar on the last real response token (as its reward managers place it)
-        scores = np.zeros((n, R), dtype=np.float32)
-        scores[np.arange(n), np.maximum(resp_len - 1, 0)] = table.column("reward").to_numpy(
-            zero_copy_only=False
-        )
-        return {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": sequences,
-            "attention_mask": attention,
-            "position_ids": position_ids,
-            "response_mask": response_mask,
-            "old_log_probs": old_lp,
-            "advantages": adv,
-            "returns": returns,
-            "values": values,
-            "token_level_scores": scores,
-            **common,
-        }
+        return _verl(ids, mask, floats, reward, common, lengths, prompt_len, local, pad_token_id,
+                     response_length, prompt_length)  # fmt: skip
     if layout == "openrlhf":
+        T = int(lengths.max()) if n else 0
+        zero = np.zeros(n, dtype=np.int64)
+        shifted = local >= 1  # the (B, T-1) arrays: token j + 1 of a row at column j
+        n_shift = np.maximum(lengths - 1, 0)
+        A = max(T - 1, 0)
+
+        def action(flat, dtype=np.float32):
+            return (
+                _place(flat[shifted], zero, n_shift, A, dtype)
+                if flat is not None
+                else np.zeros((n, A), dtype)
+            )
+
+        action_mask = action(mask, np.int64)
+        # OpenRLHF's response_length: from the first to the last action token (0 without any)
+        on = action_mask != 0
+        any_on = on.any(1)
+        first_on = np.argmax(on, 1) if A else np.zeros(n, np.int64)
+        last_on = A - 1 - np.argmax(on[:, ::-1], 1) if A else np.zeros(n, np.int64)
+        first_on, last_on = np.where(any_on, first_on, 0), np.where(any_on, last_on, -1)
         return {
-            "sequences": sequences,
-            "attention_mask": attention,
-            "action_mask": response_mask,
-            "action_log_probs": old_lp,
-            "advantages": adv,
-            "returns": returns,
-            "values": values,
-            "action_ranges": _action_ranges(table, starts, prompt_len, in_resp, n),
-            "num_actions": np.asarray(R, dtype=np.int64),
+            "sequences": _place(ids, zero, lengths, T, np.int64, pad_token_id),
+            "attention_mask": _place(np.ones(len(ids), np.int64), zero, lengths, T, np.int64),
+            "action_mask": action_mask,
+            "rollout_log_probs": action(floats["old_logprobs"]),
+            "advantages": action(floats["advantages"]),
+            "returns": action(floats["returns"]),
+            "values": action(floats["values"]),
+            "rewards": reward,
+            "response_length": (last_on - first_on + 1).astype(np.int64),
+            "total_length": lengths.astype(np.int64),
+            "action_ranges": _action_ranges(table, starts, local, n),
             **common,
         }
+    # skyrl: one left-padded block per row, the response tensors right-aligned in (B, max response)
+    T = int(lengths.max()) if n else 0
+    R = int(resp_len.max()) if n else 0
+    in_resp = local >= np.repeat(prompt_len, lengths)
+    r_off = R - resp_len
+
+    def resp(flat, dtype=np.float32):
+        return (
+            _place(flat[in_resp], r_off, resp_len, R, dtype) if flat is not None else np.zeros((n, R), dtype)
+        )
+
+    loss_mask = resp(mask, np.float32)
+    rewards = np.zeros((n, R), np.float32)
+    if n and R:  # right-aligned rows: the last real column is R - 1
+        rewards[np.arange(n), reward_columns(loss_mask, np.full(n, R - 1))] = np.where(
+            resp_len > 0, reward, 0
+        )
     return {
-        "sequences": sequences,
-        "attention_mask": attention,
-        "loss_mask": response_mask,
-        "response_mask": response_real,
-        "action_log_probs": old_lp,
-        "advantages": adv,
-        "returns": returns,
-        "values": values,
+        "sequences": _place(ids, T - lengths, lengths, T, np.int64, pad_token_id),
+        "attention_mask": _place(np.ones(len(ids), np.int64), T - lengths, lengths, T, np.int64),
+        "response_mask": _place(np.ones(int(in_resp.sum()), np.int64), r_off, resp_len, R, np.int64),
+        "loss_mask": loss_mask,
+        "rollout_logprobs": resp(floats["old_logprobs"]),
+        "rewards": rewards,
+        "advantages": resp(floats["advantages"]),
+        "returns": resp(floats["returns"]),
+        "values": resp(floats["values"]),
         **common,
     }
 
 
-def _action_ranges(
-    table: pa.Table, starts: np.ndarray, prompt_len: np.ndarray, in_resp: np.ndarray, n: int
-) -> np.ndarray:
-    """Per row and turn k (1-based turn id), the [start, end) response columns of turn k's tokens: from the
-    first to one past the last token of that turn, -1 where the row has no turn k. Computed on runs: a run is a
-    stretch of consecutive response tokens of one row with one turn id; per (row, turn) the min start / max end
-    over its runs (a few per turn, not one update per token)."""
+def _verl(ids, mask, floats, reward, common, lengths, prompt_len, local, pad_token_id, response_length,
+          prompt_length):  # fmt: skip
+    n = len(lengths)
+    resp_len = lengths - prompt_len
+    P = int(prompt_len.max()) if n else 0
+    if prompt_length is not None:
+        if prompt_length < P:
+            raise ValueError(f"a prompt has {P} tokens, more than prompt_length {prompt_length}")
+        P = int(prompt_length)
+    R = max(int(resp_len.max()) if n else 0, 1) if response_length is None else int(response_length)
+    kept = np.minimum(
+        resp_len, R
+    )  # a response longer than the run's response_length is cut, as verl's rollout
+    pos_in_resp = local - np.repeat(prompt_len, lengths)
+    in_prompt = pos_in_resp < 0
+    in_resp = ~in_prompt & (pos_in_resp < R)
+    zero = np.zeros(n, dtype=np.int64)
+
+    def resp(flat, dtype=np.float32, fill=0):
+        return (
+            _place(flat[in_resp], zero, kept, R, dtype, fill) if flat is not None else np.zeros((n, R), dtype)
+        )
+
+    prompts = _place(ids[in_prompt], P - prompt_len, prompt_len, P, np.int64, pad_token_id)
+    responses = resp(ids, np.int64, pad_token_id)
+    response_mask = resp(mask, np.int64)
+    p_real = np.arange(P)[None, :] >= (P - prompt_len)[:, None]
+    r_real = np.arange(R)[None, :] < kept[:, None]
+    attention = np.concatenate([p_real, r_real], axis=1).astype(np.int64)
+    # = clip(cumsum(attention) - 1, 0): the real tokens of a row are one contiguous block starting at
+    # P - prompt_len, so position j counts j - (P - prompt_len), held at 0 before it and at the last after it
+    real = prompt_len + kept
+    position_ids = np.arange(P + R, dtype=np.int64)[None, :] - (P - prompt_len)[:, None]
+    np.clip(position_ids, 0, np.maximum(real - 1, 0)[:, None], out=position_ids)
+    scores = np.zeros((n, R), dtype=np.float32)
+    if n and R:
+        scores[np.arange(n), reward_columns(response_mask, kept - 1)] = np.where(real > 0, reward, 0)
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": np.concatenate([prompts, responses], axis=1),
+        "attention_mask": attention,
+        "position_ids": position_ids,
+        "response_mask": response_mask,
+        "old_log_probs": resp(floats["old_logprobs"]),
+        "advantages": resp(floats["advantages"]),
+        "returns": resp(floats["returns"]),
+        "values": resp(floats["values"]),
+        "token_level_scores": scores,
+        **common,
+    }
+
+
+def _action_ranges(table: pa.Table, starts: np.ndarray, local: np.ndarray, n: int) -> np.ndarray:
+    """Per row and turn k (1-based turn id), the [start, end) sequence positions of turn k's tokens: from the
+    first to one past the last token of that turn, -1 where the row has no turn k (OpenRLHF's agent returns
+    `action_ranges` in these coordinates). Computed on runs: a run is a stretch of consecutive tokens of one
+    row with one turn id; per (row, turn) the min start / max end over its runs (a few per turn, not one update
+    per token)."""
     turn = _flat(table, "turn_ids", np.int32)
-    pos = np.flatnonzero(in_resp & (turn > 0))  # response tokens with a turn id, in (row, column) order
+    pos = np.flatnonzero(turn > 0)  # trained tokens with a turn id, in (row, column) order
     t = turn[pos]
     max_turn = int(t.max()) if len(t) else 0
     ranges = np.full((n, max(max_turn, 1), 2), -1, dtype=np.int64)
@@ -170,12 +285,11 @@ def _action_ranges(
     first = np.flatnonzero(brk)
     last = np.append(first[1:], len(pos)) - 1
     row = np.searchsorted(starts, pos[first], side="right") - 1
-    base = (starts + prompt_len)[row]
     key = row * max_turn + (t[first] - 1)
     start = np.full(n * max_turn, np.iinfo(np.int64).max, dtype=np.int64)
     end = np.full(n * max_turn, -1, dtype=np.int64)
-    np.minimum.at(start, key, pos[first] - base)
-    np.maximum.at(end, key, pos[last] - base + 1)
+    np.minimum.at(start, key, local[pos[first]])
+    np.maximum.at(end, key, local[pos[last]] + 1)
     present = end >= 0
     ranges.reshape(-1, 2)[present] = np.column_stack([start[present], end[present]])
     return ranges

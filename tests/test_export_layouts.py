@@ -29,7 +29,7 @@ def _batch(rows_spec, with_returns=False):
                 method="m",
                 traj_id=f"t{i}",
                 group_id=f"g{i // 2}",
-                reward=1.0,
+                reward=float(i % 3) - 0.5,
                 input_ids=ids,
                 loss_mask=mask,
                 old_logprobs=lp,
@@ -106,56 +106,101 @@ def test_verl_layout_alignment(spec):
         rows, a["responses"], a["advantages"], a["old_log_probs"], a["response_mask"], lambda r, j: j
     )
     assert list(a["uid"]) == [row["group_id"] for row in rows]
+    for r, row in enumerate(rows):  # the reward on the last trained token (the GAE estimator's placement)
+        p = _prompt_len(row["loss_mask"])
+        if len(row["input_ids"]) > p:
+            assert a["token_level_scores"][r, _reward_token(row) - p] == np.float32(row["reward"])
     # every advantage of the batch is somewhere, and nowhere else
     assert np.isclose(
         a["advantages"].sum(), sum(sum(np.float32(x) for x in row["advantages"]) for row in rows), atol=1e-3
     )
 
 
+def _reward_token(row):
+    """The shared placement: the last trained token, else the last token."""
+    mask = row["loss_mask"]
+    trained = [j for j, m in enumerate(mask) if m]
+    return trained[-1] if trained else len(mask) - 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(segments, min_size=1, max_size=5), st.integers(0, 8))
+def test_verl_layout_pads_and_cuts_to_the_runs_response_length(spec, extra):
+    table, rows = _batch([_with_turns(s) for s in spec])
+    full = to_padded(table, "verl")
+    R0 = full["responses"].shape[1]
+    for R in (R0 + extra, max(R0 - extra, 1)):
+        a = to_padded(table, "verl", response_length=R, prompt_length=full["prompts"].shape[1] + extra)
+        assert a["responses"].shape == (len(rows), R)
+        assert a["prompts"].shape[1] == full["prompts"].shape[1] + extra
+        k = min(R, R0)
+        for key in ("responses", "response_mask", "advantages", "old_log_probs"):
+            assert np.array_equal(a[key][:, :k], full[key][:, :k]) and not a[key][:, k:].any()
+        assert list(a["key"]) == list(full["key"])  # the key names the sample, whatever the padding
+        for r, row in enumerate(rows):
+            p = _prompt_len(row["loss_mask"])
+            kept = min(len(row["input_ids"]) - p, R)
+            assert a["attention_mask"][r].sum() == p + kept
+            # the reward on the last trained token that survived the cut, else the last kept token
+            trained = np.flatnonzero(a["response_mask"][r])
+            col = trained[-1] if len(trained) else max(kept - 1, 0)
+            if p + kept:
+                assert a["token_level_scores"][r, col] == np.float32(row["reward"])
+            assert np.count_nonzero(a["token_level_scores"][r]) == (row["reward"] != 0 and p + kept > 0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(segments, min_size=1, max_size=5))
 def test_openrlhf_layout_alignment(spec):
+    """OpenRLHF 0.11: whole sequences right-padded; (B, T-1) arrays shifted by one token."""
     table, rows = _batch([_with_turns(s) for s in spec])
     a = to_padded(table, "openrlhf")
     n, T = a["sequences"].shape
-    A = int(a["num_actions"])
-    # action i of the response is token T - A + i of the sequence
-    _check_response_side(
-        rows,
-        a["sequences"][:, T - A :],
-        a["advantages"],
-        a["action_log_probs"],
-        a["action_mask"],
-        lambda r, j: j,
+    assert (
+        a["action_mask"].shape == a["advantages"].shape == a["rollout_log_probs"].shape == (n, max(T - 1, 0))
     )
     for r, row in enumerate(rows):
-        p = _prompt_len(row["loss_mask"])
-        turns = row["turn_ids"][p:]
+        L = len(row["input_ids"])
+        assert a["sequences"][r, :L].tolist() == row["input_ids"] and a["attention_mask"][r].sum() == L
+        assert a["attention_mask"][r, :L].all()
+        for j in range(1, L):  # column j - 1 holds token j
+            assert a["action_mask"][r, j - 1] == row["loss_mask"][j]
+            assert np.float32(a["advantages"][r, j - 1]) == np.float32(row["advantages"][j])
+            assert np.float32(a["rollout_log_probs"][r, j - 1]) == np.float32(row["old_logprobs"][j])
+        assert not a["action_mask"][r, max(L - 1, 0) :].any()
+        turns = row["turn_ids"]
         for k in sorted({t for t in turns if t}):
             cols = [j for j, t in enumerate(turns) if t == k]
             assert tuple(a["action_ranges"][r, k - 1]) == (cols[0], cols[-1] + 1)
+    assert a["rewards"].shape == (n,) and a["total_length"].tolist() == [len(r["input_ids"]) for r in rows]
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(segments, min_size=1, max_size=5))
 def test_skyrl_layout_alignment(spec):
+    """SkyRL 0.3: whole sequences left-padded; response tensors right-aligned; loss_mask float32."""
     table, rows = _batch([_with_turns(s) for s in spec], with_returns=True)
     a = to_padded(table, "skyrl")
     n, T = a["sequences"].shape
     R = a["loss_mask"].shape[1]
-    _check_response_side(
-        rows,
-        a["sequences"][:, T - R :],
-        a["advantages"],
-        a["action_log_probs"],
-        a["loss_mask"],
-        lambda r, j: j,
-    )
+    assert a["loss_mask"].dtype == np.float32 and a["response_mask"].dtype == np.int64
     for r, row in enumerate(rows):
+        L = len(row["input_ids"])
         p = _prompt_len(row["loss_mask"])
-        assert a["response_mask"][r].sum() == len(row["input_ids"]) - p
-        for j in range(p, len(row["input_ids"])):
-            assert np.float32(a["returns"][r, j - p]) == np.float32(row["returns"][j])
+        assert a["sequences"][r, T - L :].tolist() == row["input_ids"] and a["attention_mask"][r].sum() == L
+        n_resp = L - p
+        assert a["response_mask"][r].sum() == n_resp and a["response_mask"][r, R - n_resp :].all()
+        for j in range(p, L):
+            col = R - n_resp + (j - p)
+            assert a["loss_mask"][r, col] == row["loss_mask"][j]
+            assert np.float32(a["advantages"][r, col]) == np.float32(row["advantages"][j])
+            assert np.float32(a["rollout_logprobs"][r, col]) == np.float32(row["old_logprobs"][j])
+            assert np.float32(a["returns"][r, col]) == np.float32(row["returns"][j])
+        if n_resp:
+            col = R - n_resp + (_reward_token(row) - p)
+            assert (
+                a["rewards"][r, col] == np.float32(row["reward"]) and a["rewards"][r].sum() == row["reward"]
+            )
 
 
 def test_saved_npz_loads_without_copy(tmp_path):
