@@ -102,11 +102,12 @@ def run_stats(lake_dir: Path | str, round_: int) -> dict:
     return summary
 
 
-def run_export(lake_dir: Path, round_: int, method: str, out: Path, layout: str = "flat") -> Path:
+def run_export(lake_dir: Path, round_: int, method: str, out: Path, layout: str = "flat", **padding) -> Path:
+    """`padding`: response_length / prompt_length / pad_token_id of `pipeline.layouts.to_padded`."""
     from warehouse.exports import ExportError, write_export
 
     try:
-        rows = write_export(lake_dir, round_, method, out, layout)
+        rows = write_export(lake_dir, round_, method, out, layout, **padding)
     except ExportError as exc:
         raise SystemExit(str(exc)) from None
     print_kv(

@@ -14,8 +14,18 @@ class ExportError(ValueError):
     """A user's export request that cannot be met (no advantages for the method, unknown layout)."""
 
 
-def write_export(lake_dir: Path | str, round_: int, method: str, out: Path, layout: str = "flat") -> int:
-    """Write the batch to `out` (temp file, then rename); returns the number of trajectories."""
+def write_export(
+    lake_dir: Path | str,
+    round_: int,
+    method: str,
+    out: Path,
+    layout: str = "flat",
+    response_length: int | None = None,
+    prompt_length: int | None = None,
+    pad_token_id: int = 0,
+) -> int:
+    """Write the batch to `out` (temp file, then rename); returns the number of trajectories.
+    `response_length` / `prompt_length` (verl): the run's padded lengths; `pad_token_id`: what pads."""
     import pyarrow.parquet as pq
 
     from pipeline.export import build_train_batch
@@ -23,6 +33,8 @@ def write_export(lake_dir: Path | str, round_: int, method: str, out: Path, layo
 
     if layout not in LAYOUTS:
         raise ExportError(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
+    if layout != "verl" and (response_length is not None or prompt_length is not None):
+        raise ExportError("--response-length / --prompt-length apply to --layout verl only")
     lake = Lake(lake_dir)
     adv = lake.read("advantages", round_)
     adv = adv.filter(pc.equal(adv.column("method"), method))
@@ -37,6 +49,10 @@ def write_export(lake_dir: Path | str, round_: int, method: str, out: Path, layo
         pq.write_table(batch, tmp, **write_options(batch.schema))
     else:
         tmp = out.with_name(f".tmp-{out.stem}.npz")
-        save_padded(to_padded(batch, layout), tmp)
+        try:
+            arrays = to_padded(batch, layout, pad_token_id, response_length, prompt_length)
+        except ValueError as exc:  # a prompt longer than --prompt-length
+            raise ExportError(str(exc)) from None
+        save_padded(arrays, tmp)
     tmp.replace(out)
     return batch.num_rows

@@ -72,8 +72,24 @@ def register(app: typer.Typer) -> None:
             "--layout",
             help="flat (Parquet, one row per trajectory) | verl | openrlhf | skyrl (padded NumPy .npz)",
         ),
+        response_length: int | None = typer.Option(
+            None, "--response-length", help="verl: pad/cut responses to the run's data.max_response_length"
+        ),
+        prompt_length: int | None = typer.Option(
+            None, "--prompt-length", help="verl: left-pad prompts to the run's data.max_prompt_length"
+        ),
+        pad_token_id: int = typer.Option(0, "--pad-token-id", help="the token id padding uses"),
     ) -> None:
         """Write one method's advantages as a per-trajectory training batch."""
         from flows.run import run_export
 
-        run_export(Path(lake), round_, method, out, layout)
+        run_export(
+            Path(lake),
+            round_,
+            method,
+            out,
+            layout,
+            response_length=response_length,
+            prompt_length=prompt_length,
+            pad_token_id=pad_token_id,
+        )
