@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
 import time
 from pathlib import Path
 
 from flows.display import console, print_kv, print_table
 from pipeline.config import Config
+
+log = logging.getLogger(__name__)
 
 # imported while Prefect's API starts rather than during the round: the flow's module and DuckDB (the round's
 # stats task refreshes the catalog; the summary queries it)
@@ -30,6 +33,17 @@ def prepare(cfg: Config) -> threading.Thread:
     thread = threading.Thread(target=_imports, name="creditflow-imports", daemon=True)
     thread.start()
     return thread
+
+
+def require_lake(lake_dir: Path | str) -> None:
+    """A command that reads a lake stops with one line when the folder holds none (a mistyped --lake must not
+    create an empty lake and succeed)."""
+    from schemas import TABLES
+    from warehouse.lake import lake_path
+
+    root = lake_path(lake_dir)
+    if not root.is_dir() or not any((root / table).is_dir() for table in TABLES):
+        raise SystemExit(f"no lake at {lake_dir} (no table folders there); check --lake")
 
 
 def require_round(lake, round_: int) -> None:
@@ -117,25 +131,54 @@ def run_export(lake_dir: Path, round_: int, method: str, out: Path, layout: str 
     return out
 
 
-def run_report(lake_dir: Path, out: Path, rounds: list[int] | None = None, n_traj: int = 8) -> Path:
+def plotly_js() -> str:
+    """The plotly.js bundle shipped inside the plotly package, inlined into the report (no network)."""
+    from importlib import resources
+
+    try:
+        return (resources.files("plotly") / "package_data" / "plotly.min.js").read_text(encoding="utf-8")
+    except ModuleNotFoundError:
+        raise SystemExit("the report needs plotly: pip install 'plotly>=5.20'") from None
+
+
+def run_report(
+    lake_dir: Path, out: Path, rounds: list[int] | None = None, n_traj: int = 8, quiet: bool = False
+) -> Path:
     from pipeline.report import build_report
     from warehouse.lake import Lake
     from warehouse.report_data import gather
 
+    lake_dir = Path(lake_dir)
+    require_lake(lake_dir)
+    t0 = time.perf_counter()
     data = gather(Lake(lake_dir), rounds, n_traj=n_traj)
-    html = build_report(data)
+    t_gather = time.perf_counter() - t0
+    html = build_report(data, plotly_js())
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp-{out.name}")
     tmp.write_text(html, encoding="utf-8")
     tmp.replace(out)
-    print_kv(
-        "creditflow report",
-        {
-            "rounds": data["rounds"],
-            "trajectories shown": len(data["trajectories"]),
-            "size": f"{out.stat().st_size / 1e6:.2f} MB",
-            "out": str(out.resolve()),
-        },
+    seconds = time.perf_counter() - t0
+    log.info(
+        "report %s: rounds %s, %d trajectories, %.2f MB, %.2f s (queries %.2f s)",
+        out,
+        data["rounds"],
+        len(data["trajectories"]),
+        out.stat().st_size / 1e6,
+        seconds,
+        t_gather,
     )
+    if not quiet:
+        print_kv(
+            "creditflow report",
+            {
+                "rounds": data["rounds"],
+                "trajectories shown": len(data["trajectories"]),
+                "viewer opens on": data.get("default_method"),
+                "size": f"{out.stat().st_size / 1e6:.2f} MB",
+                "seconds": f"{seconds:.2f} (queries {t_gather:.2f})",
+                "out": str(out.resolve()),
+            },
+        )
     return out

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from flows.run import run_report
@@ -55,8 +56,6 @@ def _round(lake, round_=0):
     for m, t in tables.items():
         lake.write_part("advantages", round_, t, part=f"b00000.{m}")
     # a method with the opposite sign everywhere: the switcher must show it
-    import pyarrow.compute as pc
-
     flipped = tables["grpo"].set_column(1, "method", pa.array(["flipped"] * tables["grpo"].num_rows))
     neg = pa.ListArray.from_arrays(
         flipped.column("token_adv").combine_chunks().offsets,
@@ -89,15 +88,162 @@ def _round(lake, round_=0):
     )
 
 
+def _tokenwise(lake, round_=0):
+    """A method whose credit varies inside trajectories (grpo's value times +1, -0.5, +1, ... by token): the
+    viewer must open on it."""
+    t = lake.read("advantages", round_)
+    t = t.filter(pc.equal(t.column("method"), "grpo"))
+    lists = t.column("token_adv").combine_chunks()
+    offsets = lists.offsets.to_numpy()
+    values = lists.flatten().to_numpy(zero_copy_only=False)
+    pos = np.arange(len(values)) - np.repeat(offsets[:-1], np.diff(offsets))
+    scaled = pa.ListArray.from_arrays(
+        lists.offsets, pa.array(values * np.where(pos % 2 == 0, 1.0, -0.5), pa.float32())
+    )
+    t = t.set_column(t.column_names.index("token_adv"), "token_adv", scaled)
+    t = t.set_column(t.column_names.index("method"), "method", pa.array(["tokenwise"] * t.num_rows))
+    lake.write_part(
+        "advantages", round_, t.drop(["round"]) if "round" in t.column_names else t, part="b00000.tokenwise"
+    )
+
+
+def _train_metrics(lake):
+    from schemas.train_metrics import SCHEMA
+
+    rows = []
+    for rnd in (0, 1):
+        for step in range(3):
+            rows.append(
+                dict(
+                    round=rnd,
+                    method="grpo",
+                    step=step,
+                    epoch=0,
+                    micro_batches=1,
+                    sequences=4,
+                    tokens=100,
+                    loss=1.0 / (1 + step + 3 * rnd),
+                    pg_loss=0.5,
+                    vf_loss=None,
+                    kl=0.01,
+                    clip_frac=0.1,
+                    approx_kl=0.01,
+                    entropy=2.0 - 0.1 * step,
+                    grad_norm=1.5,
+                    lr=1e-5,
+                    seconds=0.1,
+                )
+            )
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    for rnd in (0, 1):
+        part = table.filter(pc.equal(table.column("round"), rnd)).drop(["round"])
+        lake.write_part("train_metrics", rnd, part, part="loop-grpo")
+
+
+CHART_KEYS = ["turns-r0", "turns-r1", "histograms", "outcomes", "disagreement", "trends", "train"]
+
+
+def _figures(html: str) -> dict:
+    import json
+
+    m = re.search(r"<script type='application/json' id='report-figures'>(.*?)</script>", html, re.S)
+    return json.loads(m.group(1).replace("<\\/", "</"))
+
+
 def test_report_is_self_contained(lake, tmp_path):
+    import plotly.graph_objects as go
+
     _round(lake, 0)
     _round(lake, 1)
-    out = run_report(lake.root, tmp_path / "report.html")
+    _tokenwise(lake, 1)
+    _train_metrics(lake)
+    out = run_report(lake.root, tmp_path / "report.html", quiet=True)
     html = out.read_text()
-    assert "<script src" not in html and "http://" not in html and "https://" not in html
-    assert "Per-turn credit by method (round 0)" in html and "Trend over rounds" in html
-    assert html.count("<svg") >= 2
-    assert '"traj_id":"r0g0s1"' in html or "r0g0s1" in html
+    assert "<script src" not in html and "<link" not in html  # plotly.js is inlined
+    figs = _figures(html)
+    assert set(CHART_KEYS) <= set(figs)
+    for key, fig in figs.items():
+        go.Figure(fig)  # plotly's own validator: every trace and layout property is real
+        assert any(len(tr.get("x") or tr.get("z") or []) for tr in fig["data"]), key
+    # the figures say what the lake holds: the method names, and one line per method in the turn chart
+    assert {tr["name"] for tr in figs["turns-r1"]["data"]} >= {"grpo", "dr_grpo", "flipped", "tokenwise"}
+    assert {tr["name"] for tr in figs["train"]["data"]} == {"grpo"}
+    assert "r0g0s1" in html
+    assert "no TCPO method in this lake" in html  # an empty chart says why
+
+
+def test_report_data_by_hand(lake):
+    """The interval, outcome split, histogram and default method against NumPy on the same rows."""
+    from warehouse.catalog import connect
+    from warehouse.report_data import (
+        advantage_histograms,
+        default_method,
+        gather,
+        outcome_split,
+        turn_intervals,
+        within_trajectory_spread,
+    )
+
+    _round(lake, 0)
+    _tokenwise(lake, 0)
+    adv = lake.read("advantages", 0).to_pylist()
+    trajs = {r["traj_id"]: r["reward"] for r in lake.read("trajectories", 0).to_pylist()}
+    con = connect(lake)
+    try:
+        got = {(r["method"], r["turn"]): r for r in turn_intervals(con, [0])}
+        split = {(r["method"], r["outcome"]): r for r in outcome_split(con, [0])}
+        hist = advantage_histograms(con, 0)
+        spread = within_trajectory_spread(con, 0)
+    finally:
+        con.close()
+    for (method, turn), row in got.items():
+        m = [
+            np.mean(r["token_adv"])
+            for r in adv
+            if r["method"] == method and r["turn"] == turn and r["role"] == "assistant" and r["token_adv"]
+        ]
+        assert row["n"] == len(m) == 12
+        assert row["mean_adv"] == pytest.approx(np.mean(m), abs=1e-6)
+        assert row["ci95"] == pytest.approx(1.96 * np.std(m, ddof=1) / np.sqrt(len(m)), abs=1e-6)
+    for (method, outcome), row in split.items():
+        m = [
+            np.mean(r["token_adv"])
+            for r in adv
+            if r["method"] == method
+            and r["role"] == "assistant"
+            and r["token_adv"]
+            and (trajs[r["traj_id"]] > 0) == (outcome == "success")
+        ]
+        assert row["n"] == len(m) and row["mean_adv"] == pytest.approx(np.mean(m), abs=1e-6)
+    for method in ("grpo", "tokenwise"):
+        tokens = sum(len(r["token_adv"]) for r in adv if r["method"] == method and r["role"] == "assistant")
+        assert sum(r["tokens"] for r in hist if r["method"] == method) == tokens
+    # grpo gives every token of a trajectory the same credit: no variance within trajectories
+    by = {r["method"]: r for r in spread}
+    assert by["grpo"]["within_var"] == pytest.approx(0, abs=1e-9) and by["tokenwise"]["within_var"] > 0
+    assert default_method(spread) == "tokenwise"
+    data = gather(lake, [0])
+    assert data["default_method"] == "tokenwise"
+    (group,) = data["groups"]
+    members = [data["trajectories"][i] for i in group["members"]]
+    assert len(members) == 4 and {t["group_id"] for t in members} == {group["group_id"]}
+    assert {t["reward"] for t in members} == {0.0, 1.0}  # a group with both outcomes is preferred
+
+
+def _chromium_page(p):
+    browser = p.chromium.launch(
+        executable_path=CHROMIUM,
+        args=[
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+        ],
+    )
+    return browser, browser.new_page(viewport={"width": 1400, "height": 1000})
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
@@ -105,44 +251,67 @@ def test_report_in_headless_chromium(lake, tmp_path):
     from playwright.sync_api import sync_playwright
 
     _round(lake, 0)
-    out = run_report(lake.root, tmp_path / "report.html", rounds=[0])
-    errors = []
+    _round(lake, 1)
+    _tokenwise(lake, 1)
+    _train_metrics(lake)
+    out = run_report(lake.root, tmp_path / "report.html", quiet=True)
+    errors, requests = [], []
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-            ],
-        )
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        browser, page = _chromium_page(p)
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on(
+            "request", lambda r: requests.append(r.url) if not r.url.startswith(("file:", "data:")) else None
+        )
         page.goto(out.as_uri())
-        page.select_option("#traj", index=0)
-        tokens = page.locator(".step.assistant .tok")
+        page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 7")
+        # every chart is drawn with its data (Plotly keeps the traces on the element)
+        drawn = page.evaluate(
+            "() => Object.fromEntries([...document.querySelectorAll('.js-plotly-plot')].map(el => "
+            "[el.id, el.data.map(t => (t.x || t.z || []).length)]))"
+        )
+        for key in CHART_KEYS:
+            assert f"fig-{key}" in drawn and drawn[f"fig-{key}"] and max(drawn[f"fig-{key}"]) > 0, key
+        assert page.locator("#fig-turns-r1 .main-svg .scatterlayer .trace").count() >= 4
+        # legend toggle: a click hides a trace, a second click shows it again
+        hist = "#fig-histograms"
+        vis = f"() => document.querySelector('{hist}').data[0].visible"
+        assert page.evaluate(vis) in (True, None)
+        page.locator(f"{hist} .legend .traces").first.click()
+        page.wait_for_function(f"{vis.replace('() => ', '() => ')} === 'legendonly'")
+        page.locator(f"{hist} .legend .traces").first.click()
+        page.wait_for_function(f"() => document.querySelector('{hist}').data[0].visible === true")
+        # the viewer opens on the method whose credit varies most within trajectories
+        page.select_option("#traj", index=len(page.locator("#traj option").all()) - 1)
+        assert page.input_value("#method") == "tokenwise"
+        tokens = page.locator("#viewer .step.assistant .tok")
         assert tokens.count() > 0
 
-        def colours():
-            return tokens.evaluate_all("els => els.map(e => e.style.background)")
+        def colours(loc):
+            return loc.evaluate_all("els => els.map(e => e.style.background)")
 
+        tokenwise = colours(tokens)
+        assert len(set(tokenwise)) > 2, "token-level credit shows more than one colour per trajectory"
         page.select_option("#method", "grpo")
-        grpo = colours()
+        grpo = colours(tokens)
         page.select_option("#method", "flipped")
-        flipped = colours()
+        flipped = colours(tokens)
         assert grpo != flipped, "the method switcher must recolour the tokens"
         assert sum("214, 80, 112" in c for c in grpo) == sum("84, 110, 138" in c for c in flipped)
-        assert any("214, 80, 112" in c or "84, 110, 138" in c for c in grpo)
-        assert page.locator(".tok.span").count() >= 0
+        # group view: the 4 samples of one prompt side by side, coloured, recoloured by its own switcher
+        samples = page.locator("#group-view .sample")
+        assert samples.count() == 4
+        group_toks = page.locator("#group-view .step.assistant .tok")
+        before = colours(group_toks)
+        assert any("214, 80, 112" in c or "84, 110, 138" in c for c in before)
+        page.select_option("#group-method", "flipped")
+        assert colours(group_toks) != before
+        assert page.locator("#group-view .sample.win").count() == 2
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
         browser.close()
     assert errors == []
+    assert requests == [], f"the report asked the network for {requests[:3]}"
     assert (ARTIFACTS / "report.png").stat().st_size > 10_000
 
 
