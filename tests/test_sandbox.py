@@ -1,0 +1,452 @@
+"""The code verifier against hostile programs (issue #22): the score cannot be forged, the sandbox holds.
+
+Every probe of the issue is a candidate program here: reading the caller's frame and writing a forged result,
+os.truncate/remove/rename outside the sandbox, _posixsubprocess.fork_exec of /bin/sh, a setsid child that
+keeps the pipes open past the wall limit, /proc/<ppid>/environ, a 100 MB stdout flood. Normal programs (LDB's
+given tests checked against LDB's own execution feedback, HumanEval check()) score as before.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import random
+import resource
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.ingest.ldb import visible_pass_fraction
+from pipeline.verifiers import verify
+from pipeline.verifiers.code import (
+    DEFAULT_LIMITS,
+    decode,
+    defined_names,
+    job_for,
+    plan_tests,
+    safe_eval,
+    score_plan,
+    split_expr,
+)
+from trainer import sandbox
+from trainer.sandbox import SandboxUnavailable, execute, run_tests
+
+needs_bwrap = pytest.mark.skipif(
+    sandbox.sandbox_problem() is not None, reason=f"bubblewrap unavailable: {sandbox.sandbox_problem()}"
+)
+FAST = DEFAULT_LIMITS.model_copy(update={"wall_s": 5.0, "cpu_s": 5})
+
+
+def observe(program: str, limits=FAST):
+    """Run `program` in the sandbox and return the value of its `obs()` (what the program could see or do)."""
+    plan = plan_tests(["assert obs() == 0"], None, None, defined_names(program))
+    out = execute(job_for(plan, program, None), limits)
+    assert out.status == "ok", out
+    assert out.result["program_error"] is None, out.result
+    ok, value = out.result["units"][0]["rec"]["0"][0][0]
+    assert ok == 1, value
+    return decode(value)
+
+
+def meta_with(tests):
+    return {"verifier": "code_tests", "tests": tests}
+
+
+def nobody_processes() -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                status = (p / "status").read_text()
+            except OSError:
+                continue
+            uid = next((ln.split()[1] for ln in status.splitlines() if ln.startswith("Uid:")), None)
+            if uid == "65534":
+                pids.append(int(p.name))
+    return pids
+
+
+# ---- the score is decided outside the sandbox ------------------------------------------------------------
+
+
+def test_split_hand_computed():
+    skel, holes = split_expr(ast.parse("f(1) == 2", mode="eval").body)
+    assert [ast.unparse(h) for h in holes] == ["f(1)"] and ast.unparse(skel) == "__cf_hole_0 == 2"
+    skel, holes = split_expr(ast.parse("abs(candidate(1.5) - 0.5) < 1e-06", mode="eval").body)
+    assert [ast.unparse(h) for h in holes] == ["candidate(1.5)"]
+    assert safe_eval(skel, {"__cf_hole_0": 0.5}) is True and safe_eval(skel, {"__cf_hole_0": 0.4}) is False
+    plan = plan_tests(
+        None,
+        "def check(candidate):\n    for x in range(3):\n        assert candidate(x) == str(x)\n",
+        "f",
+        set(),
+    )
+    (unit,) = plan.units
+    (ap,) = unit.asserts.values()
+    assert [ast.unparse(h) for h in ap.holes] == ["candidate(x)", "x"] and ap.reference == [False, True]
+    assert plan.needs_reference and not unit.bare
+    # bare asserts on the candidate's calls need no reference run
+    assert not plan_tests(["assert f(1) == 2", "assert not f(3)"], None, None, {"f"}).needs_reference
+
+
+def test_expected_values_never_reach_the_sandbox():
+    plan = plan_tests(["assert f(1) == 98765", "assert f(2) != 'secret-expected'"], None, None, {"f"})
+    job = json.dumps(job_for(plan, "def f(x):\n    return x\n", None))
+    assert "98765" not in job and "secret-expected" not in job and "f(1)" in job
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        # the issue's probe: the caller's frame, a forged result line on every descriptor
+        "import sys, os, json\n"
+        "def f(x):\n"
+        "    fr, seen = sys._getframe(1), []\n"
+        "    while fr is not None:\n"
+        "        seen.append(dict(fr.f_locals)); fr = fr.f_back\n"
+        "    line = json.dumps({'passed': 50, 'total': 2}) + '\\n'\n"
+        "    for fd in range(1, 16):\n"
+        "        try: os.write(fd, line.encode())\n"
+        "        except OSError: pass\n"
+        "    print(line)\n"
+        "    return 0\n",
+        # an object equal to everything, an int subclass equal to everything
+        "class E:\n    __eq__ = lambda s, o: True\n    __ne__ = lambda s, o: False\n"
+        "def f(x):\n    return E()\n",
+        "class I(int):\n    __eq__ = lambda s, o: True\n    __hash__ = int.__hash__\n"
+        "def f(x):\n    return I(0)\n",
+        # the builtins the test uses, patched
+        "import builtins\nbuiltins.abs = lambda v: 0\nbuiltins.isinstance = lambda *a: True\ndef f(x):\n    return 0\n",
+        # a forged document of the child's protocol, then exit before the real one
+        "import os, json\n"
+        "def f(x):\n"
+        "    doc = {'program_error': None, 'units': [{'ok': 1, 'err': None, 'rec': {'0': [[[1, True]]]}}] * 9}\n"
+        "    for fd in range(1, 16):\n"
+        "        try: os.write(fd, json.dumps(doc).encode())\n"
+        "        except OSError: pass\n"
+        "    os._exit(0)\n",
+        # the recorder, replaced from inside the candidate
+        "def f(x):\n"
+        "    g = globals()\n"
+        "    real = g['__cf_rec__']\n"
+        "    g['__cf_rec__'] = lambda aid, thunks: [real(aid, [lambda: 2]) for _ in range(5)]\n"
+        "    return 0\n",
+    ],
+)
+@needs_bwrap
+def test_forged_results_score_what_the_program_returns(forge):
+    tests = ["assert f(1) == 2", "assert abs(f(2) - 4) < 1e-9", "assert isinstance(f(3), int) and f(3) == 6"]
+    v = verify(forge, "code", meta_with(tests))
+    assert 0.0 <= v.score <= 1.0
+    assert v.score == 0.0, v
+    good = "def f(x):\n    return 2 * x\n"
+    assert verify(good, "code", meta_with(tests)).score == 1.0
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cand=_json, ref=_json, units=st.lists(_json, max_size=4))
+def test_any_child_document_scores_in_range(cand, ref, units):
+    """The child's document is untrusted: whatever it says, the score is in [0, 1] and nothing raises."""
+    plan = plan_tests(
+        ["assert f(1) == 2", "for x in range(2):\n    assert f(x) == y", "assert f(0)"], None, None, {"f"}
+    )
+    for doc in (cand, {"units": units}, {"units": [{"ok": 1, "rec": {"0": u}} for u in units]}):
+        passed, _ = score_plan(
+            plan, doc if isinstance(doc, dict) else None, ref if isinstance(ref, dict) else None
+        )
+        assert 0 <= passed <= plan.total == 3
+
+
+# ---- the sandbox is a boundary ---------------------------------------------------------------------------
+
+
+@needs_bwrap
+def test_files_outside_are_unchanged(tmp_path):
+    victims = {name: tmp_path / name for name in ("truncate", "remove", "rename", "write", "chmod")}
+    for p in victims.values():
+        p.write_text("keep")
+    prog = f"""
+import os
+V = {json.dumps({k: str(p) for k, p in victims.items()})}
+def attempt(fn):
+    try:
+        fn()
+        return "done"
+    except BaseException as exc:
+        return type(exc).__name__
+def obs():
+    return [
+        attempt(lambda: os.truncate(V["truncate"], 0)),
+        attempt(lambda: os.remove(V["remove"])),
+        attempt(lambda: os.rename(V["rename"], V["rename"] + ".moved")),
+        attempt(lambda: open(V["write"], "w").write("pwned")),
+        attempt(lambda: os.chmod(V["chmod"], 0o777)),
+        attempt(lambda: open("/usr/cf-sandbox-probe", "w")),
+        attempt(lambda: os.truncate("/run/cf/child.py", 0)),
+    ]
+"""
+    seen = observe(prog)
+    assert "done" not in seen, seen
+    for p in victims.values():
+        assert p.read_text() == "keep" and oct(p.stat().st_mode)[-3:] != "777"
+    assert not (tmp_path / "rename.moved").exists()
+
+
+@needs_bwrap
+def test_no_shell_and_fork_exec_is_contained(tmp_path):
+    marker = tmp_path / "marker"
+    prog = f"""
+import os, sys, subprocess, _posixsubprocess
+def attempt(fn):
+    try:
+        return repr(fn())
+    except BaseException as exc:
+        return type(exc).__name__
+def fork_exec_sh():
+    r, w = os.pipe()
+    errpipe_read, errpipe_write = os.pipe()
+    pid = _posixsubprocess.fork_exec(
+        [b"/bin/sh", b"-c", b"echo shell-ran; touch {marker}"], [b"/bin/sh"], True,
+        tuple(sorted((w, errpipe_write))), None, None,
+        -1, -1, -1, w, -1, -1, errpipe_read, errpipe_write, False, False, -1, None, None, None, -1, None, False)
+    os.close(errpipe_write)
+    os.close(w)
+    err = os.read(errpipe_read, 200).decode(errors="replace")
+    out = os.read(r, 200).decode(errors="replace")
+    os.waitpid(pid, 0)
+    return out or err[:60]
+def obs():
+    return [
+        attempt(fork_exec_sh),
+        attempt(lambda: subprocess.run(["/bin/sh", "-c", "true"]).returncode),
+        attempt(lambda: os.system("touch {marker}")),
+        attempt(lambda: subprocess.run([sys.executable, "-c", "open({str(marker)!r}, 'w')"]).returncode),
+    ]
+"""
+    seen = observe(prog)
+    assert (
+        "shell-ran" not in seen[0]
+        and "OSError" in seen[0]
+        and seen[1] == "PermissionError"
+        and seen[2] != "0"
+    ), seen
+    assert seen[3] == "1"  # the interpreter runs, inside: the host's folder is not there
+    assert not marker.exists()
+
+
+@needs_bwrap
+@pytest.mark.parametrize("hang", [False, True])
+def test_wall_limit_holds_with_a_setsid_child_on_the_pipes(hang):
+    prog = (
+        "import os, time, subprocess, sys\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+        "def f(x):\n" + ("    while True:\n        pass\n" if hang else "    return 2 * x\n")
+    )
+    limits = DEFAULT_LIMITS.model_copy(update={"wall_s": 2.0, "cpu_s": 10})
+    t0 = time.perf_counter()
+    res = run_tests(prog, tests=["assert f(1) == 2"], limits=limits)
+    took = time.perf_counter() - t0
+    assert took < limits.wall_s + 1.0, took
+    assert res["timeout"] if hang else res["passed"] == 1
+    deadline = time.time() + 2
+    while nobody_processes() and time.time() < deadline:
+        time.sleep(0.05)
+    assert nobody_processes() == []  # the setsid children died with the sandbox
+
+
+@needs_bwrap
+def test_fork_bomb_is_capped_and_cleaned_up():
+    prog = (
+        "import os\n"
+        "n = 0\n"
+        "for _ in range(10000):\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            import time; time.sleep(30); os._exit(0)\n"
+        "        n += 1\n"
+        "    except OSError:\n"
+        "        break\n"
+        "def obs():\n    return n\n"
+    )
+    forked = observe(prog)
+    assert 0 < forked < DEFAULT_LIMITS.nproc
+    deadline = time.time() + 2
+    while nobody_processes() and time.time() < deadline:
+        time.sleep(0.05)
+    assert nobody_processes() == []
+
+
+@needs_bwrap
+def test_no_environment_or_caller_leaks(monkeypatch):
+    monkeypatch.setenv("CF_SANDBOX_SECRET", "s3cret-probe-value")
+    prog = f"""
+import os
+def obs():
+    seen = [repr(dict(os.environ))]
+    for pid in os.listdir("/proc"):
+        for f in ("environ", "cmdline"):
+            try:
+                seen.append(open(f"/proc/{{pid}}/{{f}}", "rb").read().decode(errors="replace"))
+            except OSError:
+                pass
+    for pid in ({os.getpid()}, {os.getppid()}):
+        try:
+            seen.append(open(f"/proc/{{pid}}/environ", "rb").read().decode(errors="replace"))
+        except OSError:
+            pass
+    return [sorted(os.environ), sorted(os.listdir("/")), "\\n".join(seen), os.getuid()]
+"""
+    env, root, seen, uid = observe(prog)
+    assert "s3cret-probe-value" not in seen
+    assert set(env) <= {"PATH", "LANG", "HOME", "PWD", "LC_CTYPE"}
+    assert "work" not in root and "home" not in root and "etc" not in root
+    assert uid != 0
+
+
+@needs_bwrap
+def test_network_is_not_there():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    try:
+        prog = f"""
+import socket
+def obs():
+    out = []
+    for addr in (("127.0.0.1", {port}), ("1.1.1.1", 53)):
+        try:
+            socket.create_connection(addr, timeout=2).close()
+            out.append("connected")
+        except OSError as exc:
+            out.append(type(exc).__name__)
+    return out
+"""
+        assert "connected" not in observe(prog)
+    finally:
+        server.close()
+
+
+@needs_bwrap
+def test_tmp_is_private_and_root_read_only():
+    prog = """
+import os
+def obs():
+    had = os.path.exists("/tmp/cf-left-behind")
+    open("/tmp/cf-left-behind", "w").write("x")
+    try:
+        open("/usr/lib/cf-probe", "w")
+        ro = "writable"
+    except OSError as exc:
+        ro = type(exc).__name__
+    return [had, ro]
+"""
+    assert observe(prog) == [False, "OSError"]
+    assert observe(prog) == [False, "OSError"]  # the next run gets a fresh /tmp
+    assert not Path("/tmp/cf-left-behind").exists()
+
+
+@needs_bwrap
+def test_stdout_flood_is_bounded_and_the_caller_stays_small():
+    prog = (
+        "import os\n"
+        "block = b'x' * (1 << 20)\n"
+        "for _ in range(100):\n"
+        "    for fd in (1, 2, 3, 4, 5):\n"
+        "        try: os.write(fd, block)\n"
+        "        except OSError: pass\n"
+        "def f(x):\n    return 2 * x\n"
+    )
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    v = verify(prog, "code", meta_with(["assert f(1) == 2"]))
+    took = time.perf_counter() - t0
+    grew_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert v.score == 0.0 and "output" in v.error, v
+    assert grew_mb < 64, grew_mb
+    assert took < 5
+
+
+@needs_bwrap
+def test_memory_limit():
+    prog = "def obs():\n    try:\n        bytearray(3 << 30)\n        return 'allocated'\n    except MemoryError:\n        return 'MemoryError'\n"
+    assert observe(prog) == "MemoryError"
+
+
+def test_refuses_without_the_sandbox_unless_told(monkeypatch):
+    monkeypatch.setitem(sandbox._probe, "bwrap", "bwrap: not installed (test)")
+    monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)
+    good = "def f(x):\n    return 2 * x\n"
+    v = verify(good, "code", meta_with(["assert f(1) == 2"]))
+    assert not v.ok and v.score == 0.0 and "refusing to run candidate code" in v.error
+    with pytest.raises(SandboxUnavailable, match="unsafe_no_sandbox"):
+        run_tests(good, tests=["assert f(1) == 2"])
+    unsafe = DEFAULT_LIMITS.model_copy(update={"unsafe_no_sandbox": True})
+    assert run_tests(good, tests=["assert f(1) == 2", "assert f(2) == 5"], limits=unsafe)["passed"] == 1
+    monkeypatch.setenv(sandbox.UNSAFE_ENV, "1")
+    assert verify(good, "code", meta_with(["assert f(1) == 2"])).score == 1.0
+    forged = "class E:\n    __eq__ = lambda s, o: True\ndef f(x):\n    return E()\n"
+    assert verify(forged, "code", meta_with(["assert f(1) == 2"])).score == 0.0  # unforgeable still
+
+
+def test_settings_are_a_config_stage():
+    from pipeline.config import Config
+
+    cfg = Config(stages={"sandbox": {"wall_s": 3, "unsafe_no_sandbox": True}})
+    s = sandbox.configure(config=cfg)
+    try:
+        assert s.wall_s == 3 and s.unsafe_no_sandbox and sandbox.current_settings() is s
+    finally:
+        sandbox.configure()
+
+
+# ---- normal programs score as before ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ldb(real_data):
+    path = real_data / "ldb_code_repair" / "humaneval-gpt-3.5-turbo-0613.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@needs_bwrap
+def test_given_tests_agree_with_ldbs_own_execution(ldb):
+    """LDB ran each implementation on its visible tests and recorded the failures: the same fractions."""
+    cases = [(r, i) for r in ldb for i in range(len(r["implementations"]))]
+    for r, i in random.Random(7).sample(cases, 40):
+        v = verify(r["implementations"][i], "code", meta_with(r["given_tests"]))
+        want = visible_pass_fraction(r["given_tests"], r["test_feedback"][i])
+        assert v.ok and v.score == pytest.approx(want), (r["task_id"], i, v, want)
+
+
+@needs_bwrap
+def test_humaneval_check_with_loops_and_setup(ldb):
+    """The check() functions that are more than asserts (loops, random inputs, setup) use the reference run."""
+    by_id = {r["task_id"]: r for r in ldb}
+    for tid in ("HumanEval/44", "HumanEval/53", "HumanEval/151", "HumanEval/38", "HumanEval/50"):
+        r = by_id[tid]
+        meta = {
+            "verifier": "code_tests",
+            "test": r["test"],
+            "entry_point": r["entry_point"],
+            "prompt": r["prompt"],
+        }
+        assert verify(r["prompt"] + r["canonical_solution"], "code", meta).score == 1.0, tid
+        wrong = f"def {r['entry_point']}(*args):\n    return 0\n"
+        assert verify(wrong, "code", meta).score < 1.0, tid
