@@ -120,6 +120,7 @@ def run_export(lake_dir: Path, round_: int, method: str, out: Path, layout: str 
     """`padding`: response_length / prompt_length / pad_token_id of `pipeline.layouts.to_padded`."""
     from warehouse.exports import ExportError, write_export
 
+    require_lake(lake_dir)
     try:
         rows = write_export(lake_dir, round_, method, out, layout, **padding)
     except ExportError as exc:

@@ -104,12 +104,34 @@ class Config(BaseModel):
         try:
             return model(**self.stages.get(name, {}))
         except ValidationError as exc:
-            raise ConfigError(f"settings of stage '{name}': {exc}") from exc
+            raise ConfigError(f"settings of stage '{name}': {validation_line(exc)}") from exc
 
     def check(self) -> None:
+        """Every stage's settings and every method chain, before any work starts (one line naming the bad one)."""
+        import importlib
+
         _load_stage_modules()
         for name in self.stages:
             self.stage(name)
+        registry = importlib.import_module("pipeline.credit.registry")
+        for method in self.methods:
+            try:
+                registry.parse_method(method)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
+
+
+def validation_line(exc: ValidationError) -> str:
+    """A pydantic error as one line: `field: message` for each error."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}"
+        + (
+            f" (got {e['input']!r})"
+            if e["type"] != "extra_forbidden" and not isinstance(e["input"], dict)
+            else ""
+        )
+        for e in exc.errors()
+    )
 
 
 def _load_stage_modules() -> None:
@@ -159,7 +181,7 @@ def build_config(data: dict[str, Any] | None = None, sets: list[str] | None = No
     try:
         cfg = Config(**merged)
     except ValidationError as exc:
-        raise ConfigError(str(exc)) from exc
+        raise ConfigError(f"config: {validation_line(exc)}") from exc
     cfg.check()
     return cfg
 

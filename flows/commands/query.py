@@ -17,6 +17,24 @@ class Format(StrEnum):
     parquet = "parquet"
 
 
+def csv_ready(table):
+    """CSV holds scalars only: list, struct and map columns are written as JSON text, and stderr names them."""
+    import pyarrow as pa
+
+    nested = [f.name for f in table.schema if pa.types.is_nested(f.type)]
+    if not nested:
+        return table
+    for name in nested:
+        i = table.column_names.index(name)
+        as_json = pa.array(
+            [None if v is None else json.dumps(v, default=str) for v in table.column(name).to_pylist()],
+            pa.string(),
+        )
+        table = table.set_column(i, name, as_json)
+    typer.secho(f"note: CSV has no nested types; written as JSON text: {', '.join(nested)}", err=True)
+    return table
+
+
 def register(app: typer.Typer) -> None:
     @app.command("query")
     def query_cmd(
@@ -31,8 +49,10 @@ def register(app: typer.Typer) -> None:
         import pyarrow.csv as pacsv
         import pyarrow.parquet as pq
 
+        from flows.run import require_lake
         from warehouse.catalog import query
 
+        require_lake(lake)  # a mistyped --lake is an error, not a new empty lake
         try:
             result = query(str(lake), sql)
         except duckdb.Error as exc:  # refused by the read-only guard, or a SQL error: one line
@@ -47,6 +67,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"wrote {result.num_rows} rows to {out}")
             return
         if fmt is Format.csv:
+            result = csv_ready(result)
             if out:
                 pacsv.write_csv(result, out)
                 typer.echo(f"wrote {result.num_rows} rows to {out}")

@@ -1,0 +1,107 @@
+"""CLI conventions (#26): `--version`; a user's mistake is one line on stderr and a non-zero exit (the
+traceback with --debug); no command creates a lake it was not asked to create; CSV of nested columns."""
+
+import csv
+import io
+import json
+
+import pyarrow as pa
+import pytest
+
+from flows.cli import app
+from pipeline.config import ConfigError
+
+
+def _run(capsys, *args) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        app([str(a) for a in args])
+    code = exc.value.code
+    out, err = capsys.readouterr()
+    if isinstance(code, str):  # SystemExit("message"): the interpreter prints it on stderr and exits 1
+        return 1, out, err + code + "\n"
+    return (0 if code is None else code), out, err
+
+
+def _one_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    code, out, _ = _run(capsys, "--version")
+    assert code == 0 and out.strip() == f"creditflow {version('creditflow')}"
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--set", "grpo.nonsense=1"], "nonsense"),
+        (["--set", "grpo.eps=not-a-number"], "eps"),
+        (["--set", "no_equals_sign"], "key=value"),
+        (["--methods", "grpo,nosuch"], "nosuch"),
+        (["--methods", "grpo+nosuchrefiner"], "nosuchrefiner"),
+    ],
+)
+def test_bad_setting_or_method_is_one_line(capsys, tmp_path, args, needle):
+    code, _, err = _run(capsys, "process", "--lake", tmp_path / "lake", "--round", 0, *args)
+    assert code != 0
+    line = _one_line(err)
+    assert needle in line and line.startswith("error:")
+    assert not (tmp_path / "lake").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(ConfigError, match="nosuch"):
+        app(["--debug", "process", "--lake", str(tmp_path / "lake"), "--round", "0", "--methods", "nosuch"])
+
+
+@pytest.mark.parametrize(
+    "command", [["query", "select 1"], ["report", "--out", "r.html"], ["stats", "--round", "0"]]
+)
+def test_unknown_lake_is_one_line_and_not_created(capsys, tmp_path, command, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    missing = tmp_path / "mistyped"
+    code, _, err = _run(capsys, *command[:1], "--lake", missing, *command[1:])
+    assert code != 0
+    assert str(missing) in _one_line(err) or "mistyped" in err
+    assert not missing.exists()
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_query_csv_of_nested_columns(capsys, lake):
+    schema_rows = [{"traj_id": "t0", "group_id": "g0", "sample_idx": 0, "reward": 1.0, "source": "x"}]
+    from warehouse.rounds import write_round
+
+    steps = pa.Table.from_pylist(
+        [
+            dict(
+                traj_id="t0",
+                step_idx=0,
+                role="assistant",
+                turn=1,
+                content="a b",
+                is_error=False,
+                token_ids=[1, 2],
+                token_offsets=[0, 2],
+                logprobs=[-0.1, -0.2],
+            )
+        ]
+    )
+    write_round(lake, 0, pa.Table.from_pylist(schema_rows), steps)
+    code, out, err = _run(
+        capsys,
+        "query",
+        "--lake",
+        lake.root,
+        "--format",
+        "csv",
+        "select traj_id, token_ids, {'a': 1, 'b': [2, 3]} AS s from steps",
+    )
+    assert code == 0
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert rows == [{"traj_id": "t0", "token_ids": "[1, 2]", "s": json.dumps({"a": 1, "b": [2, 3]})}]
+    assert "token_ids, s" in _one_line(err)
