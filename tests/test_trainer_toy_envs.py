@@ -31,12 +31,12 @@ def test_registered_for_collect_and_counterfactuals():
 
 
 def test_c3_search_hand_played():
-    meta = {"question": 2, "answer": 3}
-    env, s = play("c3_search", meta, ["<search>k2</search>", "<answer>a3</answer>"])
-    assert [x.score for x in s] == [0.5, 1.0] and s[0].observation == " <information> a3"
+    meta = {"question": 1, "answer": 3}
+    env, s = play("c3_search", meta, ["<search>k1</search>", "<answer>a3</answer>"])
+    assert [x.score for x in s] == [0.5, 1.0] and s[0].observation == " <information> <answer>a3</answer>"
     assert s[-1].done and env.reward() == 1.0
     # wasted turns: an invalid word, then a repeated query; the budget K = 3 ends the episode unanswered
-    env, s = play("c3_search", meta, ["<search>", "<search>k2</search>", "<search>k2</search>"])
+    env, s = play("c3_search", meta, ["<search>", "<search>k1</search>", "<search>k1</search>"])
     assert s[0].observation == " invalid action" and s[-1].done and env.reward() == 0.0
     assert env.reward_components() == {"em": 0.0, "retrieval_hit": 1.0, "invalid": 1.0, "repeats": 1.0}
     env, s = play("c3_search", meta, ["<search>k0</search>", "<answer>a1</answer>"])
@@ -54,7 +54,7 @@ def test_c3_actions_are_search_r1_for_the_detector():
 def test_tcpo_refine_hand_played():
     meta = {"best": 4, "pattern": 0}  # others: c0 0.0, c1 0.25, c2 0.5, c3 0.75, c5 0.5
     env, s = play("tcpo_refine", meta, ["inspect", "use_c4", "use_c1"])
-    assert s[0].observation == " hint c4" and [x.score for x in s] == [0.0, 1.0, 0.25]
+    assert s[0].observation == " hint use_c4" and [x.score for x in s] == [0.0, 1.0, 0.25]
     assert [x.done for x in s] == [False, False, True]  # fixed budget: turns after the success still run
     assert env.reward() == 1.0 and env.reward_components()["final"] == 0.25
     env, s = play("tcpo_refine", meta, ["use_c3", "bogus", "use_c2"])
@@ -65,7 +65,7 @@ def test_tcpo_refine_hand_played():
 def test_iapo_service_hand_played():
     meta = {"order": 5, "customer": 1}
     env, s = play("iapo_service", meta, ["lookup", "refund(O15)"])
-    assert s[0].observation == " order O15" and s[-1].done and env.reward() == 1.0
+    assert s[0].observation == " order refund(O15)" and s[-1].done and env.reward() == 1.0
     env, s = play("iapo_service", meta, ["refund(O10)", "lookup", "refund(O15)"])  # one error is recoverable
     assert s[0].observation == " Error: unknown order" and env.reward() == 1.0
     env, s = play("iapo_service", meta, ["refund(O10)", "refund(O11)"])  # the second error ends it
@@ -79,7 +79,7 @@ def test_iapo_rules_annotator_reads_the_dependency_and_the_error():
         {"role": "assistant", "content": "refund(O10)", "turn": 1},
         {"role": "tool", "content": " Error: unknown order", "turn": 1, "is_error": False},
         {"role": "assistant", "content": "lookup", "turn": 2},
-        {"role": "tool", "content": " order O15", "turn": 2},
+        {"role": "tool", "content": " order refund(O15)", "turn": 2},
         {"role": "assistant", "content": "refund(O15)", "turn": 3},
     ]
     nodes, edges = annotate_trajectory(rows, RulesAnnotatorSettings())

@@ -1,17 +1,18 @@
 """`c3_search`: a search task under a turn budget where successful episodes often contain repeated or
 malformed queries (C3's "misguided reinforcement"), in the Search-R1 action format.
 
-Task (question i, hidden answer j; 4 x 4 = 16 tasks): the prompt is `Question: q<i>`. The answer `a<j>` is
-not in the prompt and differs between tasks with the same question, so it cannot be memorised: it comes back
-only from the right search, `<search>k<i></search>`, as `<information> a<j>`. A wrong key returns
+Task (question i of 2, hidden answer j of 8; 16 tasks): the prompt is `Question: q<i>`. The answer is not in
+the prompt and differs between tasks with the same question, so it cannot be memorised: it comes back only
+from the right search, `<search>k<i></search>`, as `<information> <answer>a<j></answer>` (the document
+states the answer in the action's own words: the learnable structure is "copy it"). A wrong key returns
 `<information> nothing`. `<answer>a<x></answer>` ends the episode. Every action is one word of the vocabulary
 (`trainer/envs/toy.py`), already in the Search-R1 tag format, so C3's detector (`action_format = search_r1`)
 reads it as is: any other word (e.g. the unclosed `<search>`) is an invalid action (severity 1) and a second
 search with the same key is a query loop (severity 1). Both waste one of the K = 3 turns.
 
 Reward: exact match of the answer (1/0). Per-turn verifier score: 1 after the right answer, else 0.5 once the
-right document was retrieved, else 0 (as in `search_qa`). A random policy succeeds ~10% of the time (lucky
-guesses); the optimum (search the right key, copy the answer) always does.
+right document was retrieved, else 0 (as in `search_qa`). Guessing succeeds 1 time in 8; the optimum (search the
+right key, copy the answer) always does.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from __future__ import annotations
 from trainer.envs import register
 from trainer.envs.toy import ToyEnv
 
-N_Q = 4
-N_A = 4
+N_Q = 2
+N_A = 8
 SEARCH = tuple(f"<search>k{i}</search>" for i in range(N_Q))
 ANSWER = tuple(f"<answer>a{j}</answer>" for j in range(N_A))
 
@@ -38,7 +39,6 @@ class C3SearchEnv(ToyEnv):
         *(f"q{i}" for i in range(N_Q)),
         "<information>",
         "nothing",
-        *(f"a{j}" for j in range(N_A)),
         "<search>",
         "<answer>",
     )
@@ -73,7 +73,7 @@ class C3SearchEnv(ToyEnv):
         st["searches"].append(key)
         if key == st["question"]:
             st["hit"] = True
-            return f" <information> a{st['gold']}"
+            return f" <information> {ANSWER[st['gold']]}"
         return " <information> nothing"
 
     def finished(self) -> bool:

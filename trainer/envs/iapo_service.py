@@ -2,12 +2,13 @@
 is recoverable (IAPO).
 
 Task (hidden order id of 6, customer of 4; 24 tasks): the prompt is `refund_request cust<c>`. Actions (one
-word each): `lookup` calls the order service, which returns `order O1<j>` (a tool step); `refund(O1<x>)`
+word each): `lookup` calls the order service, which returns `order refund(O1<j>)` (a tool step naming the order id in the
+action's own word: the learnable structure is "copy it"); `refund(O1<x>)`
 refunds order x: the right id ends the episode with reward 1, a wrong one returns `Error: unknown order` (a
 failed tool call: recoverable once; the second error ends the episode). Any other word is an invalid action
 (`invalid action`, flagged is_error by collect). K = 4 turns.
 
-IAPO's `rules` annotator reads the dependency graph from the text: the value `O1<j>` in the lookup's return is
+IAPO's `rules` annotator reads the dependency graph from the text: the value `O1<j>` (a code with digits) in the lookup's return is
 bound by the refund that names it (a `success_utilization` edge lookup -> refund), an `Error` return marks its
 action (e_i = 1), and the action after an error gets a `failed_utilization` (recovery) edge.
 
@@ -36,7 +37,6 @@ class IAPOServiceEnv(ToyEnv):
         "refund_request",
         *(f"cust{c}" for c in range(N_CUST)),
         "order",
-        *(f"O1{x}" for x in range(N_O)),
         "Error:",
         "unknown",
     )
@@ -65,7 +65,7 @@ class IAPOServiceEnv(ToyEnv):
         st = self._state
         if word == "lookup":
             st["looked_up"] = True
-            return f" order O1{st['order']}"
+            return f" order {REFUND[st['order']]}"
         if REFUND.index(word) == st["order"]:
             st["refunded"] = True
             return ""

@@ -4,7 +4,7 @@
 Task (hidden best candidate b of 6, and a quality pattern for the others; 6 x 4 = 24 tasks): the prompt is
 `refine draft`. Actions (one word each): `use_c<x>` makes candidate x the draft (score = its quality: 1.0 for
 the best, 0 / 0.25 / 0.5 / 0.75 for the others; observation `score s<4q>`); `inspect` leaves the draft as it is
-(score unchanged: a non-improving turn) and answers `hint c<b>`, after which `use_c<b>` reaches 1.0. Any other
+(score unchanged: a non-improving turn) and answers `hint use_c<b>` (the action's own word: copy it), after which `use_c<b>` reaches 1.0. Any other
 word is an invalid turn (no change). The episode always runs the K turns (turns after a success are scored,
 as TCPO's rollouts require).
 
@@ -74,7 +74,7 @@ class TCPORefineEnv(ToyEnv):
         st = self._state
         if word == "inspect":
             st["inspected"] = True
-            return f" hint c{st['best']}"
+            return f" hint {USE[st['best']]}"
         st["draft"] = USE.index(word)
         return f" score s{round(4 * st['quality'][st['draft']])}"
 
