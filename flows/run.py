@@ -56,7 +56,25 @@ def require_round(lake, round_: int) -> None:
         )
 
 
-def run_process(cfg: Config, round_: int, quiet: bool = False) -> dict:
+def check_preconditions(cfg: Config, lake, round_: int, skip_unmet: bool = False) -> tuple[Config, list[str]]:
+    """Every method's requirements (pipeline.credit.preconditions) against the round's steps, before any work.
+    An unmet one stops with one line naming the method, the missing column and the trajectories that lack it;
+    with `skip_unmet` those methods are dropped: returns (the config without them, one line per skipped one)."""
+    from pipeline.credit.preconditions import STEP_FLAGS_SQL, unmet
+    from warehouse.catalog import query
+
+    problems = unmet(cfg.methods, query(lake, STEP_FLAGS_SQL.format(round=int(round_))), cfg)
+    if not problems:
+        return cfg, []
+    lines = [p.line() for p in problems]
+    keep = [m for m in cfg.methods if m not in {p.method for p in problems}]
+    if not skip_unmet or not keep:
+        hint = " (--skip-unmet computes the other methods)" if keep else " (no method left to compute)"
+        raise SystemExit("; ".join(lines) + hint)
+    return cfg.model_copy(update={"methods": keep}), lines
+
+
+def run_process(cfg: Config, round_: int, quiet: bool = False, skip_unmet: bool = False) -> dict:
     """Run `process_round_flow` on the configured task runner, with a progress bar per stage, and print the
     round summary and the credit statistics."""
     from contextlib import nullcontext
@@ -65,6 +83,9 @@ def run_process(cfg: Config, round_: int, quiet: bool = False) -> dict:
 
     lake = Lake(cfg.lake)
     require_round(lake, round_)  # before any API or worker starts
+    cfg, skipped = check_preconditions(cfg, lake, round_, skip_unmet)  # and each method's inputs
+    if skipped and not quiet:
+        console.print("[yellow]skipped (unmet preconditions): " + " | ".join(skipped))
     prepare(cfg)  # worker processes and imports while the API (ephemeral: seconds) comes up
     from flows.process_round import WARNING_STATE, process_round_flow
     from flows.progress import rich_progress
@@ -81,6 +102,7 @@ def run_process(cfg: Config, round_: int, quiet: bool = False) -> dict:
         {
             "state": state.name,
             "methods": ", ".join(cfg.methods),
+            **({"skipped (unmet preconditions)": " | ".join(skipped)} if skipped else {}),
             "seconds": round(time.perf_counter() - t0, 2),
             "advantages": str(lake.partition_dir("advantages", round_)),
         }

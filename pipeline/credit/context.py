@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.config import Config
+from pipeline.credit.ops import Moments
 
 
 def _flat_list_floats(col: pa.ChunkedArray, starts: np.ndarray, n_tokens: int) -> np.ndarray:
@@ -135,6 +136,11 @@ class CreditContext:
     config: Config = field(default_factory=Config)
     annotations: dict[str, pl.DataFrame] = field(default_factory=dict)
     round: int = 0
+    # batch-level statistics (whitening) by key: the round's moments, merged over every batch by the statistics
+    # pass and given to the credit pass (None: this batch is the whole round). The statistics pass sets `collect`
+    # instead, where each method records its batch's own moments (`moments`)
+    round_stats: dict[str, Moments] | None = None
+    collect: dict[str, Moments] | None = None
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -145,6 +151,7 @@ class CreditContext:
         config: Config | None = None,
         annotations: dict[str, pa.Table | pl.DataFrame] | None = None,
         round_: int = 0,
+        round_stats: dict[str, Moments] | None = None,
     ) -> CreditContext:
         traj_cols = [c for c in trajectories.column_names if c != "reward_components"]
         traj = pl.from_arrow(trajectories.select(traj_cols)).sort("traj_id")
@@ -211,6 +218,7 @@ class CreditContext:
             config=config or Config(),
             annotations=anns,
             round=round_,
+            round_stats=round_stats,
         )
 
     # ---- sizes and indices ----------------------------------------------------------------------
@@ -248,6 +256,26 @@ class CreditContext:
 
     def stage(self, name: str):
         return self.config.stage(name)
+
+    def moments(
+        self, key: str, values: np.ndarray, weights: np.ndarray | None = None, scope: str = "round"
+    ) -> Moments:
+        """The moments a batch-level statistic `key` (a method's whitening) is taken over: the round's when
+        `scope="round"` (this batch's own when no round statistics were given: the batch is the round), this
+        batch's when `scope="batch"`. In a statistics pass, records this batch's moments under `key`."""
+        if scope == "batch" or (self.round_stats is None and self.collect is None):
+            return Moments.of(values, weights)
+        if self.collect is not None:
+            own = Moments.of(values, weights)
+            self.collect[key] = self.collect[key].merge(own) if key in self.collect else own
+            return own
+        assert self.round_stats is not None
+        if key not in self.round_stats:
+            raise ValueError(
+                f"round statistics lack {key!r} (have {sorted(self.round_stats)}): run the statistics pass "
+                "(pipeline.credit.process.batch_statistics) over every batch of the round first"
+            )
+        return self.round_stats[key]
 
     # ---- broadcasting ---------------------------------------------------------------------------
     def broadcast_traj(self, per_traj: np.ndarray) -> np.ndarray:

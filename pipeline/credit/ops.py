@@ -1,21 +1,77 @@
-"""Whole-column group statistics used by the estimators (NumPy bincount passes, no Python loops)."""
+"""The credit engine's statistics, one of each (whole-column NumPy passes, no Python loops):
+
+- `segment_bounds`: the first and last row of each run of equal segment ids (a trajectory's steps, a turn's
+  tokens), the one boundary idiom every method uses;
+- `group_moments` / `group_normalize`: per-group mean and std and the z-score (x - mean_g) / (std_g + eps)
+  (GRPO, GDPO's components, MT-GRPO, GiGPO, TCPO's per-(prompt, turn) Norm, IAPO's Eq. 4);
+- `Moments` / `whiten`: batch-level whitening (verl's masked_whiten, GDPO's batch normalisation) from
+  mergeable sufficient statistics, so one statistic can span a whole round processed batch by batch;
+- `segment_discounted_cumsum`: the GAE / return recursions.
+
+Means are taken shifted by a member of the set (group, batch): mean = x_ref + sum(x - x_ref) / n. A constant
+set then has its mean equal to its value exactly, so it normalises and whitens to exactly 0 (spec sections 7
+and 9: not the 1e-11 that summing 0.1 seven times leaves), and the shift also keeps the sums small."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 
-def group_mean_std(values: np.ndarray, groups: np.ndarray, n_groups: int | None = None, ddof: int = 1):
-    """Per-element group mean, group std (ddof) and group size. Std of a size<=ddof group is NaN."""
+def segment_bounds(segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first, last): bool masks of the first and the last row of each run of equal, contiguous segment ids."""
+    segments = np.asarray(segments)
+    n = len(segments)
+    first = np.ones(n, dtype=bool)
+    last = np.ones(n, dtype=bool)
+    if n > 1:
+        change = segments[1:] != segments[:-1]
+        first[1:] = change
+        last[:-1] = change
+    return first, last
+
+
+def segment_start_rows(segments: np.ndarray) -> np.ndarray:
+    """Per row: the index of the first row of its run (of equal, contiguous segment ids)."""
+    first, _ = segment_bounds(segments)
+    return (
+        np.maximum.accumulate(np.where(first, np.arange(len(first)), 0)) if len(first) else first.astype(int)
+    )
+
+
+def _group_ref(values: np.ndarray, groups: np.ndarray, n_groups: int) -> np.ndarray:
+    """One member's value per group (any member: every member of a constant group is the same value)."""
+    ref = np.zeros(n_groups, dtype=np.float64)
+    ref[groups] = values
+    return ref
+
+
+def group_moments(
+    values: np.ndarray,
+    groups: np.ndarray,
+    n_groups: int | None = None,
+    weights: np.ndarray | None = None,
+    ddof: int = 1,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per element: its group's (weighted) mean, std and size (sum of weights).
+
+    var_g = sum_g w (x - mean_g)^2 / (size_g - ddof); NaN where size_g <= ddof. A constant group has
+    mean == its value exactly (shifted mean), so x - mean is exactly 0 there."""
     values = np.asarray(values, dtype=np.float64)
-    n_groups = int(groups.max()) + 1 if n_groups is None and len(groups) else (n_groups or 0)
-    count = np.bincount(groups, minlength=n_groups).astype(np.float64)
-    total = np.bincount(groups, weights=values, minlength=n_groups).astype(np.float64)  # (empty: int64)
-    mean = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
+    groups = np.asarray(groups, dtype=np.int64)
+    if n_groups is None:
+        n_groups = int(groups.max()) + 1 if len(groups) else 0
+    w = None if weights is None else np.asarray(weights, dtype=np.float64)
+    count = np.bincount(groups, weights=w, minlength=n_groups).astype(np.float64)
+    ref = _group_ref(values, groups, n_groups)
+    shifted = values - ref[groups]
+    total = np.bincount(groups, weights=shifted if w is None else w * shifted, minlength=n_groups)
+    mean = ref + np.divide(total, count, out=np.zeros(n_groups), where=count > 0)
     dev = values - mean[groups]
-    ss = np.bincount(groups, weights=dev * dev, minlength=n_groups).astype(np.float64)
+    ss = np.bincount(groups, weights=dev * dev if w is None else w * dev * dev, minlength=n_groups)
     denom = count - ddof
-    var = np.divide(ss, denom, out=np.full_like(ss, np.nan), where=denom > 0)
+    var = np.divide(ss, denom, out=np.full(n_groups, np.nan), where=denom > 0)
     return mean[groups], np.sqrt(var)[groups], count[groups]
 
 
@@ -25,62 +81,94 @@ def group_normalize(
     eps: float = 1e-6,
     norm_by_std: bool = True,
     singleton: str = "verl",
+    weights: np.ndarray | None = None,
+    ddof: int = 1,
 ) -> np.ndarray:
-    """(x - mean_g) / (std_g + eps) with unbiased std (GRPO / verl).
+    """(x - mean_g) / (std_g + eps), std unbiased by default (GRPO / verl); `norm_by_std=False`: x - mean_g.
 
-    A group of size 1 follows verl (mean 0, std 1, so A = x) when `singleton="verl"`, or gives 0 when
-    `singleton="zero"`."""
+    A group of fewer than 2 members: `singleton="verl"` uses mean 0, std 1 (A = x / (1 + eps), verl's GRPO),
+    `"zero"` gives 0, `"keep"` leaves x unchanged (TCPO's Norm is skipped). A constant group gives exactly 0.
+    `weights` (and `ddof=0`) make it IAPO's length-weighted z-score with population variance."""
     values = np.asarray(values, dtype=np.float64)
     if len(values) == 0:
         return values.copy()
-    mean, std, count = group_mean_std(values, groups)
-    single = count < 2
+    groups = np.asarray(groups, dtype=np.int64)
+    mean, std, _ = group_moments(values, groups, weights=weights, ddof=ddof)
+    members = np.bincount(groups)[groups]
+    dev = values - mean
+    out = dev / (np.nan_to_num(std) + eps) if norm_by_std else dev
+    single = members < 2
     if singleton == "verl":
-        mean = np.where(single, 0.0, mean)
-        std = np.where(single, 1.0, std)
-    else:
-        mean = np.where(single, values, mean)
-        std = np.where(single, 1.0, std)
-    if norm_by_std:
-        return (values - mean) / (std + eps)
-    return values - mean
+        return np.where(single, values / (1.0 + eps) if norm_by_std else values, out)
+    if singleton == "zero":
+        return np.where(single, 0.0, out)
+    if singleton == "keep":
+        return np.where(single, values, out)
+    raise ValueError(f"group_normalize: singleton {singleton!r} (verl | zero | keep)")
 
 
-def segment_sum(values: np.ndarray, segments: np.ndarray, n: int) -> np.ndarray:
-    return np.bincount(segments, weights=np.asarray(values, dtype=np.float64), minlength=n)
+@dataclass(frozen=True)
+class Moments:
+    """Sufficient statistics of a (weighted) sample that merge exactly across batches: the total weight `n`
+    (a count when unweighted), the mean, and m2 = sum w (x - mean)^2. (The sum is n * mean, the sum of squares
+    m2 + n * mean^2; m2 is kept instead because it does not cancel.) Two batches merge by Chan et al.'s pairwise
+    update, so the moments of a round are the same however the round was split, to rounding."""
+
+    n: float = 0.0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    @classmethod
+    def of(cls, values: np.ndarray, weights: np.ndarray | None = None) -> Moments:
+        values = np.asarray(values, dtype=np.float64)
+        if len(values) == 0:
+            return cls()
+        w = np.ones(len(values)) if weights is None else np.asarray(weights, dtype=np.float64)
+        n = float(w.sum())
+        if n == 0.0:
+            return cls()
+        ref = float(values[0])  # shifted: a constant sample has mean == its value exactly
+        mean = ref + float(np.dot(w, values - ref)) / n
+        dev = values - mean
+        return cls(n, mean, float(np.dot(w, dev * dev)))
+
+    def merge(self, other: Moments) -> Moments:
+        if other.n == 0.0:
+            return self
+        if self.n == 0.0:
+            return other
+        n = self.n + other.n
+        delta = other.mean - self.mean
+        mean = self.mean + delta * (other.n / n) if delta else self.mean
+        return Moments(n, mean, self.m2 + other.m2 + delta * delta * self.n * other.n / n)
+
+    def var(self, ddof: int = 1) -> float:
+        return self.m2 / (self.n - ddof) if self.n > ddof else 0.0
+
+    @classmethod
+    def merged(cls, parts: list[Moments]) -> Moments:
+        out = cls()
+        for part in parts:
+            out = out.merge(part)
+        return out
 
 
-def segment_max(values: np.ndarray, segments: np.ndarray, n: int, initial: float = -np.inf) -> np.ndarray:
-    out = np.full(n, initial, dtype=np.float64)
-    np.maximum.at(out, segments, values)
-    return out
-
-
-def masked_whiten(values: np.ndarray, mask: np.ndarray, shift_mean: bool = True) -> np.ndarray:
-    """verl's masked_whiten: (x - mean) * rsqrt(var + 1e-8) over masked entries, Bessel-corrected var."""
+def whiten(
+    values: np.ndarray,
+    moments: Moments | None = None,
+    weights: np.ndarray | None = None,
+    var_eps: float = 1e-8,
+    std_eps: float = 0.0,
+    min_count: float = 1.0,
+) -> np.ndarray:
+    """(x - mean) / (sqrt(var + var_eps) + std_eps), var Bessel-corrected, over `moments` (default: the values'
+    own, weighted by `weights`). verl's masked_whiten is var_eps=1e-8 over the mask's tokens; GDPO's batch
+    normalisation (TRL) var_eps=0, std_eps=eps. Fewer than `min_count` entries (of weight): x unchanged."""
     values = np.asarray(values, dtype=np.float64)
-    m = mask.astype(bool)
-    n = int(m.sum())
-    if n == 0:
+    m = Moments.of(values, weights) if moments is None else moments
+    if m.n == 0.0 or m.n < min_count:
         return values.copy()
-    mean = values[m].mean()
-    var = ((values[m] - mean) ** 2).sum() / max(n - 1, 1) if n > 1 else 0.0
-    out = (values - mean) / np.sqrt(var + 1e-8)
-    if not shift_mean:
-        out = out + mean
-    return out
-
-
-def whiten(values: np.ndarray) -> np.ndarray:
-    """masked_whiten over every entry (no mask to apply): (x - mean) * rsqrt(var + 1e-8), Bessel-corrected var."""
-    values = np.asarray(values, dtype=np.float64)
-    n = len(values)
-    if n == 0:
-        return values.copy()
-    dev = values - values.mean()
-    var = float(np.dot(dev, dev)) / (n - 1) if n > 1 else 0.0
-    dev /= np.sqrt(var + 1e-8)
-    return dev
+    return (values - m.mean) / (np.sqrt(m.var() + var_eps) + std_eps)
 
 
 def segment_discounted_cumsum(values: np.ndarray, segments: np.ndarray, discount: float) -> np.ndarray:
@@ -91,8 +179,8 @@ def segment_discounted_cumsum(values: np.ndarray, segments: np.ndarray, discount
     n = len(y)
     if n == 0:
         return y
-    segments = np.asarray(segments)
-    bounds = np.concatenate([[0], np.flatnonzero(segments[1:] != segments[:-1]) + 1, [n]])
+    first, _ = segment_bounds(segments)
+    bounds = np.append(np.flatnonzero(first), n)
     lengths = np.diff(bounds)
     longest = int(lengths.max())
     if float(discount) == 1.0 and len(lengths) * longest <= 4 * n:

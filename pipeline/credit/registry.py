@@ -27,6 +27,9 @@ class Stage:
     needs: tuple[str, ...]  # annotations the stage reads: spans, nodes, edges, counterfactuals
     doc: str
     step_columns: tuple[str, ...] = ()  # steps columns beyond STEP_COLUMNS the stage reads (e.g. content)
+    # a statistic over the whole batch (whitening, GDPO's batch normalisation): with its settings' scope="round"
+    # it is taken over the round, from the moments the statistics pass (process.batch_statistics) collects
+    batch_statistics: bool = False
 
 
 # the steps columns every method may read; others are read only when a stage lists them in `step_columns`:
@@ -45,11 +48,22 @@ class MethodError(ValueError):
 
 
 def estimator(
-    name: str, settings: str | None = None, needs: tuple[str, ...] = (), step_columns: tuple[str, ...] = ()
+    name: str,
+    settings: str | None = None,
+    needs: tuple[str, ...] = (),
+    step_columns: tuple[str, ...] = (),
+    batch_statistics: bool = False,
 ):
     def deco(fn: Callable) -> Callable:
         ESTIMATORS[name] = Stage(
-            name, "estimator", fn, settings, tuple(needs), (fn.__doc__ or "").strip(), tuple(step_columns)
+            name,
+            "estimator",
+            fn,
+            settings,
+            tuple(needs),
+            (fn.__doc__ or "").strip(),
+            tuple(step_columns),
+            batch_statistics,
         )
         return fn
 
@@ -100,6 +114,18 @@ def method_step_columns(methods: list[str]) -> list[str]:
         for stage in (est, *refs):
             cols += [c for c in stage.step_columns if c not in cols]
     return cols
+
+
+def round_statistics_methods(methods: list[str], config) -> list[Stage]:
+    """The estimators of `methods` whose batch statistics are taken over the round (settings scope="round"):
+    what the statistics pass runs. Empty: the round needs no statistics pass."""
+    out: list[Stage] = []
+    for method in methods:
+        est, _ = parse_method(method)
+        if est.batch_statistics and est not in out:
+            if getattr(config.stage(est.settings), "scope", "round") == "round":
+                out.append(est)
+    return out
 
 
 def _settings(ctx: CreditContext, stage: Stage):

@@ -1,25 +1,31 @@
-"""PPO / GAE as in verl `compute_gae_advantage_return` (spec 2.5, token PPO).
+"""PPO / GAE as in verl `compute_gae_advantage_return` (spec 2.5, token PPO). Equations, numbered here:
 
-    r_t   = R_i on the last assistant token of trajectory i, 0 elsewhere (verl: the response's last valid
-            token; with observation tokens masked out that is the last assistant token; no KL term here)
-    delta_t = r_t + gamma * V_{t+1} - V_t
-    A_t     = delta_t + gamma * lam * A_{t+1}
+    (1) r_t       = R_i on the last assistant token of trajectory i, 0 elsewhere (verl: the response's last
+                    valid token; with observation tokens masked out that is the last assistant token; no KL term)
+    (2) delta_t   = r_t + gamma * V_{t+1} - V_t
+    (3) A_t       = delta_t + gamma * lam * A_{t+1}
+    (4) returns_t = A_t + V_t            (before whitening; the critic targets)
+    (5) A        <- masked_whiten(A) over the assistant tokens of the round (`scope="round"`, default) or of
+                    the processing batch (`scope="batch"`); `whiten=false` skips it
 Observation tokens are skipped: `nextvalues` and `lastgaelam` carry straight through mask-0 positions, so the
 recursion runs over the trajectory's assistant tokens in order, with V = 0 after the last one.
-    returns_t = A_t + V_t            (before whitening; the critic targets)
-    A <- masked_whiten(A) over the batch's assistant tokens (verl default; `whiten=false` to skip)
 
-Defaults gamma = lam = 1.0 are verl's `algorithm.gamma` / `algorithm.lam`. Critic values come from
-`steps.values`; an assistant token without one is an error that names the trajectory."""
+verl whitens over its training batch (`data.batch["advantages"] = masked_whiten(advantages, response_mask)` in
+`compute_gae_advantage_return`), whatever that batch is; here the round plays that part, so the advantages do
+not depend on how the round was cut into parts. Defaults gamma = lam = 1.0 are verl's `algorithm.gamma` /
+`algorithm.lam`. Critic values come from `steps.values`; an assistant token without one is an error that names
+the trajectory."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import numpy as np
 from pydantic import Field
 
 from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
-from pipeline.credit.ops import segment_discounted_cumsum, whiten
+from pipeline.credit.ops import segment_bounds, segment_discounted_cumsum, whiten
 from pipeline.credit.registry import MethodError, estimator
 
 
@@ -27,7 +33,12 @@ from pipeline.credit.registry import MethodError, estimator
 class GAESettings(StageSettings):
     gamma: float = Field(1.0, description="discount gamma (verl algorithm.gamma)")
     lam: float = Field(1.0, description="GAE lambda (verl algorithm.lam)")
-    whiten: bool = Field(True, description="masked_whiten the advantages over the batch (verl)")
+    whiten: bool = Field(True, description="masked_whiten the advantages (verl)")
+    scope: Literal["round", "batch"] = Field(
+        "round",
+        description="what the whitening's mean and variance are taken over: the round (every batch) or the "
+        "processing batch (batch_groups groups)",
+    )
 
 
 def require_values(ctx: CreditContext, positions: np.ndarray, method: str) -> np.ndarray:
@@ -59,13 +70,20 @@ def step_mean(ctx: CreditContext, token_values: np.ndarray) -> np.ndarray:
     return np.divide(total, count, out=np.full(ctx.n_steps, np.nan), where=count > 0)
 
 
-@estimator("gae", settings="gae", step_columns=("values",))
+@estimator("gae", settings="gae", step_columns=("values",), batch_statistics=True)
 def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
-    """Token-level GAE over assistant tokens; returns before whitening.
+    """Token-level GAE over assistant tokens; returns before whitening."""
+    return gae_credit(ctx, settings, "gae")
 
-    Works on the assistant tokens only (in token order: the steps' runs laid end to end). With lam = 1 the
-    recursion telescopes, A_t = gamma^(T-t) R - V_t (T: the trajectory's last assistant token), and needs no
-    scan; otherwise a segmented discounted cumsum over each trajectory's tokens."""
+
+def gae_credit(
+    ctx: CreditContext, settings: GAESettings, key: str, rewards: np.ndarray | None = None
+) -> CreditResult:
+    """GAE on the assistant tokens only (in token order: the steps' runs laid end to end), whitened under the
+    statistic `key`; `rewards` replace the trajectories' R (process_reward's penalised outcome).
+
+    With lam = 1 the recursion telescopes, A_t = gamma^(T-t) R - V_t (T: the trajectory's last assistant
+    token), and needs no scan; otherwise a segmented discounted cumsum over each trajectory's tokens."""
     steps = ctx.steps
     n_tok = steps["n_tokens"].to_numpy()
     is_asst = steps["is_assistant"].to_numpy()
@@ -80,21 +98,20 @@ def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
     a_hat = np.full(ctx.n_steps, np.nan)
     if n == 0:
         zeros = np.zeros(ctx.n_tokens)
+        if settings.whiten:
+            ctx.moments(key, zeros[:0], scope=settings.scope)  # an empty batch adds nothing to the round
         return CreditResult(
             token_adv=zeros, components={"a_hat": a_hat, "score": score}, token_returns=zeros.copy()
         )
     # V[i]'s assistant step: the first whose token end lies past i
-    check_values(ctx, V, lambda i: traj[np.searchsorted(np.cumsum(lengths), i, side="right")], "gae")
-    first = np.ones(len(a), dtype=bool)
-    first[1:] = traj[1:] != traj[:-1]
-    last = np.ones(len(a), dtype=bool)  # the trajectory's last assistant step (with tokens)
-    last[:-1] = first[1:]
+    check_values(ctx, V, lambda i: traj[np.searchsorted(np.cumsum(lengths), i, side="right")], key)
+    first, last = segment_bounds(traj)  # a trajectory's first / last assistant step (with tokens)
     run = np.cumsum(first) - 1  # the trajectory run of each assistant step
     end = np.cumsum(lengths)  # exclusive end of each assistant step's tokens
-    R = ctx.rewards()[traj]  # per assistant step
+    R = (ctx.rewards() if rewards is None else rewards)[traj]  # per assistant step
     gamma, lam = float(settings.gamma), float(settings.lam)
     if lam == 1.0:
-        # A_t = sum_s gamma^(s-t) (r_s + gamma V_{s+1} - V_s) = gamma^(T-t) R - V_t, since V_{T+1} = 0
+        # Eq. 1-3 telescoped: A_t = sum_s gamma^(s-t) (r_s + gamma V_{s+1} - V_s) = gamma^(T-t) R - V_t
         returns = np.repeat(R, lengths)
         if gamma != 1.0:
             returns *= np.power(gamma, np.repeat(end[last][run], lengths) - 1 - np.arange(n))
@@ -102,17 +119,15 @@ def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
     else:
         T = end[last] - 1  # the last assistant token of each trajectory
         r = np.zeros(n)
-        r[T] = R[last]
+        r[T] = R[last]  # Eq. 1
         V_next = np.empty(n)
         V_next[:-1] = V[1:]
         V_next[T] = 0.0
-        delta = r + gamma * V_next - V  # delta_t = r_t + gamma V_{t+1} - V_t
-        A = segment_discounted_cumsum(
-            delta, np.repeat(run, lengths), gamma * lam
-        )  # A_t = delta_t + gamma lam A_{t+1}
-        returns = A + V
+        delta = r + gamma * V_next - V  # Eq. 2
+        A = segment_discounted_cumsum(delta, np.repeat(run, lengths), gamma * lam)  # Eq. 3
+        returns = A + V  # Eq. 4
     if settings.whiten:
-        A = whiten(A)
+        A = whiten(A, ctx.moments(key, A, scope=settings.scope))  # Eq. 5
     token_adv = np.zeros(ctx.n_tokens)
     token_adv[ctx.tok_mask] = A
     token_returns = np.zeros(ctx.n_tokens)

@@ -1,14 +1,15 @@
 """GDPO, Group reward-Decoupled normalization (spec 2.2; NVIDIA arXiv 2601.05242, TRL and verl patches).
 
 Each reward component is group-normalised on its own, the weighted sum is whitened over the batch:
-    A_i^c = (R_i^c - mean_g^c) / (std_g^c + eps)          (std unbiased; size-1 group: A = R, verl)
-    pre_i = sum_c w_c A_i^c
-    A_i   = (pre_i - mean_batch) / (std_batch + eps)      (TRL; `whiten="tokens"`: verl masked_whiten)
+    (1) A_i^c = (R_i^c - mean_g^c) / (std_g^c + eps)        (std unbiased; size-1 group: A = R, verl)
+    (2) pre_i = sum_c w_c A_i^c
+    (3) A_i   = (pre_i - mean_batch) / (std_batch + eps)    (TRL; `whiten="tokens"`: verl masked_whiten)
 
 Components come from `trajectories.reward_components`; a trajectory without them (or a batch where none has
 them) uses its `reward` as the single component "reward". A missing or NaN component value counts as 0
-(TRL's nan_to_num). The batch is the processing batch (config `batch_groups` whole groups); a batch of fewer
-than 2 trajectories is not whitened (its std is undefined)."""
+(TRL's nan_to_num). The batch of Eq. 3 is the round (`scope="round"`, default: every trajectory of the round,
+however it was split into parts) or the processing batch (`scope="batch"`: config `batch_groups` whole
+groups); fewer than 2 trajectories are not whitened (their std is undefined)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pydantic import Field
 
 from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
-from pipeline.credit.ops import group_normalize
+from pipeline.credit.ops import group_normalize, whiten
 from pipeline.credit.registry import estimator
 
 
@@ -34,6 +35,9 @@ class GDPOSettings(StageSettings):
     whiten: Literal["trajectories", "tokens", "none"] = Field(
         "trajectories",
         description="batch whitening: TRL over trajectories, verl masked_whiten over tokens, or none",
+    )
+    scope: Literal["round", "batch"] = Field(
+        "round", description="the batch of Eq. 3: the round (every batch) or the processing batch"
     )
 
 
@@ -58,25 +62,22 @@ def component_matrix(ctx: CreditContext, names: list[str] | None = None) -> tupl
     return names, np.nan_to_num(R_c, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-@estimator("gdpo", settings="gdpo")
+@estimator("gdpo", settings="gdpo", batch_statistics=True)
 def gdpo(ctx: CreditContext, settings: GDPOSettings) -> CreditResult:
     """Per-component group normalisation, weighted sum, batch whitening."""
     names, R_c = component_matrix(ctx, settings.components)
     w = np.array([settings.weights.get(c, 1.0) for c in names], dtype=np.float64)
-    # A_i^c = (R_i^c - mean_g^c) / (std_g^c + eps)
     A_c = np.column_stack(
         [group_normalize(R_c[:, j], ctx.traj_group, eps=settings.eps) for j in range(len(names))]
-    )
-    # pre_i = sum_c w_c A_i^c
-    pre = A_c @ w if ctx.n_traj else np.zeros(0)
+    )  # Eq. 1
+    pre = A_c @ w if ctx.n_traj else np.zeros(0)  # Eq. 2
     A = pre
-    if settings.whiten == "trajectories" and ctx.n_traj >= 2:
-        # A_i = (pre_i - mean_batch) / (std_batch + eps)
-        A = (pre - pre.mean()) / (pre.std(ddof=1) + settings.eps)
-    elif settings.whiten == "tokens":
-        # verl: masked_whiten over the batch's assistant tokens = trajectories weighted by their token count
-        L_i = np.bincount(ctx.tok_traj[ctx.tok_mask], minlength=ctx.n_traj).astype(np.float64)
-        A = token_weighted_whiten(pre, L_i)
+    if settings.whiten == "trajectories":  # Eq. 3 (TRL)
+        moments = ctx.moments("gdpo", pre, scope=settings.scope)
+        A = whiten(pre, moments, var_eps=0.0, std_eps=settings.eps, min_count=2)
+    elif settings.whiten == "tokens":  # Eq. 3 as verl: masked_whiten over the tokens (trajectories by length)
+        L_i = np.bincount(ctx.tok_traj[ctx.tok_mask], minlength=ctx.n_traj)
+        A = whiten(pre, ctx.moments("gdpo", pre, L_i, scope=settings.scope))
     score = R_c @ w
     a_step = ctx.traj_to_steps(A)
     return CreditResult.per_step(
@@ -85,13 +86,3 @@ def gdpo(ctx: CreditContext, settings: GDPOSettings) -> CreditResult:
         {"a_hat": a_step, "score": ctx.traj_to_steps(score)},
         notes={"components": float(len(names)), "singleton_batch": float(ctx.n_traj < 2)},
     )
-
-
-def token_weighted_whiten(x: np.ndarray, L_i: np.ndarray) -> np.ndarray:
-    """ops.masked_whiten of x broadcast to L_i tokens each, computed per trajectory (Bessel var, +1e-8)."""
-    L = L_i.sum()
-    if L == 0:
-        return x.copy()
-    mean = (L_i * x).sum() / L
-    var = (L_i * (x - mean) ** 2).sum() / (L - 1) if L > 1 else 0.0
-    return (x - mean) / np.sqrt(var + 1e-8)

@@ -1,16 +1,16 @@
 """GiGPO (spec 2.4; Feng et al., verl-agent `compute_gigpo_outcome_advantage`). One row per assistant turn.
 
 Episode term, over all step rows of the prompt group (compute_mean_std_cross_steps=True):
-    A^E_i = (R_i - mu) / (sigma + eps)   (mean_std_norm)   or   R_i - mu   (mean_norm);  sigma unbiased.
+    (1) A^E_i = (R_i - mu) / (sigma + eps)   (mean_std_norm)   or   R_i - mu   (mean_norm);  sigma unbiased.
     A group with one trajectory (or one step row) has mu = 0, sigma = 1.
 Step return, per trajectory over its turns:
-    r_{i,k} = step reward (verifier_score by default) - invalid_action_penalty_coef * 1[invalid]
-    G_{i,k} = sum_{k' >= k} gamma^(k'-k) r_{i,k'}
+    (2) r_{i,k} = step reward (verifier_score by default) - invalid_action_penalty_coef * 1[invalid]
+    (3) G_{i,k} = sum_{k' >= k} gamma^(k'-k) r_{i,k'}
 Step groups, within the prompt group, by the anchor observation (the content of the non-assistant step(s)
 right before the turn, joined by newlines): exact match, or with `enable_similarity` the first cluster whose
 representative has difflib.SequenceMatcher ratio >= similarity_thresh.
-    A^S = G - mean_sg   (or / (std_sg + eps) in mean_std_norm);  a singleton step group gives A^S = 0.
-    A   = A^E + omega * A^S, broadcast to the turn's tokens.
+    (4) A^S = G - mean_sg   (or / (std_sg + eps) in mean_std_norm);  a singleton step group gives A^S = 0.
+    (5) A   = A^E + omega * A^S, broadcast to the turn's tokens.
 An action is invalid when its assistant step has is_error = true."""
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ from pydantic import Field
 
 from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
-from pipeline.credit.ops import group_mean_std, segment_discounted_cumsum
+from pipeline.credit.ops import (
+    group_moments,
+    group_normalize,
+    segment_bounds,
+    segment_discounted_cumsum,
+    segment_start_rows,
+)
 from pipeline.credit.registry import estimator
 
 
@@ -60,9 +66,7 @@ def anchor_observations(ctx: CreditContext) -> pl.DataFrame:
     traj = ctx.step_traj
     n = len(is_asst)
     idx = np.arange(n)
-    traj_first = np.ones(n, dtype=bool)
-    traj_first[1:] = traj[1:] != traj[:-1]
-    traj_start = np.maximum.accumulate(np.where(traj_first, idx, 0)) if n else idx
+    traj_start = segment_start_rows(traj)
     # the last assistant row before each row (-1: none)
     last_asst = np.maximum.accumulate(np.where(is_asst, idx, -1)) if n else idx
     prev_asst = np.concatenate([[-1], last_asst[:-1]]) if n else idx
@@ -148,33 +152,28 @@ def gigpo(ctx: CreditContext, settings: GiGPOSettings) -> CreditResult:
     group = rows["group_index"].to_numpy()
     eps, std_norm = settings.eps, settings.mode == "mean_std_norm"
 
-    # A^E over the step rows of the prompt group (trajectories weighted by their number of steps)
+    # Eq. 1: A^E over the step rows of the prompt group (trajectories weighted by their number of steps)
     R = ctx.rewards()[traj]
-    mu, sigma, n_rows = group_mean_std(R, group, ctx.n_groups)
+    mu, sigma, n_rows = group_moments(R, group, ctx.n_groups)
     n_traj = np.bincount(ctx.traj_group, minlength=ctx.n_groups)[group]
     single = (n_traj < 2) | (n_rows < 2)
     mu, sigma = np.where(single, 0.0, mu), np.where(single, 1.0, sigma)
     A_E = (R - mu) / (sigma + eps) if std_norm else R - mu
 
-    # r_{i,k} and G_{i,k} = sum_{k' >= k} gamma^(k'-k) r_{i,k'}
-    if settings.step_reward == "verifier_score":
+    if settings.step_reward == "verifier_score":  # Eq. 2
         r = rows["verifier_score"].fill_nan(None).fill_null(0.0).to_numpy().astype(np.float64)
     else:
-        last = np.ones(len(traj), dtype=bool)
-        last[:-1] = traj[1:] != traj[:-1]
+        _, last = segment_bounds(traj)
         r = np.where(last, R, 0.0)
     r = r - settings.invalid_action_penalty_coef * rows["is_error"].fill_null(False).to_numpy()
-    G = segment_discounted_cumsum(r, traj, settings.gamma)
+    G = segment_discounted_cumsum(r, traj, settings.gamma)  # Eq. 3
 
-    # A^S within step groups (anchor-state groups); singleton step group -> 0
+    # Eq. 4: A^S within step groups (anchor-state groups); a singleton step group gives 0
     sg = step_groups(rows, settings.enable_similarity, settings.similarity_thresh)
-    sg_mean, sg_std, sg_n = group_mean_std(G, sg) if len(sg) else (G, G, G)
-    A_S = G - sg_mean
-    if std_norm:
-        A_S = np.divide(A_S, sg_std + eps, out=np.zeros_like(A_S), where=sg_n > 1)
-    A_S = np.where(sg_n > 1, A_S, 0.0)
+    A_S = group_normalize(G, sg, eps=eps, norm_by_std=std_norm, singleton="zero")
+    sg_n = np.bincount(sg)[sg] if len(sg) else np.zeros(0)
 
-    A = A_E + settings.step_advantage_w * A_S
+    A = A_E + settings.step_advantage_w * A_S  # Eq. 5
     per_step = {name: np.full(ctx.n_steps, np.nan) for name in ("a_hat", "a_episode", "a_step", "score")}
     for name, values in (("a_hat", A), ("a_episode", A_E), ("a_step", A_S), ("score", G)):
         per_step[name][step_row] = values

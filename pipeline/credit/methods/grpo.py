@@ -1,4 +1,9 @@
-"""GRPO and Dr.GRPO (spec 2.1, verl reference): A_i = (R_i - mean_g) / (std_g + eps), broadcast to tokens."""
+"""GRPO and Dr.GRPO (spec 2.1, verl reference), broadcast to every assistant token:
+
+    (1) A_i = (R_i - mean_g) / (std_g + eps)     std unbiased; a size-1 group has mean 0, std 1 (verl)
+    (2) A_i = R_i - mean_g                       Dr.GRPO (`norm_by_std=False`)
+
+A group whose rewards are all equal gets exactly 0 (spec 7; ops.group_normalize)."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ def grpo_traj_advantage(
 ) -> np.ndarray:
     """Per-trajectory A_i; a size-1 group gives A = R (verl: mean 0, std 1)."""
     rewards = ctx.rewards() if rewards is None else rewards
+    # Eq. 1, or Eq. 2 without the std
     return group_normalize(rewards, ctx.traj_group, eps=settings.eps, norm_by_std=settings.norm_by_std)
 
 

@@ -24,6 +24,7 @@ from pydantic import Field
 import pipeline.annotate.settings  # noqa: F401  (registers the annotators' settings with the engine)
 from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.ops import group_moments, segment_bounds
 from pipeline.credit.registry import MethodError, refiner
 
 EDGE_SIGN = {"input": 1, "success_utilization": 1, "failed_utilization": -1}
@@ -54,37 +55,18 @@ class IAPOSettings(StageSettings):
 
 
 # ---- the math on flat per-action arrays ----------------------------------------------------------------
-def _segment_starts(seg: np.ndarray) -> np.ndarray:
-    if len(seg) == 0:
-        return np.zeros(0, dtype=np.int64)
-    return np.flatnonzero(np.concatenate([[True], seg[1:] != seg[:-1]]))
-
-
-def _segment_constant(x: np.ndarray, seg: np.ndarray) -> np.ndarray:
-    """Per element: is x constant over its (contiguous) segment."""
-    if len(x) == 0:
-        return np.zeros(0, dtype=bool)
-    starts = _segment_starts(seg)
-    const = np.minimum.reduceat(x, starts) == np.maximum.reduceat(x, starts)
-    counts = np.diff(np.concatenate([starts, [len(x)]]))
-    return np.repeat(const, counts)
-
-
 def bounded_weight(
     phi: np.ndarray, L: np.ndarray, seg: np.ndarray, n_seg: int, c: float, eps: float
 ) -> tuple[np.ndarray, np.ndarray]:
     """Eq. 4 per segment (trajectory): (m, length-weighted mean of phi per element). `seg` is sorted."""
     L = L.astype(np.float64)
-    Lsum = np.bincount(seg, weights=L, minlength=n_seg)
-    Lsum_safe = np.where(Lsum > 0, Lsum, 1.0)
-    mean = (np.bincount(seg, weights=L * phi, minlength=n_seg) / Lsum_safe)[seg]
-    dev = phi - mean
-    var = np.bincount(seg, weights=L * dev * dev, minlength=n_seg) / Lsum_safe
-    z = dev / (np.sqrt(var)[seg] + eps)
-    z = np.where(_segment_constant(phi, seg), 0.0, z)  # T = 1 or a constant feature: z = 0, m = 1 exactly
+    # length-weighted mean and population variance; T = 1 or a constant feature gives z = 0 exactly (the
+    # group mean is shifted: phi - phibar is exactly 0), so m = 1 exactly
+    mean, sigma, Lsum = group_moments(phi, seg, n_seg, weights=L, ddof=0)
+    z = (phi - mean) / (np.nan_to_num(sigma) + eps)
     ez = np.exp(np.clip(z, -c, c))
-    norm = np.bincount(seg, weights=L * ez, minlength=n_seg) / Lsum_safe
-    return ez / norm[seg], mean
+    norm = np.bincount(seg, weights=L * ez, minlength=n_seg)[seg] / np.where(Lsum > 0, Lsum, 1.0)
+    return ez / norm, mean  # Eq. 4
 
 
 def route_weights(
@@ -101,14 +83,14 @@ def route_weights(
     Lsum = np.bincount(seg, weights=Lf, minlength=n_seg)
     m_plus, _ = bounded_weight(phi_plus, L, seg, n_seg, s.c, s.eps)
     m_minus, mean_minus = bounded_weight(phi_minus, L, seg, n_seg, s.c, s.eps)
-    psi = np.where(_segment_constant(phi_minus, seg), 0.0, phi_minus - mean_minus)
+    psi = phi_minus - mean_minus  # exactly 0 on a constant feature (shifted mean)
 
     def tilted(beta: float) -> np.ndarray:
         u = m_plus * np.exp(beta * psi)
         return Lsum[seg] * u / np.bincount(seg, weights=Lf * u, minlength=n_seg)[seg]
 
-    w_plus = tilted(-s.beta_plus) if s.beta_plus else m_plus
-    w_minus = m_minus if s.negative_branch == "cons" else tilted(+s.beta_minus)
+    w_plus = tilted(-s.beta_plus) if s.beta_plus else m_plus  # Eq. 5
+    w_minus = m_minus if s.negative_branch == "cons" else tilted(+s.beta_minus)  # Eq. 6
     sign = a_sign[seg]
     w = np.where(sign > 0, w_plus, np.where(sign < 0, w_minus, 1.0))
     return {"m_plus": m_plus, "m_minus": m_minus, "w_plus": w_plus, "w_minus": w_minus, "w": w}
@@ -182,8 +164,8 @@ def graph_features(
         u_dir = np.where(fail, 0.0, u_dir)
     e = np.where(d_minus > 0, 1.0, e)  # d- > 0 implies e = 1
     d_in = u_dir + d_in_edges
-    phi_plus = np.log1p(d_plus + d_in)
-    phi_minus = np.log1p(e * (1.0 + d_minus + d_in))
+    phi_plus = np.log1p(d_plus + d_in)  # Eq. 3
+    phi_minus = np.log1p(e * (1.0 + d_minus + d_in))  # Eq. 3
     return {
         "d_plus": d_plus,
         "d_minus": d_minus,
@@ -202,7 +184,7 @@ def trajectory_advantage(ctx: CreditContext, base: CreditResult, atol: float) ->
         return a_hat
     adv = np.asarray(base.token_adv, dtype=np.float64)[mask]
     traj = ctx.tok_traj[mask]
-    starts = _segment_starts(traj)
+    starts = np.flatnonzero(segment_bounds(traj)[0])
     lo = np.minimum.reduceat(adv, starts)
     hi = np.maximum.reduceat(adv, starts)
     bad = hi - lo > atol * (1.0 + np.maximum(np.abs(lo), np.abs(hi)))
@@ -251,7 +233,7 @@ def iapo(ctx: CreditContext, base: CreditResult, settings: IAPOSettings) -> Cred
     routed = route_weights(feats["phi_plus"], feats["phi_minus"], L, seg, ctx.n_traj, np.sign(a_traj), s)
     w_step = np.ones(ctx.n_steps)
     w_step[act_rows] = routed["w"]
-    token_adv = np.where(ctx.tok_mask, a_traj[ctx.tok_traj] * w_step[ctx.tok_step], 0.0)
+    token_adv = np.where(ctx.tok_mask, a_traj[ctx.tok_traj] * w_step[ctx.tok_step], 0.0)  # Eq. 7
 
     def per_step(values: np.ndarray) -> np.ndarray:
         out = np.full(ctx.n_steps, np.nan)

@@ -1,13 +1,13 @@
 """MT-GRPO (spec 2.3; Zeng et al. 2025, code default `advantage_est="aae"`).
 
-Turn reward R^T and outcome R^O are each group-normalised, Â = (R - mean_g)/(std_g + eps) (std unbiased,
-eps 1e-4; a size-1 group gives Â = R, verl):
-  aae:   tokens before the trajectory's first tool-result message get Â^O + λ·Â^T, later tokens get Â^O;
-         a trajectory with no tool result gets Â^{T+O} = Norm(R^T + R^O) on every token.
-  cae:   tokens before the first tool result get Norm(R^T + γ·R^O), later tokens Â^O;
+Turn reward R^T and outcome R^O are each group-normalised,
+  (1) Â = (R - mean_g)/(std_g + eps)   (std unbiased, eps 1e-4; a size-1 group gives Â = R, verl)
+  aae:   (2) tokens before the trajectory's first tool-result message get Â^O + λ·Â^T, later tokens get Â^O;
+         (3) a trajectory with no tool result gets Â^{T+O} = Norm(R^T + R^O) on every token.
+  cae:   (4) tokens before the first tool result get Norm(R^T + γ·R^O), later tokens Â^O;
          no tool result: Norm(R^T + γ·R^O) on every token.
-  kturn: [INF] TCPO's K-turn verifier setting: A_{i,k} = Â^O_i + λ·Â^T_{i,k}, R^T_{i,k} the verifier score of
-         turn k, normalised per (prompt, k) over the trajectories that have a turn k.
+  kturn: (5) [INF] TCPO's K-turn verifier setting: A_{i,k} = Â^O_i + λ·Â^T_{i,k}, R^T_{i,k} the verifier score
+         of turn k, normalised per (prompt, k) over the trajectories that have a turn k.
 
 R^T (aae/cae) comes from `turn_reward`: `verifier_score` (turn 1's steps.verifier_score), `tool_ok` (1 if the
 first tool result has is_error = false, else 0), or `component:<name>` (trajectories.reward_components).
@@ -23,7 +23,7 @@ from pydantic import Field
 
 from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
-from pipeline.credit.ops import group_normalize
+from pipeline.credit.ops import group_normalize, segment_start_rows
 from pipeline.credit.registry import MethodError, estimator
 
 
@@ -81,7 +81,7 @@ def mt_grpo(ctx: CreditContext, settings: MTGRPOSettings) -> CreditResult:
     steps = ctx.steps
     is_asst = steps["is_assistant"].to_numpy()
     R_O = ctx.rewards()
-    A_O = group_normalize(R_O, g, eps=eps)  # Â^O
+    A_O = group_normalize(R_O, g, eps=eps)  # Eq. 1: Â^O
     if settings.mode == "kturn":
         # Â^T_{i,k}: verifier score of turn k, normalised per (prompt, k)
         rows = np.flatnonzero(is_asst)
@@ -94,38 +94,29 @@ def mt_grpo(ctx: CreditContext, settings: MTGRPOSettings) -> CreditResult:
         R_T_step = np.full(ctx.n_steps, np.nan)
         R_T_step[rows] = np.nan_to_num(r, nan=0.0)
         A_T_step = np.full(ctx.n_steps, np.nan)
-        A_T_step[rows] = group_normalize(R_T_step[rows], key.reshape(-1), eps=eps)
-        per_step = ctx.traj_to_steps(A_O) + lam * np.nan_to_num(A_T_step)
+        A_T_step[rows] = group_normalize(R_T_step[rows], key.reshape(-1), eps=eps)  # Eq. 1 per (x, k)
+        per_step = ctx.traj_to_steps(A_O) + lam * np.nan_to_num(A_T_step)  # Eq. 5
         return _result(ctx, per_step, R_T_step, A_T_step, missing)
 
     R_T, missing = turn_reward(ctx, settings.turn_reward)
     # tokens before the first tool-result message
     is_tool = (steps["role"] == "tool").to_numpy()
-    tools_so_far = np.cumsum(is_tool) - _segment_start_values(np.cumsum(is_tool) - is_tool, ctx.step_traj)
+    tools_before = np.cumsum(is_tool) - is_tool  # tool results before each step, over the whole batch
+    tools_so_far = np.cumsum(is_tool) - tools_before[segment_start_rows(ctx.step_traj)]
     before_tool = tools_so_far == 0
     has_tool = np.bincount(ctx.step_traj[is_tool], minlength=ctx.n_traj) > 0
-    A_T = group_normalize(R_T, g, eps=eps)  # Â^T
+    A_T = group_normalize(R_T, g, eps=eps)  # Eq. 1: Â^T
     if settings.mode == "aae":
-        first = A_O + lam * A_T  # Â^O + λ Â^T
-        no_tool = group_normalize(R_T + R_O, g, eps=eps)  # Â^{T+O}
+        first = A_O + lam * A_T  # Eq. 2: Â^O + λ Â^T
+        no_tool = group_normalize(R_T + R_O, g, eps=eps)  # Eq. 3: Â^{T+O}
     else:  # cae
-        first = group_normalize(R_T + settings.cae_gamma * R_O, g, eps=eps)
+        first = group_normalize(R_T + settings.cae_gamma * R_O, g, eps=eps)  # Eq. 4
         no_tool = first
     per_traj_first = np.where(has_tool, first, no_tool)
     per_traj_later = np.where(has_tool, A_O, no_tool)
     per_step = np.where(before_tool, ctx.traj_to_steps(per_traj_first), ctx.traj_to_steps(per_traj_later))
     turn_term = np.where(before_tool & is_asst & has_tool[ctx.step_traj], ctx.traj_to_steps(A_T), np.nan)
     return _result(ctx, per_step, np.where(is_asst, ctx.traj_to_steps(R_T), np.nan), turn_term, missing)
-
-
-def _segment_start_values(values: np.ndarray, segments: np.ndarray) -> np.ndarray:
-    """The value at the first row of each row's (contiguous) segment."""
-    if len(values) == 0:
-        return values
-    start = np.ones(len(segments), dtype=bool)
-    start[1:] = segments[1:] != segments[:-1]
-    first_idx = np.maximum.accumulate(np.where(start, np.arange(len(values)), 0))
-    return values[first_idx]
 
 
 def _result(ctx, per_step, score, turn_term, missing) -> CreditResult:

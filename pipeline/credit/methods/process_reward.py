@@ -7,21 +7,20 @@ as rewards *before* the estimator instead of correcting credit after it.
 s_k is the largest severity among turn k's spans. GRPO has only an outcome reward, so grpo_pr always uses the
 outcome level (the undiscounted sum of turn penalties). gae_pr reuses `gae` unwhitened and adds the penalties'
 GAE contribution (GAE is linear in the rewards: A = A_base + discounted-cumsum of the token penalties, the
-value terms cancel), then whitens as `gae` would; returns get the same contribution (returns = A + V)."""
+value terms cancel), then whitens as `gae` would (same `gae.whiten` and `gae.scope`, its own round statistic
+"gae_pr"); returns get the same contribution (returns = A + V)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Literal
 
 import numpy as np
-import polars as pl
 from pydantic import Field
 
 from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.methods.c3 import span_token_ranges
-from pipeline.credit.methods.gae import gae, step_mean
+from pipeline.credit.methods.gae import gae_credit, step_mean
 from pipeline.credit.methods.grpo import grpo_traj_advantage
 from pipeline.credit.ops import segment_discounted_cumsum, whiten
 from pipeline.credit.registry import estimator
@@ -54,10 +53,6 @@ def penalised_rewards(ctx: CreditContext, beta: float, s_step: np.ndarray) -> np
     return ctx.rewards() - beta * penalty
 
 
-def _with_rewards(ctx: CreditContext, rewards: np.ndarray) -> CreditContext:
-    return replace(ctx, trajectories=ctx.trajectories.with_columns(pl.Series("reward", rewards)))
-
-
 @estimator("grpo_pr", settings="process_reward", needs=("spans",))
 def grpo_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
     """GRPO on the outcome reward minus beta * the summed turn severities."""
@@ -77,7 +72,9 @@ def grpo_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult
     )
 
 
-@estimator("gae_pr", settings="process_reward", needs=("spans",), step_columns=("values",))
+@estimator(
+    "gae_pr", settings="process_reward", needs=("spans",), step_columns=("values",), batch_statistics=True
+)
 def gae_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
     """Token GAE with the behaviour penalties as turn rewards (or subtracted from the outcome reward)."""
     gs = ctx.stage("gae")
@@ -85,14 +82,14 @@ def gae_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
     has = s_step > 0
     notes = {"process_reward.penalised_turns": float(has.sum())}
     if settings.level == "outcome":
-        base = gae(_with_rewards(ctx, penalised_rewards(ctx, settings.beta, s_step)), gs)
+        base = gae_credit(ctx, gs, "gae_pr", rewards=penalised_rewards(ctx, settings.beta, s_step))
         return CreditResult(
             base.token_adv,
             {**base.components, "severity": np.where(has, s_step, np.nan)},
             base.token_returns,
             notes,
         )
-    raw = gae(ctx, gs.model_copy(update={"whiten": False}))
+    raw = gae_credit(ctx, gs.model_copy(update={"whiten": False}), "gae_pr")
     t = np.flatnonzero(ctx.tok_mask)
     penalty = np.zeros(ctx.n_tokens)
     n = ctx.steps["n_tokens"].to_numpy()
@@ -104,7 +101,7 @@ def gae_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
     returns = raw.token_returns.copy()
     returns[t] = returns[t] + contrib
     if gs.whiten:
-        A = whiten(A)
+        A = whiten(A, ctx.moments("gae_pr", A, scope=gs.scope))
     token_adv = np.zeros(ctx.n_tokens)
     token_adv[t] = A
     score = raw.components["score"] + np.bincount(ctx.tok_step, weights=penalty, minlength=ctx.n_steps)

@@ -1,5 +1,8 @@
-"""RLOO (verl `compute_rloo_outcome_advantage`): A_i = R_i - mean_{j != i} R_j, the leave-one-out baseline,
-broadcast to every assistant token. Equivalently A_i = G/(G-1) * (R_i - mean_g).
+"""RLOO (verl `compute_rloo_outcome_advantage`), broadcast to every assistant token:
+
+    (1) A_i = R_i - mean_{j != i} R_j   (the leave-one-out baseline)  =  G/(G-1) * (R_i - mean_g)
+
+so a constant group gives exactly 0 (the group mean is shifted, ops.group_moments).
 
 A group of size 1 has no other sample: verl leaves the score as it is (baseline 0, A = R); `singleton="zero"`
 gives A = 0 instead."""
@@ -13,6 +16,7 @@ from pydantic import Field
 
 from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.ops import group_moments
 from pipeline.credit.registry import estimator
 
 
@@ -27,12 +31,8 @@ class RLOOSettings(StageSettings):
 def rloo(ctx: CreditContext, settings: RLOOSettings) -> CreditResult:
     """Leave-one-out mean baseline within the prompt group."""
     R = ctx.rewards()
-    group = ctx.traj_group
-    G = np.bincount(group, minlength=ctx.n_groups).astype(np.float64)[group]
-    total = np.bincount(group, weights=R, minlength=ctx.n_groups)[group]
-    # baseline b_i = (sum_g R - R_i) / (G - 1)
-    baseline = np.divide(total - R, G - 1, out=np.zeros_like(R), where=G > 1)
-    A = R - baseline
+    mean, _, G = group_moments(R, ctx.traj_group, ctx.n_groups)
+    A = np.where(G > 1, (R - mean) * G / np.maximum(G - 1, 1), R)  # Eq. 1; size 1: baseline 0 (verl)
     if settings.singleton == "zero":
         A = np.where(G > 1, A, 0.0)
     a_step = ctx.traj_to_steps(A)

@@ -1,27 +1,27 @@
 """TCPO: turn-level credit from per-turn verifier scores (spec section 3; paper sections 3.0.1-3.3).
 
-Reads top to bottom next to the paper. Every array below is one row per (trajectory i, turn k), rows in
-(trajectory, turn) order; symbols are names:
+Reads top to bottom next to the paper; `# Eq. n` marks the line that implements (n) below. Every array is one
+row per (trajectory i, turn k), rows in (trajectory, turn) order; symbols are names:
 
     r        r_{i,k}       per-turn verifier score in [0,1] (steps.verifier_score of the turn's assistant step)
-    m_best   m_{i,k}       max_{t<k} r_{i,t}, m_{i,1} = 0
-    delta    Delta_{i,k}   [r - m]_+
-    i_succ   I^succ        1[m >= tau]
-    i_keep   I^keep        I^succ * 1[Delta = 0] * 1[r >= m]
-    c_ret                  alpha_plus*Delta + alpha_keep*I^keep - alpha_minus*I^succ*[m - r]_+
-    b_gate   b_{i,k}       1[m < tau] * 1[Delta = 0]
-    u_future u_{i,k}       max_{t>=k} r_{i,t}
-    u_bar_peers            leave-one-out mean of u_{j,k} over eligible peers j != i of the same (prompt, turn)
-    c_hin                  b * (u - u_bar_peers), 0 when no eligible peer
-    xi       xi_{i,k}      surprisal: -mean behaviour logprob over the turn's assistant tokens
-    g_sel    g_{i,k}       1[(i,k) in I_x], I_x = Top-L of B_x = {b = 1} by xi (per prompt)
-    c_cf                   q_0 - mean(q_1..q_M), q_0 = r
-    eta      eta_{i,k}     1[Var(q_0..q_M) > 0]
-    c_del                  c_hin + g*eta*(c_cf - c_hin)
-    phi                    c_ret + mu*c_del
-    phi_norm               z-score of phi within (prompt, turn): (phi - mean)/(std_unbiased + eps);
+ (1) m_best   m_{i,k}       max_{t<k} r_{i,t}, m_{i,1} = 0
+ (2) delta    Delta_{i,k}   [r - m]_+
+ (3) i_succ   I^succ        1[m >= tau]
+ (4) i_keep   I^keep        I^succ * 1[Delta = 0] * 1[r >= m]
+ (5) c_ret                  alpha_plus*Delta + alpha_keep*I^keep - alpha_minus*I^succ*[m - r]_+
+ (6) b_gate   b_{i,k}       1[m < tau] * 1[Delta = 0]
+ (7) u_future u_{i,k}       max_{t>=k} r_{i,t}
+ (8) u_bar_peers            leave-one-out mean of u_{j,k} over eligible peers j != i of the same (prompt, turn)
+ (9) c_hin                  b * (u - u_bar_peers), 0 when no eligible peer
+(10) xi       xi_{i,k}      surprisal: -mean behaviour logprob over the turn's assistant tokens
+(11) g_sel    g_{i,k}       1[(i,k) in I_x], I_x = Top-L of B_x = {b = 1} by xi (per prompt)
+(12) c_cf                   q_0 - mean(q_1..q_M), q_0 = r
+(13) eta      eta_{i,k}     1[Var(q_0..q_M) > 0]
+(14) c_del                  c_hin + g*eta*(c_cf - c_hin)
+(15) phi                    c_ret + mu*c_del
+(16) phi_norm               z-score of phi within (prompt, turn): (phi - mean)/(std_unbiased + eps);
                            skipped when the (prompt, turn) set has fewer than 2 trajectories; constant -> 0
-    A                      gamma^(k-1) * phi_norm, broadcast to the turn's assistant tokens
+(17) A                      gamma^(k-1) * phi_norm, broadcast to the turn's assistant tokens
 
 The ablation variants of Tables 3 and 4 (traj_reward, turn_reward, delta_reward, tcpo_retro, tcpo_retro_hin,
 tcpo_random_cf, tcpo_all_cf) share the same per-(prompt, turn) Norm and gamma^(k-1).
@@ -43,6 +43,7 @@ from pydantic import Field
 
 from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.ops import group_normalize
 from pipeline.credit.registry import estimator
 
 Selection = Literal["top", "random", "all"]
@@ -108,7 +109,7 @@ def turn_table(ctx: CreditContext, missing_score: str = "error") -> tuple[pl.Dat
             pl.when(pl.col("nlp_cnt") > 0)
             .then(pl.col("nlp_sum") / pl.col("nlp_cnt"))
             .otherwise(None)
-            .alias("xi")
+            .alias("xi")  # Eq. 10
         )
     )
     missing = turns.filter(pl.col("r").is_null())
@@ -140,15 +141,15 @@ def retro_hindsight_frame(turns: pl.DataFrame, tau: float) -> pl.DataFrame:
     out = (
         turns.with_columns(
             # m_{i,k} = max_{t<k} r: shift by one turn, running max; m_{i,1} = 0 (r >= 0, so max with 0 is exact)
-            pl.col("r").shift(1).cum_max().over(per_traj).fill_null(0.0).alias("m_best"),
+            pl.col("r").shift(1).cum_max().over(per_traj).fill_null(0.0).alias("m_best"),  # Eq. 1
             # u_{i,k} = max_{t>=k} r: running max from the last turn backwards
-            pl.col("r").cum_max(reverse=True).over(per_traj).alias("u_future"),
+            pl.col("r").cum_max(reverse=True).over(per_traj).alias("u_future"),  # Eq. 7
         )
         .with_columns(
-            (pl.col("r") - pl.col("m_best")).clip(lower_bound=0.0).alias("delta"),
+            (pl.col("r") - pl.col("m_best")).clip(lower_bound=0.0).alias("delta"),  # Eq. 2
         )
         .with_columns(
-            ((pl.col("m_best") < tau) & (pl.col("delta") == 0.0)).cast(pl.Float64).alias("b_gate"),
+            ((pl.col("m_best") < tau) & (pl.col("delta") == 0.0)).cast(pl.Float64).alias("b_gate"),  # Eq. 6
         )
         .with_columns(
             (pl.col("b_gate") * pl.col("u_future")).sum().over(per_prompt_turn).alias("_sum_bu"),
@@ -220,29 +221,6 @@ def cf_scores(turns: pl.DataFrame, counterfactuals: pl.DataFrame | None, min_ok:
     ).with_columns(joined["n_ok"].fill_null(0).alias("n_ok"))
 
 
-def normalize_within(phi: np.ndarray, key: np.ndarray, eps: float) -> np.ndarray:
-    """z-score of phi within each key (prompt, turn): (phi - mean)/(std_unbiased + eps).
-
-    Fewer than 2 members: phi unchanged (normalisation skipped). A constant set: exactly 0."""
-    if len(phi) == 0:
-        return phi.copy()
-    _, inv = np.unique(key, return_inverse=True)
-    n = inv.max() + 1
-    count = np.bincount(inv, minlength=n).astype(np.float64)
-    mean = np.bincount(inv, weights=phi, minlength=n) / count
-    dev = phi - mean[inv]
-    var = np.divide(
-        np.bincount(inv, weights=dev * dev, minlength=n), count - 1, out=np.zeros(n), where=count > 1
-    )
-    hi = np.full(n, -np.inf)
-    lo = np.full(n, np.inf)
-    np.maximum.at(hi, inv, phi)
-    np.minimum.at(lo, inv, phi)
-    z = dev / (np.sqrt(var)[inv] + eps)
-    z = np.where((hi - lo)[inv] == 0.0, 0.0, z)
-    return np.where(count[inv] < 2, phi, z)
-
-
 # ---- the estimator ---------------------------------------------------------------------------------
 
 Variant = Literal["traj_reward", "turn_reward", "delta_reward", "retro", "retro_hin", "full"]
@@ -261,18 +239,20 @@ def tcpo_credit(
     # -- retrospective credit (3.0.1) ---------------------------------------------------------------
     m_best = turns["m_best"].to_numpy()
     delta = turns["delta"].to_numpy()
-    i_succ = (m_best >= s.tau).astype(np.float64)
-    i_keep = i_succ * (delta == 0.0) * (r >= m_best)
+    i_succ = (m_best >= s.tau).astype(np.float64)  # Eq. 3
+    i_keep = i_succ * (delta == 0.0) * (r >= m_best)  # Eq. 4
     regression = i_succ * np.maximum(m_best - r, 0.0)
-    c_ret = s.alpha_plus * delta + s.alpha_keep * i_keep - s.alpha_minus * regression
+    c_ret = s.alpha_plus * delta + s.alpha_keep * i_keep - s.alpha_minus * regression  # Eq. 5
 
     # -- hindsight delayed credit: leave-one-out mean over eligible same-prompt same-turn peers ---------
     b_gate = turns["b_gate"].to_numpy()
     u_future = turns["u_future"].to_numpy()
     n_peers = turns["_n_b"].to_numpy() - b_gate  # eligible peers j != i
     sum_peers = turns["_sum_bu"].to_numpy() - b_gate * u_future
-    u_bar_peers = np.divide(sum_peers, n_peers, out=np.full_like(sum_peers, np.nan), where=n_peers > 0)
-    c_hin = np.where((b_gate > 0) & (n_peers > 0), u_future - np.nan_to_num(u_bar_peers), 0.0)
+    u_bar_peers = np.divide(
+        sum_peers, n_peers, out=np.full_like(sum_peers, np.nan), where=n_peers > 0
+    )  # Eq. 8
+    c_hin = np.where((b_gate > 0) & (n_peers > 0), u_future - np.nan_to_num(u_bar_peers), 0.0)  # Eq. 9
     notes["hindsight_no_peer"] = float(((b_gate > 0) & (n_peers == 0)).sum())
 
     # -- counterfactual credit with the non-degeneracy gate ---------------------------------------------
@@ -281,19 +261,19 @@ def tcpo_credit(
     g_sel = np.zeros(len(r))
     eta = np.zeros(len(r))
     if variant == "full":
-        g_sel = select_cf_turns(turns, s.L, selection or s.selection, s.seed).astype(np.float64)
+        g_sel = select_cf_turns(turns, s.L, selection or s.selection, s.seed).astype(np.float64)  # Eq. 11
         q = cf_scores(turns, ctx.annotation("counterfactuals"), s.cf_min_ok)
         q_mean = q["q_mean"].fill_null(np.nan).to_numpy()
         have_q = np.isfinite(q_mean)
-        c_cf = np.where(have_q, r - q_mean, np.nan)  # q_0 = r_{i,k}
+        c_cf = np.where(have_q, r - q_mean, np.nan)  # Eq. 12, q_0 = r_{i,k}
         q_lo = np.minimum(q["q_min"].fill_null(np.nan).to_numpy(), r)
         q_hi = np.maximum(q["q_max"].fill_null(np.nan).to_numpy(), r)
-        eta = (have_q & (g_sel > 0) & (q_hi - q_lo > 0)).astype(np.float64)  # Var(q_0..q_M) > 0
+        eta = (have_q & (g_sel > 0) & (q_hi - q_lo > 0)).astype(np.float64)  # Eq. 13: Var(q_0..q_M) > 0
         notes["cf_selected"] = float(g_sel.sum())
         notes["cf_missing_fallback"] = float(((g_sel > 0) & ~have_q).sum())
         notes["cf_degenerate"] = float(((g_sel > 0) & have_q & (eta == 0)).sum())
         notes["cf_used"] = float(eta.sum())
-    c_del = c_hin + g_sel * eta * (np.nan_to_num(c_cf) - c_hin)
+    c_del = c_hin + g_sel * eta * (np.nan_to_num(c_cf) - c_hin)  # Eq. 14
 
     # -- the variant's raw turn signal phi --------------------------------------------------------------
     if variant == "traj_reward":  # [INF] best-turn reward max_k r_{i,k} on every turn
@@ -307,13 +287,15 @@ def tcpo_credit(
     elif variant == "retro_hin":
         phi = c_ret + s.mu * c_hin
     else:
-        phi = c_ret + s.mu * c_del
+        phi = c_ret + s.mu * c_del  # Eq. 15
 
     # -- Norm within (prompt, turn), early-turn prior, broadcast ----------------------------------------
     key = turns["group_index"].to_numpy().astype(np.int64) * (int(k.max()) + 1) + k
-    phi_norm = normalize_within(phi, key, s.norm_eps)
+    _, prompt_turn = np.unique(key, return_inverse=True)
+    # Eq. 16: z-score within (prompt, turn), unbiased std; skipped below 2 members; constant gives exactly 0
+    phi_norm = group_normalize(phi, prompt_turn.reshape(-1), eps=s.norm_eps, singleton="keep")
     notes["norm_skipped_turns"] = float((turns["n_peers_all"].to_numpy() < 2).sum())
-    a_turn = s.gamma ** (k - 1).astype(np.float64) * phi_norm
+    a_turn = s.gamma ** (k - 1).astype(np.float64) * phi_norm  # Eq. 17
 
     per_turn = {"score": r, "a_hat": a_turn, "phi": phi, "phi_norm": phi_norm}
     if variant in ("retro", "retro_hin", "full"):

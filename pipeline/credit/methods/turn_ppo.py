@@ -1,11 +1,13 @@
 """Turn-level PPO (spec 2.5; Li et al. 2512.17008, from summaries): one state per assistant turn.
 
-    V(s_h) = the critic value at the turn's first assistant token (the state: history up to the turn's start)
-    r_h    = R_i on the trajectory's last turn (`turn_reward="outcome"`), or the turn's verifier score
-             (`"verifier_score"`, null -> 0)
-    delta_h = r_h + gamma V(s_{h+1}) - V(s_h),   V(s_{H+1}) = 0
-    A_h     = sum_l (gamma lam)^l delta_{h+l},   broadcast to the turn's tokens; returns_h = A_h + V(s_h)
-    A <- masked_whiten over the batch's assistant tokens (as token PPO; `whiten=false` to skip)
+    (1) V(s_h)   = the critic value at the turn's first assistant token (the state: history up to the turn)
+    (2) r_h      = R_i on the trajectory's last turn (`turn_reward="outcome"`), or the turn's verifier score
+                   (`"verifier_score"`, null -> 0)
+    (3) delta_h  = r_h + gamma V(s_{h+1}) - V(s_h),   V(s_{H+1}) = 0
+    (4) A_h      = sum_l (gamma lam)^l delta_{h+l},   broadcast to the turn's tokens
+    (5) returns_h = A_h + V(s_h)
+    (6) A       <- masked_whiten over the assistant tokens (as token PPO) of the round (`scope="round"`) or
+                   of the processing batch (`scope="batch"`); `whiten=false` skips it
 
 A turn with no tokens has no state and is skipped (its verifier score is dropped; an outcome reward moves
 to the last turn that has tokens)."""
@@ -20,7 +22,7 @@ from pydantic import Field
 from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.methods.gae import require_values
-from pipeline.credit.ops import segment_discounted_cumsum
+from pipeline.credit.ops import segment_bounds, segment_discounted_cumsum, whiten
 from pipeline.credit.registry import estimator
 
 
@@ -31,42 +33,38 @@ class TurnPPOSettings(StageSettings):
     turn_reward: Literal["outcome", "verifier_score"] = Field(
         "outcome", description="r_h: outcome R on the last turn, or each turn's verifier score"
     )
-    whiten: bool = Field(True, description="masked_whiten the token advantages over the batch")
+    whiten: bool = Field(True, description="masked_whiten the token advantages")
+    scope: Literal["round", "batch"] = Field(
+        "round",
+        description="what the whitening is taken over: the round (every batch) or the processing batch",
+    )
 
 
-@estimator("turn_ppo", settings="turn_ppo", step_columns=("values",))
+@estimator("turn_ppo", settings="turn_ppo", step_columns=("values",), batch_statistics=True)
 def turn_ppo(ctx: CreditContext, settings: TurnPPOSettings) -> CreditResult:
     """GAE over turns, one value per turn."""
     steps = ctx.steps
     h = np.flatnonzero(steps["is_assistant"].to_numpy() & (steps["n_tokens"].to_numpy() > 0))  # the states
     traj = ctx.step_traj[h]
-    V = require_values(ctx, steps["tok_start"].to_numpy()[h], "turn_ppo")
-    last = np.ones(len(h), dtype=bool)
-    last[:-1] = traj[1:] != traj[:-1]
-    if settings.turn_reward == "outcome":
+    V = require_values(ctx, steps["tok_start"].to_numpy()[h], "turn_ppo")  # Eq. 1
+    _, last = segment_bounds(traj)
+    if settings.turn_reward == "outcome":  # Eq. 2
         r = np.where(last, ctx.rewards()[traj], 0.0)
     else:
         r = steps["verifier_score"].fill_null(0.0).fill_nan(0.0).to_numpy()[h]
     V_next = np.where(last, 0.0, np.append(V[1:], 0.0))
-    # delta_h = r_h + gamma V(s_{h+1}) - V(s_h)
-    delta = r + settings.gamma * V_next - V
-    # A_h = sum_l (gamma lam)^l delta_{h+l}
-    A_turn = segment_discounted_cumsum(delta, traj, settings.gamma * settings.lam)
-    if settings.whiten and len(h):
-        # masked_whiten over the assistant tokens, where each turn's n_h tokens share A_h: the token mean and
-        # Bessel variance in closed form over the turns (no per-token pass)
-        n = steps["n_tokens"].to_numpy()[h].astype(np.float64)
-        N = float(n.sum())
-        mean = float(np.dot(n, A_turn)) / N
-        dev = A_turn - mean
-        var = float(np.dot(n, dev * dev)) / (N - 1) if N > 1 else 0.0
-        A_out = dev / np.sqrt(var + 1e-8)
-    else:
-        A_out = A_turn
+    delta = r + settings.gamma * V_next - V  # Eq. 3
+    A_turn = segment_discounted_cumsum(delta, traj, settings.gamma * settings.lam)  # Eq. 4
+    A_out = A_turn
+    if settings.whiten:
+        # Eq. 6: masked_whiten over the assistant tokens, where each turn's n_h tokens share A_h: the turns
+        # weighted by their token counts (no per-token pass)
+        n_h = steps["n_tokens"].to_numpy()[h]
+        A_out = whiten(A_turn, ctx.moments("turn_ppo", A_turn, n_h, scope=settings.scope))
     per_step_A = np.zeros(ctx.n_steps)
     per_step_A[h] = A_out
     per_step_ret = np.zeros(ctx.n_steps)
-    per_step_ret[h] = A_turn + V
+    per_step_ret[h] = A_turn + V  # Eq. 5
     a_hat = np.full(ctx.n_steps, np.nan)
     a_hat[h] = A_out
     score = np.full(ctx.n_steps, np.nan)

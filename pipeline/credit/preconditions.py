@@ -1,0 +1,111 @@
+"""Method preconditions, checked before a round starts (issue 24): what each estimator / refiner needs from the
+round's steps, and which trajectories lack it.
+
+A stage declares its requirements with `declare(stage_name, Requirement(...))` (in its own module, or here for
+the built-in methods); `unmet(methods, step_flags, config)` is a pure function of a per-step flag table and
+returns every method whose requirement some trajectory does not meet, with the missing column and the
+trajectories affected. `creditflow process` runs it before any work: it stops with one line per unmet method,
+or, with `--skip-unmet`, computes the other methods and records what it skipped in the round's summary.
+
+The step flags (one row per step; `STEP_FLAGS_SQL` computes them in DuckDB without reading token lists into
+Python): traj_id, role, n_tokens, has_verifier_score, has_values, has_logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from pipeline.credit.registry import parse_method
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """Every assistant step with tokens needs `column` (a steps column), unless `applies(config)` is false."""
+
+    column: str  # verifier_score | values | logprobs
+    what: str  # in words, for the one-line message
+    applies: Callable[[object], bool] = field(default=lambda config: True)
+
+
+@dataclass(frozen=True)
+class Unmet:
+    method: str
+    stage: str
+    column: str
+    what: str
+    trajectories: tuple[str, ...]  # the trajectories lacking it, sorted
+    total: int  # trajectories in the round
+
+    def line(self) -> str:
+        shown = ", ".join(self.trajectories[:5]) + (", ..." if len(self.trajectories) > 5 else "")
+        return (
+            f"{self.method}: {self.stage} needs {self.what} (steps.{self.column}); "
+            f"{len(self.trajectories)} of {self.total} trajectories lack it: {shown}"
+        )
+
+
+FLAG_OF = {"verifier_score": "has_verifier_score", "values": "has_values", "logprobs": "has_logprobs"}
+
+STEP_FLAGS_SQL = """
+SELECT traj_id, role, len(token_ids) AS n_tokens,
+       verifier_score IS NOT NULL AS has_verifier_score,
+       "values" IS NOT NULL AS has_values,
+       logprobs IS NOT NULL AS has_logprobs
+FROM steps WHERE round = {round}
+"""
+
+REQUIREMENTS: dict[str, tuple[Requirement, ...]] = {}
+
+
+def declare(stage: str, *requirements: Requirement) -> None:
+    """Declare what stage `stage` (an estimator or refiner name) needs from the round's steps."""
+    REQUIREMENTS[stage] = REQUIREMENTS.get(stage, ()) + tuple(requirements)
+
+
+def _tcpo_errors_on_missing(config) -> bool:
+    return getattr(config.stage("tcpo"), "missing_score", "error") == "error"
+
+
+_SCORES = "per-turn verifier scores"
+for _name in (
+    "tcpo",
+    "tcpo_random_cf",
+    "tcpo_all_cf",
+    "tcpo_retro_hin",
+    "tcpo_retro",
+    "delta_reward",
+    "turn_reward",
+    "traj_reward",
+):
+    declare(
+        _name,
+        Requirement("verifier_score", f"{_SCORES} (or tcpo.missing_score=zero)", _tcpo_errors_on_missing),
+    )
+for _name in ("gae", "turn_ppo"):
+    declare(_name, Requirement("values", "critic values"))
+
+
+def unmet(methods: list[str], step_flags, config) -> list[Unmet]:
+    """The requirements of `methods` that the round's steps do not meet (see the module doc)."""
+    flags = step_flags if isinstance(step_flags, pl.DataFrame) else pl.from_arrow(step_flags)
+    total = flags["traj_id"].n_unique()
+    acting = flags.filter((pl.col("role") == "assistant") & (pl.col("n_tokens") > 0))
+    out: list[Unmet] = []
+    lacking_cache: dict[str, tuple[str, ...]] = {}
+    for method in methods:
+        est, refs = parse_method(method)
+        for stage in (est, *refs):
+            for req in REQUIREMENTS.get(stage.name, ()):
+                if not req.applies(config):
+                    continue
+                if req.column not in lacking_cache:
+                    lacking = acting.filter(~pl.col(FLAG_OF[req.column]))["traj_id"].unique().sort()
+                    lacking_cache[req.column] = tuple(lacking.to_list())
+                if lacking_cache[req.column]:
+                    out.append(
+                        Unmet(method, stage.name, req.column, req.what, lacking_cache[req.column], total)
+                    )
+    return out
