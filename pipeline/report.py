@@ -571,7 +571,15 @@ methodSel.addEventListener('change', render);
 compareSel.addEventListener('change', render);
 groupSel.addEventListener('change', () => { const g = DATA.groups[groupSel.value]; fillMethods(groupMethodSel, methodsOf(DATA.trajectories[g.members[0]]), false); renderGroup(); });
 groupMethodSel.addEventListener('change', renderGroup);
-if (trajSel.options.length) trajSel.dispatchEvent(new Event('change'));
+if (trajSel.options.length) {  // open on a trajectory that has the default method, coloured by it
+  const first = [...trajSel.options].find(o => DATA.trajectories[o.value].adv[DATA.default_method]);
+  if (first) trajSel.value = first.value;
+  trajSel.dispatchEvent(new Event('change'));
+}
+if (groupSel.options.length) {
+  const g = [...groupSel.options].find(o => DATA.trajectories[DATA.groups[o.value].members[0]].adv[DATA.default_method]);
+  if (g) groupSel.value = g.value;
+}
 if (groupSel.options.length) groupSel.dispatchEvent(new Event('change'));
 """
 

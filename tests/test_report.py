@@ -282,8 +282,8 @@ def test_report_in_headless_chromium(lake, tmp_path):
         page.locator(f"{hist} .legend .traces").first.click()
         page.wait_for_function(f"() => document.querySelector('{hist}').data[0].visible === true")
         # the viewer opens on the method whose credit varies most within trajectories
-        page.select_option("#traj", index=len(page.locator("#traj option").all()) - 1)
         assert page.input_value("#method") == "tokenwise"
+        assert page.input_value("#group-method") == "tokenwise"
         tokens = page.locator("#viewer .step.assistant .tok")
         assert tokens.count() > 0
 
@@ -291,9 +291,10 @@ def test_report_in_headless_chromium(lake, tmp_path):
             return loc.evaluate_all("els => els.map(e => e.style.background)")
 
         tokenwise = colours(tokens)
-        assert len(set(tokenwise)) > 2, "token-level credit shows more than one colour per trajectory"
+        assert len(set(tokenwise)) == 2, "token-level credit: two colours (+1 and -0.5 times grpo's value)"
         page.select_option("#method", "grpo")
         grpo = colours(tokens)
+        assert len(set(grpo)) == 1  # trajectory-level credit: one colour
         page.select_option("#method", "flipped")
         flipped = colours(tokens)
         assert grpo != flipped, "the method switcher must recolour the tokens"
