@@ -54,8 +54,10 @@ PR_SET_PDEATHSIG = 1
 
 def die_with_parent(parent_pid: int | None = None) -> bool:
     """Ask the kernel to SIGKILL this process when its parent dies (Linux `prctl(PR_SET_PDEATHSIG)`), so a
-    `creditflow process` killed with -9 leaves no worker processes behind holding a batch's memory. The setting
-    is not inherited across fork, so the forkserver and every worker call it. True when applied."""
+    `creditflow process` killed with -9 leaves no worker processes behind holding a batch's memory. Called by each
+    worker (whose parent, the forkserver, is single-threaded: the signal follows the parent *thread*, so it is not
+    for a process started from a short-lived thread); the forkserver itself exits when its parent's pipe closes.
+    True when applied."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -66,3 +68,21 @@ def die_with_parent(parent_pid: int | None = None) -> bool:
     if applied and parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)  # the parent died before the request took effect
     return applied
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """Exit this process once its parent process has died (a daemon thread polls the parent pid). For the worker
+    processes' forkserver, which may be started from a short-lived thread of the parent, where the kernel's
+    parent-death signal (tied to that thread) would fire too early; its workers then follow through
+    `die_with_parent`."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="creditflow-exit-with-parent", daemon=True).start()

@@ -42,7 +42,7 @@ from pipeline.config import Config
 
 # imported once by the forkserver, so a worker starts with them (and their registries) loaded
 PRELOAD = [
-    "flows.worker_init",  # first: the forkserver dies with its parent
+    "flows.worker_init",  # first: the forkserver exits with its parent
     "flows.batch",
     "pipeline.stages",
     "pipeline.detect",

@@ -13,6 +13,8 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("CREDITFLOW_CACHE", os.path.expanduser("~/.cache/creditflow"))
+# a developer's `creditflow server start` is not used by the tests (tests/test_flows_server.py starts its own)
+os.environ["CREDITFLOW_NO_SERVER"] = "1"
 
 from pathlib import Path  # noqa: E402
 

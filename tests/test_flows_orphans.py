@@ -16,8 +16,12 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = """
-import os, sys, time
+import os, sys, threading, time
 from flows import workers
+# started from a short-lived thread, as `creditflow process` does (workers.warm_in_background): the pool must
+# outlive that thread and still die with the process
+starter = threading.Thread(target=workers.warm, args=(2,))
+starter.start(); starter.join(); time.sleep(1.0)
 pids = {workers.run(2, os.getpid) for _ in range(8)}
 print(" ".join(map(str, sorted(pids))), flush=True)
 time.sleep(120)
