@@ -1,0 +1,75 @@
+"""Issue 24: method preconditions checked before a round starts. The pure check (pipeline.credit.preconditions)
+on hand-made step flags, and `check_preconditions` (what `creditflow process` runs first) on a lake holding the
+real FireAct round, which has no verifier scores and no critic values."""
+
+import pytest
+
+from pipeline.config import Config
+from pipeline.credit.preconditions import REQUIREMENTS, unmet
+
+
+def flags(rows):
+    import polars as pl
+
+    cols = ("traj_id", "role", "n_tokens", "has_verifier_score", "has_values", "has_logprobs")
+    return pl.DataFrame([dict(zip(cols, r, strict=True)) for r in rows])
+
+
+STEPS = flags(
+    [
+        ("a", "user", 5, False, False, False),
+        ("a", "assistant", 7, True, False, True),
+        ("b", "user", 5, False, False, False),
+        ("b", "assistant", 7, False, False, True),  # no verifier score
+        ("b", "assistant", 0, False, False, False),  # no tokens: nothing to credit, nothing needed
+        ("c", "assistant", 3, True, True, True),
+    ]
+)
+
+
+def test_unmet_names_method_column_and_trajectories():
+    got = unmet(["grpo", "tcpo+c3", "gae", "grpo+c3"], STEPS, Config())
+    assert [(u.method, u.stage, u.column, u.trajectories, u.total) for u in got] == [
+        ("tcpo+c3", "tcpo", "verifier_score", ("b",), 3),
+        ("gae", "gae", "values", ("a", "b"), 3),
+    ]
+    line = got[0].line()
+    assert line.startswith("tcpo+c3: tcpo needs per-turn verifier scores") and "steps.verifier_score" in line
+    assert "1 of 3 trajectories lack it: b" in line and "\n" not in line
+
+
+def test_a_setting_that_handles_the_gap_lifts_the_requirement():
+    cfg = Config(stages={"tcpo": {"missing_score": "zero"}})
+    assert unmet(["tcpo"], STEPS, cfg) == []
+    assert unmet(["grpo", "rloo", "grpo+c3"], STEPS, Config()) == []
+
+
+def test_every_declared_stage_is_a_registered_method():
+    from pipeline.credit.registry import ESTIMATORS, REFINERS
+
+    assert set(REQUIREMENTS) <= set(ESTIMATORS) | set(REFINERS)
+
+
+def test_process_stops_before_any_work_with_one_line(tmp_path, real_data):
+    from flows.run import check_preconditions
+    from pipeline.ingest import ingest
+    from warehouse.lake import Lake
+    from warehouse.rounds import write_round
+
+    path = real_data / "fireact_hotpotqa"
+    path = next(path.glob("*.json"))
+    res = ingest("react", [(path.name, path.read_text())])
+    lake = Lake(tmp_path / "lake")
+    write_round(lake, 0, res.trajectories, res.steps)
+    cfg = Config(lake=str(lake.root), methods=["grpo", "tcpo", "gae+c3"])
+    with pytest.raises(SystemExit) as exc:
+        check_preconditions(cfg, lake, 0)
+    msg = str(exc.value)
+    assert "\n" not in msg and "tcpo: tcpo needs per-turn verifier scores" in msg
+    assert "gae+c3: gae needs critic values (steps.values); 500 of 500 trajectories lack it" in msg
+    assert "--skip-unmet" in msg
+    assert not lake.parts("advantages", 0)  # nothing was computed
+    kept, skipped = check_preconditions(cfg, lake, 0, skip_unmet=True)
+    assert kept.methods == ["grpo"] and len(skipped) == 2 and skipped[0].startswith("tcpo:")
+    with pytest.raises(SystemExit, match="no method left"):
+        check_preconditions(cfg.model_copy(update={"methods": ["tcpo"]}), lake, 0, skip_unmet=True)
