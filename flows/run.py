@@ -79,6 +79,7 @@ def run_process(cfg: Config, round_: int, quiet: bool = False, skip_unmet: bool 
     round summary and the credit statistics."""
     from contextlib import nullcontext
 
+    from flows.server import use_running_server
     from warehouse.lake import Lake
 
     lake = Lake(cfg.lake)
@@ -86,14 +87,17 @@ def run_process(cfg: Config, round_: int, quiet: bool = False, skip_unmet: bool 
     cfg, skipped = check_preconditions(cfg, lake, round_, skip_unmet)  # and each method's inputs
     if skipped and not quiet:
         console.print("[yellow]skipped (unmet preconditions): " + " | ".join(skipped))
+    server_url = use_running_server()  # `creditflow server start`: no ephemeral API to start
     prepare(cfg)  # worker processes and imports while the API (ephemeral: seconds) comes up
+    from prefect.settings import PREFECT_API_URL
+
     from flows.process_round import WARNING_STATE, process_round_flow
     from flows.progress import rich_progress
-    from flows.runners import make_task_runner, worker_api
+    from flows.runners import make_task_runner, settings_scope, worker_api
     from flows.summary import print_summary
 
     t0 = time.perf_counter()
-    with worker_api(cfg):
+    with settings_scope({PREFECT_API_URL: server_url} if server_url else {}), worker_api(cfg):
         flow_ = process_round_flow.with_options(task_runner=make_task_runner(cfg))
         with rich_progress(console) if cfg.flow.progress and not quiet else nullcontext():
             state = flow_(round_=round_, config=cfg, return_state=True)

@@ -1,0 +1,76 @@
+"""`creditflow server start|stop|status`: a Prefect server kept in the background and used by `process`
+automatically (flows/server.py). Runs the real CLI in subprocesses against a real `prefect server start`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _cli(args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", "from flows.cli import app; app()", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_process_uses_the_managed_server(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "CREDITFLOW_NO_SERVER")}
+    env.update(CREDITFLOW_CACHE=str(tmp_path / "cache"), PREFECT_HOME=str(tmp_path / "prefect-home"))
+    lake = tmp_path / "lake"
+    synth = _cli(
+        ["synth", "--groups", "4", "--samples", "2", "--turns", "2", "--tokens", "40", "--out", str(lake)],
+        env,
+    )
+    assert synth.returncode == 0, synth.stderr
+    assert _cli(["server", "status"], env).returncode == 1  # none yet
+    started = _cli(["server", "start"], env)
+    try:
+        assert started.returncode == 0, started.stderr
+        state = json.loads((tmp_path / "cache" / "services" / "prefect.json").read_text())
+        assert state["url"].startswith("http://127.0.0.1:") and state["url"].endswith("/api")
+        again = _cli(["server", "start"], env)  # idempotent: the same server
+        assert again.returncode == 0 and "running" in again.stdout
+        assert (
+            json.loads((tmp_path / "cache" / "services" / "prefect.json").read_text())["pid"] == state["pid"]
+        )
+        for _ in range(2):  # the first run computes, the second is a cached re-run
+            run = _cli(["process", "--lake", str(lake), "--round", "0", "--methods", "grpo"], env)
+            assert run.returncode == 0, run.stderr[-2000:]
+        # the runs are recorded by the managed server (not an ephemeral API that died with the command)
+        probe = (
+            "import asyncio\n"
+            "from prefect.client.orchestration import get_client\n"
+            "async def main():\n"
+            "    async with get_client() as c:\n"
+            "        runs = await c.read_flow_runs()\n"
+            "        print(len([r for r in runs if r.state and r.state.is_completed()]))\n"
+            "asyncio.run(main())\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", probe],
+            env={**env, "PREFECT_API_URL": state["url"]},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert int(out.stdout.strip().splitlines()[-1]) >= 2
+        assert _cli(["server", "status"], env).returncode == 0
+    finally:
+        stopped = _cli(["server", "stop"], env)
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout
+    assert not (tmp_path / "cache" / "services" / "prefect.json").exists()
+    assert _cli(["server", "status"], env).returncode == 1
