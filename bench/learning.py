@@ -36,7 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, machine_note, md_table  # noqa: E402
+from _common import ROOT, machine_note  # noqa: E402
+from _common import md_table as _md_lines  # noqa: E402
 
 # env -> (arms: the GRPO baseline first, then the paper's method and its variants; turn budget; diagnostic)
 ENVS: dict[str, dict] = {
@@ -65,7 +66,7 @@ def config_for(env: str, arm: str, seed: int, run_dir: Path, a: argparse.Namespa
         "methods": [arm],
         "batch_groups": 64,
         "max_workers": 1,
-        "flow": {"progress": False},
+        "flow": {"progress": False, "processes": False},
         "llm": llm_for(arm, run_dir, a),
         "stages": {
             "loop": {
@@ -147,6 +148,7 @@ def run_one(env: str, arm: str, seed: int, a: argparse.Namespace) -> dict:
         print(f"[learning] {env} {arm} seed {seed}: loop failed (rc {rc})\n{tail}", file=sys.stderr)
         return res
     res.update(read_curves(run_dir / "lake", env))
+    res.update(read_speed(run_dir))
     print(
         f"[learning] {env:13s} {arm:13s} seed {seed}: {wall:6.1f}s  success "
         + " ".join(f"{x:.2f}" for x in res["success"]),
@@ -181,6 +183,49 @@ def read_curves(lake_dir: Path, env: str) -> dict:
         for status in lake.read("counterfactuals", r, columns=["status"]).column("status").to_pylist():
             cf["ok" if status == "ok" else "failed"] += 1
     return {"success": succ, "reward": reward, "diag": diag, "train_steps": steps, "counterfactuals": cf}
+
+
+def read_speed(run_dir: Path) -> dict:
+    """Throughput of the run: trainer tokens/s (train_metrics: trained tokens / optimizer-step seconds) and
+    collect tokens/s (the loop log's generated tokens / collect seconds, model load included)."""
+    import re
+
+    from warehouse.lake import Lake
+
+    lake = Lake(run_dir / "lake")
+    tok = sec = 0.0
+    for r in lake.rounds("train_metrics"):
+        t = lake.read("train_metrics", r, columns=["tokens", "seconds"])
+        tok += sum(t.column("tokens").to_pylist())
+        sec += sum(t.column("seconds").to_pylist())
+    log = (run_dir / "loop.log").read_text(errors="replace")
+    found = re.findall(r"collected \d+ episodes \((\d+) tokens, mean reward [-\d.]+\) in ([\d.]+)s", log)
+    gen = sum(int(a) for a, _ in found)
+    gen_s = sum(float(b) for _, b in found)
+    return {
+        "train_tokens": int(tok),
+        "train_tokens_per_s": round(tok / sec, 1) if sec else None,
+        "collect_tokens_per_s": round(gen / gen_s, 1) if gen_s else None,
+    }
+
+
+def count_params(results: list[dict]) -> int:
+    """Parameters of the policy (from the first run's newest checkpoint), for the MFU."""
+    from safetensors import safe_open
+
+    for r in results:
+        ckpts = sorted(Path(r["dir"]).glob("lake/_loop/ckpt-round*/*.safetensors"))
+        if ckpts:
+            n = 0
+            with safe_open(str(ckpts[-1]), "pt") as f:
+                for k in f.keys():  # noqa: SIM118 - safe_open has keys(), no iteration
+                    n += math.prod(f.get_slice(k).get_shape())
+            return n
+    return 0
+
+
+def md_table(headers, rows) -> str:
+    return "\n".join(_md_lines(headers, rows))
 
 
 # ---- statistics ------------------------------------------------------------------------------------------
@@ -325,6 +370,37 @@ def summarise(results: list[dict], a: argparse.Namespace) -> str:
                 [arm, " ".join(f"{sum(r['success'][i] for r in ss) / len(ss):.2f}" for i in range(R))]
             )
         out.append(md_table(["arm", f"rounds 0-{R - 1}"], curve_rows))
+    speed = [r for r in ok if r.get("train_tokens_per_s")]
+    if speed:
+        n_params = a.n_params
+        rows = []
+        for env in ENVS:
+            rs = [r for r in speed if r["env"] == env]
+            if not rs:
+                continue
+            tps = sum(r["train_tokens_per_s"] for r in rs) / len(rs)
+            cps = [r["collect_tokens_per_s"] for r in rs if r.get("collect_tokens_per_s")]
+            mfu = (
+                f"{6 * n_params * tps / (a.peak_tflops * 1e12):.2%}"
+                if a.peak_tflops and n_params
+                else "n/a (no --peak-tflops)"
+            )
+            rows.append([env, len(rs), f"{tps:,.0f}", f"{sum(cps) / len(cps):,.0f}" if cps else "n/a", mfu])
+        out.append(
+            f"\nThroughput ({a.model}, {n_params:,} parameters, backend {a.backend}; mean over runs):\n"
+        )
+        out.append(
+            md_table(
+                [
+                    "env",
+                    "runs",
+                    "trainer tokens/s",
+                    "collect tokens/s (load incl.)",
+                    "trainer MFU (6·N·tokens/s)",
+                ],
+                rows,
+            )
+        )
     failed = [r for r in results if r["rc"] != 0]
     if failed:
         out.append(
@@ -336,12 +412,16 @@ def summarise(results: list[dict], a: argparse.Namespace) -> str:
 
 def arms_of(env: str, a: argparse.Namespace) -> list[str]:
     spec = ENVS[env]
-    return spec.get("quick_arms", spec["arms"][:2]) if a.quick else spec["arms"]
+    return spec.get("quick_arms", spec["arms"][:2]) if a.quick or a.pairs_only else spec["arms"]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke: 1 seed, 3 rounds, 2 arms per env")
+    p.add_argument("--pairs-only", action="store_true", help="per env only GRPO and the paper's main method")
+    p.add_argument(
+        "--peak-tflops", type=float, default=None, help="accelerator peak (dense bf16) for the trainer's MFU"
+    )
     p.add_argument("--envs", nargs="+", default=list(ENVS), choices=list(ENVS))
     p.add_argument("--arms", nargs="+", default=None, help="only these arms (method chains)")
     p.add_argument("--seeds", type=int, default=5)
@@ -393,7 +473,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.cf_server and not a.endpoint and any(arm.split("+")[0] in CF_ARMS for _, arm, _ in jobs):
         from trainer.policy_server import PolicyServer
 
-        server = PolicyServer().start()
+        base = None
+        if a.model == "smollm2":
+            from trainer.llm.service import default_model_dir
+
+            base = default_model_dir()
+        elif a.model != "tiny":
+            base = Path(a.model)
+        server = PolicyServer(base=base).start()
         a.cf_url = server.url
         print(f"[learning] policy server for TCPO's counterfactuals at {server.url}", flush=True)
     t0 = time.perf_counter()
@@ -404,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.stop()
     wall = time.perf_counter() - t0
+    a.n_params = count_params(results)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "curves.json").write_text(json.dumps(results, indent=1))
     cmd = "python bench/learning.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -166,3 +166,11 @@ def test_any_play_stays_in_bounds_and_restores(name, task_i, picks, cut):
     env.restore(snap)
     again = [env.step(a) for a in actions[k0:]]
     assert again == results[k0:]
+
+
+def test_iapo_system_prompt_keeps_the_order_ids_specific():
+    from pipeline.annotate.rules import text_values
+
+    env = make_env("iapo_service")
+    task = env.tasks()[0]
+    assert not text_values(env.system_prompt(task), RulesAnnotatorSettings())  # else no edge could bind them

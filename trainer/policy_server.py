@@ -27,8 +27,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 
-def resolve_model(name: str) -> Path:
-    """The folder to serve for a request's `model`: a checkpoint folder, or a loop workdir's newest policy."""
+def resolve_model(name: str, fallback: Path | None = None) -> Path:
+    """The folder to serve for a request's `model`: a checkpoint folder, or a loop workdir's newest policy
+    (its base model before the first checkpoint: `base-tiny`, else `fallback`)."""
     p = Path(name).expanduser()
     if (p / "config.json").exists():
         return p
@@ -41,14 +42,25 @@ def resolve_model(name: str) -> Path:
         return max(ckpts)[1]
     if (p / "base-tiny" / "config.json").exists():
         return p / "base-tiny"
+    if fallback is not None and (Path(fallback) / "config.json").exists():
+        return Path(fallback)
     raise FileNotFoundError(f"{name}: no checkpoint folder, loop checkpoint or base-tiny model")
 
 
 class PolicyServer:
     """The HTTP server and its model cache; `start()` runs it in a daemon thread."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_models: int = 4):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_models: int = 4,
+        base: str | Path | None = None,
+        device: str = "auto",
+    ):
         self.host, self.port, self.max_models = host, port, max_models
+        self.base = Path(base) if base is not None else None
+        self.device = device
         self._models: OrderedDict[tuple[str, float], object] = OrderedDict()
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
@@ -65,14 +77,14 @@ class PolicyServer:
         if key in self._models:
             self._models.move_to_end(key)
             return self._models[key]
-        gen = LocalGenerator(folder, Codec(folder), device="cpu", threads=1)
+        gen = LocalGenerator(folder, Codec(folder), device=self.device, threads=1)
         self._models[key] = gen
         while len(self._models) > self.max_models:
             self._models.popitem(last=False)
         return gen
 
     def chat(self, body: dict) -> dict:
-        folder = resolve_model(str(body.get("model") or ""))
+        folder = resolve_model(str(body.get("model") or ""), self.base)
         n = int(body.get("n") or 1)
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         temperature = float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0)

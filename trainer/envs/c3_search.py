@@ -29,6 +29,7 @@ ANSWER = tuple(f"<answer>a{j}</answer>" for j in range(N_A))
 @register("c3_search")
 class C3SearchEnv(ToyEnv):
     name = "c3_search"
+    title = "search_qa_toy"
     action_format = "search_r1"
     stop = ("</search>", "</answer>")
     default_turns = 3
@@ -51,7 +52,7 @@ class C3SearchEnv(ToyEnv):
         ]
 
     def system_prompt(self, task: dict) -> str:
-        return "search_qa_toy"
+        return self.describe()
 
     def reset(self, meta: dict) -> str:
         self._state = {

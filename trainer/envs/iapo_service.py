@@ -29,12 +29,14 @@ REFUND = tuple(f"refund(O1{x})" for x in range(N_O))
 @register("iapo_service")
 class IAPOServiceEnv(ToyEnv):
     name = "iapo_service"
+    title = "refund_service_toy"
     action_format = "chat"
     default_turns = 4
     actions = ("lookup", *REFUND)
     words = (
         "refund_service_toy",
         "refund_request",
+        "refund(<order>)",
         *(f"cust{c}" for c in range(N_CUST)),
         "order",
         "Error:",
@@ -49,7 +51,8 @@ class IAPOServiceEnv(ToyEnv):
         ]
 
     def system_prompt(self, task: dict) -> str:
-        return "refund_service_toy"
+        # not the refund words: values in a system message are common knowledge to IAPO's rules annotator
+        return f"{self.title} actions: lookup refund(<order>) answer_with_one_action"
 
     def reset(self, meta: dict) -> str:
         self._state = {

@@ -36,6 +36,7 @@ def qualities(best: int, pattern: int) -> list[float]:
 @register("tcpo_refine")
 class TCPORefineEnv(ToyEnv):
     name = "tcpo_refine"
+    title = "refine_toy"
     action_format = "chat"
     default_turns = 3
     actions = ("inspect", *USE)
@@ -57,7 +58,7 @@ class TCPORefineEnv(ToyEnv):
         ]
 
     def system_prompt(self, task: dict) -> str:
-        return "refine_toy"
+        return self.describe()
 
     def reset(self, meta: dict) -> str:
         self._state = {

@@ -41,10 +41,18 @@ class ToyEnv(RolloutEnv):
     def vocabulary(self) -> list[str]:
         """Every word the env can emit or accept, specials first (ids 0, 1), no duplicates."""
         out: list[str] = []
-        for w in (EOS, UNK, *self.words, *self.invalid_text.split(), *self.actions):
+        extra = (self.title, "actions:", "answer_with_one_action", *self.invalid_text.split())
+        for w in (EOS, UNK, *self.words, *extra, *self.actions):
             if w not in out:
                 out.append(w)
         return out
+
+    title = "toy"
+
+    def describe(self) -> str:
+        """The system prompt: the env's title and its action words (in the vocabulary, so the tiny model sees
+        them as tokens; a real model reads which words it may answer with)."""
+        return f"{self.title} actions: {' '.join(self.actions)} answer_with_one_action"
 
     def parse(self, action: str) -> str | None:
         """The action of a generated text: its first word when that is an action (None: an invalid turn). With
