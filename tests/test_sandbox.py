@@ -88,7 +88,7 @@ def test_split_hand_computed():
     )
     (unit,) = plan.units
     (ap,) = unit.asserts.values()
-    assert [ast.unparse(h) for h in ap.holes] == ["candidate(x)", "x"] and ap.reference == [False, True]
+    assert [ast.unparse(h) for h in ap.holes] == ["candidate(x)", "x"] and ap.reference == [True, True]
     assert plan.needs_reference and not unit.bare
     # bare asserts on the candidate's calls need no reference run
     assert not plan_tests(["assert f(1) == 2", "assert not f(3)"], None, None, {"f"}).needs_reference
@@ -146,6 +146,20 @@ def test_forged_results_score_what_the_program_returns(forge):
     assert v.score == 0.0, v
     good = "def f(x):\n    return 2 * x\n"
     assert verify(good, "code", meta_with(tests)).score == 1.0
+
+
+@needs_bwrap
+def test_a_program_cannot_rebind_the_tests_variables():
+    """`expected` is the tests' variable: the candidate's global of that name (set from inside its function,
+    after the setup ran) is not what the assert compares with."""
+    meta = {
+        "verifier": "code_tests",
+        "entry_point": "f",
+        "test": "def check(candidate):\n    expected = 10\n    assert candidate(1) == expected\n",
+    }
+    forge = "expected = 0\ndef f(x):\n    globals()['expected'] = 99\n    return 99\n"
+    assert verify(forge, "code", meta).score == 0.0
+    assert verify("def f(x):\n    return 10\n", "code", meta).score == 1.0
 
 
 _json = st.recursive(

@@ -161,14 +161,27 @@ def execute(job: dict, limits: SandboxSettings | None = None) -> Outcome:
         return _run(cmd, payload, limits, env, cwd=work)
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _exited(proc: subprocess.Popen) -> bool:
+    """Whether the process has exited, without reaping it (so its pid, the group's id, is not reused yet)."""
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _finish(proc: subprocess.Popen, grace_s: float) -> None:
+    """Give the process `grace_s` to exit (bwrap reaps its namespace's init itself; killing it early orphans a
+    zombie), then kill its whole process group, then reap it."""
+    deadline = time.monotonic() + grace_s
+    while not _exited(proc) and time.monotonic() < deadline:
+        time.sleep(0.005)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     try:
-        proc.kill()
-    except ProcessLookupError:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
         pass
 
 
@@ -199,7 +212,7 @@ def _run(cmd: list[str], payload: bytes, limits: SandboxSettings, env: dict, cwd
             if now >= deadline:
                 status = "timeout"
                 break
-            if exited_at is None and proc.poll() is not None:
+            if exited_at is None and _exited(proc):
                 exited_at = now
             events = sel.select(timeout=min(0.05, deadline - now))
             if not events and exited_at is not None and now - exited_at > 0.2:
@@ -231,16 +244,12 @@ def _run(cmd: list[str], payload: bytes, limits: SandboxSettings, env: dict, cwd
                 break
     finally:
         sel.close()
-        _kill(proc)
+        _finish(proc, 1.0 if status == "ok" else 0.0)
         for f in (proc.stdin, proc.stdout, proc.stderr):
             try:
                 f.close()
             except OSError:
                 pass
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
     if status == "timeout":
         return Outcome(None, "timeout", f"after {limits.wall_s}s")
     if status != "ok":

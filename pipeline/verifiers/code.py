@@ -15,8 +15,9 @@ caller's process, never in a process that ran candidate code:
   never leaves this process, so hidden tests stay hidden from the candidate.
 - A hole that mentions no name of the candidate (`expected`, `x` of a test loop) is evaluated again in a
   *reference* run that never sees candidate code (the task's own prompt, then the tests with `candidate`
-  bound to a stub that raises); its value there wins. A reference run is needed only when some test has
-  such a hole or is more than a bare assert (loops, setup): then the number of times each assert ran
+  bound to a stub that raises); every value that run could compute wins over the candidate run's. A
+  reference run is needed only when some test has such a hole (or one naming a variable the tests bind)
+  or is more than a bare assert (loops, setup): then the number of times each assert ran
   must also match the reference run's. `random` is seeded identically before every test unit in both runs.
 - Not splittable (documented limits): a test whose expected value is computed *from the candidate's output*
   by helper code the program also defines (HumanEval/32 evaluates `poly(coeffs, candidate(...))` where
@@ -211,7 +212,7 @@ def split_expr(expr: ast.expr) -> tuple[ast.Expression, list[ast.expr]]:
 class AssertPlan:
     skeleton: ast.Expression
     holes: list[ast.expr]
-    reference: list[bool]  # per hole: mentions no candidate name (its value comes from the reference run)
+    reference: list[bool]  # per hole: needs the reference run (no candidate name, or a name the tests bind)
     source: str  # for error messages
 
 
@@ -239,8 +240,9 @@ class TestPlan:
 
 
 class _AssertRewriter(ast.NodeTransformer):
-    def __init__(self, candidate_names: set[str], start: int) -> None:
+    def __init__(self, candidate_names: set[str], test_names: set[str], start: int) -> None:
         self.names = candidate_names
+        self.test_names = test_names
         self.plans: dict[int, AssertPlan] = {}
         self.next = start
 
@@ -248,7 +250,9 @@ class _AssertRewriter(ast.NodeTransformer):
         skeleton, holes = split_expr(node.test)
         aid = self.next
         self.next += 1
-        reference = [not (_names(h) & self.names) for h in holes]
+        # a hole needs the reference run unless it mentions a candidate name and no name the tests bind (a
+        # program that binds a test's variable must not turn that variable into a candidate value)
+        reference = [bool(_names(h) & self.test_names) or not (_names(h) & self.names) for h in holes]
         self.plans[aid] = AssertPlan(skeleton, holes, reference, ast.unparse(node)[:200])
         call = ast.Call(
             ast.Name(RECORDER, ast.Load()),
@@ -285,6 +289,22 @@ def defined_names(program: str) -> set[str]:
     return out
 
 
+def _bound_names(nodes: list[Any]) -> set[str]:
+    """Every name the test code binds (assignments, loop targets, imports, definitions), at any depth."""
+    out: set[str] = set()
+    for tree in nodes:
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                out.add(n.id)
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(n.name)
+            elif isinstance(n, (ast.Import, ast.ImportFrom)):
+                out |= {(a.asname or a.name).split(".")[0] for a in n.names}
+            elif isinstance(n, ast.arg):
+                out.add(n.arg)
+    return out
+
+
 def plan_tests(
     tests: list[str] | None, test_code: str | None, entry_point: str | None, candidate_names: set[str]
 ) -> TestPlan:
@@ -308,6 +328,7 @@ def plan_tests(
         else:
             setup = [ast.unparse(n) for n in tree.body if n is not check]
             stmts = list(check.body)
+    test_names = _bound_names([ast.parse(s) for s in setup] + [s for s in stmts if not isinstance(s, str)])
     units: list[Unit] = []
     aid = 0
     for st in stmts:
@@ -315,7 +336,7 @@ def plan_tests(
             units.append(Unit("", True, True, error=st))
             continue
         is_test = any(isinstance(x, ast.Assert) for x in ast.walk(st))
-        rw = _AssertRewriter(names, aid)
+        rw = _AssertRewriter(names, test_names, aid)
         new = rw.visit(st)
         aid = rw.next
         module = new if isinstance(new, ast.Module) else ast.Module([new], [])
@@ -605,7 +626,7 @@ def _unit_error(unit: Unit, i: int, cand: dict | None, ref: dict | None) -> str 
             env = {}
             for j in range(len(ap.holes)):
                 good, val = _hole_value(occ, j)
-                if ap.reference[j] and ref is not None:
+                if ref is not None:  # whatever the reference run could evaluate is not the candidate's
                     rgood, rval = _hole_value(_occ(ref_recs.get(aid), n), j)
                     if rgood:
                         good, val = True, rval
@@ -679,7 +700,14 @@ def run_plan(program: str, meta: dict, execute: Executor, settings: SandboxSetti
         r = execute(
             job_for(plan, meta.get("prompt") if entry_point else None, entry_point, stubs=stubs), settings
         )
-        ref = r.result if r.status == "ok" and isinstance(r.result, dict) else {"units": []}
+        if r.status != "ok" or not isinstance(r.result, dict) or r.result.get("program_error"):
+            why = (
+                r.result.get("program_error")
+                if isinstance(r.result, dict)
+                else f"{r.status} {r.detail or ''}"
+            )
+            return {**base, "reference_error": f"the reference run (no candidate code) failed: {why}"[:500]}
+        ref = r.result
     passed, errors = score_plan(plan, cand.result, ref)
     return {**base, "passed": passed, "errors": errors}
 
@@ -697,6 +725,8 @@ def code_tests_with(execute: Executor, settings: Callable[[], SandboxSettings]) 
         if cfg:
             s = s.model_copy(update={k: cfg[k] for k in ("wall_s", "cpu_s", "mem_bytes") if k in cfg})
         res = run_plan(program_for(output, meta), meta, execute, s)
+        if res.get("reference_error"):  # the tests themselves failed without the candidate: not its fault
+            return Verdict(0.0, "code_tests", ok=False, error=res["reference_error"])
         if res["timeout"]:
             return Verdict(0.0, "code_tests", error=f"timeout after {s.wall_s}s")
         if res["crash"]:
