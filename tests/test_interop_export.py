@@ -1,6 +1,15 @@
-"""End to end through the CLI: a lake -> `creditflow process` -> `creditflow export --layout verl|openrlhf|skyrl`
+"""Our export files read by each framework's own code (verl 0.9.1, OpenRLHF 0.11.2, SkyRL 0.3.0, TRL 1.16.0,
+installed by .ci/run; a framework that is not installed skips its tests with a loud reason), and end to end
+through the CLI: a lake -> `creditflow process` -> `creditflow export --layout verl|openrlhf|skyrl`
 -> np.load, each advantage / logprob / mask checked token by token against the advantages table; and a verl
 export read back with `creditflow ingest -f verl-batch`, processed again: the advantages land on the same tokens."""
+
+import contextlib
+import importlib
+import importlib.util
+import sys
+import types
+import uuid
 
 import numpy as np
 import pyarrow.compute as pc
@@ -8,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
+from pipeline.layouts import to_padded
 from warehouse.lake import Lake
 
 runner = CliRunner()
@@ -39,9 +49,7 @@ def _per_traj(lake, round_, method="grpo"):
     return out
 
 
-pytestmark = pytest.mark.slow  # each `creditflow process` starts a temporary Prefect server (~20 s)
-
-
+# each `creditflow process` starts a temporary Prefect server (~20 s): the CLI tests are slow
 @pytest.fixture(scope="module")
 def processed(tmp_path_factory):
     """A synth round (seed 1: rewards differ within a group) processed with grpo."""
@@ -73,6 +81,7 @@ def _response_start(mask):
     return next((j for j, m in enumerate(mask) if m == 1), len(mask))
 
 
+@pytest.mark.slow
 def test_export_layouts_align_with_the_advantages_table(processed, tmp_path):
     lake = processed
     ref = _per_traj(lake, 0)
@@ -81,31 +90,35 @@ def test_export_layouts_align_with_the_advantages_table(processed, tmp_path):
         out = tmp_path / f"{layout}.npz"
         _ok(["export", "--lake", lake, "--round", 0, "--method", "grpo", "--out", out, "--layout", layout])
         a = np.load(out, allow_pickle=False)
-        seq = a["input_ids"] if layout == "verl" else a["sequences"]
-        mask_key = {"verl": "response_mask", "openrlhf": "action_mask", "skyrl": "loss_mask"}[layout]
-        lp_key = "old_log_probs" if layout == "verl" else "action_log_probs"
-        R = a["advantages"].shape[1]
-        assert seq.shape[1] - R >= 0 and a[mask_key].shape == a[lp_key].shape == (len(ref), R)
         assert sorted(a["traj_id"].tolist()) == sorted(ref)
         for r, traj_id in enumerate(a["traj_id"].tolist()):
             ids, mask, adv, lp = ref[traj_id]
             p = _response_start(mask)
-            n_resp = len(ids) - p
+            if layout == "openrlhf":  # token j at column j, the action arrays at column j - 1
+                L = len(ids)
+                assert a["sequences"][r, :L].tolist() == ids
+                assert a["action_mask"][r, : L - 1].tolist() == mask[1:]
+                assert np.array_equal(a["advantages"][r, : L - 1], np.float32(adv[1:]))
+                assert np.array_equal(a["rollout_log_probs"][r, : L - 1], np.float32(lp[1:]))
+                continue
+            seq = a["input_ids"] if layout == "verl" else a["sequences"]
             real = np.flatnonzero(a["attention_mask"][r])
             assert seq[r, real].tolist() == ids  # every real token, in order
-            P = seq.shape[1] - R
-            assert real[0] == P - p and (p == 0 or real[p - 1] == P - 1)  # left-padded prompt, response at P
-            assert a[mask_key][r, :n_resp].tolist() == mask[p:] and a[mask_key][r, n_resp:].sum() == 0
-            assert np.array_equal(a["advantages"][r, :n_resp], np.float32(adv[p:]))
-            assert np.array_equal(a[lp_key][r, :n_resp], np.float32(lp[p:]))
-        if layout == "verl":
-            assert np.array_equal(a["input_ids"], np.concatenate([a["prompts"], a["responses"]], axis=1))
-            real = a["attention_mask"] == 1
-            assert (a["position_ids"][real] == (np.cumsum(a["attention_mask"], 1) - 1)[real]).all()
-        if layout == "skyrl":
-            assert (a["loss_mask"] <= a["response_mask"]).all()
+            n_resp = len(ids) - p
+            if layout == "verl":  # right-padded responses
+                cols = np.arange(n_resp)
+                assert a["response_mask"][r, cols].tolist() == mask[p:]
+                lp_key = "old_log_probs"
+            else:  # skyrl: right-aligned response tensors
+                R = a["loss_mask"].shape[1]
+                cols = np.arange(R - n_resp, R)
+                assert a["loss_mask"][r, cols].tolist() == mask[p:]
+                lp_key = "rollout_logprobs"
+            assert np.array_equal(a["advantages"][r, cols], np.float32(adv[p:]))
+            assert np.array_equal(a[lp_key][r, cols], np.float32(lp[p:]))
 
 
+@pytest.mark.slow
 def test_verl_export_round_trips_through_ingest(processed, tmp_path):
     lake = processed
     ref = _per_traj(lake, 0)
@@ -125,3 +138,204 @@ def test_verl_export_round_trips_through_ingest(processed, tmp_path):
         assert np.array_equal(np.float32(g_lp), np.float32(lp))
         assert trajs[traj_id]["group_id"] == orig[traj_id]["group_id"]
         assert trajs[traj_id]["reward"] == np.float32(orig[traj_id]["reward"])
+
+
+# ---- the frameworks' own functions on our export ---------------------------------------------------------
+
+
+def _need(module: str):
+    """Import a framework module, or skip loudly (CI installs them: .ci/run, the `frameworks` step)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        pytest.skip(f"FRAMEWORK NOT INSTALLED: {module} ({exc}); run .ci/install-frameworks")
+
+
+@contextlib.contextmanager
+def _stub_modules(*names):
+    """Empty stand-ins for modules a framework imports but that cannot load here (GPU-only: vllm), for the
+    duration of an import; ones already importable are left alone."""
+    added = []
+    for name in names:
+        root = name.split(".")[0]
+        if name in sys.modules or (root not in sys.modules and importlib.util.find_spec(root) is not None):
+            continue
+        mod = types.ModuleType(name)
+        mod.__getattr__ = lambda attr, _n=name: type(attr, (), {})  # any `from vllm import X` gives a class
+        sys.modules[name] = mod
+        added.append(name)
+    try:
+        yield
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
+
+
+def _round_batch(seed=3, methods=("gae",)):
+    """A random round (trailing tool steps, empty steps, critic values) processed by our estimators, as the
+    flat export table per method."""
+    from credit_rounds import random_round
+
+    from pipeline.config import Config
+    from pipeline.credit.process import process_batch
+    from pipeline.export import TrainLayout
+
+    traj, steps = random_round(seed, max_groups=5, max_group_size=4, max_steps=8, max_tokens=6)
+    tables, _ = process_batch(traj, steps, list(methods), Config())
+    layout = TrainLayout(traj, steps)
+    return {m: layout.table(t) for m, t in tables.items()}
+
+
+def _rows(flat):
+    """Per trajectory: (ids, mask, advantages, logprobs, reward, prompt length)."""
+    out = []
+    for row in flat.to_pylist():
+        mask = row["loss_mask"]
+        p = next((j for j, m in enumerate(mask) if m), len(mask))
+        out.append((row["input_ids"], mask, row["advantages"], row["old_logprobs"], row["reward"], p))
+    return out
+
+
+def test_verl_gae_on_the_export_equals_ours():
+    """issue 22.7: verl's compute_gae_advantage_return on the export's token_level_scores / values /
+    response_mask gives our GAE advantages and returns (one reward placement: the last trained token)."""
+    torch = _need("torch")
+    core = _need("verl.trainer.ppo.core_algos")
+    flat = _round_batch(seed=5)["gae"]
+    a = to_padded(flat, "verl")
+    # some trajectory ends on an observation token: the case the old export got wrong
+    last_obs = [m[-1] == 0 and any(m) for _, m, *_ in _rows(flat)]
+    assert any(last_obs)
+    adv, ret = core.compute_gae_advantage_return(
+        token_level_rewards=torch.from_numpy(a["token_level_scores"]),
+        values=torch.from_numpy(a["values"]),
+        response_mask=torch.from_numpy(a["response_mask"]),
+        gamma=1.0,
+        lam=1.0,
+    )
+    m = a["response_mask"] == 1
+    assert np.allclose(adv.numpy()[m], a["advantages"][m], atol=2e-5)
+    assert np.allclose(ret.numpy()[m], a["returns"][m], atol=2e-5)
+
+
+def test_verl_live_fit_gets_our_advantages_with_fresh_uids_and_a_longer_response_length():
+    """As `RayPPOTrainer.fit` holds a batch: a DataProto with fresh uuid uids, responses padded to a larger
+    rollout.response_length, rows shuffled; verl's own compute_advantage (grpo) wrapped by
+    trainer.verl_credit.install puts our advantages on the same response tokens."""
+    torch = _need("torch")
+    verl = _need("verl")
+    ray_trainer = _need("verl.trainer.ppo.ray_trainer")
+    from verl.trainer.config import AlgoConfig
+
+    from trainer.verl_credit import CreditflowAdvantages, install
+
+    flat = _round_batch(seed=7, methods=("grpo",))["grpo"]
+    exported = to_padded(flat, "verl")
+    R = exported["responses"].shape[1]
+    run = to_padded(flat, "verl", response_length=R + 9, prompt_length=exported["prompts"].shape[1] + 4)
+    order = np.random.default_rng(0).permutation(len(flat))
+    tensors = {
+        k: torch.from_numpy(run[k][order])
+        for k in ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
+    }
+    tensors["token_level_rewards"] = torch.from_numpy(run["token_level_scores"][order])
+    data = verl.DataProto.from_dict(
+        tensors=tensors, non_tensors={"uid": np.array([str(uuid.uuid4()) for _ in order], dtype=object)}
+    )
+    original = ray_trainer.compute_advantage
+    try:
+        wrapper = install(CreditflowAdvantages(exported), missing="error")
+        data = ray_trainer.compute_advantage(data, adv_estimator="grpo", config=AlgoConfig())
+    finally:
+        ray_trainer.compute_advantage = original
+    assert wrapper.found == [len(flat)]
+    got = data.batch["advantages"].numpy()
+    assert got.shape == (len(flat), R + 9)
+    for r, (ids, _, adv, _, _, p) in enumerate(_rows(flat)):
+        i = int(np.flatnonzero(order == r)[0])
+        n = len(ids) - p
+        assert data.batch["responses"][i, :n].tolist() == ids[p:]
+        assert np.array_equal(got[i, :n], np.float32(adv[p:]))  # token for token
+        assert not got[i, n:].any()
+
+
+def test_openrlhf_experience_building_matches_our_layout():
+    """OpenRLHF 0.11.2 builds each sample's Experience from the agent's observation tokens and action ranges
+    (SamplesGenerator._process_response_into_experience) and concatenates them (Experience.concat_experiences);
+    our export equals that batch, and our advantages sit on its action tokens."""
+    torch = _need("torch")
+    _need("openrlhf")
+    with _stub_modules("vllm", "vllm.inputs", "vllm.utils"):
+        sg = _need("openrlhf.trainer.ppo_utils.samples_generator")
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    flat = _round_batch(seed=11, methods=("grpo",))["grpo"]
+    a = to_padded(flat, "openrlhf", pad_token_id=7)
+    exps = []
+    for r, (ids, _, _, lp, reward, _) in enumerate(_rows(flat)):
+        ranges = [tuple(x) for x in a["action_ranges"][r].tolist() if x[0] >= 0]
+        response = {
+            "observation_tokens": ids,
+            "action_ranges": ranges,
+            "reward": reward,
+            "scores": reward,
+            "rollout_log_probs": lp,
+            "prompt": "",
+            "label": "",
+        }
+        exps.append(sg.SamplesGenerator._process_response_into_experience(None, response, max_len=10**6))
+    batch = Experience.concat_experiences(exps, pad_token_id=7)
+    assert torch.equal(batch.sequences, torch.from_numpy(a["sequences"]))
+    assert torch.equal(batch.attention_mask, torch.from_numpy(a["attention_mask"]))
+    assert torch.equal(batch.action_mask.long(), torch.from_numpy(a["action_mask"]))
+    assert torch.equal(batch.rollout_log_probs.float(), torch.from_numpy(a["rollout_log_probs"]))
+    assert torch.equal(batch.response_length, torch.from_numpy(a["response_length"]))
+    assert np.array_equal(batch.rewards.numpy().astype(np.float32), a["rewards"])
+    for r, (ids, mask, adv, *_rest) in enumerate(_rows(flat)):
+        on = batch.action_mask[r].bool().numpy()  # OpenRLHF's action positions of this row
+        assert np.array_equal(
+            a["advantages"][r][on], np.float32([x for x, m in zip(adv, mask, strict=True) if m][-on.sum() :])
+        )
+        assert (
+            batch.sequences[r, 1:][torch.from_numpy(on)].tolist()
+            == [t for t, m in zip(ids, mask, strict=True) if m][-on.sum() :]
+        )
+
+
+def test_skyrl_convert_prompts_responses_matches_our_layout():
+    """SkyRL 0.3.0's trainer turns generator output into tensors with convert_prompts_responses_to_batch_tensors;
+    our export equals its tensors (values and dtypes), and our advantages are right-aligned as they are."""
+    torch = _need("torch")
+    pre = _need("skyrl.train.dataset.preprocess")
+    flat = _round_batch(seed=13, methods=("grpo",))["grpo"]
+    a = to_padded(flat, "skyrl", pad_token_id=5)
+    rows = [r for r in _rows(flat) if len(r[0]) > r[5]]  # SkyRL's generator never yields an empty response
+    keep = [i for i, r in enumerate(_rows(flat)) if len(r[0]) > r[5]]
+    a = to_padded(flat.take(keep), "skyrl", pad_token_id=5)
+    rewards = []
+    for ids, mask, _, _, reward, p in rows:
+        trained = [j for j, m in enumerate(mask) if m]
+        per_token = [0.0] * (len(ids) - p)
+        per_token[(trained[-1] if trained else len(ids) - 1) - p] = reward
+        rewards.append(per_token)
+    seq, attn, resp_mask, rew, loss_mask, logprobs, _ = pre.convert_prompts_responses_to_batch_tensors(
+        types.SimpleNamespace(pad_token_id=5),
+        [ids[:p] for ids, *_, p in rows],
+        [ids[p:] for ids, *_, p in rows],
+        rewards,
+        [mask[p:] for _, mask, *_rest, p in rows],
+        [lp[p:] for _, _, _, lp, _, p in rows],
+    )
+    for name, theirs in [
+        ("sequences", seq),
+        ("attention_mask", attn),
+        ("response_mask", resp_mask),
+        ("rewards", rew),
+        ("loss_mask", loss_mask),
+        ("rollout_logprobs", logprobs),
+    ]:
+        ours = torch.from_numpy(a[name])
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
+    for r, (ids, _, adv, _, _, p) in enumerate(rows):
+        n = len(ids) - p
+        assert np.array_equal(a["advantages"][r, a["advantages"].shape[1] - n :], np.float32(adv[p:]))
