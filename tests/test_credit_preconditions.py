@@ -73,3 +73,25 @@ def test_process_stops_before_any_work_with_one_line(tmp_path, real_data):
     assert kept.methods == ["grpo"] and len(skipped) == 2 and skipped[0].startswith("tcpo:")
     with pytest.raises(SystemExit, match="no method left"):
         check_preconditions(cfg.model_copy(update={"methods": ["tcpo"]}), lake, 0, skip_unmet=True)
+
+
+def test_cli_process_one_line_and_nonzero_exit(tmp_path, real_data):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from pipeline.ingest import ingest
+    from warehouse.lake import Lake
+    from warehouse.rounds import write_round
+
+    path = next((real_data / "fireact_hotpotqa").glob("*.json"))
+    res = ingest("react", [(path.name, path.read_text())])
+    lake = Lake(tmp_path / "lake")
+    write_round(lake, 0, res.trajectories, res.steps)
+    out = CliRunner().invoke(
+        app, ["process", "--lake", str(lake.root), "--round", "0", "--methods", "grpo,tcpo"]
+    )
+    assert out.exit_code != 0
+    # SystemExit(message): Python prints the message as one line on stderr; CliRunner keeps it as the exception
+    text = out.output + str(out.exception)
+    assert "tcpo: tcpo needs per-turn verifier scores" in text and "500 of 500 trajectories" in text
+    assert "Traceback" not in out.output and not lake.parts("advantages", 0)

@@ -42,6 +42,12 @@ def register(app: typer.Typer) -> None:
         no_cache: bool = typer.Option(
             False, "--no-cache", help="recompute every stage (config: flow.cache=false)"
         ),
+        skip_unmet: bool = typer.Option(
+            False,
+            "--skip-unmet",
+            help="a method whose inputs the round lacks (verifier scores, critic values) is skipped and "
+            "recorded in the summary; without it, process stops before any work naming the method",
+        ),
     ) -> None:
         """Run the process-round flow: detect, annotate, counterfactuals, credit for every method, export."""
         from flows.config import load_config
@@ -59,7 +65,7 @@ def register(app: typer.Typer) -> None:
             max_workers=max_workers,
             task_runner_address=address,
         )
-        run_process(cfg, round_)
+        run_process(cfg, round_, skip_unmet=skip_unmet)
 
     @app.command("export")
     def export_cmd(
