@@ -9,6 +9,9 @@
                     the processing batch (`scope="batch"`); `whiten=false` skips it
 Observation tokens are skipped: `nextvalues` and `lastgaelam` carry straight through mask-0 positions, so the
 recursion runs over the trajectory's assistant tokens in order, with V = 0 after the last one.
+Reward placement (Eq. 1) is the one rule the verl export shares (`pipeline.layouts.reward_columns` puts
+`token_level_scores` there): the last assistant token, never a trailing observation token, where verl's own
+GAE would drop it; tests/test_interop_export.py checks verl's GAE on the export equals this estimator's.
 
 verl whitens over its training batch (`data.batch["advantages"] = masked_whiten(advantages, response_mask)` in
 `compute_gae_advantage_return`), whatever that batch is; here the round plays that part, so the advantages do
