@@ -14,6 +14,8 @@ import os
 import random
 import resource
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +41,7 @@ from trainer.sandbox import SandboxUnavailable, execute, run_tests
 needs_bwrap = pytest.mark.skipif(
     sandbox.sandbox_problem() is not None, reason=f"bubblewrap unavailable: {sandbox.sandbox_problem()}"
 )
+ROOT = Path(__file__).resolve().parents[1]
 FAST = DEFAULT_LIMITS.model_copy(update={"wall_s": 5.0, "cpu_s": 5})
 
 
@@ -420,14 +423,34 @@ def test_refuses_without_the_sandbox_unless_told(monkeypatch):
 
 
 def test_settings_are_a_config_stage():
-    from pipeline.config import Config
+    from pipeline.config import Config, ConfigError, apply_overrides
 
-    cfg = Config(stages={"sandbox": {"wall_s": 3, "unsafe_no_sandbox": True}})
+    data = apply_overrides({}, ["sandbox.wall_s=3", "sandbox.unsafe_no_sandbox=true"])
+    cfg = Config(**data)
+    cfg.check()
     s = sandbox.configure(config=cfg)
     try:
         assert s.wall_s == 3 and s.unsafe_no_sandbox and sandbox.current_settings() is s
     finally:
         sandbox.configure()
+    with pytest.raises(ConfigError, match="sandbox"):
+        Config(stages={"sandbox": {"wall_seconds": 3}}).check()
+
+
+def test_the_flow_registers_the_code_verifier():
+    """pipeline/ cannot import the trainer floor: the flow's stage effects (flows.batch.stage_io) register it."""
+    code = (
+        "from pipeline.verifiers import VERIFIERS, verify\n"
+        "v = verify('def f(x): return x', 'code', {'tests': ['assert f(1) == 1']})\n"
+        "assert 'code_tests' not in VERIFIERS and not v.ok and 'trainer.sandbox' in v.error, v\n"
+        "from flows.batch import stage_io\n"
+        "from pipeline.config import Config\n"
+        "stage_io(Config(stages={'sandbox': {'wall_s': 4}}))\n"
+        "import trainer.sandbox as sb\n"
+        "assert 'code_tests' in VERIFIERS and sb.current_settings().wall_s == 4\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 # ---- normal programs score as before ---------------------------------------------------------------------
