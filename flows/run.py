@@ -102,6 +102,18 @@ def run_process(cfg: Config, round_: int, quiet: bool = False, skip_unmet: bool 
         with rich_progress(console) if cfg.flow.progress and not quiet else nullcontext():
             state = flow_(round_=round_, config=cfg, return_state=True)
     summary = state.result()  # raises the flow's error if it failed
+    if skipped:  # kept in the round's run log, so `creditflow stats` shows it too
+        from warehouse.runlog import record_stage_run
+
+        record_stage_run(
+            lake,
+            round_,
+            "preconditions",
+            "round",
+            seconds=0.0,
+            notes={"skipped_methods": len(skipped)},
+            warnings=skipped,
+        )
     summary.update(
         {
             "state": state.name,
