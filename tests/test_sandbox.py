@@ -97,6 +97,16 @@ def test_split_hand_computed():
     assert not plan_tests(["assert f(1) == 2", "assert not f(3)"], None, None, {"f"}).needs_reference
 
 
+def test_the_caller_bounds_what_it_computes_on_returned_values():
+    skel, _ = split_expr(ast.parse("f(1) ** 4096 == 0", mode="eval").body)
+    with pytest.raises(ValueError, match="too large"):
+        safe_eval(skel, {"__cf_hole_0": 1 << 100_000})
+    skel, _ = split_expr(ast.parse("f(1) * 10**9 == []", mode="eval").body)
+    with pytest.raises(ValueError, match="too large"):
+        safe_eval(skel, {"__cf_hole_0": [0] * 100})
+    assert decode({"i": hex(1 << 100)}) == 1 << 100 and decode({"t": [1, {"s": [2]}]}) == (1, {2})
+
+
 def test_expected_values_never_reach_the_sandbox():
     plan = plan_tests(["assert f(1) == 98765", "assert f(2) != 'secret-expected'"], None, None, {"f"})
     job = json.dumps(job_for(plan, "def f(x):\n    return x\n", None))

@@ -256,7 +256,7 @@ def _run(cmd: list[str], payload: bytes, limits: SandboxSettings, env: dict, cwd
         return Outcome(None, status, detail)
     try:
         doc = json.loads(out)
-    except ValueError:
+    except (ValueError, RecursionError):  # not a document (the program wrote over it, or nested it to death)
         rc = proc.returncode
         why = (
             "killed by the CPU limit" if rc in (-signal.SIGXCPU, -signal.SIGKILL, 137, 152) else f"exit {rc}"

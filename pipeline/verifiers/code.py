@@ -448,7 +448,8 @@ class EvalError(ValueError):
 
 
 def _size_guard(op: ast.operator, a: Any, b: Any) -> None:
-    """No huge results from the candidate's values: sequence repetition, powers and shifts are bounded."""
+    """No huge results from the candidate's values: repetition, products, powers and shifts are bounded."""
+    ints = isinstance(a, int) and isinstance(b, int)
     if isinstance(op, ast.Mult):
         for seq, n in ((a, b), (b, a)):
             if (
@@ -457,9 +458,11 @@ def _size_guard(op: ast.operator, a: Any, b: Any) -> None:
                 and len(seq) * n > _MAX_ITEMS
             ):
                 raise EvalError("repetition too large")
-    if isinstance(op, ast.Pow) and isinstance(b, int) and isinstance(a, int) and abs(b) > 4096:
+        if ints and a.bit_length() + b.bit_length() > 1 << 22:
+            raise EvalError("product too large")
+    if isinstance(op, ast.Pow) and ints and b > 0 and max(a.bit_length(), 1) * b > 1 << 22:
         raise EvalError("power too large")
-    if isinstance(op, ast.LShift) and isinstance(b, int) and b > 65536:
+    if isinstance(op, ast.LShift) and ints and b + a.bit_length() > 1 << 22:
         raise EvalError("shift too large")
 
 
