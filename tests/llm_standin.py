@@ -11,6 +11,7 @@ Pluggable behaviour:
 - `fail_next(count, kind)`: the next `count` requests fail with `kind`: "500", "503", "429", "400",
   "timeout" (sleeps `hang_s`, longer than the client's timeout), "malformed" (200 with a broken JSON body),
   "drop" (closes the connection without an answer);
+- `retry_after_s`: a 429 answer carries `Retry-After` with this many seconds (0: none);
 - `latency_s`: fixed latency added to every answer (for concurrency/throughput checks);
 - `reject_json_schema`: answer 400 to a `response_format` of type json_schema (a server without
   constrained decoding);
@@ -112,6 +113,7 @@ class StandIn:
         self.latency_s = 0.0
         self.reject_json_schema = False
         self._failures: deque[str] = deque()
+        self.retry_after_s = 0.0  # a 429 carries Retry-After: this many seconds (0: no header)
         self.requests: list[dict[str, Any]] = []
         self.calls = 0
         self.inflight = 0
@@ -261,6 +263,9 @@ class StandIn:
         return JSONResponse(
             {"object": "error", "message": f"injected {status}", "type": "injected", "code": status},
             status_code=status,
+            headers={"Retry-After": str(self.retry_after_s)}
+            if status == 429 and self.retry_after_s
+            else None,
         )
 
     def _answer(self, body: dict[str, Any], kind: str) -> dict[str, Any]:

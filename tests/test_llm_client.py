@@ -114,6 +114,27 @@ def test_exponential_backoff(llm_standin, tmp_path):
     assert gaps[2] < 0.4 + 0.5 and gaps[2] > gaps[1] > gaps[0]
 
 
+def test_retry_after_is_honoured(llm_standin, tmp_path):
+    llm_standin.fail_next(1, "429")
+    llm_standin.retry_after_s = 1.0
+    client = make(llm_standin.url, tmp_path, max_retries=2, backoff_s=0.05)
+    res = run(client.chat(MSG, max_tokens=8))
+    assert res.choices[0].text and llm_standin.calls == 2
+    gap = llm_standin.call_times[1] - llm_standin.call_times[0]
+    assert gap >= 1.0  # the server's Retry-After, not the 0.05 s backoff
+
+
+def test_cache_is_a_diskcache_shared_across_clients(llm_standin, tmp_path):
+    import diskcache
+
+    first = make(llm_standin.url, tmp_path)
+    run(first.chat(MSG, max_tokens=8))
+    assert len(diskcache.Cache(str(tmp_path / "cache"))) == 1
+    second = make(llm_standin.url, tmp_path)  # another client (another process would do the same)
+    res = run(second.chat(MSG, max_tokens=8))
+    assert res.cached and llm_standin.calls == 1
+
+
 def test_round_robin_over_endpoints(tmp_path):
     with StandIn() as a, StandIn() as b:
         client = make([a.url, b.url], tmp_path, cache=False)

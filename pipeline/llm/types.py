@@ -34,7 +34,12 @@ class LLMSettings(StageSettings):
     max_retries: int = Field(3, ge=0, description="retries after a timeout / 5xx / 429 / malformed body")
     backoff_s: float = Field(0.5, ge=0, description="first retry delay; doubles with every retry")
     backoff_max_s: float = Field(30.0, ge=0, description="cap on one retry delay")
-    cache: bool = Field(True, description="use the on-disk response cache")
+    cache: bool = Field(True, description="use the on-disk response cache (diskcache)")
+    cache_size_limit: int = Field(
+        2**30,
+        ge=2**20,
+        description="bytes the response cache may hold before it evicts the least recently used",
+    )
     cache_dir: str | None = Field(
         None,
         description="response cache folder; None: $CREDITFLOW_CACHE/llm (~/.cache/creditflow/llm); a relative "
@@ -139,6 +144,7 @@ class LLMError(Exception):
         super().__init__(f"{kind}: {message}")
         self.kind, self.message, self.status = kind, message, status
         self.endpoint, self.attempts, self.request_hash = endpoint, attempts, request_hash
+        self.retry_after: float | None = None  # a 429's Retry-After, seconds (the retry waits at least this)
 
     @property
     def retryable(self) -> bool:

@@ -9,20 +9,23 @@ OpenAI-compatible endpoints (vLLM servers) through this module, never through `o
     results = client.run_batch([LLMRequest.chat(msgs, max_tokens=32, purpose="iapo"), ...])  # sync
     lake_rows = client.records_table()                 # per-call records, schema `llm_calls`
 
-What it does for every request:
+What it does for every request (libraries where they exist, our code where they do not):
 - bounded concurrency: one `asyncio.Semaphore(concurrency)` per event loop;
-- round-robin over `endpoints`; a connection error fails over to the next endpoint at once (no sleep);
-  timeouts, 5xx, 429 and malformed bodies are retried with exponential backoff (`backoff_s * 2**k`,
-  capped at `backoff_max_s`) up to `max_retries` times; other 4xx are not retried;
+- the request itself through the `openai` SDK (`chat.completions.create` / `completions.create`, its errors
+  and response models; its own retries off, since endpoint failover is ours);
+- round-robin over `endpoints`; a connection error fails over to the next endpoint not yet tried, at once
+  (ours: the SDK talks to one base URL);
+- retries by tenacity: timeouts, 5xx, 429 and malformed bodies are retried with exponential backoff
+  (`backoff_s * 2**k`, capped at `backoff_max_s`, at least a 429's `Retry-After`) up to `max_retries` times;
+  other 4xx are not retried;
 - structured output: `response_format` (a pydantic model class, a JSON schema dict, or an OpenAI
   response_format dict) is sent as `json_schema` when `structured_output` is "auto"/"json_schema"; in "auto"
   a server that rejects it (400/422) is remembered and the request is re-sent as plain text with the schema
   in a system instruction; either way each choice is parsed and validated (`Choice.parsed`,
   `Choice.parse_error`);
-- an on-disk cache keyed by sha256(model, kind, request content, sampling params, seed, response format):
-  a re-run makes no call twice. Files are written atomically (temp + rename), identical requests in flight
-  at once share one call, so the cache is safe under concurrency (and across processes: last rename wins,
-  both contents being the same answer);
+- a response cache (diskcache: SQLite, safe across threads and processes, size-bounded) keyed by
+  sha256(model, kind, request content, sampling params, seed, response format): a re-run makes no call
+  twice; identical requests in flight at once share one call (ours);
 - a `CallRecord` per request (endpoint, model, latency, tokens, cache hit, error, attempts, purpose tag).
 
 vLLM extras: with `vllm_extras` on (default) requests carry `return_token_ids` so vLLM returns the token
@@ -40,7 +43,6 @@ import functools
 import hashlib
 import itertools
 import json
-import os
 import threading
 import time
 import uuid
@@ -263,39 +265,30 @@ class LLMClient:
                     last = exc
             raise LLMError("config", f"no model configured and none listed by {self.endpoints}: {last}")
 
-    # ---- cache ---------------------------------------------------------------------------------------
-    def _cache_path(self, key: str) -> Path:
-        return self.cache_dir / key[:2] / f"{key}.json"
+    # ---- cache (diskcache: SQLite-backed, safe across threads and processes) ------------------------------
+    @functools.cached_property
+    def _cache(self) -> Any:
+        import diskcache
+
+        return diskcache.Cache(str(self.cache_dir), size_limit=self.settings.cache_size_limit)
 
     def _cache_get(self, key: str) -> dict[str, Any] | None:
         if not self.settings.cache:
             return None
-        p = self._cache_path(key)
         try:
-            data = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
+            data = self._cache.get(key)
+        except Exception:  # noqa: BLE001 - an unreadable cache is a miss, never a failure
             return None
-        return data if data.get("v") == CACHE_VERSION else None
+        return data if isinstance(data, dict) and data.get("v") == CACHE_VERSION else None
 
     def _cache_put(self, key: str, result: ChatResult) -> None:
         if not self.settings.cache:
             return
-        p = self._cache_path(key)
+        value = {"v": CACHE_VERSION, "kind": type(result).__name__, "result": result.model_dump(mode="json")}
         try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.parent / f".tmp-{uuid.uuid4().hex}"
-            tmp.write_text(
-                json.dumps(
-                    {
-                        "v": CACHE_VERSION,
-                        "kind": type(result).__name__,
-                        "result": result.model_dump(mode="json"),
-                    }
-                )
-            )
-            os.replace(tmp, p)
-        except OSError:
-            pass  # a cache that cannot be written is a cache miss next time, never a failure
+            self._cache.set(key, value)
+        except Exception:  # noqa: BLE001 - a cache that cannot be written is a miss next time
+            pass
 
     # ---- public API ----------------------------------------------------------------------------------
     async def chat(
@@ -538,40 +531,51 @@ class LLMClient:
         extra_body: dict[str, Any] | None,
         key: str,
     ) -> tuple[Any, int]:
+        """Send with retries (tenacity: exponential backoff from `backoff_s`, capped at `backoff_max_s`, a
+        server's Retry-After honoured, `max_retries` retries of retryable failures). Within one try a
+        connection error fails over to the next endpoint not yet tried, with no sleep and no retry spent."""
+        from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt
+
         s = self.settings
         n_ep = len(self.endpoints)
-        start = self._next_start()
-        ep_i = start
-        retries_left = s.max_retries
-        delay = s.backoff_s
-        tried_since_success: set[int] = set()
+        ep_i = self._next_start()
         attempts = 0
-        last: LLMError | None = None
-        while True:
-            endpoint = self.endpoints[ep_i % n_ep]
-            tried_since_success.add(ep_i % n_ep)
-            attempts += 1
-            try:
-                async with st.sem:
-                    self.calls_made += 1
-                    res = await self._call_once(
-                        st, endpoint, kind, model, content, params, response_format, extra_body
-                    )
-                return res, attempts
-            except LLMError as exc:
-                exc.endpoint, exc.attempts, exc.request_hash = endpoint, attempts, key
-                last = exc
-                if not exc.retryable:
+
+        async def one_try() -> Any:
+            nonlocal ep_i, attempts
+            tried: set[int] = set()
+            while True:
+                endpoint = self.endpoints[ep_i % n_ep]
+                tried.add(ep_i % n_ep)
+                ep_i += 1
+                attempts += 1
+                try:
+                    async with st.sem:
+                        self.calls_made += 1
+                        return await self._call_once(
+                            st, endpoint, kind, model, content, params, response_format, extra_body
+                        )
+                except LLMError as exc:
+                    exc.endpoint, exc.attempts, exc.request_hash = endpoint, attempts, key
+                    if exc.kind == "connection" and len(tried) < n_ep:
+                        continue
                     raise
-            ep_i += 1
-            if last.kind == "connection" and len(tried_since_success) < n_ep:
-                continue  # fail over to an endpoint not yet tried: no sleep, no retry spent
-            if retries_left <= 0:
-                raise last
-            retries_left -= 1
-            tried_since_success.clear()
-            await asyncio.sleep(min(delay, s.backoff_max_s))
-            delay *= 2
+
+        def wait(retry_state: Any) -> float:
+            backoff = s.backoff_s * 2 ** (retry_state.attempt_number - 1)
+            exc = retry_state.outcome.exception() if retry_state.outcome else None
+            retry_after = getattr(exc, "retry_after", None) or 0.0
+            return min(max(backoff, retry_after), s.backoff_max_s)
+
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(s.max_retries + 1),
+            wait=wait,
+            retry=retry_if_exception(lambda exc: isinstance(exc, LLMError) and exc.retryable),
+            sleep=asyncio.sleep,
+            reraise=True,
+        )
+        res = await retrying(one_try)
+        return res, attempts
 
     async def _call_once(
         self,
@@ -585,8 +589,6 @@ class LLMClient:
         extra_body: dict[str, Any] | None,
     ) -> Any:
         import openai
-        from openai.types import Completion
-        from openai.types.chat import ChatCompletion
 
         client = self._client(st, endpoint)
         body = dict(extra_body or {})
@@ -616,12 +618,8 @@ class LLMClient:
                     messages = [{"role": "system", "content": _schema_instruction(schema)}, *messages]
                     structured = "prompted"
                 try:
-                    raw = await _post(
-                        client,
-                        "/chat/completions",
-                        {"model": model, "messages": messages, **req},
-                        body,
-                        ChatCompletion,
+                    raw = await client.chat.completions.create(
+                        model=model, messages=messages, extra_body=body or None, **req
                     )
                 except (openai.BadRequestError, openai.UnprocessableEntityError) as exc:
                     if structured != "json_schema" or self.settings.structured_output != "auto":
@@ -632,21 +630,13 @@ class LLMClient:
                     messages = [{"role": "system", "content": _schema_instruction(schema)}, *messages]
                     structured = "prompted"
                     del exc
-                    raw = await _post(
-                        client,
-                        "/chat/completions",
-                        {"model": model, "messages": messages, **req},
-                        body,
-                        ChatCompletion,
+                    raw = await client.chat.completions.create(
+                        model=model, messages=messages, extra_body=body or None, **req
                     )
                 res = _parse_chat(raw)
             else:
-                raw = await _post(
-                    client,
-                    "/completions",
-                    {"model": model, "prompt": content["prompt"], **req},
-                    body,
-                    Completion,
+                raw = await client.completions.create(
+                    model=model, prompt=content["prompt"], extra_body=body or None, **req
                 )
                 res = _parse_completion(raw, echo=bool(params.get("echo")))
         except openai.APITimeoutError as exc:
@@ -654,7 +644,9 @@ class LLMClient:
         except openai.APIConnectionError as exc:
             raise LLMError("connection", str(exc) or type(exc).__name__) from exc
         except openai.RateLimitError as exc:
-            raise LLMError("rate_limit", _status_message(exc), status=exc.status_code) from exc
+            err = LLMError("rate_limit", _status_message(exc), status=exc.status_code)
+            err.retry_after = _retry_after(exc)
+            raise err from exc
         except openai.APIStatusError as exc:
             kind_ = "server" if exc.status_code >= 500 else "client"
             raise LLMError(kind_, _status_message(exc), status=exc.status_code) from exc
@@ -670,16 +662,13 @@ class LLMClient:
         return res
 
 
-async def _post(
-    client: Any, path: str, params: dict[str, Any], extra_body: dict[str, Any], cast_to: type
-) -> Any:
-    """POST an OpenAI-compatible request with the SDK's documented `client.post` (its retries, errors, auth and
-    response parsing), with the JSON body as built here. `chat.completions.create` would first walk the params
-    against the SDK's TypedDict schemas (a no-op for plain JSON messages) at ~1 ms of CPU per request, which at
-    high concurrency bounds the request rate; the body sent is the same (extra_body keys override, as there)."""
-    return await client.post(
-        path, body={**params, **extra_body}, cast_to=cast_to, options={"security": {"bearer_auth": True}}
-    )
+def _retry_after(exc: Any) -> float | None:
+    """Seconds from a 429's Retry-After header (delta-seconds form), if any."""
+    headers = getattr(getattr(exc, "response", None), "headers", None) or {}
+    try:
+        return float(headers.get("retry-after"))
+    except (TypeError, ValueError):
+        return None
 
 
 def _status_message(exc: Any) -> str:
