@@ -95,3 +95,31 @@ def test_cli_process_one_line_and_nonzero_exit(tmp_path, real_data):
     text = out.output + str(out.exception)
     assert "tcpo: tcpo needs per-turn verifier scores" in text and "500 of 500 trajectories" in text
     assert "Traceback" not in out.output and not lake.parts("advantages", 0)
+
+
+@pytest.mark.slow
+def test_skip_unmet_computes_the_others_and_records_the_skipped(tmp_path, real_data, prefect_harness):
+    import pyarrow.compute as pc
+
+    from flows.run import run_process
+    from flows.summary import round_summary
+    from pipeline.ingest import ingest
+    from warehouse.catalog import query
+    from warehouse.lake import Lake
+    from warehouse.rounds import write_round
+
+    path = next((real_data / "fireact_hotpotqa").glob("*.json"))
+    res = ingest("react", [(path.name, path.read_text())])
+    trajs = res.trajectories.slice(0, 60)
+    steps = res.steps.filter(pc.is_in(res.steps["traj_id"], value_set=trajs["traj_id"]))
+    lake = Lake(tmp_path / "lake")
+    write_round(lake, 0, trajs, steps)
+    cfg = Config(lake=str(lake.root), methods=["grpo", "tcpo"])
+    summary = run_process(cfg, 0, quiet=True, skip_unmet=True)
+    assert summary["methods"] == "grpo"
+    assert summary["skipped (unmet preconditions)"].startswith("tcpo: tcpo needs per-turn verifier scores")
+    methods = query(lake, "SELECT DISTINCT method FROM advantages WHERE round = 0")["method"].to_pylist()
+    assert methods == ["grpo"]
+    after = round_summary(lake, 0)  # what `creditflow stats` prints
+    assert after["stages"]["preconditions"]["warnings"] == 1
+    assert after["notes"]["preconditions.skipped_methods"] == 1
