@@ -339,3 +339,83 @@ def test_skyrl_convert_prompts_responses_matches_our_layout():
     for r, (ids, _, adv, _, _, p) in enumerate(rows):
         n = len(ids) - p
         assert np.array_equal(a["advantages"][r, a["advantages"].shape[1] - n :], np.float32(adv[p:]))
+
+
+def _tiny_causal_lm(vocab: int):
+    """A 1-layer Llama with random weights and a word-level tokenizer over ids 0..vocab-1 (no download)."""
+    transformers = _need("transformers")
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    words = {f"w{i}": i for i in range(vocab - 2)} | {"<pad>": vocab - 2, "<eos>": vocab - 1}
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(words, unk_token="<pad>")), pad_token="<pad>", eos_token="<eos>"
+    )
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=vocab - 2,
+        eos_token_id=vocab - 1,
+    )
+    return transformers.LlamaForCausalLM(config), tok
+
+
+def test_trl_grpo_step_trains_on_our_per_token_advantages(tmp_path):
+    """One real TRL (1.16) GRPOTrainer step on CPU through trainer.trl_credit.CreditflowGRPOTrainer: the batch
+    TRL's loss sees has our advantages on the response tokens, token for token, and the step moves the
+    weights (with all-zero advantages and no KL term it would not)."""
+    torch = _need("torch")
+    _need("trl")
+    from trl import GRPOConfig
+
+    from trainer.trl_credit import CreditflowGRPOTrainer
+
+    flat = _round_batch(seed=17, methods=("grpo",))["grpo"]
+    export = to_padded(flat, "verl", pad_token_id=1022)
+    assert np.abs(export["advantages"]).sum() > 0
+    torch.manual_seed(0)
+    model, tok = _tiny_causal_lm(1024)
+    before = [p.detach().clone() for p in model.parameters()]
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=1,
+        learning_rate=1e-2,
+        beta=0.0,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        bf16=False,
+    )
+    trainer = CreditflowGRPOTrainer(model=model, processing_class=tok, args=args, export=export)
+    seen = []
+    original = trainer._compute_loss
+
+    def spy(model, inputs):
+        seen.append({k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+        return original(model, inputs)
+
+    trainer._compute_loss = spy
+    trainer.train()
+    assert seen, "TRL computed no loss"
+    rows = _rows(flat)
+    by_response = {tuple(ids[p:]): (mask[p:], adv[p:]) for ids, mask, adv, *_r, p in rows}
+    checked = 0
+    for batch in seen:
+        for i in range(len(batch["completion_ids"])):
+            n = int(batch["completion_mask"][i].sum())
+            resp = tuple(batch["completion_ids"][i, :n].tolist())
+            mask, adv = by_response[resp]
+            assert batch["tool_mask"][i, :n].tolist() == mask
+            assert np.array_equal(batch["advantages"][i, :n].numpy(), np.float32(adv))
+            checked += 1
+    assert checked
+    after = list(model.parameters())
+    assert any(not torch.equal(b, a) for b, a in zip(before, after, strict=True))
