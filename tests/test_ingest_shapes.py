@@ -253,3 +253,21 @@ def test_cross_policy_groups_get_unique_sample_idx(real_data):
             if r["traj_id"].startswith("agent-a:"):
                 assert r["sample_idx"] == json.loads(r["meta"])["trial"]
     assert Counter(len(g) for g in by_group.values()) == {8: 50}
+
+
+def test_tau2_greeting_gets_no_credit(real_data):
+    """Before: the greeting was the agent's turn 1 and took the trajectory's GRPO advantage (A = R in these
+    one-trial groups); now it is context, like the user's messages."""
+    import numpy as np
+
+    from pipeline.credit.process import process_batch
+
+    path = _path(real_data, TAU2)
+    res = ingest("tau2-bench", [(str(path), path.read_text())], tokenizer=BYTES)
+    tables, _ = process_batch(res.trajectories, res.steps, ["grpo"])
+    adv = tables["grpo"].to_pylist()
+    first = [r for r in adv if r["step_idx"] == 0]
+    assert len(first) == 50 and all(r["role"] == "system" and not np.any(r["token_adv"]) for r in first)
+    # the successful simulations' credit sits on the agent's own first turn
+    turn1 = [r for r in adv if r["turn"] == 1 and r["role"] == "assistant"]
+    assert sum(1 for r in turn1 if np.any(np.asarray(r["token_adv"]) > 0)) == 9
