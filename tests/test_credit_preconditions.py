@@ -50,17 +50,24 @@ def test_every_declared_stage_is_a_registered_method():
     assert set(REQUIREMENTS) <= set(ESTIMATORS) | set(REFINERS)
 
 
-def test_process_stops_before_any_work_with_one_line(tmp_path, real_data):
-    from flows.run import check_preconditions
+@pytest.fixture
+def fireact_lake(tmp_path, real_data):
+    """A lake whose round 0 is the shipped FireAct file: no verifier scores, no critic values."""
     from pipeline.ingest import ingest
     from warehouse.lake import Lake
     from warehouse.rounds import write_round
 
-    path = real_data / "fireact_hotpotqa"
-    path = next(path.glob("*.json"))
+    path = next((real_data / "fireact_hotpotqa").glob("*.json"))
     res = ingest("react", [(path.name, path.read_text())])
     lake = Lake(tmp_path / "lake")
     write_round(lake, 0, res.trajectories, res.steps)
+    return lake
+
+
+def test_process_stops_before_any_work_with_one_line(fireact_lake):
+    from flows.run import check_preconditions
+
+    lake = fireact_lake
     cfg = Config(lake=str(lake.root), methods=["grpo", "tcpo", "gae+c3"])
     with pytest.raises(SystemExit) as exc:
         check_preconditions(cfg, lake, 0)
@@ -75,18 +82,12 @@ def test_process_stops_before_any_work_with_one_line(tmp_path, real_data):
         check_preconditions(cfg.model_copy(update={"methods": ["tcpo"]}), lake, 0, skip_unmet=True)
 
 
-def test_cli_process_one_line_and_nonzero_exit(tmp_path, real_data):
+def test_cli_process_one_line_and_nonzero_exit(fireact_lake):
     from typer.testing import CliRunner
 
     from flows.cli import app
-    from pipeline.ingest import ingest
-    from warehouse.lake import Lake
-    from warehouse.rounds import write_round
 
-    path = next((real_data / "fireact_hotpotqa").glob("*.json"))
-    res = ingest("react", [(path.name, path.read_text())])
-    lake = Lake(tmp_path / "lake")
-    write_round(lake, 0, res.trajectories, res.steps)
+    lake = fireact_lake
     out = CliRunner().invoke(
         app, ["process", "--lake", str(lake.root), "--round", "0", "--methods", "grpo,tcpo"]
     )
