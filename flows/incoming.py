@@ -5,7 +5,11 @@ lake whose credit is incomplete."""
 from __future__ import annotations
 
 import datetime as dt
+import logging
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger
 
@@ -13,6 +17,8 @@ from flows.batch import CREDIT, stage_outputs
 from flows.config import as_config
 from pipeline.config import Config
 from warehouse.lake import Lake
+
+log = logging.getLogger(__name__)
 
 
 def _process(config: Config, round_: int):
@@ -22,6 +28,32 @@ def _process(config: Config, round_: int):
     return process_round_flow.with_options(task_runner=make_task_runner(config))(
         round_=round_, config=config, return_state=True
     )
+
+
+def poll_incoming(
+    config: Config,
+    trigger: Callable[[], Any],
+    finished: Callable[[Any], bool],
+    stop: threading.Event,
+    max_polls: int | None = None,
+) -> int:
+    """`creditflow serve`'s folder watch: every `serve.poll_interval_s` look at the incoming folder (a directory
+    listing, no Prefect call) and `trigger()` the incoming flow only when a settled new entry is there and the
+    run triggered before has `finished`; so an idle folder creates no flow runs. Returns the runs triggered."""
+    from warehouse.incoming import new_entries
+
+    incoming = Path(config.serve.incoming).expanduser().resolve()
+    pending, triggered, polls = None, 0, 0
+    while not stop.is_set() and (max_polls is None or polls < max_polls):
+        polls += 1
+        if pending is not None and finished(pending):
+            pending = None
+        if pending is None and new_entries(incoming, config.serve.settle_s):
+            log.info("incoming: new entries in %s, starting the incoming flow", incoming)
+            pending = trigger()
+            triggered += 1
+        stop.wait(config.serve.poll_interval_s)
+    return triggered
 
 
 @flow(name="incoming", validate_parameters=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
 from prefect.states import Completed
@@ -23,6 +23,7 @@ from flows.api_priority import api_waits_for_idle_cpu, stages_fill_cpus
 from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
     CREDIT,
     EXPORT,
+    STATS,
     BatchSummary,
     advantages_part,
     credit_batch,
@@ -31,6 +32,7 @@ from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
     process_credit_batch,
     round_batches,
     round_stages,
+    round_statistics,
     run_annotation_stages,
     run_batch_stage,
     run_stage_batch,
@@ -42,29 +44,82 @@ from flows.config import as_config
 from flows.runners import settings_scope
 from flows.runtime import tune_allocator
 from pipeline.config import Config
+from pipeline.credit.process import statistics_json
 from warehouse.lake import Lake
 from warehouse.runlog import parts_present, prune_stale_parts
 
 WARNING_STATE = "CompletedWithWarnings"
-DERIVED_TABLES = ("spans", "nodes", "edges", "counterfactuals", "advantages", "train_batch", "stage_runs")
+DERIVED_TABLES = (
+    "spans",
+    "nodes",
+    "edges",
+    "counterfactuals",
+    "credit_stats",
+    "advantages",
+    "train_batch",
+    "stage_runs",
+)
 
 
 @task(task_run_name="{stage}-{batch}", persist_result=True, result_serializer="json")
 def batch_stage_task(
-    lake_root: str, round_: int, batch: str, stage: str, config: Config, upstream: dict | None = None
+    lake_root: str,
+    round_: int,
+    batch: str,
+    stage: str,
+    config: Config,
+    upstream: dict | None = None,
+    round_stats: dict | None = None,
 ) -> dict:
-    """One stage on one batch; `upstream` (the previous stage's summary of this batch) only orders the work."""
-    key = _cache_key(lake_root, round_, batch, stage, config) if config.flow.cache else None
+    """One stage on one batch; `upstream` (the previous stage's summary of this batch) only orders the work;
+    `round_stats` (credit: the round's merged statistics) is part of the cache key."""
+    key = _cache_key(lake_root, round_, batch, stage, config, round_stats) if config.flow.cache else None
+    if round_stats is not None:
+        return _run_credit(lake_root, round_, batch, stage, config, key, round_stats)
     if workers.use_processes(config) and not stage_calls_llm(stage, config):
-        return workers.run(config.max_workers, run_batch_stage, lake_root, round_, batch, stage, config, key)
-    if config.task_runner == "threads":
-        return workers.run_here(
+        summary = workers.run(
             config.max_workers, run_batch_stage, lake_root, round_, batch, stage, config, key
         )
-    return run_batch_stage(lake_root, round_, batch, stage, config, key)
+    elif config.task_runner == "threads":
+        summary = workers.run_here(
+            config.max_workers, run_batch_stage, lake_root, round_, batch, stage, config, key
+        )
+    else:
+        summary = run_batch_stage(lake_root, round_, batch, stage, config, key)
+    _log_batch(summary)
+    return summary
 
 
-def _cache_key(lake_root: str, round_: int, batch: str, stage: str, config: Config) -> str:
+def _log_batch(summary: dict) -> None:
+    """The batch stage's summary (and each warning) in the task run's log: the Prefect UI shows them."""
+    logger = get_run_logger()
+    rows = ", ".join(f"{t} {n}" for t, n in (summary.get("rows_out") or {}).items())
+    logger.info(
+        "%s %s: %s trajectories, %s tokens, %.2f s%s",
+        summary.get("stage"),
+        summary.get("batch"),
+        summary.get("trajectories"),
+        summary.get("tokens"),
+        float(summary.get("seconds") or 0.0),
+        f"; wrote {rows}" if rows else "",
+    )
+    for warning in summary.get("warnings", []):
+        logger.warning("%s %s degraded: %s", summary.get("stage"), summary.get("batch"), warning)
+
+
+def _run_credit(lake_root, round_, batch, stage, config, key, round_stats) -> dict:
+    """The credit stage with the round's statistics, where the other stages run."""
+    args = (lake_root, round_, batch, stage, config, key)
+    if workers.use_processes(config):
+        return workers.run(config.max_workers, run_batch_stage, *args, round_stats=round_stats)
+    if config.task_runner == "threads":
+        return workers.run_here(config.max_workers, run_batch_stage, *args, round_stats=round_stats)
+    return run_batch_stage(*args, round_stats=round_stats)
+
+
+def _cache_key(
+    lake_root: str, round_: int, batch: str, stage: str, config: Config, round_stats: dict | None = None
+) -> str:
     """This task run's cache key: the one Prefect's transaction holds (BatchStageCache computed it a moment
     ago from the same inputs), else computed here."""
     from prefect.transactions import get_transaction
@@ -73,7 +128,7 @@ def _cache_key(lake_root: str, round_: int, batch: str, stage: str, config: Conf
     key = getattr(txn, "key", None)
     if isinstance(key, str) and key.startswith(stage_key_prefix(round_, batch, stage)):
         return key
-    return stage_cache_key(lake_root, round_, batch, stage, config)
+    return stage_cache_key(lake_root, round_, batch, stage, config, round_stats)
 
 
 @task(task_run_name="stats-round-{round_}", cache_policy=NO_CACHE, persist_result=False)
@@ -106,11 +161,45 @@ def _stage_task(stage: str, config: Config, lake: Lake, calls_llm: bool):
     return batch_stage_task.with_options(**options)
 
 
-@flow(name="process-round", flow_run_name="process-round-{round_}", validate_parameters=False)
+def flow_run_name() -> str:
+    """`process <lake> round <n>`: the lake's folder name and the round, from the run's parameters."""
+    from pathlib import Path
+
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    config = params.get("config")
+    lake = config.lake if isinstance(config, Config) else (config or {}).get("lake", "lake")
+    return f"process {Path(str(lake)).name or lake} round {params.get('round_')}"
+
+
+def run_tags(config: Config) -> list[str]:
+    """The tags of a round's flow run: one per method chain and the task runner."""
+    return [f"method:{m}" for m in config.methods] + [f"runner:{config.task_runner}"]
+
+
+def _tag_run(config: Config) -> None:
+    """Add the round's tags (methods, runner) to this flow run, whoever started it (CLI, serve, loop)."""
+    from prefect import get_client
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return
+    tags = sorted(set(ctx.flow_run.tags or []) | set(run_tags(config)))
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(ctx.flow_run.id, tags=tags)
+    except Exception as exc:  # tags are a convenience: a run without them is still a run
+        get_run_logger().warning("could not tag the flow run: %s", exc)
+
+
+@flow(name="process-round", flow_run_name=flow_run_name, validate_parameters=False)
 def process_round_flow(round_: int, config: Config | dict):
     """Every stage of one round, batch by batch; returns the round summary (a warning state if degraded)."""
     t0 = time.perf_counter()
     config = as_config(config)
+    _tag_run(config)
     tune_allocator()  # per-batch arrays stay on the heap (flows/runtime.py)
     if workers.use_processes(config):
         workers.warm(config.max_workers)  # the worker processes start while the round is prepared
@@ -139,6 +228,7 @@ def process_round_flow(round_: int, config: Config | dict):
     summary["api_idle_during_stages"] = idle_api is not None
     warnings = [f"{s}: {w}" for s, r in run.items() for w in r["warnings"]]
     summary["warnings"] = warnings
+    _log_round(round_, summary, run)
     if warnings:
         return Completed(
             name=WARNING_STATE,
@@ -148,6 +238,30 @@ def process_round_flow(round_: int, config: Config | dict):
     return summary
 
 
+def _log_round(round_: int, summary: dict, run: dict[str, dict]) -> None:
+    logger = get_run_logger()
+    for stage, r in run.items():
+        logger.info(
+            "stage %s: %d batches (%d cached), %d warnings, done after %.2f s",
+            stage,
+            r["batches"],
+            r["cached"],
+            len(r["warnings"]),
+            r.get("finished_after_s", 0.0),
+        )
+    logger.info(
+        "round %s: %s trajectories, %s tokens, %s advantages rows, %s quarantined, %.2f s",
+        round_,
+        summary.get("trajectories"),
+        summary.get("tokens"),
+        (summary.get("rows") or {}).get("advantages"),
+        summary.get("quarantined"),
+        summary["wall_seconds"],
+    )
+    for warning in summary["warnings"]:
+        logger.warning("round %s degraded: %s", round_, warning)
+
+
 def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> dict[str, dict]:
     """Run every (stage, batch) task, batch b's stage after batch b's previous stage; report progress as they
     finish; return per stage: batches, cached, warnings, finished_after_s.
@@ -155,7 +269,11 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
     A task is submitted only once its upstream has finished, so no worker ever blocks waiting for one. On the
     thread runner at most `max_workers` tasks are in flight and the ready task of the earliest batch goes first
     (depth first: batches complete one after another and a finished batch's memory is freed); Ray and Dask get
-    every ready task at once and schedule them on their cluster."""
+    every ready task at once and schedule them on their cluster.
+
+    With a statistics pass (STATS), no batch's credit starts before every batch's statistics are in: credit
+    gets the round's merged moments (read once from the `credit_stats` parts), which enter its cache key, so a
+    credit part computed with other round statistics is recomputed."""
     import heapq
     import queue
 
@@ -174,6 +292,9 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
         )
     limit = workers.dispatch_slots(config) if config.task_runner == "threads" else len(batches) * len(stages)
     ready = [(b, 0) for b in range(len(batches))]  # a heap of (batch index, stage index)
+    barrier = stages.index(STATS) + 1 if STATS in stages else None  # the stage after the statistics pass
+    held: list[tuple[int, int]] = []  # batches whose statistics are in, waiting for the round's
+    round_stats: dict | None = None
     futures: dict[tuple[int, int], object] = {}
     finished: queue.Queue = queue.Queue()
     in_flight = 0
@@ -192,6 +313,7 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
                 stage=stage,
                 config=config,
                 upstream=futures.get((b, s - 1)),
+                round_stats=round_stats if stage == CREDIT else None,
             )  # finished already: keeps the dependency in Prefect's graph
             futures[(b, s)] = future
             future.add_done_callback(lambda _f, key=(b, s): finished.put(key))
@@ -207,7 +329,13 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
         run[stage]["warnings"] += [f"{summary['batch']}: {w}" for w in summary.get("warnings", [])]
         finished_at[stage] = time.perf_counter() - t0
         progress.report("batch", stage, batch=summary["batch"], cached=is_cached)
-        if s + 1 < len(stages):
+        if s + 1 == barrier:
+            held.append((b, s + 1))
+            if len(held) == len(batches):  # every batch's statistics are in: merge them, release credit
+                round_stats = statistics_json(round_statistics(lake, round_, config, batches))
+                for item in held:
+                    heapq.heappush(ready, item)
+        elif s + 1 < len(stages):
             heapq.heappush(ready, (b, s + 1))
 
     for stage, seconds in finished_at.items():

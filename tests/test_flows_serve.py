@@ -83,7 +83,8 @@ def test_serve_once_cli_and_deployments(tmp_path, prefect_harness):
     deployments = build_deployments(cfg)
     assert [d.name for d in deployments] == ["process-pending", "incoming"]
     assert deployments[0].schedules[0].schedule.cron == "*/30 * * * *"
-    assert deployments[1].schedules[0].schedule.interval.total_seconds() == 60
+    assert not deployments[1].schedules  # `serve` starts it for new entries only (poll_incoming)
+    assert "method:grpo" in deployments[1].tags
     assert deployments[1].parameters["config"]["lake"] == str(lake)
     nothing = CliRunner().invoke(app, ["serve", "--lake", str(lake)])
     assert nothing.exit_code == 2

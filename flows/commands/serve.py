@@ -4,9 +4,13 @@ dropped into a folder. `--once` polls the folder one time and exits (for cron jo
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 
 import typer
+
+log = logging.getLogger(__name__)
 
 
 def build_deployments(cfg) -> list:
@@ -25,16 +29,49 @@ def build_deployments(cfg) -> list:
                 description="process every round of the lake whose credit is incomplete",
             )
         )
-    if cfg.serve.incoming:
+    if cfg.serve.incoming:  # no schedule: `serve` watches the folder and starts a run only for new entries
         out.append(
             incoming_flow.to_deployment(
                 name="incoming",
-                interval=cfg.serve.poll_interval_s,
                 parameters=params,
-                description=f"ingest + process each new round dropped into {cfg.serve.incoming}",
+                tags=[f"method:{m}" for m in cfg.methods] + [f"runner:{cfg.task_runner}"],
+                description=f"ingest + process each new round dropped into {cfg.serve.incoming} "
+                f"(started by `creditflow serve` when one appears; polled every {cfg.serve.poll_interval_s} s)",
             )
         )
     return out
+
+
+def watch_incoming(cfg) -> threading.Thread:
+    """A thread polling the incoming folder; a new settled entry starts the served `incoming` deployment (one
+    run at a time)."""
+    from flows.incoming import poll_incoming
+
+    def trigger():
+        from prefect.deployments import run_deployment
+
+        return run_deployment("incoming/incoming", timeout=0)
+
+    def finished(flow_run) -> bool:
+        from prefect import get_client
+
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run.id).state
+        return state is not None and state.is_final()
+
+    def loop() -> None:
+        stop = threading.Event()
+        stop.wait(5)  # let prefect.serve register the deployment first
+        while True:
+            try:
+                poll_incoming(cfg, trigger, finished, stop)
+            except Exception as exc:  # an API hiccup: say it, poll again
+                log.warning("incoming watch: %s; polling again", exc)
+                stop.wait(cfg.serve.poll_interval_s)
+
+    thread = threading.Thread(target=loop, name="creditflow-incoming-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def register(app: typer.Typer) -> None:
@@ -98,5 +135,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2)
         import prefect
 
+        if cfg.serve.incoming:
+            watch_incoming(cfg)
         # one flow run at a time: the cron and the incoming deployments write the same lake
         prefect.serve(*deployments, limit=1)
