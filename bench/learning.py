@@ -35,9 +35,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+_BENCH = str(Path(__file__).resolve().parent)
+sys.path.insert(0, _BENCH)
 from _common import ROOT, machine_note  # noqa: E402
 from _common import md_table as _md_lines  # noqa: E402
+
+# bench/trainer.py and bench/flows.py would shadow the packages of the same names
+sys.path[:] = [p for p in sys.path if p not in (_BENCH, "")]
 
 # env -> (arms: the GRPO baseline first, then the paper's method and its variants; turn budget; diagnostic)
 ENVS: dict[str, dict] = {
@@ -125,26 +129,29 @@ def llm_for(arm: str, run_dir: Path, a: argparse.Namespace) -> dict:
     return {}
 
 
-def run_one(env: str, arm: str, seed: int, a: argparse.Namespace) -> dict:
+def run_dir_of(env: str, arm: str, seed: int, a: argparse.Namespace) -> Path:
+    return Path(a.out) / env / arm.replace("+", "_") / f"seed{seed}"
+
+
+def prepare_run(env: str, arm: str, seed: int, a: argparse.Namespace) -> Path:
+    """The run's folder with its loop config (a fresh folder unless --resume)."""
     import yaml
 
-    run_dir = Path(a.out) / env / arm.replace("+", "_") / f"seed{seed}"
+    run_dir = run_dir_of(env, arm, seed, a)
     if run_dir.exists() and not a.resume:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg_path = run_dir / "config.yaml"
-    cfg_path.write_text(yaml.safe_dump(config_for(env, arm, seed, run_dir, a), sort_keys=False))
-    cli = Path(sys.executable).with_name("creditflow")
-    cmd = [str(cli), "loop", "--config", str(cfg_path)]
-    t0 = time.perf_counter()
-    with open(run_dir / "loop.log", "w") as log:
-        rc = subprocess.run(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(), check=False
-        ).returncode
-    wall = time.perf_counter() - t0
+    (run_dir / "config.yaml").write_text(
+        yaml.safe_dump(config_for(env, arm, seed, run_dir, a), sort_keys=False)
+    )
+    return run_dir
+
+
+def finish_run(env: str, arm: str, seed: int, run_dir: Path, rc: int, wall: float) -> dict:
     res = {"env": env, "arm": arm, "seed": seed, "rc": rc, "wall_s": round(wall, 1), "dir": str(run_dir)}
     if rc != 0:
-        tail = (run_dir / "loop.log").read_text()[-1500:]
+        log = run_dir / "loop.log"
+        tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
         print(f"[learning] {env} {arm} seed {seed}: loop failed (rc {rc})\n{tail}", file=sys.stderr)
         return res
     res.update(read_curves(run_dir / "lake", env))
@@ -155,6 +162,78 @@ def run_one(env: str, arm: str, seed: int, a: argparse.Namespace) -> dict:
         flush=True,
     )
     return res
+
+
+def run_cli(env: str, arm: str, seed: int, a: argparse.Namespace) -> dict:
+    """One run as `creditflow loop --config FILE` in its own process (--via cli)."""
+    run_dir = prepare_run(env, arm, seed, a)
+    cmd = [
+        str(Path(sys.executable).with_name("creditflow")),
+        "loop",
+        "--config",
+        str(run_dir / "config.yaml"),
+    ]
+    t0 = time.perf_counter()
+    with open(run_dir / "loop.log", "w") as log:
+        rc = subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(), check=False
+        ).returncode
+    return finish_run(env, arm, seed, run_dir, rc, time.perf_counter() - t0)
+
+
+def run_workers(jobs: list[tuple[str, str, int]], a: argparse.Namespace) -> list[dict]:
+    """--via function: `jobs` spread over --jobs worker processes, each running its runs one after another
+    through the loop's public function (flows.round_loop.run_loop, what `creditflow loop` calls), so Python,
+    torch and Prefect's API start once per worker instead of once per run."""
+    dirs = {job: prepare_run(*job, a) for job in jobs}
+    procs = []
+    for k in range(min(a.jobs, len(jobs))):
+        mine = [str(dirs[job]) for job in jobs[k :: a.jobs]]
+        log = open(Path(a.out) / f"worker{k}.log", "w")  # noqa: SIM115 - closed after the wait
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", *mine]
+        procs.append(
+            (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()), log)
+        )
+    for proc, log in procs:
+        proc.wait()
+        log.close()
+    results = []
+    for job in jobs:
+        done = dirs[job] / "result.json"
+        info = json.loads(done.read_text()) if done.exists() else {"rc": -1, "wall_s": 0.0}
+        results.append(finish_run(*job, dirs[job], info["rc"], info["wall_s"]))
+    return results
+
+
+def worker(run_dirs: list[str]) -> int:
+    """Run each folder's loop config in this process (see run_workers); result.json per run."""
+    import traceback
+
+    import torch
+
+    torch.set_num_threads(1)  # one core per worker: --jobs workers share the machine's cores
+    import trainer.loop  # noqa: F401 - registers the loop / collect settings, as the CLI does
+    import trainer.train  # noqa: F401
+    from flows.config import load_config
+    from flows.round_loop import run_loop
+
+    for d in map(Path, run_dirs):
+        t0 = time.perf_counter()
+        with open(d / "loop.log", "w") as log:
+
+            def say(msg: str, log=log) -> None:
+                print(msg, file=log, flush=True)
+
+            try:
+                run_loop(load_config(d / "config.yaml"), log=say)
+                rc = 0
+            except Exception:  # noqa: BLE001 - one failed run is reported, the others still run
+                log.write(traceback.format_exc())
+                rc = 1
+        wall = time.perf_counter() - t0
+        (d / "result.json").write_text(json.dumps({"rc": rc, "wall_s": wall}))
+        print(f"[worker] {d}: rc {rc} in {wall:.1f}s", flush=True)
+    return 0
 
 
 def read_curves(lake_dir: Path, env: str) -> dict:
@@ -444,6 +523,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="no policy server for TCPO's counterfactuals (they fall back to hindsight)",
     )
+    p.add_argument(
+        "--via",
+        choices=["function", "cli"],
+        default="function",
+        help="function: --jobs worker processes call the loop's run_loop for their runs in turn; "
+        "cli: one `creditflow loop --config` process per run (Python, torch and Prefect start per run)",
+    )
+    p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel")
     p.add_argument("--out", default=str(ROOT / "bench" / "_learning"), help="run folders (lakes, logs)")
     p.add_argument("--resume", action="store_true", help="keep existing run folders (the loop resumes)")
@@ -453,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
         help="markdown results file (default: bench/results/learning.md; none for --quick)",
     )
     a = p.parse_args(argv)
+    if a.worker:
+        return worker(a.worker)
     if a.quick:
         a.seeds, a.rounds = 1, 3
     if a.results is None and not a.quick:
@@ -485,8 +574,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[learning] policy server for TCPO's counterfactuals at {server.url}", flush=True)
     t0 = time.perf_counter()
     try:
-        with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-            results = list(pool.map(lambda j: run_one(*j, a), jobs))
+        if a.via == "cli":
+            with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+                results = list(pool.map(lambda j: run_cli(*j, a), jobs))
+        else:
+            results = run_workers(jobs, a)
     finally:
         if server is not None:
             server.stop()
