@@ -223,6 +223,34 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
+TOO_DEEP = object()  # stands for a JSON value nested too deep to decode (`iter_json_object`)
+_JSON_SYNTAX = re.compile(r'["\\\[\]{}]')
+
+
+def skip_json_value(text: str, pos: int) -> int:
+    """End of the JSON array/object starting at `pos`, by matching brackets outside strings (for a value too
+    deep for the decoder: it is skipped, not parsed). ValueError when it does not end."""
+    depth, in_string, i = 0, False, pos
+    while True:
+        m = _JSON_SYNTAX.search(text, i)
+        if m is None:
+            raise ValueError(f"unterminated JSON value at char {pos}")
+        c, i = m.group(), m.end()
+        if in_string:
+            if c == "\\":
+                i += 1
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth == 0:
+                return i
+
+
 def _malformed(source_file: str, location: str, raw: str, exc: Exception) -> SourceRecord:
     detail = "nested too deep to parse" if isinstance(exc, RecursionError) else str(exc)
     return SourceRecord(source_file, location, raw, error=Reject(MALFORMED_JSON, detail))
@@ -258,11 +286,21 @@ def iter_json_array(
         location = f"{path}[{index}]"
         try:
             data, end = _DECODER.raw_decode(text, pos)
-        except (ValueError, RecursionError) as exc:
+        except RecursionError as exc:  # this record only: its end is found by its brackets
+            try:
+                end = skip_json_value(text, pos)
+            except ValueError:
+                yield _malformed(source_file, f"{path}[{index}:]", text[pos:], exc), len(text)
+                return
+            data = TOO_DEEP
+        except ValueError as exc:
             # the rest of the array cannot be split reliably: quarantine it as one record
             yield _malformed(source_file, f"{path}[{index}:]", text[pos:], exc), len(text)
             return
-        yield SourceRecord(source_file, location, text[pos:end], data), end
+        if data is TOO_DEEP:
+            yield _malformed(source_file, location, text[pos:end], RecursionError()), end
+        else:
+            yield SourceRecord(source_file, location, text[pos:end], data), end
         pos = _skip_ws(text, end)
         index += 1
         if pos < len(text) and text[pos] == ",":
@@ -294,7 +332,10 @@ def iter_json_object(text: str, pos: int) -> Iterator[tuple[str, Any, int, int]]
         if pos >= len(text) or text[pos] != ":":
             raise ValueError(f"expected ':' at char {pos}")
         start = _skip_ws(text, pos + 1)
-        value, end = _DECODER.raw_decode(text, start)
+        try:
+            value, end = _DECODER.raw_decode(text, start)
+        except RecursionError:
+            value, end = TOO_DEEP, skip_json_value(text, start)
         yield key, value, start, end
         pos = _skip_ws(text, end)
         if pos < len(text) and text[pos] == ",":
@@ -324,7 +365,11 @@ def read_json_entries(text: str, source_file: str) -> Iterator[SourceRecord]:
             yield _malformed(source_file, "$[...]", text[pos:], exc)
             return
         pos = end
-        yield SourceRecord(source_file, f"[{json.dumps(key)}]", text[start:end], value, context={"key": key})
+        location = f"[{json.dumps(key)}]"
+        if value is TOO_DEEP:
+            yield _malformed(source_file, location, text[start:end], RecursionError())
+            continue
+        yield SourceRecord(source_file, location, text[start:end], value, context={"key": key})
 
 
 # ---- checks and turn numbering -------------------------------------------------------------------------
@@ -388,6 +433,8 @@ def finalize(draft: TrajectoryDraft) -> TrajectoryDraft:
         _check_step_tokens(i, step)
         if step.verifier_score is not None:
             step.verifier_score = as_reward(step.verifier_score, f"steps[{i}].verifier_score")
+    if isinstance(draft.sample_idx, int) and not -(2**31) <= draft.sample_idx < 2**31:
+        raise Reject(INVALID_VALUE, f"sample_idx {draft.sample_idx} does not fit int32", "sample_idx")
     _check_text(draft)
     return draft
 
@@ -474,22 +521,33 @@ def _bad_text(value) -> bool:
 
 
 def _check_text(draft: TrajectoryDraft) -> None:
-    """Every text of the trajectory is valid Unicode (no lone surrogates from `\\ud800` escapes or
-    undecodable bytes), and its meta can be written as JSON."""
-    for name in ("traj_id", "group_id", "action_format", "policy_version", "source"):
-        if _bad_text(getattr(draft, name)):
-            raise Reject(INVALID_UTF8, f"{name} is not valid Unicode (a lone surrogate)", name)
-    for key in draft.reward_components or {}:
-        if _bad_text(key):
-            raise Reject(INVALID_UTF8, "a reward_components key is not valid Unicode", "reward_components")
+    """Every text of the trajectory is a string (None where optional) of valid Unicode (no lone surrogates
+    from `\\ud800` escapes or undecodable bytes), and its meta can be written as JSON."""
+    texts = [(name, getattr(draft, name), False) for name in ("traj_id", "group_id", "source")]
+    texts += [(name, getattr(draft, name), True) for name in ("action_format", "policy_version")]
+    texts += [("reward_components", key, False) for key in draft.reward_components or {}]
     for i, step in enumerate(draft.steps):
-        texts = [("content", step.content), ("tool_call_id", step.tool_call_id)]
+        texts += [
+            (f"steps[{i}].content", step.content, False),
+            (f"steps[{i}].tool_call_id", step.tool_call_id, True),
+        ]
         for call in step.tool_calls or ():
-            texts += [("tool_calls", call.get("id")), ("tool_calls", call.get("name"))]
-            texts.append(("tool_calls", call.get("arguments")))
-        for name, text in texts:
-            if _bad_text(text):
-                raise Reject(INVALID_UTF8, f"step {i}: {name} is not valid Unicode", f"steps[{i}].{name}")
+            if not isinstance(call, dict):
+                raise Reject(
+                    INVALID_VALUE, f"step {i}: a tool call is not an object", f"steps[{i}].tool_calls"
+                )
+            texts += [
+                (f"steps[{i}].tool_calls", call.get(k), k == "arguments") for k in ("id", "name", "arguments")
+            ]
+    for name, text, optional in texts:
+        if not isinstance(text, str) and not (optional and text is None):
+            raise Reject(INVALID_VALUE, f"{name} is {type(text).__name__}, expected text", name)
+        if _bad_text(text):
+            raise Reject(INVALID_UTF8, f"{name} is not valid Unicode (a lone surrogate)", name)
+    if draft.sample_idx is not None and (
+        not isinstance(draft.sample_idx, int) or isinstance(draft.sample_idx, bool)
+    ):
+        raise Reject(INVALID_VALUE, f"sample_idx {draft.sample_idx!r} is not an integer", "sample_idx")
     if draft.meta is not None:
         try:
             text = json.dumps(draft.meta, ensure_ascii=False, default=str)

@@ -177,6 +177,7 @@ def ingest_tables(sources: list[tuple[str, dict[str, pa.Table]]], round_: int, t
         rejected.append(
             Rejected(record, Reject(MISSING_FIELD, "steps without a trajectory row", "traj_id"), traj_id)
         )
+    records_read += len(orphans)  # a group of steps without a trajectory row is a record too (quarantined)
     if orphans:
         steps = steps.filter(pc.invert(pc.is_in(steps.column("traj_id"), value_set=pa.array(orphans))))
 
