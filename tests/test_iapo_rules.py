@@ -172,9 +172,14 @@ def _raw_actions_tau1(path):
 def _raw_actions_tau2(path):
     out = {}
     for sim in json.loads(path.read_text())["simulations"]:
-        out[sim["id"]] = _actions(
-            sim["messages"], lambda c: json.dumps(c.get("arguments")), lambda m: m.get("id")
-        )
+        # the orchestrator's greeting records no generation (no usage, no raw_data): context, not an action
+        messages = [
+            {**m, "role": "system"}
+            if m["role"] == "assistant" and m.get("usage") is None and m.get("raw_data") is None
+            else m
+            for m in sim["messages"]
+        ]
+        out[sim["id"]] = _actions(messages, lambda c: json.dumps(c.get("arguments")), lambda m: m.get("id"))
     return out
 
 
