@@ -11,13 +11,23 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.config import Config
-from pipeline.credit.process import annotation_names, process_batch
+from pipeline.credit.ops import Moments
+from pipeline.credit.process import (
+    annotation_names,
+    batch_statistics,
+    merge_statistics,
+    process_batch,
+    statistics_from_json,
+    statistics_table,
+)
 from pipeline.stages import NO_IO, StageIO
 from warehouse.lake import Lake, safe_part_name
 from warehouse.rounds import batch_names, read_batch
 from warehouse.runlog import record_stage_run
 
 CREDIT, EXPORT = "credit", "export"
+# the statistics pass: the sufficient statistics of every batch-level statistic taken over the round
+STATS = "credit_stats"
 
 
 def stage_io(config: Config) -> StageIO:
@@ -119,18 +129,90 @@ def run_stage_batch(
     return summary
 
 
-def credit_batch(
-    lake: Lake, round_: int, batch: str, methods: list[str], config: Config, cache_key: str | None = None
-) -> dict:
-    """Every method on one batch: one advantages part per (batch, method)."""
+def _credit_inputs(lake: Lake, round_: int, batch: str, methods: list[str]) -> tuple:
     from pipeline.credit.registry import method_step_columns
 
-    t0 = time.perf_counter()
     traj = read_batch(lake, "trajectories", round_, batch)
     # only the steps columns the methods read: content, offsets and tool calls stay on disk
     steps = read_batch(lake, "steps", round_, batch, columns=method_step_columns(methods))
     annotations = {name: read_batch(lake, name, round_, batch) for name in sorted(annotation_names(methods))}
-    tables, method_notes = process_batch(traj, steps, methods, config, annotations, round_=round_)
+    return traj, steps, annotations
+
+
+def statistics_methods(config: Config) -> list[str]:
+    """The estimators of the round's methods whose batch-level statistics span the round (empty: no pass)."""
+    from pipeline.credit.registry import round_statistics_methods
+
+    return [stage.name for stage in round_statistics_methods(config.methods, config)]
+
+
+def stats_batch(lake: Lake, round_: int, batch: str, config: Config, cache_key: str | None = None) -> dict:
+    """The statistics pass on one batch: the `credit_stats` part (a few rows of moments), no advantages."""
+    t0 = time.perf_counter()
+    methods = statistics_methods(config)
+    traj, steps, annotations = _credit_inputs(lake, round_, batch, methods)
+    stats = batch_statistics(traj, steps, methods, config, annotations, round_=round_)
+    lake.write_part(STATS, round_, statistics_table(stats, round_), part=batch)
+    rows = {STATS: len(stats)}
+    summary = _summary(STATS, batch, time.perf_counter() - t0, traj, steps, rows, {}, [])
+    record_stage_run(
+        lake,
+        round_,
+        STATS,
+        batch,
+        seconds=summary["seconds"],
+        trajectories=traj.num_rows,
+        steps=steps.num_rows,
+        tokens=summary["tokens"],
+        rows_out=rows,
+        cache_key=cache_key,
+    )
+    return summary
+
+
+def round_statistics(lake: Lake, round_: int, config: Config, batches: list[str] | None = None) -> dict:
+    """The round's merged moments from every batch's `credit_stats` part, in batch order; a batch without a
+    part, or whose part lacks one of the statistics, gets the statistics pass first (so a plain caller of
+    `credit_batch` gets round statistics too). The flow runs the pass as its own stage, whose cache keys keep
+    the parts current; a plain caller that changed a batch's inputs or settings deletes the parts itself."""
+    wanted = set(statistics_methods(config))
+    if not wanted:
+        return {}
+    batches = round_batches(lake, round_) if batches is None else batches
+    parts = []
+    for b in batches:
+        part = read_batch(lake, STATS, round_, b)
+        if not wanted <= set(part.column("key").to_pylist()):
+            stats_batch(lake, round_, b, config)
+            part = read_batch(lake, STATS, round_, b)
+        parts.append(part)
+    import pyarrow as pa
+
+    return merge_statistics(pa.concat_tables(parts))
+
+
+def credit_batch(
+    lake: Lake,
+    round_: int,
+    batch: str,
+    methods: list[str],
+    config: Config,
+    cache_key: str | None = None,
+    round_stats: dict[str, list[float]] | None = None,
+) -> dict:
+    """Every method on one batch: one advantages part per (batch, method). `round_stats`: the round's merged
+    moments (`process.statistics_json`), as the flow passes them; None: read (or made) here from the lake."""
+    t0 = time.perf_counter()
+    cfg = config if list(config.methods) == list(methods) else config.model_copy(update={"methods": methods})
+    stats: dict[str, Moments] | None = None
+    if round_stats is not None:
+        stats = statistics_from_json(round_stats)
+    elif statistics_methods(cfg):
+        stats = round_statistics(lake, round_, cfg)
+    traj, steps, annotations = _credit_inputs(lake, round_, batch, methods)
+    tables, method_notes = process_batch(
+        traj, steps, methods, config, annotations, round_=round_, round_stats=stats
+    )
     for method, table in tables.items():
         lake.write_part("advantages", round_, table, part=advantages_part(batch, method))
     notes = {f"{m}.{k}": float(v) for m, n in method_notes.items() for k, v in n.items()}
@@ -186,13 +268,23 @@ def export_batch(
 
 
 def run_batch_stage(
-    lake_root: str, round_: int, batch: str, stage: str, config: Config, cache_key: str | None = None
+    lake_root: str,
+    round_: int,
+    batch: str,
+    stage: str,
+    config: Config,
+    cache_key: str | None = None,
+    round_stats: dict[str, list[float]] | None = None,
 ) -> dict:
-    """One stage (an annotation stage, credit or export) on one batch, from the lake's root: what a flow task
-    runs, in its thread or in a worker process (flows/workers.py)."""
+    """One stage (an annotation stage, the statistics pass, credit or export) on one batch, from the lake's
+    root: what a flow task runs, in its thread or in a worker process (flows/workers.py)."""
     lake = Lake(lake_root)
+    if stage == STATS:
+        return stats_batch(lake, round_, batch, config, cache_key=cache_key)
     if stage == CREDIT:
-        return credit_batch(lake, round_, batch, config.methods, config, cache_key=cache_key)
+        return credit_batch(
+            lake, round_, batch, config.methods, config, cache_key=cache_key, round_stats=round_stats
+        )
     if stage == EXPORT:
         return export_batch(lake, round_, batch, config.methods, cache_key=cache_key)
     return run_stage_batch(lake, round_, batch, stage, config, cache_key=cache_key)
@@ -200,7 +292,7 @@ def run_batch_stage(
 
 def stage_calls_llm(stage: str, config: Config) -> bool:
     """Whether a round stage talks to an LLM endpoint under this config."""
-    if stage in (CREDIT, EXPORT):
+    if stage in (STATS, CREDIT, EXPORT):
         return False
     from pipeline.stages import load_stages
 
@@ -209,6 +301,8 @@ def stage_calls_llm(stage: str, config: Config) -> bool:
 
 def stage_outputs(stage: str, batch: str, methods: list[str]) -> list[tuple[str, str]]:
     """(table, part) pairs a stage writes for a batch: all present = the stage's work is on disk."""
+    if stage == STATS:
+        return [(STATS, batch)]
     if stage == CREDIT:
         return [("advantages", advantages_part(batch, m)) for m in methods]
     if stage == EXPORT:
@@ -219,11 +313,14 @@ def stage_outputs(stage: str, batch: str, methods: list[str]) -> list[tuple[str,
 
 
 def round_stages(config: Config) -> list[str]:
-    """The stages a round runs, in order: the annotation stages the methods need, credit, export."""
+    """The stages a round runs, in order: the annotation stages the methods need, the statistics pass (when a
+    method takes a statistic over the round), credit, export."""
     from pipeline.stages import stages_for
 
     needed = annotation_names(config.methods)
     names = [s.name for s in stages_for(needed)] if needed else []
+    if statistics_methods(config):
+        names.append(STATS)
     names.append(CREDIT)
     if config.flow.export:
         names.append(EXPORT)
@@ -231,10 +328,13 @@ def round_stages(config: Config) -> list[str]:
 
 
 def run_batch_plain(lake: Lake, round_: int, batch: str, config: Config) -> list[dict]:
-    """Every stage on one batch, in order, without Prefect."""
+    """Every stage on one batch, in order, without Prefect (credit takes the round's statistics from the lake,
+    running the statistics pass on the batches that lack it)."""
     out = []
     for stage in round_stages(config):
-        if stage == CREDIT:
+        if stage == STATS:
+            out.append(stats_batch(lake, round_, batch, config))
+        elif stage == CREDIT:
             out.append(credit_batch(lake, round_, batch, config.methods, config))
         elif stage == EXPORT:
             out.append(export_batch(lake, round_, batch, config.methods))

@@ -63,9 +63,9 @@ def _source_hash(paths: tuple[str, ...]) -> str:
 
 def code_version(stage: str) -> str:
     """Package version + hash of the sources that decide the stage's output."""
-    from flows.batch import CREDIT, EXPORT
+    from flows.batch import CREDIT, EXPORT, STATS
 
-    if stage == CREDIT:
+    if stage in (CREDIT, STATS):
         paths = ("pipeline/credit", "schemas/advantages.py")
     elif stage == EXPORT:
         paths = ("pipeline/export.py", "schemas/train_batch.py")
@@ -81,12 +81,14 @@ def code_version(stage: str) -> str:
 
 def stage_inputs(stage: str, batch: str, config: Config) -> list[tuple[str, str]]:
     """(table, part) pairs the stage reads for the batch."""
-    from flows.batch import CREDIT, EXPORT, advantages_part
+    from flows.batch import CREDIT, EXPORT, STATS, advantages_part, statistics_methods
     from pipeline.credit.process import annotation_names
 
     pairs = [("trajectories", batch), ("steps", batch)]
     if stage == CREDIT:
         pairs += [(t, batch) for t in sorted(annotation_names(config.methods))]
+    elif stage == STATS:
+        pairs += [(t, batch) for t in sorted(annotation_names(statistics_methods(config)))]
     elif stage == EXPORT:
         pairs += [("advantages", advantages_part(batch, m)) for m in config.methods]
     else:
@@ -98,19 +100,22 @@ def stage_inputs(stage: str, batch: str, config: Config) -> list[tuple[str, str]
 
 def stage_settings(stage: str, config: Config) -> dict[str, Any]:
     """The settings a stage's output depends on, as plain JSON."""
-    from flows.batch import CREDIT, EXPORT
+    from flows.batch import CREDIT, EXPORT, STATS, statistics_methods
 
     if stage == EXPORT:
         return {"methods": list(config.methods)}
-    if stage == CREDIT:
+    if stage in (CREDIT, STATS):
         from pipeline.credit.registry import parse_method
 
+        methods = statistics_methods(config) if stage == STATS else list(config.methods)
         names: set[str] = set()
-        for method in config.methods:
+        for method in methods:
             est, refs = parse_method(method)
             names |= {s.settings for s in (est, *refs) if s.settings}
+        if stage == STATS and "process_reward" in names:
+            names.add("gae")  # gae_pr whitens with gae's settings
         return {
-            "methods": list(config.methods),
+            "methods": methods,
             "settings": {n: config.stage(n).model_dump(mode="json") for n in sorted(names)},
         }
     from pipeline.stages import load_stages
@@ -146,7 +151,11 @@ def _settings_read_by(stage: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def stage_cache_key(lake_root: str, round_: int, batch: str, stage: str, config: Config) -> str:
+def stage_cache_key(
+    lake_root: str, round_: int, batch: str, stage: str, config: Config, round_stats: dict | None = None
+) -> str:
+    """`round_stats`: the round's merged statistics a credit task gets; a change (one batch re-ingested)
+    changes every credit key of the round."""
     lake = Lake(lake_root)
     fingerprint = [
         (Path(p).name, size, mtime)
@@ -161,6 +170,8 @@ def stage_cache_key(lake_root: str, round_: int, batch: str, stage: str, config:
         "settings": stage_settings(stage, config),
         "code": code_version(stage),
     }
+    if round_stats is not None:
+        payload["round_stats"] = round_stats
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
     return stage_key_prefix(round_, batch, stage) + digest
 
@@ -179,5 +190,10 @@ class BatchStageCache(CachePolicy):
         self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any
     ) -> str | None:
         return stage_cache_key(
-            inputs["lake_root"], inputs["round_"], inputs["batch"], inputs["stage"], inputs["config"]
+            inputs["lake_root"],
+            inputs["round_"],
+            inputs["batch"],
+            inputs["stage"],
+            inputs["config"],
+            inputs.get("round_stats"),
         )

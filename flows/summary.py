@@ -8,7 +8,7 @@ from warehouse.lake import Lake
 from warehouse.runlog import count_rows, read_stage_runs, stage_seconds, total_notes
 
 OUTPUT_TABLES = ("spans", "nodes", "edges", "counterfactuals", "advantages", "train_batch")
-STAGE_ORDER = ("detect", "annotate", "counterfactual", "credit", "export")
+STAGE_ORDER = ("detect", "annotate", "counterfactual", "credit_stats", "credit", "export")
 
 
 def round_summary(lake: Lake, round_: int) -> dict:
@@ -32,7 +32,7 @@ def round_summary(lake: Lake, round_: int) -> dict:
 
         credit = runs.filter(pc.equal(runs.column("stage"), "credit"))
         tokens = int(pc.sum(credit.column("tokens")).as_py() or 0)
-    notes = total_notes(runs, [s for s in stages if s not in ("credit", "export")])
+    notes = total_notes(runs, [s for s in stages if s not in ("credit_stats", "credit", "export")])
     return {
         "round": int(round_),
         "lake": str(lake.root),

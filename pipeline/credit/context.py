@@ -320,6 +320,19 @@ class CreditContext:
                 return out
         return getattr(self, name)[self.tok_mask]
 
+    def names(self, key: str, names: list[str], scope: str = "round") -> list[str]:
+        """The names a method finds in its batch (GDPO's reward components), or those of the whole round
+        (`scope="round"` with round statistics: recorded by the statistics pass as keys `key:name`)."""
+        if scope == "batch" or (self.round_stats is None and self.collect is None):
+            return list(names)
+        prefix = f"{key}:"
+        if self.collect is not None:
+            for name in names:
+                self.collect[prefix + name] = self.collect.get(prefix + name, Moments()).merge(Moments(1.0))
+            return list(names)
+        assert self.round_stats is not None
+        return sorted(k[len(prefix) :] for k in self.round_stats if k.startswith(prefix))
+
     def annotation(self, name: str) -> pl.DataFrame | None:
         return self.annotations.get(name)
 

@@ -1,4 +1,11 @@
-"""Run method chains on one batch of whole groups and lay the results out as the `advantages` table."""
+"""Run method chains on one batch of whole groups and lay the results out as the `advantages` table; the
+statistics pass that makes batch-level statistics (whitening) span the round.
+
+A round is processed in two passes over its batches when a method takes a statistic over the whole batch
+(gae, turn_ppo, gdpo, gae_pr with `scope="round"`, the default): `batch_statistics` on every batch (the
+estimators' sufficient statistics only: no refiners, no advantages table), `merge_statistics` of the parts,
+then `process_batch(..., round_stats=...)` on every batch. verl whitens over its training batch; the round is
+ours, so the result does not depend on how the round was cut into parts."""
 
 from __future__ import annotations
 
@@ -8,7 +15,8 @@ import pyarrow as pa
 
 from pipeline.config import Config
 from pipeline.credit.context import CreditContext, CreditResult
-from pipeline.credit.registry import run_methods
+from pipeline.credit.ops import Moments
+from pipeline.credit.registry import round_statistics_methods, run_methods
 from schemas.advantages import COMPONENT_FIELDS, COMPONENTS
 
 
@@ -80,9 +88,67 @@ def process_batch(
     config: Config | None = None,
     annotations: dict[str, pa.Table] | None = None,
     round_: int = 0,
+    round_stats: dict[str, Moments] | None = None,
 ) -> tuple[dict[str, pa.Table], dict[str, dict[str, float]]]:
-    """All methods on one batch: {method: advantages table}, {method: summary notes}."""
-    ctx = CreditContext.from_arrow(trajectories, steps, config=config, annotations=annotations, round_=round_)
+    """All methods on one batch: {method: advantages table}, {method: summary notes}. `round_stats`: the merged
+    statistics of the round (None: this batch is the whole round)."""
+    ctx = CreditContext.from_arrow(
+        trajectories, steps, config=config, annotations=annotations, round_=round_, round_stats=round_stats
+    )
     results = run_methods(ctx, methods)
     tables = {m: advantages_table(ctx, m, r) for m, r in results.items()}
     return tables, {m: r.notes for m, r in results.items()}
+
+
+def batch_statistics(
+    trajectories: pa.Table,
+    steps: pa.Table,
+    methods: list[str],
+    config: Config | None = None,
+    annotations: dict[str, pa.Table] | None = None,
+    round_: int = 0,
+) -> dict[str, Moments]:
+    """The statistics pass on one batch: {estimator: its batch-level statistic's moments on this batch} for each
+    estimator of `methods` that takes one over the round (empty moments when it takes none under its settings,
+    e.g. `whiten=false`). Runs those estimators only; what they return is dropped."""
+    config = config or Config()
+    stages = round_statistics_methods(methods, config)
+    if not stages:
+        return {}
+    ctx = CreditContext.from_arrow(trajectories, steps, config=config, annotations=annotations, round_=round_)
+    ctx.collect = {stage.name: Moments() for stage in stages}
+    for stage in stages:
+        stage.fn(ctx, ctx.stage(stage.settings) if stage.settings else None)
+    return dict(ctx.collect)
+
+
+def statistics_table(stats: dict[str, Moments], round_: int = 0) -> pa.Table:
+    """One batch's moments as `credit_stats` rows."""
+    keys = sorted(stats)
+    return pa.table(
+        {
+            "round": pa.array([round_] * len(keys), pa.int32()),
+            "key": pa.array(keys, pa.string()),
+            "n": pa.array([stats[k].n for k in keys], pa.float64()),
+            "mean": pa.array([stats[k].mean for k in keys], pa.float64()),
+            "m2": pa.array([stats[k].m2 for k in keys], pa.float64()),
+        }
+    )
+
+
+def merge_statistics(rows: pa.Table) -> dict[str, Moments]:
+    """The round's moments from every batch's `credit_stats` rows (merged in row order, per key)."""
+    out: dict[str, Moments] = {}
+    cols = [rows.column(c).to_pylist() for c in ("key", "n", "mean", "m2")]
+    for key, n, mean, m2 in zip(*cols, strict=True):
+        out[key] = out.get(key, Moments()).merge(Moments(n, mean, m2))
+    return out
+
+
+def statistics_json(stats: dict[str, Moments]) -> dict[str, list[float]]:
+    """Moments as plain JSON (a flow parameter and a cache key): {key: [n, mean, m2]}, sorted by key."""
+    return {k: [stats[k].n, stats[k].mean, stats[k].m2] for k in sorted(stats)}
+
+
+def statistics_from_json(data: dict[str, list[float]]) -> dict[str, Moments]:
+    return {k: Moments(*map(float, v)) for k, v in data.items()}

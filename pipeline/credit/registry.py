@@ -27,9 +27,10 @@ class Stage:
     needs: tuple[str, ...]  # annotations the stage reads: spans, nodes, edges, counterfactuals
     doc: str
     step_columns: tuple[str, ...] = ()  # steps columns beyond STEP_COLUMNS the stage reads (e.g. content)
-    # a statistic over the whole batch (whitening, GDPO's batch normalisation): with its settings' scope="round"
-    # it is taken over the round, from the moments the statistics pass (process.batch_statistics) collects
-    batch_statistics: bool = False
+    # a statistic over the whole batch (whitening, GDPO's batch normalisation): names the settings whose
+    # `scope` says where it is taken; scope="round" (default): over the round, from the moments the statistics
+    # pass (process.batch_statistics) collects
+    batch_statistics: str | None = None
 
 
 # the steps columns every method may read; others are read only when a stage lists them in `step_columns`:
@@ -52,7 +53,7 @@ def estimator(
     settings: str | None = None,
     needs: tuple[str, ...] = (),
     step_columns: tuple[str, ...] = (),
-    batch_statistics: bool = False,
+    batch_statistics: str | None = None,
 ):
     def deco(fn: Callable) -> Callable:
         ESTIMATORS[name] = Stage(
@@ -123,7 +124,7 @@ def round_statistics_methods(methods: list[str], config) -> list[Stage]:
     for method in methods:
         est, _ = parse_method(method)
         if est.batch_statistics and est not in out:
-            if getattr(config.stage(est.settings), "scope", "round") == "round":
+            if config.stage(est.batch_statistics).scope == "round":
                 out.append(est)
     return out
 

@@ -73,7 +73,7 @@ def step_mean(ctx: CreditContext, token_values: np.ndarray) -> np.ndarray:
     return np.divide(total, count, out=np.full(ctx.n_steps, np.nan), where=count > 0)
 
 
-@estimator("gae", settings="gae", step_columns=("values",), batch_statistics=True)
+@estimator("gae", settings="gae", step_columns=("values",), batch_statistics="gae")
 def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
     """Token-level GAE over assistant tokens; returns before whitening."""
     return gae_credit(ctx, settings, "gae")

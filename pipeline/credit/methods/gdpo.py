@@ -7,7 +7,8 @@ Each reward component is group-normalised on its own, the weighted sum is whiten
 
 Components come from `trajectories.reward_components`; a trajectory without them (or a batch where none has
 them) uses its `reward` as the single component "reward". A missing or NaN component value counts as 0
-(TRL's nan_to_num). The batch of Eq. 3 is the round (`scope="round"`, default: every trajectory of the round,
+(TRL's nan_to_num). The components are the round's (every name any trajectory of the round has), or the
+batch's with `scope="batch"`. The batch of Eq. 3 is the round (`scope="round"`, default: every trajectory of the round,
 however it was split into parts) or the processing batch (`scope="batch"`: config `batch_groups` whole
 groups); fewer than 2 trajectories are not whitened (their std is undefined)."""
 
@@ -41,8 +42,12 @@ class GDPOSettings(StageSettings):
     )
 
 
-def component_matrix(ctx: CreditContext, names: list[str] | None = None) -> tuple[list[str], np.ndarray]:
-    """R^c as a (trajectories x components) matrix; missing / NaN -> 0. No components at all: [reward]."""
+def component_matrix(
+    ctx: CreditContext, names: list[str] | None = None, scope: str = "batch"
+) -> tuple[list[str], np.ndarray, bool]:
+    """R^c as a (trajectories x components) matrix; missing / NaN -> 0. The components are `names`, else
+    every one the round has (`scope="round"`; the batch's with `scope="batch"`); none at all: [reward]
+    (the third value says so)."""
     traj = ctx.trajectories
     long = pl.DataFrame()
     if "reward_components" in traj.columns:
@@ -52,32 +57,46 @@ def component_matrix(ctx: CreditContext, names: list[str] | None = None) -> tupl
             .unnest("reward_components")
             .drop_nulls("key")
         )
-    if long.height == 0:
-        return ["reward"], np.nan_to_num(ctx.rewards())[:, None]
-    names = names or sorted(long["key"].unique().to_list())
-    col = pl.DataFrame({"key": names, "c": np.arange(len(names), dtype=np.int64)})
-    long = long.join(col, on="key", how="inner")
+    found = sorted(long["key"].unique().to_list()) if long.height else []
+    names = list(names or ctx.names("gdpo", found, scope))
+    if not names:
+        return ["reward"], np.nan_to_num(ctx.rewards())[:, None], True
     R_c = np.zeros((ctx.n_traj, len(names)), dtype=np.float64)
-    R_c[long["traj_index"].to_numpy(), long["c"].to_numpy()] = long["value"].fill_null(np.nan).to_numpy()
-    return names, np.nan_to_num(R_c, nan=0.0, posinf=0.0, neginf=0.0)
+    if long.height:
+        col = pl.DataFrame({"key": names, "c": np.arange(len(names), dtype=np.int64)})
+        long = long.join(col, on="key", how="inner")
+        R_c[long["traj_index"].to_numpy(), long["c"].to_numpy()] = long["value"].fill_null(np.nan).to_numpy()
+    return names, np.nan_to_num(R_c, nan=0.0, posinf=0.0, neginf=0.0), False
 
 
-@estimator("gdpo", settings="gdpo", batch_statistics=True)
+@estimator("gdpo", settings="gdpo", batch_statistics="gdpo")
 def gdpo(ctx: CreditContext, settings: GDPOSettings) -> CreditResult:
     """Per-component group normalisation, weighted sum, batch whitening."""
-    names, R_c = component_matrix(ctx, settings.components)
+    names, R_c, no_components = component_matrix(ctx, settings.components, settings.scope)
     w = np.array([settings.weights.get(c, 1.0) for c in names], dtype=np.float64)
     A_c = np.column_stack(
         [group_normalize(R_c[:, j], ctx.traj_group, eps=settings.eps) for j in range(len(names))]
     )  # Eq. 1
     pre = A_c @ w if ctx.n_traj else np.zeros(0)  # Eq. 2
     A = pre
-    if settings.whiten == "trajectories":  # Eq. 3 (TRL)
-        moments = ctx.moments("gdpo", pre, scope=settings.scope)
-        A = whiten(pre, moments, var_eps=0.0, std_eps=settings.eps, min_count=2)
-    elif settings.whiten == "tokens":  # Eq. 3 as verl: masked_whiten over the tokens (trajectories by length)
-        L_i = np.bincount(ctx.tok_traj[ctx.tok_mask], minlength=ctx.n_traj)
-        A = whiten(pre, ctx.moments("gdpo", pre, L_i, scope=settings.scope))
+    if settings.whiten != "none":
+        # Eq. 3: TRL over the trajectories, or verl's masked_whiten over the tokens (trajectories by length)
+        L_i = (
+            np.bincount(ctx.tok_traj[ctx.tok_mask], minlength=ctx.n_traj)
+            if settings.whiten == "tokens"
+            else None
+        )
+        # a round without components uses R (statistic "gdpo.reward"); in the statistics pass a batch without
+        # any also adds its zeros to "gdpo", what it contributes if another batch has components (a component
+        # absent from a batch normalises to exactly 0 there)
+        key = "gdpo.reward" if no_components else "gdpo"
+        if key == "gdpo.reward" and ctx.collect is not None:
+            ctx.moments("gdpo", np.zeros(ctx.n_traj), L_i, scope=settings.scope)
+        moments = ctx.moments(key, pre, L_i, scope=settings.scope)
+        if L_i is None:
+            A = whiten(pre, moments, var_eps=0.0, std_eps=settings.eps, min_count=2)
+        else:
+            A = whiten(pre, moments)
     score = R_c @ w
     a_step = ctx.traj_to_steps(A)
     return CreditResult.per_step(

@@ -73,7 +73,7 @@ def grpo_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult
 
 
 @estimator(
-    "gae_pr", settings="process_reward", needs=("spans",), step_columns=("values",), batch_statistics=True
+    "gae_pr", settings="process_reward", needs=("spans",), step_columns=("values",), batch_statistics="gae"
 )
 def gae_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
     """Token GAE with the behaviour penalties as turn rewards (or subtracted from the outcome reward)."""

@@ -40,7 +40,7 @@ class TurnPPOSettings(StageSettings):
     )
 
 
-@estimator("turn_ppo", settings="turn_ppo", step_columns=("values",), batch_statistics=True)
+@estimator("turn_ppo", settings="turn_ppo", step_columns=("values",), batch_statistics="turn_ppo")
 def turn_ppo(ctx: CreditContext, settings: TurnPPOSettings) -> CreditResult:
     """GAE over turns, one value per turn."""
     steps = ctx.steps

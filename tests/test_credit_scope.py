@@ -1,0 +1,243 @@
+"""Round-scope statistics (#22.5) and exact zeros (#22.6).
+
+- The same round written with 1, 4 and 1000 groups per part and processed through the real flow
+  (`run_process`: statistics pass, then credit) gives the same advantages for every method (<= 1e-6); the
+  cache: a re-run is all cached, a re-written batch changes the round's statistics and recomputes every
+  batch's credit (and matches a fresh lake).
+- Pipeline level (hypothesis): any split of a round into batches, statistics pass + merge + credit, equals the
+  round as one batch; `scope=batch` is the old behaviour (each batch whitened on its own).
+- Every group-normalised method gives exactly 0 on groups whose rewards are all equal."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from credit_rounds import random_round
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_flows_process import cfg_for
+
+from flows.run import run_process
+from pipeline.config import Config
+from pipeline.credit.ops import Moments, group_normalize, whiten
+from pipeline.credit.process import batch_statistics, merge_statistics, process_batch, statistics_table
+from pipeline.synth import SynthSettings, generate
+from warehouse.lake import Lake
+from warehouse.rounds import split_groups, write_round
+
+# every estimator that needs no LLM (tcpo, tcpo_random_cf, tcpo_all_cf sample counterfactuals), and refiners
+FLOW_METHODS = [
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "gdpo",
+    "gae",
+    "turn_ppo",
+    "mt_grpo",
+    "gigpo",
+    "gae_pr",
+    "grpo_pr",
+    "tcpo_retro",
+    "tcpo_retro_hin",
+    "delta_reward",
+    "turn_reward",
+    "traj_reward",
+    "gae+c3",
+    "grpo+iapo",
+]
+FLOW_SETS = ["tcpo.missing_score=zero", "flow.processes=false"]
+
+
+def synth_round(groups: int = 10, seed: int = 3) -> tuple[pa.Table, pa.Table]:
+    return generate(SynthSettings(groups=groups, samples=4, turns=4, tokens=24, seed=seed, round=0))
+
+
+def token_advantages(lake: Lake) -> dict[str, dict[tuple[str, int], np.ndarray]]:
+    adv = lake.read("advantages", 0).select(["method", "traj_id", "step_idx", "token_adv"])
+    adv = adv.sort_by([("method", "ascending"), ("traj_id", "ascending"), ("step_idx", "ascending")])
+    out: dict[str, dict] = {}
+    for m, t, s, a in zip(*(adv.column(c).to_pylist() for c in adv.column_names), strict=True):
+        out.setdefault(m, {})[(t, s)] = np.asarray(a, dtype=np.float64)
+    return out
+
+
+def assert_close(a: dict, b: dict, atol: float = 1e-6) -> None:
+    assert sorted(a) == sorted(b)
+    for method in a:
+        assert a[method].keys() == b[method].keys(), method
+        worst = max(
+            (float(np.max(np.abs(a[method][k] - b[method][k]), initial=0.0)) for k in a[method]), default=0.0
+        )
+        assert worst <= atol, f"{method}: token advantages differ by {worst:.3g}"
+
+
+@pytest.mark.slow
+def test_round_split_does_not_change_advantages_through_the_flow(tmp_path, prefect_harness):
+    traj, steps = synth_round()
+    results = {}
+    for groups_per_part in (1, 4, 1000):
+        lake = Lake(tmp_path / f"lake{groups_per_part}")
+        parts = write_round(lake, 0, traj, steps, batch_groups=groups_per_part)
+        assert len(parts) == {1: 10, 4: 3, 1000: 1}[groups_per_part]
+        summary = run_process(cfg_for(lake, FLOW_METHODS, FLOW_SETS), 0, quiet=True)
+        assert list(summary["this_run"])[-3:] == ["credit_stats", "credit", "export"]
+        assert len(lake.parts("credit_stats", 0)) == len(parts)
+        results[groups_per_part] = token_advantages(lake)
+    for gpp in (4, 1000):
+        assert_close(results[gpp], results[1])
+    # gae's whitening really is over the round: with scope=batch the 1-group parts differ
+    lake = Lake(tmp_path / "lake1")
+    batch_scope = cfg_for(lake, ["gae"], [*FLOW_SETS, "gae.scope=batch"])
+    run_process(batch_scope, 0, quiet=True)
+    diff = [np.max(np.abs(a - results[1]["gae"][k])) for k, a in token_advantages(lake)["gae"].items()]
+    assert max(diff) > 1e-3
+
+    # cache: a re-run does no work; a re-written batch changes the round statistics, so every batch's credit
+    # is recomputed, and the result is that of a fresh lake with the new rewards
+    lake = Lake(tmp_path / "lake4")
+    cfg = cfg_for(lake, ["gae", "gdpo", "grpo"], FLOW_SETS)
+    first = run_process(cfg, 0, quiet=True)["this_run"]
+    again = run_process(cfg, 0, quiet=True)["this_run"]
+    assert all(again[s]["cached"] == again[s]["batches"] == 3 for s in ("credit_stats", "credit", "export"))
+    assert first["credit"]["batches"] == 3
+    first_group = pc.equal(traj.column("group_id"), traj.column("group_id")[0])
+    new_traj = traj.set_column(
+        traj.schema.get_field_index("reward"),
+        "reward",
+        pc.if_else(first_group, pc.add(traj.column("reward"), 5.0), traj.column("reward")),
+    )
+    write_round(lake, 0, new_traj, steps, batch_groups=4)  # the same parts, one with new rewards
+    changed = run_process(cfg, 0, quiet=True)["this_run"]
+    assert changed["credit_stats"]["cached"] == 2  # only the re-written batch's statistics
+    assert changed["credit"]["cached"] == 0  # the round's statistics changed: every batch
+    fresh = Lake(tmp_path / "fresh")
+    write_round(fresh, 0, new_traj, steps, batch_groups=1000)
+    run_process(cfg_for(fresh, ["gae", "gdpo", "grpo"], FLOW_SETS), 0, quiet=True)
+    assert_close(token_advantages(lake), token_advantages(fresh))
+
+
+# ---- pipeline level ---------------------------------------------------------------------------------
+
+SCOPED = ["gae", "turn_ppo", "gdpo", "gae_pr", "gae+c3"]
+VARIANTS = [
+    {},
+    {"gae": {"lam": 0.9, "gamma": 0.95}, "gdpo": {"whiten": "tokens"}},
+    {"turn_ppo": {"turn_reward": "verifier_score"}, "process_reward": {"level": "outcome"}},
+]
+
+
+def _split(traj: pa.Table, steps: pa.Table, batch_groups: int) -> list[tuple[pa.Table, pa.Table]]:
+    return list(split_groups(traj, steps, batch_groups))
+
+
+def _credit_by_batches(batches, methods, config, scope_round: bool = True):
+    stats = None
+    if scope_round:
+        rows = [statistics_table(batch_statistics(t, s, methods, config)) for t, s in batches]
+        stats = merge_statistics(pa.concat_tables(rows))
+    tables = [process_batch(t, s, methods, config, round_stats=stats)[0] for t, s in batches]
+    return {m: pa.concat_tables([tb[m] for tb in tables]) for m in methods}
+
+
+def _per_step(tables: dict[str, pa.Table]) -> dict[str, dict]:
+    out = {}
+    for m, t in tables.items():
+        cols = [t.column(c).to_pylist() for c in ("traj_id", "step_idx", "token_adv")]
+        out[m] = {(i, s): np.asarray(a, dtype=np.float64) for i, s, a in zip(*cols, strict=True)}
+    return out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), batch_groups=st.integers(1, 3), variant=st.sampled_from(VARIANTS))
+def test_any_split_equals_the_whole_round(seed, batch_groups, variant):
+    traj, steps = random_round(seed, max_groups=6, max_group_size=4, max_steps=6)
+    config = Config(methods=SCOPED, stages=variant)
+    whole = _per_step(process_batch(traj, steps, SCOPED, config)[0])
+    split = _per_step(_credit_by_batches(_split(traj, steps, batch_groups), SCOPED, config))
+    assert_close(split, whole, atol=1e-6)  # the advantages table holds float32
+
+
+def test_scope_batch_whitens_each_batch_on_its_own():
+    traj, steps = random_round(11, max_groups=6, max_group_size=4, max_steps=6)
+    sets = {m: {"scope": "batch"} for m in ("gae", "turn_ppo", "gdpo")}
+    config = Config(methods=SCOPED, stages=sets)
+    batches = _split(traj, steps, 2)
+    assert len(batches) > 1
+    # scope=batch: the statistics pass has nothing to do, and each batch is its own round
+    assert batch_statistics(*batches[0], SCOPED, config) == {}
+    by_batch = _per_step(_credit_by_batches(batches, SCOPED, config, scope_round=False))
+    alone = _per_step(
+        {m: pa.concat_tables([process_batch(t, s, [m], config)[0][m] for t, s in batches]) for m in SCOPED}
+    )
+    assert_close(by_batch, alone, atol=0.0)
+
+
+def test_moments_merge_exactly_in_any_order():
+    rng = np.random.default_rng(0)
+    x = rng.normal(3.0, 2.0, 1000)
+    w = rng.integers(1, 9, 1000).astype(float)
+    whole = Moments.of(x, w)
+    for cuts in ([500], [1, 2, 999], list(range(10, 1000, 10))):
+        parts = [Moments.of(a, b) for a, b in zip(np.split(x, cuts), np.split(w, cuts), strict=True)]
+        for order in (parts, parts[::-1]):
+            m = Moments.merged(order)
+            assert m.n == whole.n
+            assert abs(m.mean - whole.mean) < 1e-12 and abs(m.m2 - whole.m2) < 1e-8 * whole.m2
+    # a constant sample whitens to exactly 0, merged or not
+    c = np.full(7, 0.1)
+    assert not whiten(c).any()
+    assert not whiten(c, Moments.merged([Moments.of(c[:3]), Moments.of(c[3:])])).any()
+
+
+# ---- exactly 0 on constant groups (spec 7 and 9) ---------------------------------------------------------
+
+GROUP_NORMALISED = ["grpo", "dr_grpo", "rloo", "gdpo", "mt_grpo", "gigpo", "grpo_pr", "grpo+iapo"]
+# the settings under which each method's advantage is its group-normalised outcome term alone: GDPO without
+# its batch whitening (a shift by the batch mean), MT-GRPO without a turn reward, GiGPO without the step term
+ZERO_SETS = {
+    "gdpo": {"whiten": "none"},
+    "mt_grpo": {"turn_reward": "component:absent"},
+    "gigpo": {"step_advantage_w": 0.0},
+}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    value=st.sampled_from([0.1, 0.7, 1 / 3, 1e-3, 123.456, -0.3]),
+    size=st.integers(2, 9),
+    whole_batch=st.booleans(),
+)
+def test_constant_reward_groups_give_exactly_zero(seed, value, size, whole_batch):
+    traj, steps = generate(SynthSettings(groups=3, samples=size, turns=3, tokens=8, seed=seed, round=0))
+    # one group (or every group) holds `size` copies of the same reward; the others keep theirs
+    g0 = traj.column("group_id")[0]
+    const = pc.equal(traj.column("group_id"), g0) if not whole_batch else pc.is_valid(traj.column("reward"))
+    traj = traj.set_column(
+        traj.schema.get_field_index("reward"), "reward", pc.if_else(const, value, traj.column("reward"))
+    )
+    rc = traj.schema.get_field_index("reward_components")  # GDPO then normalises the reward (one component)
+    traj = traj.set_column(rc, traj.schema.field(rc), pa.nulls(traj.num_rows, traj.schema.field(rc).type))
+    members = pa.array(sorted(pc.filter(traj.column("traj_id"), const).to_pylist()))
+    tables, _ = process_batch(traj, steps, GROUP_NORMALISED, Config(stages=ZERO_SETS))
+    for method, t in tables.items():
+        rows = t.filter(pc.is_in(t.column("traj_id"), members))
+        flat = pc.list_flatten(rows.column("token_adv")).to_numpy(zero_copy_only=False)
+        assert len(flat) and not flat.any(), f"{method}: {np.abs(flat).max():.3g} on a constant group"
+
+
+@given(
+    value=st.floats(-1e6, 1e6, allow_nan=False),
+    n=st.integers(2, 50),
+    norm_by_std=st.booleans(),
+    singleton=st.sampled_from(["verl", "zero", "keep"]),
+)
+def test_group_normalize_constant_is_zero(value, n, norm_by_std, singleton):
+    groups = np.repeat([0, 1], n)
+    x = np.concatenate([np.full(n, value), np.linspace(0, 1, n)])
+    out = group_normalize(x, groups, norm_by_std=norm_by_std, singleton=singleton)
+    assert not out[:n].any()
+    weighted = group_normalize(x, groups, weights=np.arange(1, 2 * n + 1), ddof=0, singleton=singleton)
+    assert not weighted[:n].any()
