@@ -23,6 +23,7 @@ from flows.api_priority import api_waits_for_idle_cpu, stages_fill_cpus
 from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
     CREDIT,
     EXPORT,
+    STATS,
     BatchSummary,
     advantages_part,
     credit_batch,
@@ -31,6 +32,7 @@ from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
     process_credit_batch,
     round_batches,
     round_stages,
+    round_statistics,
     run_annotation_stages,
     run_batch_stage,
     run_stage_batch,
@@ -42,19 +44,38 @@ from flows.config import as_config
 from flows.runners import settings_scope
 from flows.runtime import tune_allocator
 from pipeline.config import Config
+from pipeline.credit.process import statistics_json
 from warehouse.lake import Lake
 from warehouse.runlog import parts_present, prune_stale_parts
 
 WARNING_STATE = "CompletedWithWarnings"
-DERIVED_TABLES = ("spans", "nodes", "edges", "counterfactuals", "advantages", "train_batch", "stage_runs")
+DERIVED_TABLES = (
+    "spans",
+    "nodes",
+    "edges",
+    "counterfactuals",
+    "credit_stats",
+    "advantages",
+    "train_batch",
+    "stage_runs",
+)
 
 
 @task(task_run_name="{stage}-{batch}", persist_result=True, result_serializer="json")
 def batch_stage_task(
-    lake_root: str, round_: int, batch: str, stage: str, config: Config, upstream: dict | None = None
+    lake_root: str,
+    round_: int,
+    batch: str,
+    stage: str,
+    config: Config,
+    upstream: dict | None = None,
+    round_stats: dict | None = None,
 ) -> dict:
-    """One stage on one batch; `upstream` (the previous stage's summary of this batch) only orders the work."""
-    key = _cache_key(lake_root, round_, batch, stage, config) if config.flow.cache else None
+    """One stage on one batch; `upstream` (the previous stage's summary of this batch) only orders the work;
+    `round_stats` (credit: the round's merged statistics) is part of the cache key."""
+    key = _cache_key(lake_root, round_, batch, stage, config, round_stats) if config.flow.cache else None
+    if round_stats is not None:
+        return _run_credit(lake_root, round_, batch, stage, config, key, round_stats)
     if workers.use_processes(config) and not stage_calls_llm(stage, config):
         summary = workers.run(
             config.max_workers, run_batch_stage, lake_root, round_, batch, stage, config, key
@@ -86,7 +107,19 @@ def _log_batch(summary: dict) -> None:
         logger.warning("%s %s degraded: %s", summary.get("stage"), summary.get("batch"), warning)
 
 
-def _cache_key(lake_root: str, round_: int, batch: str, stage: str, config: Config) -> str:
+def _run_credit(lake_root, round_, batch, stage, config, key, round_stats) -> dict:
+    """The credit stage with the round's statistics, where the other stages run."""
+    args = (lake_root, round_, batch, stage, config, key)
+    if workers.use_processes(config):
+        return workers.run(config.max_workers, run_batch_stage, *args, round_stats=round_stats)
+    if config.task_runner == "threads":
+        return workers.run_here(config.max_workers, run_batch_stage, *args, round_stats=round_stats)
+    return run_batch_stage(*args, round_stats=round_stats)
+
+
+def _cache_key(
+    lake_root: str, round_: int, batch: str, stage: str, config: Config, round_stats: dict | None = None
+) -> str:
     """This task run's cache key: the one Prefect's transaction holds (BatchStageCache computed it a moment
     ago from the same inputs), else computed here."""
     from prefect.transactions import get_transaction
@@ -95,7 +128,7 @@ def _cache_key(lake_root: str, round_: int, batch: str, stage: str, config: Conf
     key = getattr(txn, "key", None)
     if isinstance(key, str) and key.startswith(stage_key_prefix(round_, batch, stage)):
         return key
-    return stage_cache_key(lake_root, round_, batch, stage, config)
+    return stage_cache_key(lake_root, round_, batch, stage, config, round_stats)
 
 
 @task(task_run_name="stats-round-{round_}", cache_policy=NO_CACHE, persist_result=False)
@@ -236,7 +269,11 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
     A task is submitted only once its upstream has finished, so no worker ever blocks waiting for one. On the
     thread runner at most `max_workers` tasks are in flight and the ready task of the earliest batch goes first
     (depth first: batches complete one after another and a finished batch's memory is freed); Ray and Dask get
-    every ready task at once and schedule them on their cluster."""
+    every ready task at once and schedule them on their cluster.
+
+    With a statistics pass (STATS), no batch's credit starts before every batch's statistics are in: credit
+    gets the round's merged moments (read once from the `credit_stats` parts), which enter its cache key, so a
+    credit part computed with other round statistics is recomputed."""
     import heapq
     import queue
 
@@ -255,6 +292,9 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
         )
     limit = workers.dispatch_slots(config) if config.task_runner == "threads" else len(batches) * len(stages)
     ready = [(b, 0) for b in range(len(batches))]  # a heap of (batch index, stage index)
+    barrier = stages.index(STATS) + 1 if STATS in stages else None  # the stage after the statistics pass
+    held: list[tuple[int, int]] = []  # batches whose statistics are in, waiting for the round's
+    round_stats: dict | None = None
     futures: dict[tuple[int, int], object] = {}
     finished: queue.Queue = queue.Queue()
     in_flight = 0
@@ -273,6 +313,7 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
                 stage=stage,
                 config=config,
                 upstream=futures.get((b, s - 1)),
+                round_stats=round_stats if stage == CREDIT else None,
             )  # finished already: keeps the dependency in Prefect's graph
             futures[(b, s)] = future
             future.add_done_callback(lambda _f, key=(b, s): finished.put(key))
@@ -288,7 +329,13 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
         run[stage]["warnings"] += [f"{summary['batch']}: {w}" for w in summary.get("warnings", [])]
         finished_at[stage] = time.perf_counter() - t0
         progress.report("batch", stage, batch=summary["batch"], cached=is_cached)
-        if s + 1 < len(stages):
+        if s + 1 == barrier:
+            held.append((b, s + 1))
+            if len(held) == len(batches):  # every batch's statistics are in: merge them, release credit
+                round_stats = statistics_json(round_statistics(lake, round_, config, batches))
+                for item in held:
+                    heapq.heappush(ready, item)
+        elif s + 1 < len(stages):
             heapq.heappush(ready, (b, s + 1))
 
     for stage, seconds in finished_at.items():
