@@ -85,6 +85,7 @@ def config_for(env: str, arm: str, seed: int, run_dir: Path, a: argparse.Namespa
                 "tiny_layers": 2,
                 "tiny_heads": 2,
                 "tiny_seed": seed,
+                "tiny_format_steps": a.format_steps,
                 "keep_checkpoints": 1,
             },
             "collect": {
@@ -507,9 +508,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed0", type=int, default=0, help="first seed")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--prompts", type=int, default=8, help="groups per round")
-    p.add_argument("--samples", type=int, default=8, help="group size")
+    p.add_argument("--samples", type=int, default=16, help="group size")
     p.add_argument("--hidden", type=int, default=32, help="tiny model hidden size")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument(
+        "--format-steps",
+        type=int,
+        default=150,
+        help="format-prior steps of the fresh tiny model (loop.tiny_format_steps)",
+    )
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--epochs", type=int, default=2, help="passes over each round's batch")
     p.add_argument("--mini-batch", type=int, default=16, help="trajectories per optimizer step")
     p.add_argument("--level", type=float, default=0.8, help="success level for rounds-to-level")

@@ -39,8 +39,10 @@ def test_c3_search_hand_played():
     env, s = play("c3_search", meta, ["<search>", "<search>k1</search>", "<search>k1</search>"])
     assert s[0].observation == " invalid action" and s[-1].done and env.reward() == 0.0
     assert env.reward_components() == {"em": 0.0, "retrieval_hit": 1.0, "invalid": 1.0, "repeats": 1.0}
-    env, s = play("c3_search", meta, ["<search>k0</search>", "<answer>a1</answer>"])
-    assert s[0].observation == " <information> nothing" and env.reward() == 0.0
+    env, s = play("c3_search", meta, ["<search>k0</search>", "<answer>a3</answer>"])
+    assert s[0].observation == " <information> nothing" and env.reward() == 0.0  # right answer, unsupported
+    env, s = play("c3_search", meta, ["<answer>a3</answer>"])  # a guess scores 0 even when it is right
+    assert s[0].done and s[0].score == 0.0 and env.reward() == 0.0
 
 
 def test_c3_actions_are_search_r1_for_the_detector():
@@ -63,12 +65,14 @@ def test_tcpo_refine_hand_played():
 
 
 def test_iapo_service_hand_played():
-    meta = {"order": 5, "customer": 1}
-    env, s = play("iapo_service", meta, ["lookup", "refund(O15)"])
-    assert s[0].observation == " order refund(O15)" and s[-1].done and env.reward() == 1.0
-    env, s = play("iapo_service", meta, ["refund(O10)", "lookup", "refund(O15)"])  # one error is recoverable
-    assert s[0].observation == " Error: unknown order" and env.reward() == 1.0
-    env, s = play("iapo_service", meta, ["refund(O10)", "refund(O11)"])  # the second error ends it
+    meta = {"order": 2, "customer": 1}
+    env, s = play("iapo_service", meta, ["lookup", "refund(O12)"])
+    assert s[0].observation == " order refund(O12)" and s[-1].done and env.reward() == 1.0
+    env, s = play("iapo_service", meta, ["refund(O12)", "lookup", "refund(O12)"])  # one error is recoverable
+    assert s[0].observation == " Error: order not verified" and env.reward() == 1.0
+    env, s = play("iapo_service", meta, ["lookup", "refund(O10)", "refund(O12)"])
+    assert s[1].observation == " Error: unknown order" and env.reward() == 1.0
+    env, s = play("iapo_service", meta, ["lookup", "refund(O10)", "refund(O11)"])  # the second error ends it
     assert s[-1].done and env.reward() == 0.0 and env.reward_components()["errors"] == 2.0
 
 
@@ -77,10 +81,10 @@ def test_iapo_rules_annotator_reads_the_dependency_and_the_error():
         {"role": "system", "content": "refund_service_toy", "turn": None},
         {"role": "user", "content": " refund_request cust1", "turn": None},
         {"role": "assistant", "content": "refund(O10)", "turn": 1},
-        {"role": "tool", "content": " Error: unknown order", "turn": 1, "is_error": False},
+        {"role": "tool", "content": " Error: order not verified", "turn": 1, "is_error": False},
         {"role": "assistant", "content": "lookup", "turn": 2},
-        {"role": "tool", "content": " order refund(O15)", "turn": 2},
-        {"role": "assistant", "content": "refund(O15)", "turn": 3},
+        {"role": "tool", "content": " order refund(O12)", "turn": 2},
+        {"role": "assistant", "content": "refund(O12)", "turn": 3},
     ]
     nodes, edges = annotate_trajectory(rows, RulesAnnotatorSettings())
     assert nodes[1][0] == "tool" and nodes[2][0] == "none" and nodes[3][0] == "none"
@@ -140,7 +144,7 @@ def test_word_tokenizer_rejects_bad_vocabularies(tmp_path):
 @settings(max_examples=60, deadline=None)
 @given(
     name=st.sampled_from(TOYS),
-    task_i=st.integers(0, 23),
+    task_i=st.integers(0, 40),
     picks=st.lists(st.integers(0, 40), min_size=1, max_size=6),
     cut=st.integers(0, 5),
 )
@@ -174,3 +178,13 @@ def test_iapo_system_prompt_keeps_the_order_ids_specific():
     env = make_env("iapo_service")
     task = env.tasks()[0]
     assert not text_values(env.system_prompt(task), RulesAnnotatorSettings())  # else no edge could bind them
+
+
+def test_format_prior_puts_the_mass_on_action_words(tmp_path):
+    from trainer.tiny import build_tiny_model, format_prior, word_tokenizer_json
+
+    words = make_env("iapo_service").vocabulary()
+    tok = word_tokenizer_json(words, tmp_path / "tok" / "tokenizer.json")
+    build_tiny_model(tmp_path / "m", vocab_size=len(words), hidden=16, layers=1, heads=2, tokenizer_json=tok)
+    fp = format_prior(tmp_path / "m", "iapo_service", steps=60, episodes=64)
+    assert fp["action_mass_before"] < 0.5 < 0.9 < fp["action_mass_after"]  # 4 of ~25 words at first

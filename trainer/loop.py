@@ -78,6 +78,13 @@ class LoopSettings(StageSettings):
     tiny_layers: int = Field(2, ge=1, description="tiny model layers")
     tiny_heads: int = Field(2, ge=1, description="tiny model attention heads")
     tiny_seed: int = Field(0, description="initialisation seed of the tiny model")
+    tiny_format_steps: int = Field(
+        0,
+        ge=0,
+        description="tiny_tokenizer env: supervised steps that teach the fresh tiny model the env's action "
+        "format (uniform over the action words at every action position, no task knowledge: "
+        "trainer.tiny.format_prior), as RL starts from an instruct model; 0: a random model",
+    )
     keep_checkpoints: int | None = Field(None, ge=1, description="keep only the newest N round checkpoints")
 
 
@@ -121,6 +128,14 @@ def base_model(s: LoopSettings, work: Path, log: Log = print) -> Path:
                 seed=s.tiny_seed,
             )
             shutil.rmtree(tmp / "tok", ignore_errors=True)
+            if s.tiny_tokenizer == "env" and s.tiny_format_steps:
+                from trainer.tiny import format_prior
+
+                fp = format_prior(tmp, s.env, steps=s.tiny_format_steps, seed=s.tiny_seed)
+                log(
+                    f"[loop] format prior: {fp['steps']} steps, probability on action words "
+                    f"{fp['action_mass_before']:.2f} -> {fp['action_mass_after']:.2f}"
+                )
             tmp.replace(out)
             log(f"[loop] built tiny base model in {out}")
         return out

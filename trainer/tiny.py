@@ -61,3 +61,83 @@ def word_tokenizer_json(words: list[str], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     return path
+
+
+def format_prior(
+    model_dir: str | Path,
+    env_name: str,
+    steps: int = 150,
+    episodes: int = 512,
+    lr: float = 3e-3,
+    seed: int = 0,
+) -> dict:
+    """Teach a tiny model an env's action FORMAT, not its task: supervised steps on random episodes of the env
+    (uniformly random actions, laid out token for token as `collect` lays them out) whose target at every action
+    position is the uniform distribution over the env's action words (cross-entropy to uniform). The policy
+    then starts like an instruct model does RL: it answers with valid actions, all equally likely whatever the
+    context, so what it learns next about the task comes from the RL loop. Saves the model in place; returns
+    {"steps", "action_mass"}: the mean probability on action words at action positions before and after."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.collect import Codec
+    from trainer.envs import make_env
+
+    codec = Codec(model_dir)
+    probe = make_env(env_name)
+    tasks = probe.tasks()
+    action_ids = torch.tensor([codec.encode(a)[0][0] for a in probe.actions])
+    rng = np.random.default_rng(seed)
+    seqs: list[list[int]] = []
+    where: list[list[int]] = []
+    for _ in range(episodes):
+        env = make_env(env_name)
+        meta = {**tasks[int(rng.integers(len(tasks)))], "max_turns": env.default_turns}
+        ids = codec.encode(env.system_prompt(meta))[0] + codec.encode(env.reset(meta))[0]
+        at = []
+        while True:
+            action = probe.actions[int(rng.integers(len(probe.actions)))]
+            at.append(len(ids) - 1)  # the position whose next-token prediction is the action
+            ids += codec.encode(action)[0]
+            res = env.step(action)
+            if res.done:
+                break
+            ids += codec.encode(res.observation)[0]
+        seqs.append(ids)
+        where.append(at)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    optim = torch.optim.Adam(model.parameters(), lr=lr)
+
+    def batch(idx):
+        L = max(len(seqs[i]) for i in idx)
+        ids = torch.full((len(idx), L), codec.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(idx), L), dtype=torch.long)
+        rows, cols = [], []
+        for r, i in enumerate(idx):
+            ids[r, : len(seqs[i])] = torch.tensor(seqs[i])
+            attn[r, : len(seqs[i])] = 1
+            rows += [r] * len(where[i])
+            cols += where[i]
+        return ids, attn, torch.tensor(rows), torch.tensor(cols)
+
+    def action_logp(idx):
+        ids, attn, rows, cols = batch(idx)
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[rows, cols].float(), dim=-1)
+        return logp[:, action_ids]
+
+    with torch.no_grad():
+        before = float(action_logp(list(range(min(64, episodes)))).exp().sum(-1).mean())
+    model.train()
+    for _ in range(steps):
+        lp = action_logp([int(i) for i in rng.choice(episodes, size=min(32, episodes), replace=False)])
+        loss = -lp.mean()
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+    model.eval()
+    with torch.no_grad():
+        after = float(action_logp(list(range(min(64, episodes)))).exp().sum(-1).mean())
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    return {"steps": steps, "action_mass_before": before, "action_mass_after": after}

@@ -1,7 +1,7 @@
 """`c3_search`: a search task under a turn budget where successful episodes often contain repeated or
 malformed queries (C3's "misguided reinforcement"), in the Search-R1 action format.
 
-Task (question i of 2, hidden answer j of 8; 16 tasks): the prompt is `Question: q<i>`. The answer is not in
+Task (question i of 2, hidden answer j of 4; 8 tasks): the prompt is `Question: q<i>`. The answer is not in
 the prompt and differs between tasks with the same question, so it cannot be memorised: it comes back only
 from the right search, `<search>k<i></search>`, as `<information> <answer>a<j></answer>` (the document
 states the answer in the action's own words: the learnable structure is "copy it"). A wrong key returns
@@ -10,9 +10,10 @@ states the answer in the action's own words: the learnable structure is "copy it
 reads it as is: any other word (e.g. the unclosed `<search>`) is an invalid action (severity 1) and a second
 search with the same key is a query loop (severity 1). Both waste one of the K = 3 turns.
 
-Reward: exact match of the answer (1/0). Per-turn verifier score: 1 after the right answer, else 0.5 once the
-right document was retrieved, else 0 (as in `search_qa`). Guessing succeeds 1 time in 8; the optimum (search the
-right key, copy the answer) always does.
+Reward: exact match of a supported answer (1/0): the answer counts only once the right document was retrieved
+(a guess scores 0, so the only way to succeed is search, then answer). Per-turn verifier score: 1 after the right answer, else 0.5 once the
+right document was retrieved, else 0 (as in `search_qa`). The optimum (search the right key, copy the answer)
+always succeeds, in 2 turns.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from trainer.envs import register
 from trainer.envs.toy import ToyEnv
 
 N_Q = 2
-N_A = 8
+N_A = 4
 SEARCH = tuple(f"<search>k{i}</search>" for i in range(N_Q))
 ANSWER = tuple(f"<answer>a{j}</answer>" for j in range(N_A))
 
@@ -83,12 +84,12 @@ class C3SearchEnv(ToyEnv):
     def score(self) -> float:
         st = self._state
         if st.get("answer") is not None:
-            return float(st["answer"] == st["gold"])
+            return self.reward()
         return 0.5 if st.get("hit") else 0.0
 
     def reward(self) -> float:
         st = self._state
-        return float(st.get("answer") is not None and st["answer"] == st["gold"])
+        return float(st.get("answer") is not None and st["answer"] == st["gold"] and st.get("hit", False))
 
     def reward_components(self) -> dict[str, float]:
         st = self._state

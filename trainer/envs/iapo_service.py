@@ -1,11 +1,12 @@
 """`iapo_service`: a tool/service task where the decisive action must use an earlier tool return and a failure
 is recoverable (IAPO).
 
-Task (hidden order id of 6, customer of 4; 24 tasks): the prompt is `refund_request cust<c>`. Actions (one
+Task (hidden order id of 3, customer of 8; 24 tasks): the prompt is `refund_request cust<c>`. Actions (one
 word each): `lookup` calls the order service, which returns `order refund(O1<j>)` (a tool step naming the order id in the
 action's own word: the learnable structure is "copy it"); `refund(O1<x>)`
-refunds order x: the right id ends the episode with reward 1, a wrong one returns `Error: unknown order` (a
-failed tool call: recoverable once; the second error ends the episode). Any other word is an invalid action
+refunds order x: the service refunds verified (looked-up) orders only, so a refund before the lookup returns
+`Error: order not verified`; after it the right id ends the episode with reward 1 and a wrong one returns
+`Error: unknown order`. A failed tool call is recoverable once: the second error ends the episode. Any other word is an invalid action
 (`invalid action`, flagged is_error by collect). K = 4 turns.
 
 IAPO's `rules` annotator reads the dependency graph from the text: the value `O1<j>` (a code with digits) in the lookup's return is
@@ -13,7 +14,7 @@ bound by the refund that names it (a `success_utilization` edge lookup -> refund
 action (e_i = 1), and the action after an error gets a `failed_utilization` (recovery) edge.
 
 Reward: 1 when the right order was refunded, else 0. Per-turn verifier score: 1 after the right refund, 0.5
-once looked up, else 0. Guessing succeeds about 1 time in 3; lookup-then-refund always.
+once looked up, else 0. Lookup-then-refund always succeeds, in 2 turns.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from __future__ import annotations
 from trainer.envs import register
 from trainer.envs.toy import ToyEnv
 
-N_O = 6
-N_CUST = 4
+N_O = 3
+N_CUST = 8
 REFUND = tuple(f"refund(O1{x})" for x in range(N_O))
 
 
@@ -41,6 +42,8 @@ class IAPOServiceEnv(ToyEnv):
         "order",
         "Error:",
         "unknown",
+        "not",
+        "verified",
     )
 
     def tasks(self) -> list[dict]:
@@ -69,6 +72,9 @@ class IAPOServiceEnv(ToyEnv):
         if word == "lookup":
             st["looked_up"] = True
             return f" order {REFUND[st['order']]}"
+        if not st["looked_up"]:  # the service refunds verified orders only
+            st["errors"] += 1
+            return " Error: order not verified"
         if REFUND.index(word) == st["order"]:
             st["refunded"] = True
             return ""
