@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline.chat_template import tokenize_steps
 from schemas import SchemaError
 from schemas import quarantine as quarantine_schema
 from schemas import steps as steps_schema
@@ -570,7 +571,8 @@ def token_rejects(steps: pa.Table, vocab_size: int | None = None, vocab_note: st
     step_idx = steps.column("step_idx").to_pylist() if "step_idx" in names else None
     content_len = None
     if "content" in names and pa.types.is_string(steps.schema.field("content").type):
-        content_len = pc.fill_null(pc.utf8_length(steps.column("content")), 0).to_numpy()
+        # a null content is the schema's to name (a missing field), not an offset problem
+        content_len = pc.fill_null(pc.utf8_length(steps.column("content")).cast(pa.int64()), 2**62).to_numpy()
 
     def scan(column: str, bad_of, problem) -> None:
         if column not in names:
@@ -714,14 +716,23 @@ def _assign_sample_idx(drafts: list[TrajectoryDraft]) -> None:
             taken.add(nxt)
 
 
+def _with_tokenization(meta, made: str) -> dict:
+    """The trajectory's meta with how its tokens were made (`pipeline.chat_template`: source ids | chat
+    template <name> | plain)."""
+    base = meta if isinstance(meta, dict) else ({} if meta is None else {"meta": meta})
+    return {**base, "tokenization": made}
+
+
 def build_tables(
     items: list[tuple[SourceRecord, TrajectoryDraft]], round_: int, tokenizer
 ) -> tuple[pa.Table, pa.Table, list[Rejected], dict]:
     """Tokenize every step in one batch and build the trajectories and steps tables."""
     stats: Counter = Counter()
     flat = [(i, s) for i, (_, d) in enumerate(items) for s in d.steps]
-    texts = [s.content for _, s in flat]
-    enc_ids, enc_offsets = tokenizer.encode_batch(texts) if texts else ([], [])
+    # text sources rendered with the tokenizer's chat template, cut back into messages (pipeline.chat_template);
+    # `made`: how each trajectory's tokens were made, kept in its meta as "tokenization"
+    enc_ids, enc_offsets, made = tokenize_steps([d for _, d in items], tokenizer)
+    stats.update(Counter(f"tokens {m.split(' (')[0]}" for m in made))
     decode = getattr(tokenizer, "decode", None)
 
     rejected: dict[int, Reject] = {}
@@ -776,7 +787,7 @@ def build_tables(
         traj_rows["action_format"].append(d.action_format)
         traj_rows["policy_version"].append(d.policy_version)
         traj_rows["meta"].append(
-            json.dumps(d.meta, ensure_ascii=False, default=str) if d.meta is not None else None
+            json.dumps(_with_tokenization(d.meta, made[i]), ensure_ascii=False, default=str)
         )
     trajectories = pa.Table.from_pydict(traj_rows, schema=trajectories_schema.SCHEMA)
 
@@ -883,7 +894,11 @@ def ingest_records(records: list[SourceRecord], spec, round_: int, tokenizer) ->
             rejected.append(Rejected(record, rej, _record_id(record)))
             continue
         except Exception as exc:  # noqa: BLE001 -- one odd record must not stop the ingest; it is kept
-            rej = Reject(ADAPTER_ERROR, f"{type(exc).__name__}: {exc}")
+            rej = (
+                Reject(INVALID_UTF8, "a text of the record is not valid Unicode (a lone surrogate)")
+                if isinstance(exc, UnicodeError)
+                else Reject(ADAPTER_ERROR, f"{type(exc).__name__}: {exc}")
+            )
             rejected.append(Rejected(record, rej, _record_id(record)))
             continue
         if draft.traj_id in seen:
