@@ -195,15 +195,20 @@ def test_unreadable_npz_and_object_uid_through_the_cli(tmp_path):
     assert by_file["corrupt.npz"].startswith("unreadable_file")
     assert by_file["object_uid.npz"].startswith("unreadable_file") and "pickle" in by_file["object_uid.npz"]
     assert by_file["bad.parquet"].startswith("unreadable_file")
-    n_traj = lake.read("trajectories", 0).num_rows
-    assert n_traj + len(q) == 2 + 3 + 2 or "struct_uid.parquet" in by_file
+    struct = [r for r in q if r["source_file"].endswith("struct_uid.parquet")]
+    assert [r["field"] for r in struct] == ["uid", "uid"]  # per row, not str(dict) as a group id
+    assert lake.read("trajectories", 0).num_rows == 2 and len(q) == 3 + 2
 
 
 def test_object_uid_and_missing_key_in_memory():
     a = _verl(3)
     a["uid"] = np.array(["u0", None, 7], dtype=object)
     res = ingest("verl-batch", [("o.npz", a)], tokenizer=BYTES)
-    assert res.trajectories.num_rows + res.quarantine.num_rows == res.stats["records_read"]
+    assert res.trajectories.column("group_id").to_pylist() == ["u0", "7"]  # None is not the group "None"
+    assert res.quarantine.column("field").to_pylist() == ["uid"] and res.stats["records_read"] == 3
+    a["uid"] = np.array([1.0, np.nan, 2.5])
+    res = ingest("verl-batch", [("f.npz", a)], tokenizer=BYTES)
+    assert res.trajectories.column("group_id").to_pylist() == ["1"] and res.quarantine.num_rows == 2
     a = _verl()
     a["uid"] = np.array([["x", "y"], ["z", "w"]])  # 2-D uid
     res = ingest("verl-batch", [("two_d.npz", a), ("fine.npz", _verl())], tokenizer=BYTES)

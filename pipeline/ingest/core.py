@@ -489,6 +489,39 @@ def checked_ids(values: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
     return np.where(bad, 0, values).astype(np.int64), bad
 
 
+def checked_ids_text(values: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """An id column of a framework's batch (verl's `uid`) as strings, without a silent cast: (text, bad),
+    `bad` marking entries that are not a string or an integer (None, NaN, objects: not made "None" or
+    "nan", which would merge them into one group). Not 1-D: a Reject for the file."""
+    values = np.asarray(values)
+    if values.ndim != 1:
+        raise Reject(INVALID_VALUE, f"{name} has shape {values.shape}, expected one id per row", name)
+    if values.dtype.kind == "O":
+        bad = np.fromiter(
+            (not isinstance(x, (str, int, np.integer)) or isinstance(x, bool) for x in values),
+            bool,
+            len(values),
+        )
+    elif values.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(values) | (values != np.floor(values))
+    elif values.dtype.kind in "iuUS":
+        bad = np.zeros(len(values), bool)
+    else:
+        raise Reject(INVALID_VALUE, f"{name} has dtype {values.dtype}, expected text or integer ids", name)
+    kind = values.dtype.kind
+    if kind in "iuU":
+        return values.astype(str), bad
+    if kind == "S":
+        text = [x.decode("utf-8", "backslashreplace") for x in values.tolist()]
+    else:  # objects and floats: row by row, the bad ones left empty
+        text = [
+            "" if b else str(int(x) if kind == "f" else x)
+            for x, b in zip(values.tolist(), bad.tolist(), strict=True)
+        ]
+    return np.array(text, dtype=object).astype(str), bad
+
+
 def _check_step_tokens(i: int, step: StepDraft) -> None:
     """Before any cast: ids in [0, 2^31), logprobs finite and <= tolerance (the vocabulary bound is checked
     on the whole steps table, `token_rejects`)."""

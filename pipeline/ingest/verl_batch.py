@@ -43,6 +43,7 @@ from pipeline.ingest.core import (
     Rejected,
     SourceRecord,
     checked_ids,
+    checked_ids_text,
     quarantine_table,
     token_id_problem,
 )
@@ -97,7 +98,11 @@ def _pieces(tokenizer, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def _row_raw(a: dict[str, np.ndarray], r: int) -> str:
     return json.dumps(
-        {k: (v[r].tolist() if v.ndim else v.tolist()) for k, v in a.items() if v.ndim and len(v) > r},
+        {
+            k: (v[r].tolist() if hasattr(v[r], "tolist") else v[r])
+            for k, v in a.items()
+            if v.ndim and len(v) > r
+        },
         default=str,
     )
 
@@ -127,7 +132,7 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
         p_real = np.ones((B, P), bool)
         last = np.where(rmask == 1, np.arange(R)[None, :], -1).max(axis=1) if R else np.full(B, -1)
         r_real = np.arange(R)[None, :] <= last[:, None]
-    uid = np.asarray(a["uid"]).astype(str)
+    uid, uid_bad = checked_ids_text(a["uid"], "uid")  # None / NaN / objects are not made "None" / "nan"
     traj_ids = (
         np.asarray(a["traj_id"]).astype(str)
         if "traj_id" in a
@@ -143,6 +148,9 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
             reasons[int(r)] = reject_of(int(r))
         bad[rows] = True
 
+    flag(
+        uid_bad, lambda r: Reject(INVALID_VALUE, f"uid {a['uid'][r]!r} is not a string or an integer", "uid")
+    )
     flag(np.char.str_len(uid.astype(str)) == 0, lambda r: Reject(MISSING_FIELD, "uid is empty", "uid"))
     flag(
         ~np.isfinite(reward),
@@ -200,7 +208,7 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
     )
 
     seg_start = np.flatnonzero(new)
-    seg_end = np.append(seg_start[1:], len(ids))
+    seg_end = np.append(seg_start[1:], len(ids)) if len(seg_start) else seg_start  # every row quarantined
     seg_row = tok_row[seg_start]
     seg_asst = mask[seg_start] == 1
     seg_prompt = part[seg_start] == 0
