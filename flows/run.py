@@ -60,10 +60,13 @@ def check_preconditions(cfg: Config, lake, round_: int, skip_unmet: bool = False
     """Every method's requirements (pipeline.credit.preconditions) against the round's steps, before any work.
     An unmet one stops with one line naming the method, the missing column and the trajectories that lack it;
     with `skip_unmet` those methods are dropped: returns (the config without them, one line per skipped one)."""
-    from pipeline.credit.preconditions import STEP_FLAGS_SQL, unmet
+    from pipeline.credit.preconditions import required_columns, step_flags_sql, unmet
     from warehouse.catalog import query
 
-    problems = unmet(cfg.methods, query(lake, STEP_FLAGS_SQL.format(round=int(round_))), cfg)
+    columns = required_columns(cfg.methods, cfg)
+    if not columns:  # no method has a requirement: nothing to read
+        return cfg, []
+    problems = unmet(cfg.methods, query(lake, step_flags_sql(round_, columns)), cfg)
     if not problems:
         return cfg, []
     lines = [p.line() for p in problems]

@@ -44,6 +44,15 @@ def test_a_setting_that_handles_the_gap_lifts_the_requirement():
     assert unmet(["grpo", "rloo", "grpo+c3"], STEPS, Config()) == []
 
 
+def test_only_the_needed_flags_are_queried():
+    from pipeline.credit.preconditions import required_columns, step_flags_sql
+
+    assert required_columns(["grpo", "grpo+iapo+c3", "rloo"], Config()) == set()  # no query at all
+    assert required_columns(["grpo", "tcpo", "gae+c3"], Config()) == {"verifier_score", "values"}
+    sql = step_flags_sql(3, {"values"})
+    assert '"values" IS NOT NULL AS has_values' in sql and "verifier_score" not in sql and "round = 3" in sql
+
+
 def test_every_declared_stage_is_a_registered_method():
     from pipeline.credit.registry import ESTIMATORS, REFINERS
 

@@ -7,8 +7,9 @@ returns every method whose requirement some trajectory does not meet, with the m
 trajectories affected. `creditflow process` runs it before any work: it stops with one line per unmet method,
 or, with `--skip-unmet`, computes the other methods and records what it skipped in the round's summary.
 
-The step flags (one row per step; `STEP_FLAGS_SQL` computes them in DuckDB without reading token lists into
-Python): traj_id, role, n_tokens, has_verifier_score, has_values, has_logprobs.
+The step flags (one row per step; `step_flags_sql` computes them in DuckDB, only the ones the methods need, and
+no query at all when no method has a requirement): traj_id, role, n_tokens, and has_<column> per required column
+(has_verifier_score, has_values, has_logprobs).
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ class Unmet:
 
 FLAG_OF = {"verifier_score": "has_verifier_score", "values": "has_values", "logprobs": "has_logprobs"}
 
-STEP_FLAGS_SQL = """
-SELECT traj_id, role, len(token_ids) AS n_tokens,
-       verifier_score IS NOT NULL AS has_verifier_score,
-       "values" IS NOT NULL AS has_values,
-       logprobs IS NOT NULL AS has_logprobs
-FROM steps WHERE round = {round}
-"""
+
+def step_flags_sql(round_: int, columns) -> str:
+    """DuckDB SQL of the step flags for these steps columns (see the module doc)."""
+    flags = "".join(f', "{c}" IS NOT NULL AS {FLAG_OF[c]}' for c in sorted(columns))
+    return (
+        f"SELECT traj_id, role, len(token_offsets) AS n_tokens{flags} FROM steps WHERE round = {int(round_)}"
+    )
+
 
 REQUIREMENTS: dict[str, tuple[Requirement, ...]] = {}
 
@@ -88,6 +90,21 @@ for _name in ("gae", "turn_ppo"):
     declare(_name, Requirement("values", "critic values"))
 
 
+def applicable(methods: list[str], config) -> list[tuple[str, str, Requirement]]:
+    """(method, stage, requirement) for every requirement of `methods` that applies under `config`."""
+    out = []
+    for method in methods:
+        est, refs = parse_method(method)
+        for stage in (est, *refs):
+            out += [(method, stage.name, r) for r in REQUIREMENTS.get(stage.name, ()) if r.applies(config)]
+    return out
+
+
+def required_columns(methods: list[str], config) -> set[str]:
+    """The steps columns the methods' requirements check (empty: nothing to check, no query needed)."""
+    return {r.column for _, _, r in applicable(methods, config)}
+
+
 def unmet(methods: list[str], step_flags, config) -> list[Unmet]:
     """The requirements of `methods` that the round's steps do not meet (see the module doc)."""
     flags = step_flags if isinstance(step_flags, pl.DataFrame) else pl.from_arrow(step_flags)
@@ -95,17 +112,10 @@ def unmet(methods: list[str], step_flags, config) -> list[Unmet]:
     acting = flags.filter((pl.col("role") == "assistant") & (pl.col("n_tokens") > 0))
     out: list[Unmet] = []
     lacking_cache: dict[str, tuple[str, ...]] = {}
-    for method in methods:
-        est, refs = parse_method(method)
-        for stage in (est, *refs):
-            for req in REQUIREMENTS.get(stage.name, ()):
-                if not req.applies(config):
-                    continue
-                if req.column not in lacking_cache:
-                    lacking = acting.filter(~pl.col(FLAG_OF[req.column]))["traj_id"].unique().sort()
-                    lacking_cache[req.column] = tuple(lacking.to_list())
-                if lacking_cache[req.column]:
-                    out.append(
-                        Unmet(method, stage.name, req.column, req.what, lacking_cache[req.column], total)
-                    )
+    for method, stage, req in applicable(methods, config):
+        if req.column not in lacking_cache:
+            lacking = acting.filter(~pl.col(FLAG_OF[req.column]))["traj_id"].unique().sort()
+            lacking_cache[req.column] = tuple(lacking.to_list())
+        if lacking_cache[req.column]:
+            out.append(Unmet(method, stage, req.column, req.what, lacking_cache[req.column], total))
     return out
