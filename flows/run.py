@@ -173,35 +173,16 @@ def run_export(lake_dir: Path, round_: int, method: str, out: Path, layout: str 
     return out
 
 
-def plotly_js() -> str:
-    """The plotly.js bundle shipped inside the plotly package, inlined into the report (no network)."""
-    from importlib import resources
-
-    try:
-        return (resources.files("plotly") / "package_data" / "plotly.min.js").read_text(encoding="utf-8")
-    except ModuleNotFoundError:
-        raise SystemExit("the report needs plotly: pip install 'plotly>=5.20'") from None
-
-
 def run_report(
     lake_dir: Path, out: Path, rounds: list[int] | None = None, n_traj: int = 8, quiet: bool = False
 ) -> Path:
-    from pipeline.report import build_report
     from warehouse.lake import Lake
-    from warehouse.report_data import gather
+    from warehouse.report_file import write_report
 
     lake_dir = Path(lake_dir)
     require_lake(lake_dir)
-    t0 = time.perf_counter()
-    data = gather(Lake(lake_dir), rounds, n_traj=n_traj)
-    t_gather = time.perf_counter() - t0
-    html = build_report(data, plotly_js())
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{out.name}")
-    tmp.write_text(html, encoding="utf-8")
-    tmp.replace(out)
-    seconds = time.perf_counter() - t0
+    out, data, timing = write_report(Lake(lake_dir), out, rounds, n_traj=n_traj)
+    seconds, t_gather = timing["seconds"], timing["queries"]
     log.info(
         "report %s: rounds %s, %d trajectories, %.2f MB, %.2f s (queries %.2f s)",
         out,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 SETTINGS_MODELS: dict[str, type[BaseModel]] = {}
 
@@ -77,6 +77,26 @@ class ServeSettings(BaseModel):
     )
 
 
+TRACKERS = ("mlflow", "wandb", "tensorboard")
+
+
+class TrackSettings(BaseModel):
+    """Experiment trackers (`--track` / `track:`): where each round's credit statistics, summary and report go."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI (None: a file store LAKE/_mlruns)")
+    mlflow_experiment: str = Field("creditflow", description="MLflow experiment name")
+    wandb_project: str = Field("creditflow", description="W&B project")
+    wandb_entity: str | None = Field(None, description="W&B entity (None: the account's default)")
+    wandb_mode: str | None = Field(
+        None, description="W&B mode: online | offline (None: WANDB_MODE or online)"
+    )
+    wandb_dir: str | None = Field(None, description="W&B local folder (None: LAKE/_wandb)")
+    tensorboard_dir: str | None = Field(None, description="TensorBoard log dir (None: LAKE/_tensorboard)")
+    report: bool = Field(True, description="build the round's HTML report and attach it as an artifact")
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -94,6 +114,18 @@ class Config(BaseModel):
     stages: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-stage settings")
     flow: FlowSettings = Field(default_factory=FlowSettings, description="Prefect flow settings")
     serve: ServeSettings = Field(default_factory=ServeSettings, description="`creditflow serve` deployments")
+    track: list[str] = Field(
+        default_factory=list, description="experiment trackers: mlflow | wandb | tensorboard"
+    )
+    tracking: TrackSettings = Field(default_factory=TrackSettings, description="experiment tracker settings")
+
+    @field_validator("track")
+    @classmethod
+    def _known_trackers(cls, value: list[str]) -> list[str]:
+        unknown = [t for t in value if t not in TRACKERS]
+        if unknown:
+            raise ValueError(f"unknown tracker(s) {', '.join(unknown)}; known: {', '.join(TRACKERS)}")
+        return list(dict.fromkeys(value))
 
     def stage(self, name: str) -> Any:  # the registered model of `name` (callers annotate its class)
         """The validated settings model of one stage (defaults where the config is silent)."""
@@ -109,6 +141,7 @@ class Config(BaseModel):
     def check(self) -> None:
         """Every stage's settings and every method chain, before any work starts (one line naming the bad one)."""
         import importlib
+        import importlib.util
 
         _load_stage_modules()
         for name in self.stages:
@@ -119,6 +152,20 @@ class Config(BaseModel):
                 registry.parse_method(method)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
+        needs = [(m, e) for r, m, e in EXTRA_NEEDS if r in (self.task_runner, f"annotator={self.annotator}")]
+        for module, extra in needs:
+            if importlib.util.find_spec(module) is None:
+                what = self.task_runner if extra in ("ray", "dask") else f"annotator {self.annotator}"
+                raise ConfigError(f"{what} needs {module}: pip install 'creditflow[{extra}]'")
+
+
+# (setting, module it imports, extra that installs it): checked when the config is built
+EXTRA_NEEDS = (
+    ("ray", "prefect_ray", "ray"),
+    ("ray", "ray", "ray"),
+    ("dask", "prefect_dask", "dask"),
+    ("annotator=llm", "openai", "llm"),
+)
 
 
 def validation_line(exc: ValidationError) -> str:
@@ -164,7 +211,7 @@ def apply_overrides(data: dict[str, Any], sets: list[str]) -> dict[str, Any]:
         value = _parse_value(raw)
         if "." in key:
             stage, skey = key.split(".", 1)
-            if stage in ("llm", "flow", "serve"):  # nested top-level mappings, not stage settings
+            if stage in ("llm", "flow", "serve", "tracking"):  # nested top-level mappings, not stage settings
                 data[stage] = {**(data.get(stage) or {}), skey: value}
             else:
                 data["stages"].setdefault(stage, {})[skey] = value

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import typer
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "real"
+# package data (pyproject: tool.setuptools.package-data; links to data/real in the repository)
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def demo_methods(action_formats: set[str]) -> list[str]:

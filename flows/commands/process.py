@@ -42,6 +42,12 @@ def register(app: typer.Typer) -> None:
         no_cache: bool = typer.Option(
             False, "--no-cache", help="recompute every stage (config: flow.cache=false)"
         ),
+        track: list[str] = typer.Option(
+            [],
+            "--track",
+            help="send the round's credit statistics, summary and report to mlflow | wandb | tensorboard "
+            "(repeatable or comma-separated; config: track, settings tracking.*)",
+        ),
         skip_unmet: bool = typer.Option(
             False,
             "--skip-unmet",
@@ -64,8 +70,18 @@ def register(app: typer.Typer) -> None:
             task_runner=task_runner,
             max_workers=max_workers,
             task_runner_address=address,
+            track=_methods(",".join(track)) if track else None,
         )
-        run_process(cfg, round_, skip_unmet=skip_unmet)
+        if cfg.track:
+            from flows.trackers import check_trackers
+
+            check_trackers(cfg.track)  # a missing extra is one line before the round, not after it
+        summary = run_process(cfg, round_, skip_unmet=skip_unmet)
+        if cfg.track:
+            from flows.display import print_kv
+            from flows.trackers import track_round
+
+            print_kv("experiment trackers", track_round(cfg, round_, summary))
 
     @app.command("export")
     def export_cmd(

@@ -19,7 +19,12 @@ def _gold_text(g: str) -> str:
 
 
 def _check(output: str, golds: list[str], main_thread: bool) -> bool:
-    from math_verify import parse, verify
+    try:
+        from math_verify import parse, verify
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            "the math verifier needs math-verify: pip install 'creditflow[verify]'"
+        ) from exc
 
     t = int(TIMEOUT_S) if main_thread else None
     pred = parse(output, parsing_timeout=t) if main_thread else parse(output, parsing_timeout=None)

@@ -204,7 +204,12 @@ class LLMClient:
         response, so one pool of N connections costs O(N) CPU per request, and at 64 that bounds the rate."""
         shards = st.clients.get(endpoint)
         if shards is None:
-            from openai import AsyncOpenAI
+            try:
+                from openai import AsyncOpenAI
+            except ModuleNotFoundError as exc:
+                raise ModuleNotFoundError(
+                    "the LLM client needs openai: pip install 'creditflow[llm]'"
+                ) from exc
 
             n = max(1, -(-self.settings.concurrency // _POOL_SHARD))
             shards = [
