@@ -31,18 +31,19 @@ def test_registered_for_collect_and_counterfactuals():
 
 
 def test_c3_search_hand_played():
-    meta = {"question": 1, "answer": 3}
-    env, s = play("c3_search", meta, ["<search>k1</search>", "<answer>a3</answer>"])
-    assert [x.score for x in s] == [0.5, 1.0] and s[0].observation == " <information> <answer>a3</answer>"
+    meta = {"question": 1, "answer": 2}
+    env, s = play("c3_search", meta, ["<search>k1</search>", "<answer>a2</answer>"])
+    assert [x.score for x in s] == [0.5, 1.0] and s[0].observation == " <information> a2"
     assert s[-1].done and env.reward() == 1.0
-    # wasted turns: an invalid word, then a repeated query; the budget K = 3 ends the episode unanswered
-    env, s = play("c3_search", meta, ["<search>", "<search>k1</search>", "<search>k1</search>"])
+    # wasted turns: an invalid word, then a repeated query; the budget K = 4 ends the episode unanswered
+    env, s = play("c3_search", meta, ["<search>", "<search>k1</search>", "<search>k1</search>", "bogus"])
     assert s[0].observation == " invalid action" and s[-1].done and env.reward() == 0.0
-    assert env.reward_components() == {"em": 0.0, "retrieval_hit": 1.0, "invalid": 1.0, "repeats": 1.0}
-    env, s = play("c3_search", meta, ["<search>k0</search>", "<answer>a3</answer>"])
+    assert env.reward_components() == {"em": 0.0, "retrieval_hit": 1.0, "invalid": 2.0, "repeats": 1.0}
+    env, s = play("c3_search", meta, ["<search>k0</search>", "<answer>a2</answer>"])
     assert s[0].observation == " <information> nothing" and env.reward() == 0.0  # right answer, unsupported
-    env, s = play("c3_search", meta, ["<answer>a3</answer>"])  # a guess scores 0 even when it is right
+    env, s = play("c3_search", meta, ["<answer>a2</answer>"])  # a guess scores 0 even when it is right
     assert s[0].done and s[0].score == 0.0 and env.reward() == 0.0
+    assert {t["answer"] for t in make_env("c3_search").tasks() if t["question"] == 1} == {2}
 
 
 def test_c3_actions_are_search_r1_for_the_detector():
@@ -54,18 +55,23 @@ def test_c3_actions_are_search_r1_for_the_detector():
 
 
 def test_tcpo_refine_hand_played():
-    meta = {"best": 4, "pattern": 0}  # others: c0 0.0, c1 0.25, c2 0.5, c3 0.75, c5 0.5
-    env, s = play("tcpo_refine", meta, ["inspect", "use_c4", "use_c1"])
-    assert s[0].observation == " hint use_c4" and [x.score for x in s] == [0.0, 1.0, 0.25]
-    assert [x.done for x in s] == [False, False, True]  # fixed budget: turns after the success still run
-    assert env.reward() == 1.0 and env.reward_components()["final"] == 0.25
-    env, s = play("tcpo_refine", meta, ["use_c3", "bogus", "use_c2"])
-    assert [x.score for x in s] == [0.75, 0.75, 0.5] and env.reward() == 0.75
-    assert s[0].observation == " score s3" and s[1].observation == " invalid action"
+    meta = {"draft": 3}
+    env, s = play("tcpo_refine", meta, ["plan", "edit", "edit"])
+    assert s[0].observation == " planned score s0" and [x.score for x in s] == [0.0, 0.75, 1.0]
+    assert [x.done for x in s] == [False, False, True] and env.reward() == 1.0
+    env, s = play("tcpo_refine", meta, ["edit", "plan", "edit"])
+    assert [x.score for x in s] == [0.25, 0.25, 1.0] and env.reward() == 1.0
+    env, s = play("tcpo_refine", meta, ["edit", "edit", "edit"])  # no plan: 0.75 at best
+    assert [x.score for x in s] == [0.25, 0.5, 0.75] and env.reward() == 0.75
+    env, s = play("tcpo_refine", {**meta, "max_turns": 4}, ["plan", "edit", "edit", "undo"])
+    assert [x.score for x in s] == [0.0, 0.75, 1.0, 0.75]  # turns after the success still scored
+    assert env.reward() == 1.0 and env.reward_components() == {"best_turn": 1.0, "final": 0.75, "plans": 1.0}
+    env, s = play("tcpo_refine", meta, ["undo", "bogus", "edit"])
+    assert [x.score for x in s] == [0.0, 0.0, 0.25] and s[1].observation == " invalid action"
 
 
 def test_iapo_service_hand_played():
-    meta = {"order": 2, "customer": 1}
+    meta = {"order": 2, "customer": 5}
     env, s = play("iapo_service", meta, ["lookup", "refund(O12)"])
     assert s[0].observation == " order refund(O12)" and s[-1].done and env.reward() == 1.0
     env, s = play("iapo_service", meta, ["refund(O12)", "lookup", "refund(O12)"])  # one error is recoverable
@@ -95,14 +101,11 @@ def test_iapo_rules_annotator_reads_the_dependency_and_the_error():
 
 def test_tcpo_counterfactual_replay_from_the_pre_turn_state():
     env = cf_make_env({"env": "tcpo_refine"})
-    meta = {"env": "tcpo_refine", "best": 1, "pattern": 2, "max_turns": 3}
-    # turn 2 after `inspect`: alternatives scored from the same state
-    assert score_from_snapshot(env, meta, ["inspect"], ["use_c1", "use_c0", "inspect", "zzz"]) == [
-        1.0,
-        0.25,
-        0.0,
-        0.0,
-    ]
+    meta = {"env": "tcpo_refine", "draft": 1, "max_turns": 3}
+    # turn 2 after `plan`: alternatives scored one step from the same state (the planned edit jumps to 0.75)
+    assert score_from_snapshot(env, meta, ["plan"], ["edit", "undo", "plan", "zzz"]) == [0.75, 0.0, 0.0, 0.0]
+    # turn 1: the setup turn scores 0 where an edit scores 0.25 at once
+    assert score_from_snapshot(env, meta, [], ["plan", "edit"]) == [0.0, 0.25]
 
 
 @pytest.mark.parametrize("name", TOYS)

@@ -1,7 +1,7 @@
 """`iapo_service`: a tool/service task where the decisive action must use an earlier tool return and a failure
 is recoverable (IAPO).
 
-Task (hidden order id of 3, customer of 8; 24 tasks): the prompt is `refund_request cust<c>`. Actions (one
+Task (customer c of 8, whose order id is c mod 3; 8 tasks): the prompt is `refund_request cust<c>`. Actions (one
 word each): `lookup` calls the order service, which returns `order refund(O1<j>)` (a tool step naming the order id in the
 action's own word: the learnable structure is "copy it"); `refund(O1<x>)`
 refunds order x: the service refunds verified (looked-up) orders only, so a refund before the lookup returns
@@ -48,9 +48,7 @@ class IAPOServiceEnv(ToyEnv):
 
     def tasks(self) -> list[dict]:
         return [
-            {"env": self.name, "task_id": f"o{j}c{c}", "order": j, "customer": c}
-            for j in range(N_O)
-            for c in range(N_CUST)
+            {"env": self.name, "task_id": f"c{c}", "order": c % N_O, "customer": c} for c in range(N_CUST)
         ]
 
     def system_prompt(self, task: dict) -> str:

@@ -1,16 +1,17 @@
 """`tcpo_refine`: iterative refinement with a per-turn verifier score in [0, 1] and a fixed turn budget K = 3
 (TCPO), where a non-improving turn sets up the later success.
 
-Task (hidden best candidate b of 6, and a quality pattern for the others; 6 x 4 = 24 tasks): the prompt is
-`refine draft`. Actions (one word each): `use_c<x>` makes candidate x the draft (score = its quality: 1.0 for
-the best, 0 / 0.25 / 0.5 / 0.75 for the others; observation `score s<4q>`); `inspect` leaves the draft as it is
-(score unchanged: a non-improving turn) and answers `hint use_c<b>` (the action's own word: copy it), after which `use_c<b>` reaches 1.0. Any other
-word is an invalid turn (no change). The episode always runs the K turns (turns after a success are scored,
-as TCPO's rollouts require).
+Task (8 drafts, the same dynamics; the prompt is `refine draft d<i>`): the draft's quality is a level 0..4,
+its verifier score level / 4 (observation `score s<level>`). Actions (one word each): `edit` raises the level by
+1; `plan` leaves the draft as it is (a non-improving turn: the score does not move) but makes the next `edit`
+raise it by 3 (observation `planned score s<level>`); `undo` lowers it by 1. Any other word is an invalid turn
+(no change). The episode always runs the K = 3 turns (turns after a success are scored, as TCPO's rollouts
+require). Three plain edits reach 0.75 at best: 1.0 needs a plan before an edit (plan, edit, edit or edit, plan,
+edit), so the turn that sets up the success is one whose own score shows no progress: what TCPO's hindsight
+credit is for, and what a one-step counterfactual (an `edit` instead scores higher at once) misjudges.
 
-Per-turn verifier score r_k: the quality of the current draft (0 before any). Reward: the best-turn score
-max_k r_k (TCPO's best-turn metric); success = 1.0. Blind guessing reaches the best candidate at most 3 times
-in 6; inspect-then-use always does.
+Reward: the best-turn score max_k r_k (TCPO's best-turn metric); success = 1.0. A uniformly random choice
+among the three actions succeeds 2 times in 27.
 """
 
 from __future__ import annotations
@@ -18,19 +19,7 @@ from __future__ import annotations
 from trainer.envs import register
 from trainer.envs.toy import ToyEnv
 
-N_C = 6
-USE = tuple(f"use_c{x}" for x in range(N_C))
-PATTERNS = (
-    (0.0, 0.25, 0.5, 0.75, 0.5),
-    (0.75, 0.5, 0.25, 0.0, 0.25),
-    (0.25, 0.0, 0.75, 0.5, 0.0),
-    (0.5, 0.75, 0.0, 0.25, 0.75),
-)
-
-
-def qualities(best: int, pattern: int) -> list[float]:
-    others = iter(PATTERNS[pattern])
-    return [1.0 if x == best else next(others) for x in range(N_C)]
+N_DRAFTS = 8
 
 
 @register("tcpo_refine")
@@ -39,49 +28,41 @@ class TCPORefineEnv(ToyEnv):
     title = "refine_toy"
     action_format = "chat"
     default_turns = 3
-    actions = ("inspect", *USE)
+    actions = ("plan", "edit", "undo")
     words = (
-        "refine_toy",
         "refine",
         "draft",
-        "hint",
-        *(f"c{x}" for x in range(N_C)),
+        *(f"d{i}" for i in range(N_DRAFTS)),
+        "planned",
         "score",
         *(f"s{k}" for k in range(5)),
     )
 
     def tasks(self) -> list[dict]:
-        return [
-            {"env": self.name, "task_id": f"b{b}p{p}", "best": b, "pattern": p}
-            for b in range(N_C)
-            for p in range(len(PATTERNS))
-        ]
+        return [{"env": self.name, "task_id": f"d{i}", "draft": i} for i in range(N_DRAFTS)]
 
     def system_prompt(self, task: dict) -> str:
         return self.describe()
 
     def reset(self, meta: dict) -> str:
-        self._state = {
-            **self.start(meta),
-            "best": int(meta["best"]),
-            "quality": qualities(int(meta["best"]), int(meta["pattern"])),
-            "draft": None,
-            "scores": [],
-            "inspected": False,
-        }
-        return " refine draft"
+        self._state = {**self.start(meta), "level": 0, "planned": False, "scores": [], "plans": 0}
+        return f" refine draft d{int(meta['draft'])}"
 
     def transition(self, word: str) -> str:
         st = self._state
-        if word == "inspect":
-            st["inspected"] = True
-            return f" hint {USE[st['best']]}"
-        st["draft"] = USE.index(word)
-        return f" score s{round(4 * st['quality'][st['draft']])}"
+        if word == "plan":
+            st["planned"] = True
+            st["plans"] += 1
+            return f" planned score s{st['level']}"
+        if word == "edit":
+            st["level"] = min(4, st["level"] + (3 if st["planned"] else 1))
+            st["planned"] = False
+        else:  # undo
+            st["level"] = max(0, st["level"] - 1)
+        return f" score s{st['level']}"
 
     def score(self) -> float:
-        st = self._state
-        return float(st["quality"][st["draft"]]) if st.get("draft") is not None else 0.0
+        return self._state.get("level", 0) / 4
 
     def step(self, action: str):
         res = super().step(action)
@@ -93,8 +74,4 @@ class TCPORefineEnv(ToyEnv):
 
     def reward_components(self) -> dict[str, float]:
         st = self._state
-        return {
-            "best_turn": self.reward(),
-            "final": self.score(),
-            "inspected": float(st.get("inspected", False)),
-        }
+        return {"best_turn": self.reward(), "final": self.score(), "plans": float(st.get("plans", 0))}

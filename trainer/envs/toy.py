@@ -6,11 +6,9 @@ Design (the same for all three):
   observations) is a sequence of these words separated by spaces, and every action is ONE word. The loop
   builds the tiny model's word-level tokenizer from it (`loop.tiny_tokenizer: env`), so an action is one
   token and `collect.max_new_tokens: 1` suffices; a word that is not an action is an invalid action.
-- The information an action needs comes back as the LAST word of an observation, spelled as the action word
-  that uses it (the learnable structure is "copy it"; the next prediction sits
-  right after it), which keeps the structure learnable by a 2-layer model within a few rounds.
-- Many tasks (every combination of the hidden values), so the policy cannot memorise answers: it must act to
-  find them. A group is the samples of one task (same hidden values), as GRPO requires.
+- Each task is a small lookup the policy can learn (question -> search key -> answer; customer -> order),
+  but only by acting: an answer counts once retrieved, a refund once looked up, a full score needs a plan.
+- A group is the samples of one task, as GRPO requires (at least 8 tasks: a round's prompts are distinct).
 - `snapshot()` / `restore()` deep-copy the whole state (TCPO's fixed-history counterfactuals replay from it).
 """
 
