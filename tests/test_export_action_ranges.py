@@ -1,5 +1,6 @@
 """OpenRLHF action_ranges on arbitrary turn ids (repeated, out of order, interrupted, empty rows) against a
-per-token Python reference: per (row, turn k), [first column, last column + 1) of turn k's response tokens."""
+per-token Python reference: per (row, turn k), [first position, last position + 1) of turn k's tokens in the
+sequence (OpenRLHF 0.11's agents return action_ranges in sequence positions)."""
 
 import numpy as np
 import pyarrow as pa
@@ -39,10 +40,9 @@ def test_action_ranges_match_per_token_reference(rows):
     got = to_padded(table, "openrlhf")["action_ranges"]
     expect: dict[tuple[int, int], list[int]] = {}
     for r, toks in enumerate(rows):
-        p = next((j for j, (m, _) in enumerate(toks) if m == 1), len(toks))
-        for j in range(p, len(toks)):
+        for j in range(len(toks)):
             if toks[j][1] > 0:
-                expect.setdefault((r, toks[j][1]), []).append(j - p)
+                expect.setdefault((r, toks[j][1]), []).append(j)
     max_turn = max((k for _, k in expect), default=0)
     assert got.shape == (n, max(max_turn, 1), 2)
     for r in range(n):
