@@ -33,7 +33,7 @@ BYTES = ByteTokenizer()
 REAL = Path(__file__).resolve().parents[1] / "data" / "real"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FUZZ = settings(
-    max_examples=25,
+    max_examples=60,
     deadline=None,
     suppress_health_check=[
         HealthCheck.function_scoped_fixture,
