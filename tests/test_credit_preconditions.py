@@ -49,6 +49,7 @@ def test_only_the_needed_flags_are_queried():
 
     assert required_columns(["grpo", "grpo+iapo+c3", "rloo"], Config()) == set()  # no query at all
     assert required_columns(["grpo", "tcpo", "gae+c3"], Config()) == {"verifier_score", "values"}
+    assert required_columns(["gae_pr", "turn_ppo"], Config()) == {"values"}
     sql = step_flags_sql(3, {"values"})
     assert '"values" IS NOT NULL AS has_values' in sql and "verifier_score" not in sql and "round = 3" in sql
 

@@ -86,7 +86,7 @@ for _name in (
         _name,
         Requirement("verifier_score", f"{_SCORES} (or tcpo.missing_score=zero)", _tcpo_errors_on_missing),
     )
-for _name in ("gae", "turn_ppo"):
+for _name in ("gae", "gae_pr", "turn_ppo"):
     declare(_name, Requirement("values", "critic values"))
 
 
