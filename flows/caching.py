@@ -176,6 +176,27 @@ def stage_cache_key(
     return stage_key_prefix(round_, batch, stage) + digest
 
 
+def degraded_batches(lake: Lake, round_: int, stage: str, batches: set[str] | list[str]) -> set[str]:
+    """The batches whose last run of `stage` degraded (its `stage_runs` row has warnings: endpoint down,
+    fallbacks used, unparseable answers). Such a result is not final: the flow runs the stage on them again
+    (refreshing the cache record) instead of serving it from the cache, so a re-run after the endpoint
+    recovers asks again. Reads only those batches' run-log parts (one small file each)."""
+    from warehouse.lake import safe_part_name
+    from warehouse.runlog import TABLE
+
+    folder = lake.partition_dir(TABLE, round_)
+    paths = [folder / f"part-{safe_part_name(f'{stage}.{b}')}.parquet" for b in sorted(batches)]
+    paths = [p for p in paths if p.exists()]
+    if not paths:
+        return set()
+    runs = lake.read(TABLE, round_, columns=["batch", "warnings"], parts=paths)
+    return {
+        b
+        for b, w in zip(runs.column("batch").to_pylist(), runs.column("warnings").to_pylist(), strict=True)
+        if w
+    }
+
+
 def stage_key_prefix(round_: int, batch: str, stage: str) -> str:
     """What every cache key of this (stage, round, batch) starts with; the input digest follows."""
     return f"{stage}-r{int(round_)}-{batch}-"

@@ -39,13 +39,21 @@ from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
     stage_calls_llm,
     stage_outputs,
 )
-from flows.caching import BatchStageCache, cache_dir, result_dir, stage_cache_key, stage_key_prefix
+from flows.caching import (
+    BatchStageCache,
+    cache_dir,
+    degraded_batches,
+    result_dir,
+    stage_cache_key,
+    stage_key_prefix,
+)
 from flows.config import as_config
 from flows.runners import settings_scope
 from flows.runtime import tune_allocator
 from pipeline.config import Config
 from pipeline.credit.process import statistics_json
 from warehouse.lake import Lake
+from warehouse.locks import round_lock
 from warehouse.runlog import parts_present, prune_stale_parts
 
 WARNING_STATE = "CompletedWithWarnings"
@@ -204,24 +212,27 @@ def process_round_flow(round_: int, config: Config | dict):
     if workers.use_processes(config):
         workers.warm(config.max_workers)  # the worker processes start while the round is prepared
     lake = Lake(config.lake)
-    lake.cleanup()
-    batches = round_batches(lake, round_)
-    prune_stale_parts(lake, round_, list(DERIVED_TABLES), batches)
+    # one run per (lake, round): a second one stops with one line naming the holder (warehouse/locks.py);
+    # cleanup removes only the leftovers of writers that are gone, never a live run's temporary files
+    with round_lock(lake, round_):
+        lake.cleanup()
+        batches = round_batches(lake, round_)
+        prune_stale_parts(lake, round_, list(DERIVED_TABLES), batches)
 
-    # cache records and the small JSON summaries they point to both live in the lake
-    with settings_scope({PREFECT_LOCAL_STORAGE_PATH: result_dir(lake)}):  # `worker_api` set it already
-        try:
-            # with every core taken by a stage worker, the run's own API server records the task runs when a
-            # core is free (flows/api_priority.py)
-            with api_waits_for_idle_cpu(
-                config.flow.api_idle
-                and config.task_runner == "threads"
-                and stages_fill_cpus(config.max_workers)
-            ) as idle_api:
-                run = _run_stages(lake, round_, batches, config)
-        finally:
-            workers.shutdown()  # worker processes (flow.processes) hold a batch's memory; free it
-    summary = round_stats_task(str(lake.root), round_)
+        # cache records and the small JSON summaries they point to both live in the lake
+        with settings_scope({PREFECT_LOCAL_STORAGE_PATH: result_dir(lake)}):  # `worker_api` set it already
+            try:
+                # with every core taken by a stage worker, the run's own API server records the task runs when a
+                # core is free (flows/api_priority.py)
+                with api_waits_for_idle_cpu(
+                    config.flow.api_idle
+                    and config.task_runner == "threads"
+                    and stages_fill_cpus(config.max_workers)
+                ) as idle_api:
+                    run = _run_stages(lake, round_, batches, config)
+            finally:
+                workers.shutdown()  # worker processes (flow.processes) hold a batch's memory; free it
+        summary = round_stats_task(str(lake.root), round_)
     summary["this_run"] = run
     summary["wall_seconds"] = round(time.perf_counter() - t0, 3)
     summary["task_runner"] = config.task_runner
@@ -284,6 +295,8 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
         progress.report("stage", stage, total=len(batches))
         task_ = _stage_task(stage, config, lake, stage_calls_llm(stage, config))
         done = {b for b in batches if parts_present(lake, round_, stage_outputs(stage, b, config.methods))}
+        if stage_calls_llm(stage, config):  # a degraded result (fallbacks) is never served as final
+            done -= degraded_batches(lake, round_, stage, done)
         # a batch whose outputs are missing refreshes its cache record; the others may be served from it
         variants[stage] = (
             task_.with_options(refresh_cache=False),

@@ -98,9 +98,12 @@ def run_process(cfg: Config, round_: int, quiet: bool = False, skip_unmet: bool 
     from flows.progress import rich_progress
     from flows.runners import make_task_runner, settings_scope, worker_api
     from flows.summary import print_summary
+    from warehouse.locks import round_lock
 
     t0 = time.perf_counter()
-    with settings_scope({PREFECT_API_URL: server_url} if server_url else {}), worker_api(cfg):
+    api = settings_scope({PREFECT_API_URL: server_url} if server_url else {})
+    # one run per (lake, round): another run of the round stops here with one line (warehouse/locks.py)
+    with round_lock(lake, round_), api, worker_api(cfg):
         flow_ = process_round_flow.with_options(task_runner=make_task_runner(cfg))
         with rich_progress(console) if cfg.flow.progress and not quiet else nullcontext():
             state = flow_(round_=round_, config=cfg, return_state=True)

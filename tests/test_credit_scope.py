@@ -19,13 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_flows_process import cfg_for
 
-from flows.run import run_process
 from pipeline.config import Config
 from pipeline.credit.ops import Moments, group_normalize, whiten
 from pipeline.credit.process import batch_statistics, merge_statistics, process_batch, statistics_table
 from pipeline.synth import SynthSettings, generate
 from warehouse.lake import Lake
-from warehouse.rounds import split_groups, write_round
+from warehouse.rounds import read_batch, split_groups, write_round
 
 # every estimator that needs no LLM (tcpo, tcpo_random_cf, tcpo_all_cf sample counterfactuals), and refiners
 FLOW_METHODS = [
@@ -50,8 +49,26 @@ FLOW_METHODS = [
 FLOW_SETS = ["tcpo.missing_score=zero", "flow.processes=false"]
 
 
+def run_process(cfg: Config, round_: int, quiet: bool = True) -> dict:
+    """The round through the real flow (process_round_flow on the thread runner), as `creditflow process` runs
+    it, without the terminal output."""
+    from flows.process_round import process_round_flow
+
+    state = process_round_flow(round_=round_, config=cfg, return_state=True)
+    return {**state.result(), "state": state.name}
+
+
 def synth_round(groups: int = 10, seed: int = 3) -> tuple[pa.Table, pa.Table]:
     return generate(SynthSettings(groups=groups, samples=4, turns=4, tokens=24, seed=seed, round=0))
+
+
+def bump_rewards(traj: pa.Table, ids: set[str] | None = None) -> pa.Table:
+    """Rewards + 5 on the trajectories `ids` (all when None)."""
+    chosen = (
+        pc.is_in(traj.column("traj_id"), pa.array(sorted(ids))) if ids else pc.is_valid(traj.column("reward"))
+    )
+    reward = pc.if_else(chosen, pc.add(traj.column("reward"), 5.0), traj.column("reward"))
+    return traj.set_column(traj.schema.get_field_index("reward"), "reward", reward)
 
 
 def token_advantages(lake: Lake) -> dict[str, dict[tuple[str, int], np.ndarray]]:
@@ -96,19 +113,16 @@ def test_round_split_does_not_change_advantages_through_the_flow(tmp_path, prefe
 
     # cache: a re-run does no work; a re-written batch changes the round statistics, so every batch's credit
     # is recomputed, and the result is that of a fresh lake with the new rewards
-    lake = Lake(tmp_path / "lake4")
+    lake = Lake(tmp_path / "cache")
+    write_round(lake, 0, traj, steps, batch_groups=4)
     cfg = cfg_for(lake, ["gae", "gdpo", "grpo"], FLOW_SETS)
     first = run_process(cfg, 0, quiet=True)["this_run"]
     again = run_process(cfg, 0, quiet=True)["this_run"]
     assert all(again[s]["cached"] == again[s]["batches"] == 3 for s in ("credit_stats", "credit", "export"))
     assert first["credit"]["batches"] == 3
-    first_group = pc.equal(traj.column("group_id"), traj.column("group_id")[0])
-    new_traj = traj.set_column(
-        traj.schema.get_field_index("reward"),
-        "reward",
-        pc.if_else(first_group, pc.add(traj.column("reward"), 5.0), traj.column("reward")),
-    )
-    write_round(lake, 0, new_traj, steps, batch_groups=4)  # the same parts, one with new rewards
+    first = read_batch(lake, "trajectories", 0, "b00000")  # re-write one part with new rewards
+    lake.write_part("trajectories", 0, bump_rewards(first), part="b00000")
+    new_traj = bump_rewards(traj, set(first.column("traj_id").to_pylist()))
     changed = run_process(cfg, 0, quiet=True)["this_run"]
     assert changed["credit_stats"]["cached"] == 2  # only the re-written batch's statistics
     assert changed["credit"]["cached"] == 0  # the round's statistics changed: every batch

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import os
 import re
-import uuid
 from pathlib import Path
 
 import duckdb
 import pyarrow.parquet as pq
 
 from schemas import TABLES
-from warehouse.lake import Lake
+from warehouse.lake import Lake, temp_token
 from warehouse.views import VIEWS
 
 CATALOG_FILE = "catalog.duckdb"
@@ -55,7 +54,7 @@ def _empty_file(lake: Lake, table: str) -> Path:
             else spec.schema
         )
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".tmp-{uuid.uuid4().hex}.parquet")
+        tmp = path.with_name(f".tmp-{temp_token()}.parquet")
         pq.write_table(schema.empty_table(), tmp)
         os.replace(tmp, path)
     return path
@@ -85,7 +84,7 @@ def refresh(lake: Lake) -> Path:
     """(Re)build LAKE/catalog.duckdb atomically: views only, the data stays in Parquet."""
     lake.root.mkdir(parents=True, exist_ok=True)
     target = lake.root / CATALOG_FILE
-    tmp = lake.root / f".tmp-{uuid.uuid4().hex}.duckdb"
+    tmp = lake.root / f".tmp-{temp_token()}.duckdb"
     con = duckdb.connect(str(tmp))
     try:
         build_catalog(lake, con)

@@ -10,10 +10,9 @@ import os
 import re
 import shutil
 import time
-import uuid
 from pathlib import Path
 
-from warehouse.lake import Lake
+from warehouse.lake import Lake, temp_token
 
 LEDGER = "_flow/incoming.json"
 SKIP = {"done", "failed"}
@@ -45,7 +44,7 @@ def read_ledger(lake: Lake) -> dict[str, dict]:
 def write_ledger(lake: Lake, ledger: dict[str, dict]) -> None:
     path = lake.root / LEDGER
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{uuid.uuid4().hex}.json")
+    tmp = path.with_name(f".tmp-{temp_token()}.json")
     tmp.write_text(json.dumps(ledger, indent=1, sort_keys=True))
     os.replace(tmp, path)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -49,6 +50,36 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def temp_token() -> str:
+    """The middle of a temporary name: this process's id and a random part (`.tmp-<pid>-<hex>-...`), so that
+    `Lake.cleanup` of one run never removes the files another live run is writing."""
+    return f"{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0
+    return True
+
+
+STALE_UNOWNED_S = 3600.0
+
+
+def _stale(path: Path, prefix: str) -> bool:
+    """A leftover: its writer's process is gone, or (a name without a process id) it is over an hour old."""
+    pid, sep, _ = path.name[len(prefix) :].partition("-")
+    if sep and pid.isdigit() and len(pid) <= 7:
+        return not _alive(int(pid))
+    try:
+        return time.time() - path.stat().st_mtime > STALE_UNOWNED_S
+    except FileNotFoundError:
+        return False
 
 
 def safe_part_name(name: str) -> str:
@@ -120,7 +151,7 @@ class Lake:
 
     def _write_file(self, table: pa.Table, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".tmp-{uuid.uuid4().hex}-{path.name}"
+        tmp = path.parent / f".tmp-{temp_token()}-{path.name}"
         with open(tmp, "wb") as fh:
             pq.write_table(table, fh, **write_options(table.schema))
             fh.flush()
@@ -141,7 +172,7 @@ class Lake:
         if isinstance(parts, pa.Table):
             parts = {"0": parts}
         final = self.partition_dir(table_name, round_)
-        staging = self.table_dir(table_name) / f".staging-{uuid.uuid4().hex}"
+        staging = self.table_dir(table_name) / f".staging-{temp_token()}"
         staging.mkdir(parents=True)
         try:
             for name, tbl in parts.items():
@@ -150,7 +181,7 @@ class Lake:
                 )
             old = None
             if final.exists():
-                old = self.table_dir(table_name) / f".old-{uuid.uuid4().hex}"
+                old = self.table_dir(table_name) / f".old-{temp_token()}"
                 os.replace(final, old)
             os.replace(staging, final)
             _fsync_dir(final.parent)
@@ -170,14 +201,17 @@ class Lake:
         return n
 
     def cleanup(self) -> None:
-        """Remove leftovers of interrupted writes (temp files, staging folders)."""
+        """Remove leftovers of interrupted writes (temp files, staging folders) whose writer is gone: a name
+        carries its writer's process id (`temp_token`), so the files of another live run on this lake stay."""
         if not self.root.exists():
             return
         for p in self.root.rglob(".tmp-*"):
-            p.unlink(missing_ok=True)
-        for pattern in (".staging-*", ".old-*"):
-            for p in self.root.glob(f"*/{pattern}"):
-                shutil.rmtree(p, ignore_errors=True)
+            if _stale(p, ".tmp-"):
+                p.unlink(missing_ok=True)
+        for prefix in (".staging-", ".old-"):
+            for p in self.root.glob(f"*/{prefix}*"):
+                if _stale(p, prefix):
+                    shutil.rmtree(p, ignore_errors=True)
 
     # ---- reads ---------------------------------------------------------------------------------
     def read(

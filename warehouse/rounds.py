@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from warehouse.lake import Lake
+from warehouse.lake import Lake, temp_token
 
 T = TypeVar("T")
 
@@ -62,7 +61,7 @@ def write_round_parts(lake: Lake, round_: int, batches: Iterable[tuple[pa.Table,
     (b00000, b00001, ...), validated and written to staging folders as it arrives (memory is one batch); once all
     are written the two partitions are swapped in, each in one rename. An error while writing leaves the lake as it was."""
     tables = ("trajectories", "steps")
-    staging = {t: lake.table_dir(t) / f".staging-{uuid.uuid4().hex}" for t in tables}
+    staging = {t: lake.table_dir(t) / f".staging-{temp_token()}" for t in tables}
     try:
         names: list[str] = []
         for index, batch in enumerate(batches):
@@ -83,7 +82,7 @@ def write_round_parts(lake: Lake, round_: int, batches: Iterable[tuple[pa.Table,
             final = lake.partition_dir(table_name, round_)
             old = None
             if final.exists():
-                old = lake.table_dir(table_name) / f".old-{uuid.uuid4().hex}"
+                old = lake.table_dir(table_name) / f".old-{temp_token()}"
                 os.replace(final, old)
             os.replace(staging[table_name], final)
             if old is not None:

@@ -395,4 +395,10 @@ def annotate_llm(
             f"iapo llm annotator: {int(notes['llm_errors'])} request(s) failed; those trajectories "
             "fall back to uniform weights"
         )
+    unparsed = sum(not why.startswith("llm error") for k, why in failures.items() if k not in answers)
+    if unparsed:
+        warnings.append(
+            f"iapo llm annotator: {unparsed} of {len(prepared)} answer(s) were not the JSON schema after "
+            f"{s.retries} retr{'y' if s.retries == 1 else 'ies'}; those trajectories fall back to uniform weights"
+        )
     return StageOutput(tables={"nodes": nodes_t, "edges": edges_t}, notes=dict(notes), warnings=warnings)

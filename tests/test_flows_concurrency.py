@@ -1,0 +1,191 @@
+"""Faults of #22.8: a degraded LLM result is never cached as final (a re-run after the endpoint recovers asks
+again); answers that are all garbage complete the round with warnings; two `process` runs on one lake never
+break each other (one writer per (lake, round), temporary files named by their process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+from test_flows_process import cfg_for, make_round
+
+from flows.process_round import WARNING_STATE, process_round_flow
+from warehouse.lake import Lake
+from warehouse.locks import RoundBusy, round_lock
+
+
+def process(cfg, round_: int = 0) -> dict:
+    state = process_round_flow(round_=round_, config=cfg, return_state=True)
+    return {**state.result(), "state": state.name}
+
+
+def llm_cfg(lake: Lake, server, tmp_path: Path):
+    return cfg_for(
+        lake,
+        methods=["grpo+iapo"],
+        sets=[
+            f"llm.endpoints=[{server.url}]",
+            "llm.max_retries=0",
+            "llm.timeout_s=5",
+            f"llm.cache_dir={tmp_path / 'llm-cache'}",
+            "flow.processes=false",
+            "flow.retries=0",
+        ],
+        annotator="llm",
+    )
+
+
+def test_degraded_llm_result_is_asked_again_after_recovery(tmp_path, prefect_harness, llm_standin):
+    lake = Lake(tmp_path / "lake")
+    batches = make_round(lake, groups=4, batch_groups=2)
+    cfg = llm_cfg(lake, llm_standin, tmp_path)
+
+    llm_standin.fail_next(10_000, "500")  # the endpoint is down: every trajectory falls back
+    down = process(cfg)
+    assert down["state"] == WARNING_STATE
+    assert down["this_run"]["annotate"]["warnings"]
+
+    llm_standin.reset()  # the endpoint is back, with answers in the annotator's schema
+    llm_standin.behaviour = lambda body, kind, i: '{"actions": []}'
+    calls = llm_standin.calls
+    back = process(cfg)
+    assert back["state"] != WARNING_STATE and not back["warnings"]
+    assert back["this_run"]["annotate"]["cached"] == 0  # the fallbacks were not served from the cache
+    assert llm_standin.calls > calls
+    nodes = lake.read("nodes", 0)
+    assert not pc.any(nodes.column("parse_failed")).as_py()
+
+    calls = llm_standin.calls
+    final = process(cfg)  # a good result is final: served from the cache, no request
+    assert final["this_run"]["annotate"]["cached"] == len(batches)
+    assert llm_standin.calls == calls
+
+
+def test_garbage_answers_complete_with_warnings(tmp_path, prefect_harness, llm_standin):
+    lake = Lake(tmp_path / "lake")
+    make_round(lake, groups=4, batch_groups=2)
+    llm_standin.behaviour = lambda body, kind, i: "Sure! Here is the dependency graph you asked for :)"
+    summary = process(llm_cfg(lake, llm_standin, tmp_path))
+    assert summary["state"] == WARNING_STATE
+    assert any("not the JSON schema" in w for w in summary["warnings"]), summary["warnings"]
+    # the round is complete: iapo on its uniform fallback
+    assert lake.read("advantages", 0).num_rows == lake.read("steps", 0).num_rows
+
+
+# ---- one writer per (lake, round) ------------------------------------------------------------------------
+
+
+def _holder(lake: Lake, round_: int) -> subprocess.Popen:
+    code = (
+        "import sys, time; sys.path.insert(0, '.');"
+        "from warehouse.lake import Lake; from warehouse.locks import round_lock\n"
+        f"with round_lock(Lake({str(lake.root)!r}), {round_}):\n"
+        "    print('held', flush=True); time.sleep(120)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE
+    )
+    assert proc.stdout.readline().strip() == b"held"
+    return proc
+
+
+def test_round_lock_names_its_holder_and_dies_with_it(tmp_path):
+    lake = Lake(tmp_path / "lake")
+    holder = _holder(lake, 0)
+    try:
+        with pytest.raises(RoundBusy, match=rf"round 0 of .* is being processed by pid {holder.pid} since"):
+            with round_lock(lake, 0):
+                pass
+        with round_lock(lake, 1):  # another round of the same lake is free
+            with round_lock(lake, 1):  # re-entrant in one process (the CLI, then the flow)
+                pass
+    finally:
+        holder.kill()  # kill -9: the kernel drops the lock with its holder
+        holder.wait()
+    with round_lock(lake, 0, wait_s=5):
+        pass
+
+
+def test_cleanup_keeps_a_live_runs_temporary_files(tmp_path):
+    from warehouse.lake import temp_token
+
+    lake = Lake(tmp_path / "lake")
+    folder = lake.partition_dir("advantages", 0)
+    folder.mkdir(parents=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    dead_pid = int(gone.stdout)
+    live = folder / f".tmp-{temp_token()}-part-b00000.grpo.parquet"  # this process: alive
+    dead = folder / f".tmp-{dead_pid}-0123abcd-part-b00001.grpo.parquet"
+    unowned_old = folder / ".tmp-0123456789abcdef-part-b00002.grpo.parquet"
+    unowned_new = folder / ".tmp-fedcba9876543210-part-b00003.grpo.parquet"
+    for p in (live, dead, unowned_old, unowned_new):
+        p.write_bytes(b"x")
+    os.utime(unowned_old, (time.time() - 7200, time.time() - 7200))
+    staging = lake.table_dir("advantages") / f".staging-{temp_token()}"
+    staging.mkdir()
+    lake.cleanup()
+    assert live.exists() and unowned_new.exists() and staging.exists()
+    assert not dead.exists() and not unowned_old.exists()
+
+
+@pytest.mark.slow
+def test_two_process_runs_on_one_lake(tmp_path, prefect_harness):
+    """Three real `creditflow process` runs at once: two on round 0 (one runs, the other stops with one line),
+    one on round 1 (runs beside them); both rounds end complete and equal to rounds processed alone."""
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.batch import run_batch_plain
+    from warehouse.rounds import batch_names
+
+    lake, reference = Lake(tmp_path / "lake"), Lake(tmp_path / "reference")
+    for r in (0, 1):
+        make_round(lake, round_=r, groups=16, batch_groups=2, seed=r)
+        make_round(reference, round_=r, groups=16, batch_groups=2, seed=r)
+    methods = "grpo,grpo+c3,gae"
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "COLUMNS": "200"}
+
+    def start(round_: int) -> subprocess.Popen:
+        cmd = [
+            str(Path(sys.executable).parent / "creditflow"),
+            "process",
+            "--lake",
+            str(lake.root),
+            "--round",
+            str(round_),
+            "--methods",
+            methods,
+            "--max-workers",
+            "1",
+            "--set",
+            "flow.progress=false",
+        ]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    procs = [start(0), start(0), start(1)]
+    outcomes = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        outcomes.append((proc.returncode, err.decode()))
+    first, second, other = outcomes
+    assert other[0] == 0, other[1][-3000:]
+    assert sorted([first[0], second[0]]) == [0, 1], (first[1][-3000:], second[1][-3000:])
+    stopped = (first if first[0] else second)[1].strip().splitlines()
+    assert len(stopped) == 1 and "round 0 of" in stopped[0] and "is being processed by pid" in stopped[0]
+
+    cfg = cfg_for(reference, methods=methods.split(","))
+    for r in (0, 1):
+        for b in batch_names(reference, r):
+            run_batch_plain(reference, r, b, cfg)
+        for table in ("advantages", "train_batch"):
+            keys = [("method", "ascending"), ("traj_id", "ascending")]
+            got, want = lake.read(table, r).sort_by(keys), reference.read(table, r).sort_by(keys)
+            assert got.num_rows == want.num_rows > 0, table
+            if table == "advantages":
+                order = [*keys, ("step_idx", "ascending")]
+                assert got.sort_by(order).column("token_adv").equals(want.sort_by(order).column("token_adv"))
+    assert not list(lake.root.rglob(".tmp-*"))

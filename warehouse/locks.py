@@ -1,0 +1,92 @@
+"""One writer per (lake, round): an advisory lock file `LAKE/_flow/locks/round=<n>.lock`.
+
+`process` holds it for the whole round, so a second `process` of the same round on the same lake stops at once
+with one line naming the run that holds it (or waits for it, `wait_s`). The kernel drops the lock when its
+holder dies (flock), so a killed run never leaves the round locked. Rounds are independent: two runs on two
+rounds of one lake proceed side by side (their temporary files carry their process id, see
+`Lake.cleanup`). Re-entrant within a process: the flow takes the lock the CLI already holds."""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from warehouse.lake import Lake
+
+LOCK_DIR = "_flow/locks"
+
+
+class RoundBusy(RuntimeError):
+    """Another run holds the round's lock; the message is one line naming it."""
+
+
+_held: dict[str, list] = {}  # lock path -> [file, depth] held by this process
+_guard = threading.Lock()
+
+
+def lock_path(lake: Lake, round_: int) -> Path:
+    return lake.root / LOCK_DIR / f"round={int(round_)}.lock"
+
+
+def _holder(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError:
+        text = ""
+    return text or "another run"
+
+
+@contextmanager
+def round_lock(lake: Lake, round_: int, wait_s: float = 0.0, poll_s: float = 0.2) -> Iterator[Path]:
+    """Hold the (lake, round) lock for the block; RoundBusy if another process holds it after `wait_s`."""
+    path = lock_path(lake, round_)
+    key = str(path)
+    with _guard:
+        mine = _held.get(key)
+        if mine is not None:
+            mine[1] += 1
+    if mine is not None:
+        try:
+            yield path
+        finally:
+            with _guard:
+                mine[1] -= 1
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held past this block, closed below
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                fh.close()
+                raise RoundBusy(
+                    f"round {int(round_)} of {lake.root} is being processed by {_holder(path)}; "
+                    "wait for that run to finish (or stop it) and run again"
+                ) from None
+            time.sleep(poll_s)
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"pid {os.getpid()} since {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M:%S} UTC\n")
+    fh.flush()
+    with _guard:
+        _held[key] = [fh, 1]
+    try:
+        yield path
+    finally:
+        with _guard:
+            _held.pop(key, None)
+        try:
+            fh.seek(0)
+            fh.truncate()
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            fh.close()
