@@ -47,7 +47,7 @@ sys.path[:] = [p for p in sys.path if p not in (_BENCH, "")]
 ENVS: dict[str, dict] = {
     "c3_search": {"arms": ["grpo", "grpo+c3"], "paper": "C3", "diag": "wasted turns / episode"},
     "tcpo_refine": {
-        "arms": ["grpo", "tcpo", "tcpo_retro", "turn_reward", "delta_reward"],
+        "arms": ["grpo", "tcpo", "tcpo_retro_hin", "delta_reward", "turn_reward"],
         "quick_arms": ["grpo", "tcpo"],
         "paper": "TCPO",
         "diag": "episodes that inspect",
@@ -180,6 +180,17 @@ def run_cli(env: str, arm: str, seed: int, a: argparse.Namespace) -> dict:
             cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(), check=False
         ).returncode
     return finish_run(env, arm, seed, run_dir, rc, time.perf_counter() - t0)
+
+
+def collect_existing(jobs: list[tuple[str, str, int]], a: argparse.Namespace) -> list[dict]:
+    """--report-only: the results of the runs already done under --out (runs without result.json left out)."""
+    results = []
+    for job in jobs:
+        d = run_dir_of(*job, a)
+        if (d / "result.json").exists():
+            info = json.loads((d / "result.json").read_text())
+            results.append(finish_run(*job, d, info["rc"], info["wall_s"]))
+    return results
 
 
 def run_workers(jobs: list[tuple[str, str, int]], a: argparse.Namespace) -> list[dict]:
@@ -506,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", nargs="+", default=None, help="only these arms (method chains)")
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--seed0", type=int, default=0, help="first seed")
-    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--prompts", type=int, default=8, help="groups per round")
     p.add_argument("--samples", type=int, default=16, help="group size")
     p.add_argument("--hidden", type=int, default=32, help="tiny model hidden size")
@@ -516,9 +527,9 @@ def main(argv: list[str] | None = None) -> int:
         default=150,
         help="format-prior steps of the fresh tiny model (loop.tiny_format_steps)",
     )
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--epochs", type=int, default=2, help="passes over each round's batch")
-    p.add_argument("--mini-batch", type=int, default=16, help="trajectories per optimizer step")
+    p.add_argument("--mini-batch", type=int, default=32, help="trajectories per optimizer step")
     p.add_argument("--level", type=float, default=0.8, help="success level for rounds-to-level")
     p.add_argument("--model", default="tiny", help="tiny | smollm2 | a checkpoint folder (GPU form)")
     p.add_argument("--backend", default="local", choices=["local", "vllm", "auto"])
@@ -538,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         "cli: one `creditflow loop --config` process per run (Python, torch and Prefect start per run)",
     )
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--report-only", action="store_true", help="summarise the finished runs under --out (run nothing)"
+    )
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel")
     p.add_argument("--out", default=str(ROOT / "bench" / "_learning"), help="run folders (lakes, logs)")
     p.add_argument("--resume", action="store_true", help="keep existing run folders (the loop resumes)")
@@ -566,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     a.cf_url = None
     server = None
+    if a.report_only:
+        a.cf_server = False
     if a.cf_server and not a.endpoint and any(arm.split("+")[0] in CF_ARMS for _, arm, _ in jobs):
         from trainer.policy_server import PolicyServer
 
@@ -581,7 +597,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[learning] policy server for TCPO's counterfactuals at {server.url}", flush=True)
     t0 = time.perf_counter()
     try:
-        if a.via == "cli":
+        if a.report_only:
+            results = collect_existing(jobs, a)
+        elif a.via == "cli":
             with ThreadPoolExecutor(max_workers=a.jobs) as pool:
                 results = list(pool.map(lambda j: run_cli(*j, a), jobs))
         else:
@@ -596,11 +614,12 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python bench/learning.py " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (
         f"Command: `nice {cmd.strip()}`  \n"
-        f"{len(jobs)} runs, {a.seeds} seeds ({a.seed0}..{a.seed0 + a.seeds - 1}), {a.rounds} rounds x "
+        f"{len(results)} of {len(jobs)} runs done, {a.seeds} seeds ({a.seed0}..{a.seed0 + a.seeds - 1}), {a.rounds} rounds x "
         f"{a.prompts} groups x {a.samples} samples = {a.rounds * a.prompts * a.samples} episodes per run; "
         f"tiny Llama hidden {a.hidden}, 2 layers, word tokenizer over the env's vocabulary; lr {a.lr}, "
-        f"{a.mini_batch} trajectories per optimizer step, {a.epochs} epochs; total wall {wall / 60:.1f} min with {a.jobs} "
-        f"runs in parallel.  \n{machine_note()}\n"
+        f"{a.mini_batch} trajectories per optimizer step, {a.epochs} epochs; format prior {a.format_steps} steps; "
+        f"total wall {wall / 60:.1f} min with {a.jobs} runs in parallel (sum of run walls "
+        f"{sum(r['wall_s'] for r in results) / 60:.1f} min).  \n{machine_note()}\n"
     )
     text = header + summarise(results, a)
     print(text)
