@@ -7,6 +7,8 @@ import json
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.ingest import ingest
 from pipeline.tokenize import ByteTokenizer
@@ -271,3 +273,71 @@ def test_tau2_greeting_gets_no_credit(real_data):
     # the successful simulations' credit sits on the agent's own first turn
     turn1 = [r for r in adv if r["turn"] == 1 and r["role"] == "assistant"]
     assert sum(1 for r in turn1 if np.any(np.asarray(r["token_adv"]) > 0)) == 9
+
+
+# ---- properties ------------------------------------------------------------------------------------------
+_LINE = st.sampled_from(
+    [
+        "Thought: think",
+        "Action: search[q]",
+        "Action: lookup[k]",
+        "Action: finish[a]",
+        "Action: reflect[x]",
+        "Observation: seen",
+        "Observation: Invalid action",
+        "more text",
+    ]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_LINE, min_size=1, max_size=14))
+def test_react_text_properties(body):
+    from pipeline.ingest.react import split_react
+
+    traj = "Q\n### Response:\n" + "\n".join(body) + "\n"
+    steps = split_react(traj)
+    # contents are verbatim: they join back to the trajectory
+    assert "\n".join(s.content for s in steps) + "\n" == traj
+    # one Observation per Action: no call is answered twice, and an answer follows its call
+    made, answered = {}, set()
+    for i, s in enumerate(steps):
+        for c in s.tool_calls or ():
+            made[c["id"]] = i
+        if s.role == "tool" and s.tool_call_id is not None:
+            assert s.tool_call_id not in answered and made[s.tool_call_id] < i
+            answered.add(s.tool_call_id)
+    # an Observation answers the first Action since the previous Observation
+    pending = []
+    for s in steps:
+        if s.role == "assistant":
+            pending += [("Action" in line, s) for line in s.content.split("\n") if line.startswith("Action")]
+        elif s.role == "tool":
+            if pending:
+                first = pending[0][1]
+                assert s.tool_call_id == (first.tool_calls[0]["id"] if first.tool_calls else None)
+            else:
+                assert s.tool_call_id is None
+            pending = []
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.none() | st.integers(0, 3)), max_size=20))
+def test_sample_idx_unique_in_every_group(rows):
+    from pipeline.ingest.core import StepDraft, TrajectoryDraft, _assign_sample_idx
+
+    drafts = [
+        TrajectoryDraft(f"t{i}", g, 0.0, [StepDraft("user", "x")], sample_idx=idx)
+        for i, (g, idx) in enumerate(rows)
+    ]
+    _assign_sample_idx(drafts)
+    for g in "abc":
+        got = [d.sample_idx for d in drafts if d.group_id == g]
+        assert len(set(got)) == len(got) and all(x is not None and x >= 0 for x in got)
+    # a given index is kept where it is the first of its group
+    seen = set()
+    for d, (g, idx) in zip(drafts, rows, strict=True):
+        if idx is not None and (g, idx) not in seen:
+            assert d.sample_idx == idx
+        if idx is not None:
+            seen.add((g, idx))
