@@ -89,12 +89,13 @@ def reward_columns(mask: np.ndarray, last_real: np.ndarray) -> np.ndarray:
 
 
 def sample_key(prompt_ids, response_ids) -> str:
-    """The stable key of one sample: a hash of its prompt and response token ids (what a trainer still has when
-    its per-step uids are fresh). Any integer sequences; the same ids give the same key."""
+    """The stable key of one sample: a hash of its prompt and response token ids, i.e. of its whole token
+    sequence (what a trainer still has when its per-step uids are fresh; where the prompt ends does not enter,
+    so a framework that cannot tell, e.g. OpenRLHF whose first token is never an action, gets the same key).
+    Any integer sequences; the same ids give the same key (identical samples share one)."""
     p = np.asarray(prompt_ids, dtype="<i8")
     r = np.asarray(response_ids, dtype="<i8")
     h = hashlib.blake2b(digest_size=16)
-    h.update(np.int64(len(p)).astype("<i8").tobytes())
     h.update(p.tobytes())
     h.update(r.tobytes())
     return h.hexdigest()

@@ -285,6 +285,13 @@ def test_openrlhf_experience_building_matches_our_layout():
         }
         exps.append(sg.SamplesGenerator._process_response_into_experience(None, response, max_len=10**6))
     batch = Experience.concat_experiences(exps, pad_token_id=7)
+    # a live batch in another order finds our advantages by sample key (trainer.export_lookup)
+    from trainer.export_lookup import openrlhf_advantages
+
+    perm = np.random.default_rng(1).permutation(len(exps))
+    shuffled = Experience.concat_experiences([exps[i] for i in perm], pad_token_id=7)
+    got, found = openrlhf_advantages(a, shuffled.sequences, shuffled.attention_mask, shuffled.action_mask)
+    assert found.all() and np.array_equal(got.numpy(), a["advantages"][perm][:, : got.shape[1]])
     assert torch.equal(batch.sequences, torch.from_numpy(a["sequences"]))
     assert torch.equal(batch.attention_mask, torch.from_numpy(a["attention_mask"]))
     assert torch.equal(batch.action_mask.long(), torch.from_numpy(a["action_mask"]))
@@ -339,6 +346,13 @@ def test_skyrl_convert_prompts_responses_matches_our_layout():
     for r, (ids, _, adv, _, _, p) in enumerate(rows):
         n = len(ids) - p
         assert np.array_equal(a["advantages"][r, a["advantages"].shape[1] - n :], np.float32(adv[p:]))
+    from trainer.export_lookup import skyrl_advantages
+
+    perm = np.random.default_rng(2).permutation(len(rows))
+    got, found = skyrl_advantages(
+        a, [rows[i][0][: rows[i][5]] for i in perm], [rows[i][0][rows[i][5] :] for i in perm]
+    )
+    assert found.all() and np.array_equal(got.numpy(), a["advantages"][perm])
 
 
 def _tiny_causal_lm(vocab: int):
