@@ -152,7 +152,8 @@ def stats_batch(lake: Lake, round_: int, batch: str, config: Config, cache_key: 
     methods = statistics_methods(config)
     traj, steps, annotations = _credit_inputs(lake, round_, batch, methods)
     stats = batch_statistics(traj, steps, methods, config, annotations, round_=round_)
-    lake.write_part(STATS, round_, statistics_table(stats, round_), part=batch)
+    source = cache_key or stats_source(lake, round_, batch, config)
+    lake.write_part(STATS, round_, statistics_table(stats, round_, source), part=batch)
     rows = {STATS: len(stats)}
     summary = _summary(STATS, batch, time.perf_counter() - t0, traj, steps, rows, {}, [])
     record_stage_run(
@@ -170,20 +171,27 @@ def stats_batch(lake: Lake, round_: int, batch: str, config: Config, cache_key: 
     return summary
 
 
+def stats_source(lake: Lake, round_: int, batch: str, config: Config) -> str:
+    """What a batch's statistics are computed from: the statistics stage's cache key (its input parts' names,
+    sizes and mtimes, the settings it reads, the code)."""
+    from flows.caching import stage_cache_key
+
+    return stage_cache_key(str(lake.root), round_, batch, STATS, config)
+
+
 def round_statistics(lake: Lake, round_: int, config: Config, batches: list[str] | None = None) -> dict:
-    """The round's merged moments from every batch's `credit_stats` part, in batch order; a batch without a
-    part, or whose part lacks one of the statistics, gets the statistics pass first (so a plain caller of
-    `credit_batch` gets round statistics too). The flow runs the pass as its own stage, whose cache keys keep
-    the parts current; a plain caller that changed a batch's inputs or settings deletes the parts itself."""
-    wanted = set(statistics_methods(config))
-    if not wanted:
+    """The round's merged moments from every batch's `credit_stats` part, in batch order. A batch without a
+    current part (none, or computed from other inputs, settings or code: its `source`) gets the statistics pass
+    first, so a plain caller of `credit_batch` gets the round's statistics too."""
+    if not statistics_methods(config):
         return {}
     batches = round_batches(lake, round_) if batches is None else batches
     parts = []
     for b in batches:
         part = read_batch(lake, STATS, round_, b)
-        if not wanted <= set(part.column("key").to_pylist()):
-            stats_batch(lake, round_, b, config)
+        source = stats_source(lake, round_, b, config)
+        if part.num_rows == 0 or set(part.column("source").to_pylist()) != {source}:
+            stats_batch(lake, round_, b, config, cache_key=source)
             part = read_batch(lake, STATS, round_, b)
         parts.append(part)
     import pyarrow as pa

@@ -82,18 +82,14 @@ def batch_stage_task(
     """One stage on one batch; `upstream` (the previous stage's summary of this batch) only orders the work;
     `round_stats` (credit: the round's merged statistics) is part of the cache key."""
     key = _cache_key(lake_root, round_, batch, stage, config, round_stats) if config.flow.cache else None
-    if round_stats is not None:
-        return _run_credit(lake_root, round_, batch, stage, config, key, round_stats)
+    args = (lake_root, round_, batch, stage, config, key)
+    extra = {"round_stats": round_stats} if round_stats is not None else {}
     if workers.use_processes(config) and not stage_calls_llm(stage, config):
-        summary = workers.run(
-            config.max_workers, run_batch_stage, lake_root, round_, batch, stage, config, key
-        )
+        summary = workers.run(config.max_workers, run_batch_stage, *args, **extra)
     elif config.task_runner == "threads":
-        summary = workers.run_here(
-            config.max_workers, run_batch_stage, lake_root, round_, batch, stage, config, key
-        )
+        summary = workers.run_here(config.max_workers, run_batch_stage, *args, **extra)
     else:
-        summary = run_batch_stage(lake_root, round_, batch, stage, config, key)
+        summary = run_batch_stage(*args, **extra)
     _log_batch(summary)
     return summary
 
@@ -113,16 +109,6 @@ def _log_batch(summary: dict) -> None:
     )
     for warning in summary.get("warnings", []):
         logger.warning("%s %s degraded: %s", summary.get("stage"), summary.get("batch"), warning)
-
-
-def _run_credit(lake_root, round_, batch, stage, config, key, round_stats) -> dict:
-    """The credit stage with the round's statistics, where the other stages run."""
-    args = (lake_root, round_, batch, stage, config, key)
-    if workers.use_processes(config):
-        return workers.run(config.max_workers, run_batch_stage, *args, round_stats=round_stats)
-    if config.task_runner == "threads":
-        return workers.run_here(config.max_workers, run_batch_stage, *args, round_stats=round_stats)
-    return run_batch_stage(*args, round_stats=round_stats)
 
 
 def _cache_key(

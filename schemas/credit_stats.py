@@ -15,6 +15,7 @@ SCHEMA = pa.schema(
         pa.field("n", pa.float64(), nullable=False),
         pa.field("mean", pa.float64(), nullable=False),
         pa.field("m2", pa.float64(), nullable=False),
+        pa.field("source", pa.string()),
     ]
 )
 
@@ -24,6 +25,8 @@ DOCS = {
     "n": "count (or total weight: tokens) of the values the batch contributes",
     "mean": "their (weighted) mean",
     "m2": "sum of weight * (value - mean)^2 (sum of squares = m2 + n * mean^2)",
+    "source": "identity of what the part was computed from (the statistics stage's cache key: input parts, "
+    "settings, code); a part whose source is not the batch's current one is recomputed",
 }
 
 SPEC = register_table(TableSpec("credit_stats", SCHEMA, DOCS))

@@ -122,8 +122,8 @@ def batch_statistics(
     return dict(ctx.collect)
 
 
-def statistics_table(stats: dict[str, Moments], round_: int = 0) -> pa.Table:
-    """One batch's moments as `credit_stats` rows."""
+def statistics_table(stats: dict[str, Moments], round_: int = 0, source: str | None = None) -> pa.Table:
+    """One batch's moments as `credit_stats` rows (`source`: what they were computed from)."""
     keys = sorted(stats)
     return pa.table(
         {
@@ -132,6 +132,7 @@ def statistics_table(stats: dict[str, Moments], round_: int = 0) -> pa.Table:
             "n": pa.array([stats[k].n for k in keys], pa.float64()),
             "mean": pa.array([stats[k].mean for k in keys], pa.float64()),
             "m2": pa.array([stats[k].m2 for k in keys], pa.float64()),
+            "source": pa.array([source] * len(keys), pa.string()),
         }
     )
 
