@@ -16,7 +16,8 @@ P_r, sampled at temperature 1: on-policy, no separate evaluation). Per arm: the 
 t-interval, the area under the curve (the mean success over rounds), and the first round at which the
 3-round moving average reaches the success level (`--level`); per seed, the arm minus GRPO (paired), with
 its mean, 95% t-interval and the count of seeds it won. Per env, one diagnostic of the behaviour the method
-targets (C3: wasted turns per episode; TCPO: inspect rate; IAPO: tool errors + invalid actions per episode).
+targets (C3: wasted turns per episode; TCPO: plan turns per episode; IAPO: tool errors + invalid actions per
+episode).
 
 Results: markdown to --results (bench/results/learning.md by default; --quick writes nothing there unless
 given), the raw curves as JSON next to the runs (--out). The GPU form is bench/learning_gpu.sh.
@@ -50,7 +51,7 @@ ENVS: dict[str, dict] = {
         "arms": ["grpo", "tcpo", "tcpo_retro_hin", "delta_reward", "turn_reward"],
         "quick_arms": ["grpo", "tcpo"],
         "paper": "TCPO",
-        "diag": "episodes that inspect",
+        "diag": "plan turns / episode",
     },
     "iapo_service": {"arms": ["grpo", "grpo+iapo"], "paper": "IAPO", "diag": "errors / episode"},
 }
@@ -263,7 +264,7 @@ def read_curves(lake_dir: Path, env: str) -> dict:
         if env == "c3_search":
             d = [c.get("invalid", 0.0) + c.get("repeats", 0.0) for c in comps]
         elif env == "tcpo_refine":
-            d = [c.get("inspected", 0.0) for c in comps]
+            d = [c.get("plans", 0.0) for c in comps]
         else:
             d = [c.get("errors", 0.0) + c.get("invalid", 0.0) for c in comps]
         diag.append(sum(d) / len(d))
@@ -379,6 +380,7 @@ def summarise(results: list[dict], a: argparse.Namespace) -> str:
             fin = [sum(r["success"][R - 3 : R]) / len(r["success"][R - 3 : R]) for r in ss]
             rt = [rounds_to(r["success"][:R], a.level) for r in ss]
             dg = [sum(r["diag"][R - 3 : R]) / len(r["diag"][R - 3 : R]) for r in ss]
+            rw = [sum(r["reward"][R - 3 : R]) / len(r["reward"][R - 3 : R]) for r in ss]
             reached = [x for x in rt if x is not None]
             rows.append(
                 [
@@ -392,6 +394,7 @@ def summarise(results: list[dict], a: argparse.Namespace) -> str:
                         if reached
                         else f"never (0/{len(rt)})"
                     ),
+                    fmt(*mean_ci(rw)),
                     fmt(*mean_ci(dg)),
                     f"{sum(r['wall_s'] for r in ss) / len(ss):.0f}",
                 ]
@@ -405,6 +408,7 @@ def summarise(results: list[dict], a: argparse.Namespace) -> str:
                     f"AUC (mean success, rounds 0-{R - 1})",
                     "success, last 3 rounds",
                     f"rounds to {a.level:.0%} (seeds reaching)",
+                    "mean reward, last 3 rounds",
                     f"{spec['diag']}, last 3 rounds",
                     "wall s / run",
                 ],
