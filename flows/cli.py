@@ -19,6 +19,8 @@ import sys
 # no telemetry calls to the internet; the library's loggers reach the Prefect UI inside runs.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "pipeline,warehouse,flows,trainer")
+# outside a run those loggers' records stay in the terminal (Prefect would warn that it has no run to send them to)
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 import typer
 
