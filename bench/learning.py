@@ -131,6 +131,19 @@ def llm_for(arm: str, run_dir: Path, a: argparse.Namespace) -> dict:
     return {}
 
 
+def apply_sets(cfg: dict, sets: list[str] | None) -> dict:
+    """--set stage.key=value overrides (YAML values) into the run config's stages."""
+    import yaml
+
+    for item in sets or []:
+        key, _, value = item.partition("=")
+        stage, _, name = key.partition(".")
+        if not stage or not name or not _:
+            raise SystemExit(f"--set {item!r}: expected stage.key=value")
+        cfg["stages"].setdefault(stage, {})[name] = yaml.safe_load(value)
+    return cfg
+
+
 def run_dir_of(env: str, arm: str, seed: int, a: argparse.Namespace) -> Path:
     return Path(a.out) / env / arm.replace("+", "_") / f"seed{seed}"
 
@@ -144,7 +157,7 @@ def prepare_run(env: str, arm: str, seed: int, a: argparse.Namespace) -> Path:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(
-        yaml.safe_dump(config_for(env, arm, seed, run_dir, a), sort_keys=False)
+        yaml.safe_dump(apply_sets(config_for(env, arm, seed, run_dir, a), a.set), sort_keys=False)
     )
     return run_dir
 
@@ -552,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         help="function: --jobs worker processes call the loop's run_loop for their runs in turn; "
         "cli: one `creditflow loop --config` process per run (Python, torch and Prefect start per run)",
     )
+    p.add_argument("--set", action="append", help="stage.key=value for every run's config, e.g. tcpo.mu=3")
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     p.add_argument(
         "--report-only", action="store_true", help="summarise the finished runs under --out (run nothing)"

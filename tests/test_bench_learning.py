@@ -51,3 +51,12 @@ def test_quick_runs_the_loop_and_records_curves(tmp_path):
     tcpo = next(r for r in runs if r["arm"] == "tcpo")
     assert tcpo["counterfactuals"]["ok"] > 0  # the policy server answered TCPO's counterfactual stage
     assert "Paired by seed" in res.stdout and "c3_search" in res.stdout
+
+
+def test_sets_override_the_run_config():
+    b = bench()
+    cfg = {"stages": {"tcpo": {"M": 4}}}
+    b.apply_sets(cfg, ["tcpo.mu=3", "train.lr=0.001", "tcpo.M=2"])
+    assert cfg["stages"]["tcpo"] == {"M": 2, "mu": 3} and cfg["stages"]["train"]["lr"] == 0.001
+    with pytest.raises(SystemExit):
+        b.apply_sets(cfg, ["nodot=1"])
