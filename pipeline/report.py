@@ -94,14 +94,19 @@ def _visible(i: int, focus: str | None, method: str) -> bool | str:
     return True if i < MAX_VISIBLE or method == focus else "legendonly"
 
 
+def _by_method(rows: list[dict], key: str = "method") -> tuple[list[tuple[str, list[dict]]], dict[str, str]]:
+    """Rows grouped by method (sorted) and a colour per method."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[r[key] or "(none)"].append(r)
+    return sorted(groups.items()), _colours(sorted(groups))
+
+
 def turn_figure(rows: list[dict], round_: int, focus: str | None) -> dict:
     """Mean turn credit per method with 95% intervals, and below it how many turns each point rests on."""
-    by_method: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        by_method[r["method"]].append(r)
-    colours = _colours(sorted(by_method))
+    by_method, colours = _by_method(rows)
     traces = []
-    for i, (method, rs) in enumerate(sorted(by_method.items())):
+    for i, (method, rs) in enumerate(by_method):
         traces.append(
             {
                 "type": "scatter",
@@ -152,12 +157,9 @@ def turn_figure(rows: list[dict], round_: int, focus: str | None) -> dict:
 
 
 def histogram_figure(rows: list[dict], round_: int, focus: str | None) -> dict:
-    by_method: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        by_method[r["method"]].append(r)
-    colours = _colours(sorted(by_method))
+    by_method, colours = _by_method(rows)
     traces = []
-    for i, (method, rs) in enumerate(sorted(by_method.items())):
+    for i, (method, rs) in enumerate(by_method):
         total = sum(int(r["tokens"]) for r in rs) or 1
         traces.append(
             {
@@ -266,11 +268,8 @@ def trends_figure(credit: list[dict], reward: list[dict], focus: str | None) -> 
             ("success rate", "success_rate", "#4f8a5b"),
         )
     ]
-    by_method: dict[str, list[dict]] = defaultdict(list)
-    for r in credit:
-        by_method[r["method"]].append(r)
-    colours = _colours(sorted(by_method))
-    for i, (method, rs) in enumerate(sorted(by_method.items())):
+    by_method, colours = _by_method(credit)
+    for i, (method, rs) in enumerate(by_method):
         rs = sorted(rs, key=lambda r: r["round"])
         traces.append(
             {
@@ -303,10 +302,7 @@ TRAIN_PANELS = (
 def train_figure(rows: list[dict]) -> dict:
     """The trainer's curves (train_metrics): one panel per quantity, one line per method, over optimizer steps
     counted across rounds."""
-    by_method: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        by_method[r["method"] or "(none)"].append(r)
-    colours = _colours(sorted(by_method))
+    by_method, colours = _by_method(rows)
     traces = []
     layout = _layout("Training curves (train_metrics)", "", "", height=520)
     for p, (key, label) in enumerate(TRAIN_PANELS):
@@ -324,7 +320,7 @@ def train_figure(rows: list[dict]) -> dict:
             "title": {"text": label},
             "gridcolor": "#eee",
         }
-        for method, rs in sorted(by_method.items()):
+        for method, rs in by_method:
             traces.append(
                 {
                     "type": "scatter",
