@@ -22,7 +22,10 @@ def register(app: typer.Typer) -> None:
             ..., "--round", help="round to write (replaces the round's ingest tables)"
         ),
         tokenizer: str | None = typer.Option(
-            None, "--tokenizer", help="tokenizer.json path, 'bytes', or default SmolLM2"
+            None,
+            "--tokenizer",
+            help="a tokenizer/model directory (text sources rendered with its chat template), a tokenizer.json "
+            "(no template), 'smollm2-plain', 'bytes'; default SmolLM2 with its chat template",
         ),
         batch_groups: int = typer.Option(64, "--batch-groups", help="groups per part (unit of processing)"),
         strict: bool = typer.Option(False, "--strict", help="exit non-zero when any record was quarantined"),
