@@ -13,6 +13,7 @@ import html
 import json
 import math
 from collections import defaultdict
+from typing import Any
 
 PALETTE = [
     "#b5475d",
@@ -73,8 +74,8 @@ def _colours(methods: list[str]) -> dict[str, str]:
     return {m: PALETTE[i % len(PALETTE)] for i, m in enumerate(methods)}
 
 
-def _layout(title: str, xtitle: str, ytitle: str, **extra) -> dict:
-    layout = {
+def _layout(title: str, xtitle: str, ytitle: str, **extra) -> dict[str, Any]:
+    layout: dict[str, Any] = {
         "title": {"text": title, "x": 0.01, "font": {"size": 15}},
         "xaxis": {"title": {"text": xtitle}, "zeroline": False},
         "yaxis": {"title": {"text": ytitle}, "zeroline": True, "nticks": 8},
@@ -156,7 +157,7 @@ def turn_figure(rows: list[dict], round_: int, focus: str | None) -> dict:
     return {"data": traces, "layout": layout}
 
 
-def histogram_figure(rows: list[dict], round_: int, focus: str | None) -> dict:
+def histogram_figure(rows: list[dict], round_: int | None, focus: str | None) -> dict:
     by_method, colours = _by_method(rows)
     traces = []
     for i, (method, rs) in enumerate(by_method):
@@ -212,7 +213,7 @@ def outcome_figure(rows: list[dict]) -> dict:
     return {"data": traces, "layout": layout}
 
 
-def disagreement_figure(rows: list[dict], round_: int) -> dict:
+def disagreement_figure(rows: list[dict], round_: int | None) -> dict:
     methods = sorted({r["method_a"] for r in rows} | {r["method_b"] for r in rows})
     idx = {m: i for i, m in enumerate(methods)}
     z: list[list[float | None]] = [[0.0 if a == b else None for b in methods] for a in methods]
@@ -251,7 +252,7 @@ def disagreement_figure(rows: list[dict], round_: int) -> dict:
 def trends_figure(credit: list[dict], reward: list[dict], focus: str | None) -> dict:
     """Reward and success rate over rounds (left axis of the top panel) and each method's mean |turn
     advantage| (bottom panel)."""
-    traces = [
+    traces: list[dict[str, Any]] = [
         {
             "type": "scatter",
             "mode": "lines+markers",
