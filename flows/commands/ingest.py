@@ -15,7 +15,8 @@ def register(app: typer.Typer) -> None:
             ...,
             "--format",
             "-f",
-            help="chat-jsonl | tau-bench | tau2-bench | react | ldb | parquet | rllm | areal | roll | trl | verl-batch",
+            help="chat-jsonl | tau-bench | tau2-bench | react | ldb | parquet | rllm | areal | roll | trl | verl-batch"
+            " | verl-rollout",
         ),
         lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
         round_: int = typer.Option(
@@ -29,10 +30,18 @@ def register(app: typer.Typer) -> None:
         ),
         batch_groups: int = typer.Option(64, "--batch-groups", help="groups per part (unit of processing)"),
         strict: bool = typer.Option(False, "--strict", help="exit non-zero when any record was quarantined"),
+        allow_pickle: bool = typer.Option(
+            False,
+            "--allow-pickle",
+            help="read pickled verl DataProto dumps (DataProto.save_to_disk, RolloutSkip). Off by default: "
+            "unpickling can run any code the file names, so pass it only for files you trust (.npz object "
+            "arrays such as verl's uid need no pickle: a loader that only rebuilds arrays reads them)",
+        ),
     ) -> None:
         """Ingest rollouts: validate, quarantine bad records with a reason, tokenize, write the round."""
         from flows.display import console, print_kv
         from pipeline.ingest import get_adapter, ingest
+        from warehouse.interop_sources import PickleRefused, read_raw_sources
         from warehouse.lake import Lake
         from warehouse.rounds import write_round
         from warehouse.sources import read_table_sources, read_text_sources
@@ -44,15 +53,13 @@ def register(app: typer.Typer) -> None:
             typer.secho(str(exc.args[0]), fg="red", err=True)
             raise typer.Exit(2) from exc
         try:
-            if spec.options.get("raw_files"):  # framework dumps (Parquet / .npz) read as tables or arrays
-                from warehouse.interop_sources import read_raw_sources
-
-                inputs = read_raw_sources(sources, spec.extensions)
+            if spec.options.get("raw_files"):  # framework dumps (Parquet / .npz / pickle) as tables or arrays
+                inputs = read_raw_sources(sources, spec.extensions, allow_pickle=allow_pickle)
             elif spec.kind == "tables":
                 inputs = read_table_sources(sources)
             else:
                 inputs = read_text_sources(sources, spec.extensions)
-        except (FileNotFoundError, OSError, UnicodeDecodeError) as exc:
+        except (FileNotFoundError, OSError, UnicodeDecodeError, PickleRefused) as exc:
             typer.secho(f"cannot read sources: {exc}", fg="red", err=True)
             raise typer.Exit(2) from exc
         if not inputs:

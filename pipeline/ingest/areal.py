@@ -1,19 +1,26 @@
-"""`areal`: AReaL rollout dumps. AReaL's RLVR / multi-turn workflows (areal/workflow/rlvr.py, inclusionAI/AReaL
-main, read 2025) write, when `dump_dir` is set, one text file per prompt: `<dump_dir>/<version>/<qid>.txt`,
-appending for each of the n samples a block
+"""`areal`: AReaL rollout dumps, in the layout AReaL writes today and the one it wrote before.
 
-    idx: {i} / {n}, seqlen: {seqlen}, reward is {reward}.
-    prompt is
-    <ESC>[33m<ESC>[2m{decoded prompt}<ESC>[0m
-    sequence is:
-    <ESC>[33m<ESC>[2m{decoded completion}<ESC>[0m
+1. `<log dir>/rollout/<version>/<task_id>.jsonl` (`eval-rollout/` for evaluation), written by
+   `WorkflowExecutor._dump_trajectory` (areal/infra/workflow_executor.py; AReaL 1.0.4 on PyPI and
+   inclusionAI/AReaL main of 2026-05) when `dump_to_file` is set: one line per sample of a task,
 
-(colorama yellow/dim around the texts). The prompt is the decoded chat-templated prompt, so it becomes one user
-step; the completion one assistant step (single turn; token ids are not dumped, so the text is tokenized at
-ingest). group = `<version>/<qid>` (the n samples of one prompt at one policy version), sample_idx the order
-in the group (idx repeats when a re-run appends to the file), traj_id `<version>/<qid>:<block>` (block: 0-based position in the file, as re-runs append), policy_version =
-the folder name. `seqlen` is kept in meta. Quarantined: a block that does not parse, a non-numeric or non-finite
-reward, an idx outside 1..n.
+       {"task_id", "sample_idx", "seqlen", "prompt_len", "head_version", "tail_version", "reward",
+        "prompt": <decoded prompt ids, special tokens kept>, "completion": <decoded completion ids>}
+
+   `<version>` is the task's `tail_version` (the newest policy version among its tokens; `head_version` the
+   oldest, -1 when the prompt's tokens count). The prompt is the chat-templated prompt as the policy saw it, so
+   it is one user step (tokenized as it is, no template applied again) and the completion one assistant step.
+   Token ids are not dumped: both are tokenized at ingest with the tokenizer given (the policy's, to get
+   AReaL's own `prompt_len` / `seqlen`; `meta` keeps both to compare).
+   group = `<task_id>` (the samples of one task; `eval:` prefixed under `eval-rollout/`), sample_idx =
+   `sample_idx`, traj_id = `<version>/<task_id>:<line>` (0-based line of the file: a re-run appends to it),
+   policy_version = `tail_version`.
+2. AReaL's older text dump (areal/workflow/rlvr.py of 2025): `<dump_dir>/<version>/<qid>.txt`, one block per
+   sample, `idx: {i} / {n}, seqlen: {seqlen}, reward is {reward}.` then the prompt and the sequence, each
+   wrapped in colorama yellow/dim. group = `<version>/<qid>`, traj_id `<version>/<qid>:<block>`.
+
+Quarantined: a line that is not JSON or misses a field, a non-numeric or non-finite reward, a block that does
+not parse, an idx outside 1..n.
 """
 
 from __future__ import annotations
@@ -28,7 +35,11 @@ from pipeline.ingest.core import (
     SourceRecord,
     StepDraft,
     TrajectoryDraft,
+    as_int,
     as_reward,
+    content_text,
+    read_jsonl,
+    require,
 )
 from pipeline.ingest.registry import adapter
 
@@ -44,7 +55,10 @@ _HEADER = re.compile(r"^idx: ", re.MULTILINE)
 
 
 def read_dump(text: str, source_file: str):
-    """One record per `idx:` block (location `block N`)."""
+    """`.jsonl`: one record per line; `.txt` (the older dump): one record per `idx:` block (`block N`)."""
+    if not source_file.endswith(".txt"):
+        yield from read_jsonl(text, source_file)
+        return
     starts = [m.start() for m in _HEADER.finditer(text)]
     if not starts or text[: starts[0]].strip():
         lead = text[: starts[0]] if starts else text
@@ -61,9 +75,46 @@ def read_dump(text: str, source_file: str):
         yield SourceRecord(source_file, f"block {k}", raw, raw, context={"block": k})
 
 
-@adapter("areal", reader=read_dump, action_format=None, extensions=(".txt",))
+def convert_jsonl(record: SourceRecord) -> TrajectoryDraft:
+    """One line of `rollout/<version>/<task_id>.jsonl`."""
+    data = record.data
+    if not isinstance(data, dict):
+        raise Reject(INVALID_VALUE, f"record is {type(data).__name__}, expected an object")
+    task_id = require(data, "task_id")
+    if isinstance(task_id, (dict, list)):
+        raise Reject(INVALID_VALUE, "task_id is not a scalar", "task_id")
+    prompt = content_text(require(data, "prompt"), "prompt")
+    completion = content_text(require(data, "completion"), "completion")
+    reward = as_reward(require(data, "reward"))
+    sample_idx = as_int(data["sample_idx"], "sample_idx") if data.get("sample_idx") is not None else None
+    path = PurePath(record.source_file)
+    version = path.parent.name
+    is_eval = path.parent.parent.name == "eval-rollout"
+    line = int(record.location.removeprefix("line ")) - 1
+    tail = data.get("tail_version")
+    meta = {
+        k: data.get(k)
+        for k in ("task_id", "sample_idx", "seqlen", "prompt_len", "head_version", "tail_version")
+        if data.get(k) is not None
+    }
+    if is_eval:
+        meta["eval"] = True
+    return TrajectoryDraft(
+        traj_id=f"{'eval:' if is_eval else ''}{version}/{task_id}:{line}",
+        group_id=f"{'eval:' if is_eval else ''}{task_id}",
+        sample_idx=sample_idx,
+        reward=reward,
+        policy_version=str(tail) if tail is not None else (version or None),
+        meta=meta,
+        steps=[StepDraft(role="user", content=prompt), StepDraft(role="assistant", content=completion)],
+    )
+
+
+@adapter("areal", reader=read_dump, action_format=None, extensions=(".jsonl", ".txt"))
 def areal(record: SourceRecord) -> TrajectoryDraft:
-    """AReaL rollout dump (<dump_dir>/<version>/<qid>.txt blocks: idx, seqlen, reward, prompt, sequence)."""
+    """AReaL rollout dump: rollout/<version>/<task_id>.jsonl records (or the older .txt blocks)."""
+    if not isinstance(record.data, str):
+        return convert_jsonl(record)
     m = _BLOCK.match(record.data)
     if m is None:
         raise Reject(

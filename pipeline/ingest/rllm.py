@@ -1,29 +1,38 @@
-"""`rllm`: rLLM episodes, as `Episode.to_dict()` serializes them (rllm/agents/agent.py, rllm-org/rllm main,
-read 2025): one JSON object per episode, in a JSONL file (one per line) or a JSON file (one object or a list).
+"""`rllm`: rLLM episodes, in the two shapes rLLM code produces (rllm-org/rllm, commit 9beb6e0, 2026-08):
 
-    {"id": "<task_id>:<rollout_idx>", "task": ..., "termination_reason": ..., "is_correct": bool,
-     "trajectories": [{"uid", "name", "task", "reward": float|null, "info": {...},
-                       "steps": [{"prompt_ids", "response_ids", "logprobs", "chat_completions", "observation",
-                                  "thought", "action", "model_response", "model_output", "info", "reward",
-                                  "done", "mc_return", "advantage"}, ...]}, ...],
-     "metrics": {...}, "info": {...}}
+1. what rLLM writes to disk while training: `EpisodeLogger.log_episodes_batch` (rllm/utils/episode_logger.py),
+   one folder per step `<episode_log_dir>/episodes/<mode>_step_<step>_epoch_<epoch>/` holding one pretty-printed
+   JSON file per episode, `episode_hash<task hash>_id<episode id>.json`:
+
+       {"training_step", "epoch", "episode_id": "<task_id>:<rollout_idx>", "session_id", "task", "task_hash",
+        "is_correct", "termination_reason", "metrics", "metadata", "timing",
+        "trajectories": [{"name", "uid", "reward", "num_steps", "timing",
+                          "steps": [{"observation", "thought", "action", "reward", "done", "model_response",
+                                     "chat_completions", "timing"}, ...]}, ...]}
+
+   plus `batch_summary.json` (counts only: not a record, skipped). No token ids or logprobs are written: every
+   step's text is tokenized at ingest.
+2. `Episode.to_dict()` (rllm/types.py), one object per line or a JSON list: the same trajectories with `id` and,
+   per step, `prompt_ids`, `response_ids`, `logprobs` (what the policy sampled; kept exactly).
 
 One creditflow trajectory per rLLM trajectory: traj_id `<episode id>/<name>` (`/<uid>` appended when a name
 repeats in the episode), group `<task_id>:<name>` (rLLM's TrajectoryGroup id: all rollouts of a task, per agent
-role), sample_idx the rollout index. Steps: the context messages of each rLLM step that are new since the
-previous step (from `chat_completions`, else the step's `observation` as a user message), then one assistant
-step whose token ids and logprobs are the step's `response_ids` / `logprobs` (what the policy sampled) and
-whose text is `model_response` (else the last assistant message). Context text is tokenized at ingest;
-`prompt_ids` are not stored (their length is kept in meta `prompt_tokens`). Reward: the trajectory's
-`reward`, else the sum of step rewards; per-step rewards go to `verifier_score` of each assistant step when any
-is non-zero. Quarantined: no trajectories, no steps, logprobs not as long as response_ids, no reward at all.
+role), sample_idx the rollout index; for logger files both are prefixed with the step folder
+(`train_step_7_epoch_0/`), since every training step logs its own episodes. Steps: the context messages of each
+rLLM step that are new since the previous step (from `chat_completions`, else the step's `observation` as a user
+message), then one assistant step whose token ids and logprobs are the step's `response_ids` / `logprobs` when
+given and whose text is `model_response` (else the last assistant message); the assistant's tool calls are those
+of the last assistant message of `chat_completions`. Reward: the trajectory's `reward`, else the sum of step
+rewards; per-step rewards go to `verifier_score` of each assistant step when any is non-zero. Quarantined: no
+trajectories, no steps, logprobs not as long as response_ids, no reward at all.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import PurePath
 
-from pipeline.ingest.chat_jsonl import convert_messages
+from pipeline.ingest.chat_jsonl import convert_messages, parse_tool_calls
 from pipeline.ingest.core import (
     INVALID_VALUE,
     LENGTH_MISMATCH,
@@ -38,10 +47,16 @@ from pipeline.ingest.core import (
     require,
 )
 from pipeline.ingest.registry import adapter
+from pipeline.render import render_assistant
+
+SUMMARY_FILE = "batch_summary.json"  # EpisodeLogger's per-step counts, beside the episode files
 
 
 def read_episodes(text: str, source_file: str):
-    """JSONL (one episode per line), a JSON list of episodes, or one JSON episode."""
+    """JSONL (one episode per line), a JSON list of episodes, or one JSON episode (EpisodeLogger's files);
+    EpisodeLogger's `batch_summary.json` holds no episode and gives no record."""
+    if PurePath(source_file).name == SUMMARY_FILE:
+        return
     head = text.lstrip()[:1]
     if head == "[":
         yield from read_json_list(text, source_file)
@@ -99,14 +114,24 @@ def _assistant(step: dict, where: str) -> StepDraft:
         last = chat[-1] if chat and isinstance(chat[-1], dict) else {}
         text = last.get("content") if last.get("role") == "assistant" else ""
     content = content_text(text, f"{where}.model_response")
-    return StepDraft(role="assistant", content=content, token_ids=ids, logprobs=lps)
+    chat = step.get("chat_completions") or []
+    last = chat[-1] if isinstance(chat, list) and chat and isinstance(chat[-1], dict) else {}
+    calls = None
+    if last.get("role") == "assistant" and last.get("tool_calls"):
+        calls = parse_tool_calls(last["tool_calls"], f"{where}.chat_completions[-1].tool_calls")
+        content, _ = render_assistant(content, calls)
+    return StepDraft(role="assistant", content=content, token_ids=ids, logprobs=lps, tool_calls=calls)
 
 
-def convert_trajectory(episode: dict, traj: dict, t_index: int, names: dict[str, int]) -> TrajectoryDraft:
+def convert_trajectory(
+    episode: dict, traj: dict, t_index: int, names: dict[str, int], folder: str = ""
+) -> TrajectoryDraft:
+    """One rLLM trajectory; `folder`: the EpisodeLogger step folder (prefix of traj and group ids)."""
     where = f"trajectories[{t_index}]"
-    ep_id = str(episode.get("id") or "")
+    id_key = "episode_id" if "episode_id" in episode else "id"  # EpisodeLogger file / Episode.to_dict()
+    ep_id = str(episode.get(id_key) or "")
     if not ep_id:
-        raise Reject(MISSING_FIELD, "'id' is missing", "id")
+        raise Reject(MISSING_FIELD, f"'{id_key}' is missing", id_key)
     task_id, _, rollout = ep_id.rpartition(":")
     if not task_id:
         task_id, rollout = ep_id, ""
@@ -140,6 +165,7 @@ def convert_trajectory(episode: dict, traj: dict, t_index: int, names: dict[str,
     name = str(traj.get("name") or "default_traj_name")
     names[name] = names.get(name, 0) + 1
     traj_id = f"{ep_id}/{name}" if names[name] == 1 else f"{ep_id}/{name}/{traj.get('uid') or t_index}"
+    prefix = f"{folder}/" if folder else ""
     sample_idx = int(rollout) if rollout.isdigit() else None
     meta = {
         "episode_id": ep_id,
@@ -147,16 +173,20 @@ def convert_trajectory(episode: dict, traj: dict, t_index: int, names: dict[str,
         "name": name,
         "is_correct": episode.get("is_correct"),
         "termination_reason": episode.get("termination_reason"),
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": prompt_tokens if any(prompt_tokens) else None,
+        "training_step": episode.get("training_step"),
+        "epoch": episode.get("epoch"),
+        "task_hash": episode.get("task_hash"),
         "info": traj.get("info") or None,
         "metrics": episode.get("metrics") or None,
     }
     return TrajectoryDraft(
-        traj_id=traj_id,
-        group_id=f"{task_id}:{name}",
+        traj_id=prefix + traj_id,
+        group_id=f"{prefix}{task_id}:{name}",
         sample_idx=sample_idx,
         reward=reward,
         steps=steps,
+        policy_version=str(episode["training_step"]) if episode.get("training_step") is not None else None,
         meta={k: v for k, v in meta.items() if v is not None},
     )
 
@@ -201,4 +231,5 @@ def rllm(record: SourceRecord) -> TrajectoryDraft:
         raise Reject(
             INVALID_VALUE, "trajectory is not an object", f"trajectories[{record.context['t_index']}]"
         )
-    return convert_trajectory(data, traj, record.context["t_index"], record.context["names"])
+    folder = PurePath(record.source_file).parent.name if "episode_id" in data else ""
+    return convert_trajectory(data, traj, record.context["t_index"], record.context["names"], folder)

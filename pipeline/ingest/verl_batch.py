@@ -1,5 +1,7 @@
-"""`verl-batch`: a verl-style batch (the tensors of a `DataProto`) saved as NumPy `.npz` or Parquet (one row per
-sample, one list column per tensor), read without verl. Keys, as verl names them (verl/trainer/ppo/ray_trainer.py
+"""`verl-batch`: a verl batch (the tensors and non-tensor arrays of a `DataProto`) saved as NumPy `.npz` (e.g.
+`np.savez(path, **batch.batch, **batch.non_tensor_batch)`: object arrays such as `uid` are read by a loader that
+only rebuilds arrays), as Parquet (one row per sample, one list column per tensor), or pickled by verl's own
+`DataProto.save_to_disk` (read only with `--allow-pickle`; see warehouse/interop_sources.py), read without verl. Keys, as verl names them (verl/trainer/ppo/ray_trainer.py
 and core_algos.py, volcengine/verl main, read 2025):
 
 - `responses` (B, R) response token ids, `response_mask` (B, R) 1 on tokens the policy generated, 0 on tool /
@@ -317,7 +319,7 @@ register_adapter(
         kind="tables",
         action_format=None,
         description="verl-style batch (.npz or Parquet): prompts, responses, response_mask, uid, scores, log probs",
-        extensions=(".npz", ".parquet"),
+        extensions=(".npz", ".parquet", ".pkl"),
         ingest_tables=ingest_tables,
         options={"raw_files": True},
     )
