@@ -79,7 +79,11 @@ def incoming_flow(config: Config | dict) -> dict:
         try:
             ingest_flow([str(entry)], config.serve.incoming_format, round_, config)
             state = _process(config, round_)
-            state.result()
+            summary = state.result()
+            if config.track:
+                from flows.trackers import track_round
+
+                track_round(config, round_, summary)
             status, folder = state.name, "done"
         except Exception as exc:  # one bad drop must not stop the others
             logger.error("incoming %s (round %d) failed: %s", entry.name, round_, exc)

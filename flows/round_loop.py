@@ -109,6 +109,7 @@ def run_loop(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
             t0 = time.perf_counter()
             row.update(collect_round(st, r))
             t1 = time.perf_counter()
+            summary: dict = {"round": r}
             if has_advantages(st.lake, r, st.method):
                 log(f"[loop] round {r}: advantages exist, process skipped")
                 row["process_s"] = 0.0
@@ -118,6 +119,10 @@ def run_loop(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
                 row["process_state"] = summary.get("state")
                 log(f"[loop] round {r}: processed ({summary.get('state')}) in {row['process_s']}s")
             row.update(train_round(st, r))
+            if st.cfg.track:  # after training, so the round's train_metrics go too
+                from flows.trackers import track_round
+
+                row["tracked"] = ", ".join(track_round(st.cfg, r, summary))
             row["total_s"] = round(time.perf_counter() - t0, 2)
             rows.append(row)
     finally:

@@ -72,6 +72,29 @@ def round_metrics(summary: dict, stats: list[dict]) -> dict[str, float]:
     return out
 
 
+TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_frac")
+
+
+def train_metrics(lake: Lake, round_: int) -> dict[str, float]:
+    """The trainer's last optimizer step of the round per method (`train/<method>/<key>`), when it trained."""
+    if not lake.parts("train_metrics", round_):
+        return {}
+    from warehouse.catalog import query
+
+    rows = query(
+        lake,
+        f"SELECT coalesce(method, '') AS method, {', '.join(TRAIN_KEYS)} FROM train_metrics "
+        f"WHERE round = {int(round_)} QUALIFY row_number() OVER (PARTITION BY method ORDER BY step DESC) = 1",
+    ).to_pylist()
+    out = {}
+    for row in rows:
+        for key in TRAIN_KEYS:
+            v = _number(row.get(key))
+            if v is not None:
+                out[f"train/{row['method'] or 'policy'}/{key}"] = v
+    return out
+
+
 def _runs(lake: Lake) -> dict:
     path = lake.root / RUNS_FILE
     return json.loads(path.read_text()) if path.exists() else {}
@@ -221,6 +244,7 @@ def track_round(cfg: Config, round_: int, summary: dict) -> dict[str, str]:
     lake = Lake(cfg.lake)
     stats = query(lake, f"SELECT * FROM credit_summary WHERE round = {int(round_)}").to_pylist()
     metrics = round_metrics(summary, stats)
+    metrics.update(train_metrics(lake, round_))
     report = None
     if cfg.tracking.report:
         from warehouse.report_file import write_report

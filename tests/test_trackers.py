@@ -163,3 +163,21 @@ def test_unknown_or_missing_tracker_is_one_line(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # import fails as if not installed
     with pytest.raises(TrackerMissing, match=r"creditflow\[track\]"):
         check_trackers(["wandb"])
+
+
+def test_training_metrics_reach_the_tracker(lake, tmp_path):
+    """A round the loop trained sends the trainer's last step per method (train/<method>/<key>)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_report import _train_metrics
+
+    _train_metrics(lake)
+    cfg = _cfg(
+        lake, "tensorboard", tmp_path, f"tracking.tensorboard_dir={tmp_path / 'tb'}", "tracking.report=false"
+    )
+    _two_rounds(lake, cfg)
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    loss = acc.Scalars("train/grpo/loss")
+    # the last of 3 steps per round: loss = 1 / (1 + step + 3 * round)
+    assert [(p.step, p.value) for p in loss] == [(0, pytest.approx(1 / 3)), (1, pytest.approx(1 / 6))]
+    assert [p.value for p in acc.Scalars("train/grpo/entropy")] == [pytest.approx(1.8)] * 2
