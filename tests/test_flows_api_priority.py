@@ -60,7 +60,7 @@ def test_own_api_runs_idle_while_the_stages_fill_the_cpus(tmp_path, prefect_harn
     deadline = time.monotonic() + 60
     with get_client(sync_client=True) as client:
         newest = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["process-round-0"])),
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["process lake round 0"])),
             sort=FlowRunSort.START_TIME_DESC,
             limit=1,
         )[0]

@@ -367,7 +367,7 @@ def test_own_ephemeral_api_records_every_task_run_without_heartbeats(tmp_path):
     with sqlite3.connect(home / "prefect.db") as db:
         runs = db.execute(
             "SELECT task_run.name, task_run.state_type FROM task_run JOIN flow_run "
-            "ON task_run.flow_run_id = flow_run.id WHERE flow_run.name = 'process-round-0'"
+            "ON task_run.flow_run_id = flow_run.id WHERE flow_run.name = 'process lake round 0'"
         ).fetchall()
         heartbeats = db.execute(
             "SELECT count(*) FROM events WHERE event = 'prefect.flow-run.heartbeat'"
