@@ -60,7 +60,13 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "command", [["query", "select 1"], ["report", "--out", "r.html"], ["stats", "--round", "0"]]
+    "command",
+    [
+        ["query", "select 1"],
+        ["report", "--out", "r.html"],
+        ["stats", "--round", "0"],
+        ["export", "--round", "0", "--method", "grpo", "--out", "b.parquet"],
+    ],
 )
 def test_unknown_lake_is_one_line_and_not_created(capsys, tmp_path, command, monkeypatch):
     monkeypatch.chdir(tmp_path)
