@@ -22,7 +22,8 @@ as char 0, after it as its length), so spans found in the content still map to t
 
 How each trajectory's tokens were made: `source ids` (the source carried token ids: kept as they are),
 `chat template <name>`, or `plain` (message by message, no template: the byte tokenizer, a tokenizer without
-a template, or a template that failed on this conversation; the reason follows in parentheses)."""
+a template, or a template that failed on this conversation, or text a framework already rendered (meta `rendered_by`); the
+reason follows in parentheses)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ from pipeline.render import tool_call_spans
 
 SOURCE_IDS = "source ids"
 PLAIN = "plain"
+# meta key of a draft whose text is already the rendering the policy saw (AReaL's and verl's dumps decode the
+# token ids): it is tokenized as it is, `plain (rendered by <its value>)`, never templated a second time
+RENDERED_BY = "rendered_by"
 
 
 class NotRenderable(ValueError):
@@ -162,6 +166,10 @@ def tokenize_steps(drafts, tokenizer) -> tuple[list[list[int]], list[list[int]],
     for i, d in enumerate(drafts):
         if any(s.token_ids is not None for s in d.steps):
             made.append(SOURCE_IDS)
+            continue
+        rendered_by = d.meta.get(RENDERED_BY) if isinstance(d.meta, dict) else None
+        if rendered_by:  # the text already is the policy's rendering (a framework decoded its token ids)
+            made.append(f"{PLAIN} (rendered by {rendered_by})")
             continue
         if not templated:
             made.append(PLAIN)

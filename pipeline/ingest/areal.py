@@ -9,7 +9,8 @@
 
    `<version>` is the task's `tail_version` (the newest policy version among its tokens; `head_version` the
    oldest, -1 when the prompt's tokens count). The prompt is the chat-templated prompt as the policy saw it, so
-   it is one user step (tokenized as it is, no template applied again) and the completion one assistant step.
+   it is one user step and the completion one assistant step, both tokenized as they are (meta `rendered_by`:
+   no chat template is applied a second time).
    Token ids are not dumped: both are tokenized at ingest with the tokenizer given (the policy's, to get
    AReaL's own `prompt_len` / `seqlen`; `meta` keeps both to compare).
    group = `<task_id>` (the samples of one task; `eval:` prefixed under `eval-rollout/`), sample_idx =
@@ -28,6 +29,7 @@ from __future__ import annotations
 import re
 from pathlib import PurePath
 
+from pipeline.chat_template import RENDERED_BY
 from pipeline.ingest.core import (
     INVALID_VALUE,
     MALFORMED_JSON,
@@ -99,6 +101,7 @@ def convert_jsonl(record: SourceRecord) -> TrajectoryDraft:
     }
     if is_eval:
         meta["eval"] = True
+    meta[RENDERED_BY] = "AReaL (decoded prompt and completion ids, special tokens kept)"
     return TrajectoryDraft(
         traj_id=f"{'eval:' if is_eval else ''}{version}/{task_id}:{line}",
         group_id=f"{'eval:' if is_eval else ''}{task_id}",
@@ -137,6 +140,12 @@ def areal(record: SourceRecord) -> TrajectoryDraft:
         sample_idx=None,  # idx repeats when a run appends to the file again: next free index of the group
         reward=reward,
         policy_version=version or None,
-        meta={"qid": qid, "idx": idx, "n_samples": n, "seqlen": int(m["seqlen"])},
+        meta={
+            "qid": qid,
+            "idx": idx,
+            "n_samples": n,
+            "seqlen": int(m["seqlen"]),
+            RENDERED_BY: "AReaL (decoded prompt and sequence)",
+        },
         steps=[StepDraft(role="user", content=m["prompt"]), StepDraft(role="assistant", content=m["seq"])],
     )

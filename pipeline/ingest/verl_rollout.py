@@ -8,7 +8,8 @@ ray_trainer.py, verl 0.9.1; the same fields since 0.4) writes `<dir>/<global_ste
      **reward_extra_infos (each list as long as the batch, e.g. "acc"), "request_id" (when the batch has it)}
 
 No token ids, no logprobs, no `uid`: the text is what the policy saw less its special tokens (role markers and
-padding are dropped by the decode), so it is tokenized at ingest as it is (no chat template applied again).
+padding are dropped by the decode), so it is tokenized at ingest as it is (meta `rendered_by`: no chat template
+is applied again; the ids can differ from the policy's where verl's decode dropped special tokens).
 One trajectory per line: the input as one user step, the output as one assistant step (a multi-turn agent loop's
 tool observations are inside the decoded response; `verl-batch` reads them apart from a `DataProto` dump).
 group = `step<step>:<hash of input>` (verl's n samples of a prompt share the input text; its uid is not
@@ -18,6 +19,7 @@ infos. Quarantined: a line that is not a JSON object, no input / output / score,
 
 from __future__ import annotations
 
+from pipeline.chat_template import RENDERED_BY
 from pipeline.ingest.core import (
     INVALID_VALUE,
     Reject,
@@ -51,6 +53,9 @@ def verl_rollout(record: SourceRecord) -> TrajectoryDraft:
         group_id=f"step{step if step is not None else record.stem}:{prompt_hash([prompt])}",
         reward=reward,
         policy_version=str(step) if step is not None else None,
-        meta={k: v for k, v in data.items() if k not in _KNOWN} or None,
+        meta={
+            **{k: v for k, v in data.items() if k not in _KNOWN},
+            RENDERED_BY: "verl (decoded with skip_special_tokens=True)",
+        },
         steps=[StepDraft(role="user", content=prompt), StepDraft(role="assistant", content=output)],
     )
