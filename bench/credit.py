@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -54,6 +55,9 @@ def worker_engine(lake_dir: Path, round_: int, method: str) -> dict:
     cfg = Config(lake=str(lake_dir), methods=[method])
     import pipeline.credit  # noqa: F401  (import time is not processing time)
 
+    # a method whose statistics span the round (gae, turn_ppo, gdpo) runs the statistics pass on the first
+    # credit_batch (flows.batch.round_statistics): the parts of an earlier repetition must not spare it
+    shutil.rmtree(lake.partition_dir("credit_stats", round_), ignore_errors=True)
     t0 = time.perf_counter()
     tokens = 0
     for b in round_batches(lake, round_):

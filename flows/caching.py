@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect.cache_policies import CachePolicy
-
 from pipeline.config import Config, ConfigError
 from warehouse.lake import Lake
 from warehouse.runlog import part_fingerprints
@@ -202,19 +200,35 @@ def stage_key_prefix(round_: int, batch: str, stage: str) -> str:
     return f"{stage}-r{int(round_)}-{batch}-"
 
 
-@dataclass
-class BatchStageCache(CachePolicy):
-    """Cache policy of the batch-stage tasks: reads `lake_root, round_, batch, stage, config` from the
-    task's inputs (upstream summaries only order the work and do not enter the key)."""
+def _batch_stage_cache() -> type:
+    """The Prefect cache policy class, built on first use: the key functions above need no Prefect, so a plain
+    caller (flows.batch.round_statistics, the benchmarks) does not pay for importing it."""
+    from prefect.cache_policies import CachePolicy
 
-    def compute_key(
-        self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any
-    ) -> str | None:
-        return stage_cache_key(
-            inputs["lake_root"],
-            inputs["round_"],
-            inputs["batch"],
-            inputs["stage"],
-            inputs["config"],
-            inputs.get("round_stats"),
-        )
+    @dataclass
+    class BatchStageCache(CachePolicy):
+        """Cache policy of the batch-stage tasks: reads `lake_root, round_, batch, stage, config` (and a credit
+        task's `round_stats`) from the task's inputs (upstream summaries only order the work and do not enter
+        the key)."""
+
+        def compute_key(
+            self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any
+        ) -> str | None:
+            return stage_cache_key(
+                inputs["lake_root"],
+                inputs["round_"],
+                inputs["batch"],
+                inputs["stage"],
+                inputs["config"],
+                inputs.get("round_stats"),
+            )
+
+    BatchStageCache.__module__, BatchStageCache.__qualname__ = __name__, "BatchStageCache"
+    return BatchStageCache
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BatchStageCache":
+        cls = globals()["BatchStageCache"] = _batch_stage_cache()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
