@@ -1,9 +1,10 @@
 """C3 (spec 5): confidence-guided credit correction, a refiner after any estimator.
 
-For a token t inside a detected span S with A_t > 0:  A'_t = A_t * (1 - lambda * s_S * c_S), where s_S is
-the span's severity and c_S the behaviour policy's confidence in the span (geometric-mean token probability,
-exp(mean old_logprob)); overlapping spans take the largest s*c per token. Every other token keeps its exact
-value; nothing is re-normalised; PPO returns pass through untouched."""
+    (1) c_S  = exp((1/|S|) sum_{t in S} old_logprob_t)      (geometric; `confidence="arithmetic"`: mean of p)
+    (2) g_t  = max over the spans S that hold t of lambda * s_S * c_S    (overlaps take the largest)
+    (3) A'_t = A_t * (1 - g_t)  for A_t > 0,   A'_t = A_t  otherwise
+s_S is the span's severity, c_S the behaviour policy's confidence in the span. Every other token keeps its
+exact value; nothing is re-normalised; PPO returns pass through untouched."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def span_confidence(
     length = hi - lo
     miss = (n_nan > 0) | (length <= 0)
     mean = np.divide(total, length, out=np.zeros(n), where=length > 0)
-    conf = mean if mode == "arithmetic" else np.exp(mean)
+    conf = mean if mode == "arithmetic" else np.exp(mean)  # Eq. 1
     if mode == "geometric" and zero.any():
         conf = np.where(np.bincount(owner, weights=zero, minlength=n) > 0, 0.0, conf)
     return np.where(miss, missing, np.clip(conf, 0.0, 1.0)), miss
@@ -120,12 +121,12 @@ def c3(ctx: CreditContext, base: CreditResult, settings: C3Settings) -> CreditRe
     strength = np.clip(settings.lam * severity * conf, 0.0, 1.0)
     # per-token max of lambda*s*c over overlapping spans, touching span tokens only
     tok_g = np.zeros(ctx.n_tokens)
-    np.maximum.at(tok_g, idx, strength[owner])
+    np.maximum.at(tok_g, idx, strength[owner])  # Eq. 2
     a_in = adv[idx]
     g_in = tok_g[idx]
     hit = (a_in > 0) & (g_in > 0)
     new_adv = adv.copy()
-    new_adv[idx[hit]] = a_in[hit] * (1.0 - g_in[hit])
+    new_adv[idx[hit]] = a_in[hit] * (1.0 - g_in[hit])  # Eq. 3
     marked = np.zeros(ctx.n_tokens, dtype=bool)
     marked[idx[hit]] = True
     n_changed = int(np.count_nonzero(marked))

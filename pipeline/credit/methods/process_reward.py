@@ -1,8 +1,8 @@
 """The "+ process reward" baseline of the C3 paper (spec 5 [INF]): the same behaviour signals as C3, injected
 as rewards *before* the estimator instead of correcting credit after it.
 
-    turn level:    r_k -= beta * s_k at the last token of turn k   (gae_pr)
-    outcome level: R   -= beta * sum_k s_k                          (grpo_pr; gae_pr with level=outcome)
+    (1) turn level:    r_k -= beta * s_k at the last token of turn k   (gae_pr)
+    (2) outcome level: R   -= beta * sum_k s_k                          (grpo_pr; gae_pr with level=outcome)
 
 s_k is the largest severity among turn k's spans. GRPO has only an outcome reward, so grpo_pr always uses the
 outcome level (the undiscounted sum of turn penalties). gae_pr reuses `gae` unwhitened and adds the penalties'
@@ -50,7 +50,7 @@ def step_severity(ctx: CreditContext) -> np.ndarray:
 def penalised_rewards(ctx: CreditContext, beta: float, s_step: np.ndarray) -> np.ndarray:
     """R_i - beta * sum_k s_k per trajectory."""
     penalty = np.bincount(ctx.step_traj, weights=s_step, minlength=ctx.n_traj)
-    return ctx.rewards() - beta * penalty
+    return ctx.rewards() - beta * penalty  # Eq. 2
 
 
 @estimator("grpo_pr", settings="process_reward", needs=("spans",))
@@ -95,7 +95,7 @@ def gae_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
     n = ctx.steps["n_tokens"].to_numpy()
     last_tok = ctx.steps["tok_start"].to_numpy() + n - 1
     rows = np.flatnonzero(has & (n > 0) & ctx.steps["is_assistant"].to_numpy())
-    penalty[last_tok[rows]] = -settings.beta * s_step[rows]
+    penalty[last_tok[rows]] = -settings.beta * s_step[rows]  # Eq. 1
     contrib = segment_discounted_cumsum(penalty[t], ctx.tok_traj[t], gs.gamma * gs.lam)
     A = raw.token_adv[t] + contrib
     returns = raw.token_returns.copy()
