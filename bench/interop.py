@@ -1,8 +1,9 @@
 """Benchmark the export layouts: the synthetic round (default 512 groups x 8 samples x 10 turns x 400 tokens,
 ~16M assistant tokens) processed with grpo batch by batch, then exported per batch in each layout: flat
-(build_train_batch + Parquet zstd, what `train_batch` parts are) vs verl / openrlhf / skyrl (build_train_batch
-+ to_padded + save_padded, an uncompressed .npz). Each (code, layout) is its own subprocess (time and peak RSS),
-the fastest of --reps runs; `--baseline WORKTREE` times another checkout the same way, interleaved.
+(build_train_batch + Parquet zstd, what `train_batch` parts are) vs verl / openrlhf / skyrl as each framework
+reads them today (build_train_batch + to_padded + save_padded, an uncompressed .npz). Each run is its own
+subprocess (time and peak RSS); --reps interleaved repetitions, min and median; `--baseline WORKTREE` times
+another checkout the same way, in the same repetitions.
 
     taskset -c 0,1 python bench/interop.py [--groups 512 ...] [--lake DIR] [--baseline WORKTREE] [--out FILE]
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -107,20 +109,26 @@ def main() -> None:
         if not lake.has_part("advantages", 0, f"{name}.grpo"):
             credit_batch(lake, 0, name, ["grpo"], cfg)
 
-    def best(layout: str, root: Path) -> dict:
-        runs = [
-            run_worker(__file__, "--root", str(root), "--worker", str(lake_dir), layout)
-            for _ in range(args.reps)
-        ]
-        return min(runs, key=lambda r: r["seconds"])
-
     codes = ((("before", args.baseline),) if args.baseline else ()) + (("after", ROOT),)
-    res = {(c, lay): best(lay, root) for lay in LAYOUTS for c, root in codes}
+    # interleaved repetitions: each rep runs every (layout, code) once, so load that comes and goes hits them
+    # alike; per (code, layout) the fastest and the median run, and per rep the ratio to that rep's flat run
+    runs: dict[tuple[str, str], list[dict]] = {(c, lay): [] for c, _ in codes for lay in LAYOUTS}
+    for _ in range(args.reps):
+        for lay in LAYOUTS:
+            for c, root in codes:
+                runs[(c, lay)].append(
+                    run_worker(__file__, "--root", str(root), "--worker", str(lake_dir), lay)
+                )
+    res = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.items()}
     rows = []
     for c, _ in codes:
         flat = res[(c, "flat")]
         for lay in LAYOUTS:
             r = res[(c, lay)]
+            secs = [x["seconds"] for x in runs[(c, lay)]]
+            ratio = [
+                x["seconds"] / f["seconds"] for x, f in zip(runs[(c, lay)], runs[(c, "flat")], strict=True)
+            ]
             rows.append(
                 [
                     c,
@@ -128,7 +136,9 @@ def main() -> None:
                     f"{r['build']:.2f}",
                     f"{r['layout']:.2f}",
                     f"{r['seconds']:.2f}",
+                    f"{statistics.median(secs):.2f}",
                     f"{r['seconds'] / flat['seconds']:.2f}",
+                    f"{statistics.median(ratio):.2f}",
                     f"{r['mb']:,.0f}",
                     f"{r['rss_mb']:.0f}",
                     f"{r['rss_mb'] / flat['rss_mb']:.2f}",
@@ -142,7 +152,9 @@ def main() -> None:
         f"({res[('after', 'flat')]['tokens']:,} tokens exported per layout), processed with grpo per batch of "
         f"{args.batch_groups} groups, exported per batch in each layout. Flat = build_train_batch + Parquet (zstd); "
         "padded = build_train_batch + to_padded + save_padded (uncompressed .npz).",
-        machine_note() + f" Each row is its own subprocess, the fastest of {args.reps} runs.",
+        machine_note()
+        + f" Each run is its own subprocess; {args.reps} interleaved repetitions (each runs every layout of every"
+        " code once); build / layout columns are of the fastest run.",
         "",
         *md_table(
             [
@@ -150,8 +162,10 @@ def main() -> None:
                 "layout",
                 "build flat batch s",
                 "layout + write s",
-                "total s",
-                "x flat",
+                "total s (min)",
+                "total s (median)",
+                "x flat (min / min)",
+                "x flat (median of same-rep ratios)",
                 "MB written",
                 "peak RSS MiB",
                 "RSS x flat",
