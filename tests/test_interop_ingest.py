@@ -392,3 +392,33 @@ def test_not_on_pypi_fixtures_name_their_commit(framework):
     version = (FIX / framework / "VERSION").read_text()
     assert "commit" in version and len(version.split("commit ")[1].split()[0]) == 40
     assert (FIX / framework / "gen.py").exists()
+
+
+def test_readme_dump_for_creditflow_lines(tmp_path):
+    """The README's few lines for frameworks that write no rollouts (SkyRL's generator output, OpenRLHF's
+    samples) give a verl batch that ingests with the ids, logprobs, rewards and groups given."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("<!-- dump_for_creditflow -->\n```python\n", 1)[1].split("```", 1)[0]
+    ns: dict = {}
+    exec(compile(block, "README.md:dump_for_creditflow", "exec"), ns)
+    out = {
+        "prompt_token_ids": [[5, 6, 7], [5, 6, 7], [9]],
+        "response_ids": [[11, 12, 13, 14], [15, 16], [17, 18, 19]],
+        "rewards": [1.0, 0.0, [0.0, 0.5, 0.25]],
+        "loss_masks": [[1, 1, 0, 1], [1, 1], [1, 1, 1]],
+        "rollout_logprobs": [[-0.1, -0.2, -0.3, -0.4], [-0.5, -0.6], [-0.7, -0.8, -0.9]],
+    }
+    ns["dump_for_creditflow"](tmp_path / "batch.npz", out, ["q0", "q0", "q1"])
+    r = ingest("verl-batch", read_raw_sources([tmp_path / "batch.npz"], (".npz",)), tokenizer=TOK)
+    _clean(r, 3)
+    rows = _rows(r)
+    assert [rows[f"batch:{i}"]["reward"] for i in range(3)] == [1.0, 0.0, 0.75]
+    assert [rows[f"batch:{i}"]["group_id"] for i in range(3)] == ["q0", "q0", "q1"]
+    for i in range(3):
+        steps = _steps_of(r, f"batch:{i}")
+        assert steps[0]["token_ids"] == out["prompt_token_ids"][i]
+        assert sum((s["token_ids"] for s in steps[1:]), []) == out["response_ids"][i]
+        lp = sum((s["logprobs"] for s in steps if s["role"] == "assistant"), [])
+        kept = [x for x, m in zip(out["rollout_logprobs"][i], out["loss_masks"][i], strict=True) if m]
+        assert lp == pytest.approx(kept)
+    assert [s["role"] for s in _steps_of(r, "batch:0")] == ["user", "assistant", "tool", "assistant"]
