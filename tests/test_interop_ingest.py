@@ -422,3 +422,17 @@ def test_readme_dump_for_creditflow_lines(tmp_path):
         kept = [x for x, m in zip(out["rollout_logprobs"][i], out["loss_masks"][i], strict=True) if m]
         assert lp == pytest.approx(kept)
     assert [s["role"] for s in _steps_of(r, "batch:0")] == ["user", "assistant", "tool", "assistant"]
+
+
+def test_rllm_episode_to_dict_keeps_ids(tmp_path):
+    """`Episode.to_dict()` (rLLM's own serializer) carries the sampled ids and logprobs: kept exactly."""
+    path = FIX / "rllm" / "to_dict" / "episodes.jsonl"
+    episodes = [json.loads(line) for line in path.read_text().splitlines()]
+    r = ingest("rllm", _text(path, (".jsonl",)), tokenizer=TOK)
+    _clean(r, sum(len(e["trajectories"]) for e in episodes))
+    for e in episodes:
+        for t in e["trajectories"]:
+            asst = [s for s in _steps_of(r, f"{e['id']}/{t['name']}") if s["role"] == "assistant"]
+            assert [s["token_ids"] for s in asst] == [st["response_ids"] for st in t["steps"]]
+            assert [s["logprobs"] for s in asst] == [pytest.approx(st["logprobs"]) for st in t["steps"]]
+            assert all(s["logprob_source"] == "rollout" for s in asst)
