@@ -436,3 +436,14 @@ def test_rllm_episode_to_dict_keeps_ids(tmp_path):
             assert [s["token_ids"] for s in asst] == [st["response_ids"] for st in t["steps"]]
             assert [s["logprobs"] for s in asst] == [pytest.approx(st["logprobs"]) for st in t["steps"]]
             assert all(s["logprob_source"] == "rollout" for s in asst)
+
+
+def test_verl_batch_parquet_from_pandas(tmp_path):
+    """The batch as Parquet (tensors as list columns, uid strings, reward_model dicts as structs)."""
+    import pyarrow as pa
+
+    a = S.verl_arrays()
+    pq.write_table(pa.table({k: v.tolist() for k, v in a.items()}), tmp_path / "batch.parquet")
+    r = ingest("verl-batch", read_raw_sources([tmp_path / "batch.parquet"], (".parquet",)), tokenizer=TOK)
+    _clean(r, 6)
+    _check_verl_batch(r, a, "batch")
