@@ -174,7 +174,7 @@ def test_two_process_runs_on_one_lake(tmp_path, prefect_harness):
     first, second, other = outcomes
     assert other[0] == 0, other[1][-3000:]
     assert sorted([first[0], second[0]]) == [0, 1], (first[1][-3000:], second[1][-3000:])
-    stopped = (first if first[0] else second)[1].strip().splitlines()
+    stopped = [line for line in (first if first[0] else second)[1].splitlines() if line.startswith("error:")]
     assert len(stopped) == 1 and "round 0 of" in stopped[0] and "is being processed by pid" in stopped[0]
 
     cfg = cfg_for(reference, methods=methods.split(","))
