@@ -176,7 +176,7 @@ def test_unreadable_npz_and_object_uid_through_the_cli(tmp_path):
     np.savez(src / "good.npz", **_verl())
     (src / "corrupt.npz").write_bytes(b"PK\x03\x04 not a zip")
     obj = _verl()
-    obj["uid"] = np.array(["u0", None], dtype=object)  # needs pickle: refused by the reader
+    obj["uid"] = np.array(["u0", None], dtype=object)  # pickled in the npz: read by the arrays-only unpickler
     np.savez(src / "object_uid.npz", **obj)
     (src / "bad.parquet").write_bytes(b"PAR1\x00\x00PAR1")
     table = pa.table(
@@ -189,15 +189,19 @@ def test_unreadable_npz_and_object_uid_through_the_cli(tmp_path):
     )
     pq.write_table(table, src / "struct_uid.parquet")
     lake = _cli_ingest(src, "verl-batch", tmp_path / "lake")
-    assert sorted(lake.read("trajectories", 0).column("traj_id").to_pylist())[:2] == ["good:0", "good:1"]
+    assert sorted(lake.read("trajectories", 0).column("traj_id").to_pylist()) == [
+        "good:0",
+        "good:1",
+        "object_uid:0",
+    ]
     q = lake.read("quarantine", 0).to_pylist()
     by_file = {r["source_file"].rsplit("/", 1)[-1]: r["reason"] for r in q}
     assert by_file["corrupt.npz"].startswith("unreadable_file")
-    assert by_file["object_uid.npz"].startswith("unreadable_file") and "pickle" in by_file["object_uid.npz"]
+    assert by_file["object_uid.npz"].startswith("invalid_value") and "uid None" in by_file["object_uid.npz"]
     assert by_file["bad.parquet"].startswith("unreadable_file")
     struct = [r for r in q if r["source_file"].endswith("struct_uid.parquet")]
     assert [r["field"] for r in struct] == ["uid", "uid"]  # per row, not str(dict) as a group id
-    assert lake.read("trajectories", 0).num_rows == 2 and len(q) == 3 + 2
+    assert lake.read("trajectories", 0).num_rows == 3 and len(q) == 3 + 2
 
 
 def test_object_uid_and_missing_key_in_memory():
