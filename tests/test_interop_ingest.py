@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import interop_samples as S  # tests/ is on sys.path (a framework may install a top-level `tests`)
 import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -20,7 +21,6 @@ from typer.testing import CliRunner
 
 from pipeline.ingest import ingest
 from pipeline.tokenize import ByteTokenizer
-from tests import interop_samples as S
 from warehouse.interop_sources import PickleRefused, read_raw_source, read_raw_sources
 from warehouse.sources import read_text_sources
 
