@@ -319,6 +319,13 @@ def test_cli_pickle_flag(tmp_path):
     )
     out = runner.invoke(app, [*args, "--tokenizer", "bytes", "--allow-pickle", "--strict"])
     assert out.exit_code == 0, out.output
+    # RolloutSkip's dump has no suffix (`<exp>_<project>_GBS<n>__N<n>`): named directly, it is sniffed as a pickle
+    bare = tmp_path / "exp_proj_GBS3__N2"
+    bare.write_bytes(pkl.read_bytes())
+    with pytest.raises(PickleRefused):
+        read_raw_sources([bare], (".npz",))
+    ((_, columns),) = read_raw_sources([bare], (".npz",), allow_pickle=True)
+    assert list(columns["uid"]) == list(S.verl_arrays()["uid"])
 
 
 # ---- TRL: completions parquet --------------------------------------------------------------------------
