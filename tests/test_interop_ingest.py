@@ -384,6 +384,7 @@ def test_areal_writer_gives_the_fixture(tmp_path):
     assert fresh == kept and len(kept) == 3
 
 
+@pytest.mark.slow
 def test_trl_writer_gives_the_fixture(tmp_path):
     pytest.importorskip("trl", reason="FRAMEWORK NOT INSTALLED: trl (.ci/install-frameworks-ingest)")
     _regenerate("trl", tmp_path)
