@@ -244,11 +244,12 @@ def test_verl_live_fit_gets_our_advantages_with_fresh_uids_and_a_longer_response
         tensors=tensors, non_tensors={"uid": np.array([str(uuid.uuid4()) for _ in order], dtype=object)}
     )
     original = ray_trainer.compute_advantage
+    wrapper = install(CreditflowAdvantages(exported), missing="error")
     try:
-        wrapper = install(CreditflowAdvantages(exported), missing="error")
         data = ray_trainer.compute_advantage(data, adv_estimator="grpo", config=AlgoConfig())
     finally:
-        ray_trainer.compute_advantage = original
+        wrapper.uninstall()
+    assert ray_trainer.compute_advantage is original
     assert wrapper.found == [len(flat)]
     got = data.batch["advantages"].numpy()
     assert got.shape == (len(flat), R + 9)

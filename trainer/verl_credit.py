@@ -11,13 +11,15 @@ Use (in the process that runs `fit()`, i.e. verl's `TaskRunner`, before `trainer
     from trainer.verl_credit import install
     install("advantages.npz")   # creditflow export --layout verl
 
-`install` wraps `verl.trainer.ppo.ray_trainer.compute_advantage`: verl's own estimator runs first (it also
+`install` wraps `verl.trainer.ppo.ray_trainer.compute_advantage` (and the name in every loaded module that
+imported it, e.g. verl's separation trainer): verl's own estimator runs first (it also
 fills `returns` for the critic), then the rows found in the export get creditflow's advantages. Rows the export
 lacks keep verl's (`missing="keep"`) or stop the run (`missing="error"`). No verl import at module level: the
 module imports with or without verl installed."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -93,7 +95,8 @@ class CreditflowAdvantages:
 
 def install(export: str | Path | CreditflowAdvantages, missing: str = "keep"):
     """Wrap verl's `compute_advantage` (as `RayPPOTrainer.fit` calls it) so each training batch gets the
-    export's advantages; returns the wrapper (its `.found` counts the rows found per call)."""
+    export's advantages; returns the wrapper (its `.found` counts the rows found per call; `.uninstall()` puts
+    verl's back)."""
     from verl.trainer.ppo import ray_trainer
 
     table = export if isinstance(export, CreditflowAdvantages) else CreditflowAdvantages.load(export)
@@ -109,4 +112,18 @@ def install(export: str | Path | CreditflowAdvantages, missing: str = "keep"):
     compute_advantage.found = []
     compute_advantage.__wrapped_by_creditflow__ = original
     ray_trainer.compute_advantage = compute_advantage
+    # trainers that imported the function by name (verl.experimental.separation.ray_trainer, ppo.v1.utils)
+    patched = [ray_trainer] + [
+        m
+        for m in list(sys.modules.values())
+        if m is not ray_trainer and getattr(m, "compute_advantage", None) is original
+    ]
+    for module in patched:
+        module.compute_advantage = compute_advantage
+
+    def uninstall() -> None:
+        for module in patched:
+            module.compute_advantage = original
+
+    compute_advantage.uninstall = uninstall
     return compute_advantage
