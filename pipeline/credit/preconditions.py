@@ -107,7 +107,7 @@ def required_columns(methods: list[str], config) -> set[str]:
 
 def unmet(methods: list[str], step_flags, config) -> list[Unmet]:
     """The requirements of `methods` that the round's steps do not meet (see the module doc)."""
-    flags = step_flags if isinstance(step_flags, pl.DataFrame) else pl.from_arrow(step_flags)
+    flags = step_flags if isinstance(step_flags, pl.DataFrame) else pl.DataFrame(step_flags)
     total = flags["traj_id"].n_unique()
     acting = flags.filter((pl.col("role") == "assistant") & (pl.col("n_tokens") > 0))
     out: list[Unmet] = []

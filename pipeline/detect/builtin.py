@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -41,7 +42,7 @@ class Action:
 @dataclass
 class Parsed:
     actions: list[Action]
-    invalid: list[tuple[str, int | None, int | None, str]]  # (rule, start, end, evidence)
+    invalid: Sequence[tuple[str, int | None, int | None, str]]  # (rule, start, end, evidence)
 
 
 # ---- Search-R1 ------------------------------------------------------------------------------------
@@ -173,7 +174,7 @@ def parse_openai_tools(step: StepView, traj: TrajView, settings: DetectSettings)
     calls = step.tool_calls or []
     if not calls:
         return Parsed([], [])
-    ranges = tool_call_spans(step.content)
+    ranges: list[tuple[int | None, int | None]] = list(tool_call_spans(step.content))
     if len(ranges) != len(calls):
         ranges = [(None, None)] * len(calls)
     tools = traj.tools()
@@ -184,7 +185,7 @@ def parse_openai_tools(step: StepView, traj: TrajView, settings: DetectSettings)
         if tools is not None and name not in tools:
             invalid.append(("tool.unknown_name", lo, hi, f"tool {name!r} is not in the tool list"))
         try:
-            args = json.loads(raw) if raw else {}
+            args: dict | None = json.loads(raw) if raw else {}
             if not isinstance(args, dict):
                 raise ValueError("arguments are not a JSON object")
         except (TypeError, ValueError) as exc:
@@ -199,8 +200,8 @@ def parse_openai_tools(step: StepView, traj: TrajView, settings: DetectSettings)
         if name in QUERY_ACTIONS or name in settings.query_tools:
             texts = [v for _, v in sorted(args.items()) if isinstance(v, str)] if args else []
             query = " ".join(texts)
-        call = unicodedata.normalize("NFKC", canonical_arguments(raw))
-        actions.append(Action(lo, hi, query, name, None if query is not None else call))
+        canonical = unicodedata.normalize("NFKC", canonical_arguments(raw))
+        actions.append(Action(lo, hi, query, name, None if query is not None else canonical))
     return Parsed(actions, invalid)
 
 
@@ -288,7 +289,7 @@ def query_loop(traj: TrajView, settings: DetectSettings):
         if not parsed:
             continue
         turn = step.turn if step.turn is not None else step.step_idx
-        current = []
+        current: list[tuple[tuple[str, str], tuple | None]] = []
         for act in parsed.actions:
             if act.query is not None:
                 q = normalize_query(act.query)

@@ -44,7 +44,7 @@ def parse_tool_calls(raw: Any, where: str) -> list[dict]:
         w = f"{where}[{j}]"
         if not isinstance(call, dict):
             raise Reject(INVALID_VALUE, f"{w} is not an object", w)
-        fn = call.get("function") if isinstance(call.get("function"), dict) else call
+        fn: dict = call["function"] if isinstance(call.get("function"), dict) else call
         call_id = call.get("id")
         if not call_id:
             raise Reject(MISSING_FIELD, f"'{w}.id' is missing", f"{w}.id")

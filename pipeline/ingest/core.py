@@ -790,13 +790,16 @@ def build_tables(
         else:
             given = list(step.token_ids)
             stats["steps_with_given_token_ids"] += 1
+            decoded = None
+            if list(ids) != given and decode:
+                decoded = offsets_by_decoding(decode, given, step.content)
             if list(ids) == given:
                 found = list(offs)
+            elif decoded is not None:
+                found = decoded
             else:
-                found = offsets_by_decoding(decode, given, step.content) if decode else None
-                if found is None:
-                    stats["offsets_approximate"] += 1
-                    found = _even_offsets(len(given), len(step.content))
+                stats["offsets_approximate"] += 1
+                found = _even_offsets(len(given), len(step.content))
             token_ids.append(given)
             token_offsets.append(found)
         logprobs.append([float(x) for x in lp] if lp is not None else None)
@@ -927,12 +930,12 @@ def ingest_records(records: list[SourceRecord], spec, round_: int, tokenizer) ->
             rejected.append(Rejected(record, rej, _record_id(record)))
             continue
         except Exception as exc:  # noqa: BLE001 -- one odd record must not stop the ingest; it is kept
-            rej = (
+            odd = (
                 Reject(INVALID_UTF8, "a text of the record is not valid Unicode (a lone surrogate)")
                 if isinstance(exc, UnicodeError)
                 else Reject(ADAPTER_ERROR, f"{type(exc).__name__}: {exc}")
             )
-            rejected.append(Rejected(record, rej, _record_id(record)))
+            rejected.append(Rejected(record, odd, _record_id(record)))
             continue
         if draft.traj_id in seen:
             rejected.append(

@@ -117,7 +117,7 @@ def _link_errors(steps: pa.Table) -> dict[str, Reject]:
     for row in cols:
         for call in row["tool_calls"] or ():
             calls[row["traj_id"]].setdefault(call["id"], row["step_idx"])
-    out = {}
+    out: dict[str, Reject] = {}
     tool_rows = steps.filter(pc.and_(has_id, pc.equal(steps.column("role"), "tool")))
     for row in tool_rows.select(["traj_id", "step_idx", "tool_call_id"]).to_pylist():
         made_at = calls.get(row["traj_id"], {}).get(row["tool_call_id"])
@@ -139,7 +139,8 @@ def _raw(traj_row: dict | None, step_rows: list[dict]) -> str:
 
 
 def ingest_tables(sources: list[tuple[str, dict[str, pa.Table]]], round_: int, tokenizer) -> IngestResult:
-    traj_parts, step_parts = [], []
+    traj_parts: list[pa.Table] = []
+    step_parts: list[pa.Table] = []
     for source_file, tables in sources:
         for name, parts in (("trajectories", traj_parts), ("steps", step_parts)):
             table = tables.get(name)
@@ -183,8 +184,8 @@ def ingest_tables(sources: list[tuple[str, dict[str, pa.Table]]], round_: int, t
 
     bad = _link_errors(steps)
     traj_col = steps.column("traj_id")
-    for row, reject in sorted(token_rejects(steps, *vocab_of(tokenizer)).items()):
-        bad.setdefault(traj_col[row].as_py(), reject)
+    for row, token_reject in sorted(token_rejects(steps, *vocab_of(tokenizer)).items()):
+        bad.setdefault(traj_col[row].as_py(), token_reject)
     for traj_id in traj_ids - step_ids:
         if traj_id is not None:
             bad.setdefault(traj_id, Reject(MISSING_FIELD, "trajectory has no steps", "steps"))
@@ -200,7 +201,9 @@ def ingest_tables(sources: list[tuple[str, dict[str, pa.Table]]], round_: int, t
     step_keys = zip(steps.column(SOURCE_COL).to_pylist(), steps.column("traj_id").to_pylist(), strict=True)
     for i, key in enumerate(step_keys):
         step_index[key].append(i)
-    keep_t, keep_s, seen = [], [], set()
+    keep_t: list[int] = []
+    keep_s: list[pa.Table] = []
+    seen: set[str] = set()
     for i in range(trajectories.num_rows):
         t_row = trajectories.slice(i, 1)
         traj_id = t_row.column("traj_id")[0].as_py()

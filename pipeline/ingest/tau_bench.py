@@ -34,7 +34,7 @@ def tau_bench(record: SourceRecord) -> TrajectoryDraft:
     trial = as_int(require(data, "trial"), "trial")
     reward = require(data, "reward")
     steps = convert_messages(require(data, "traj"), "traj", tool_error_prefix=TOOL_ERROR_PREFIX)
-    info = data.get("info") if isinstance(data.get("info"), dict) else {}
+    info: dict = data["info"] if isinstance(data.get("info"), dict) else {}
     meta = {"task_id": task_id, "trial": trial, **info}
     meta.update({k: v for k, v in data.items() if k not in {"task_id", "trial", "reward", "traj", "info"}})
     return TrajectoryDraft(
