@@ -60,6 +60,34 @@ def test_every_declared_stage_is_a_registered_method():
     assert set(REQUIREMENTS) <= set(ESTIMATORS) | set(REFINERS)
 
 
+def test_methods_declare_their_requirements_where_they_are_registered():
+    import pipeline.credit  # noqa: F401  (registers the methods)
+    from pipeline.credit.registry import ESTIMATORS
+
+    def needing(column):
+        return {n for n, s in ESTIMATORS.items() if any(r.column == column for r in s.requires)}
+
+    tcpo_family = {"tcpo", "tcpo_random_cf", "tcpo_all_cf", "tcpo_retro_hin", "tcpo_retro"}
+    assert needing("verifier_score") == tcpo_family | {"delta_reward", "turn_reward", "traj_reward"}
+    assert needing("values") == {"gae", "gae_pr", "turn_ppo"}
+
+
+def test_registration_is_loud():
+    import pipeline.credit  # noqa: F401
+    from pipeline.credit.registry import ESTIMATORS, estimator
+
+    def grpo(ctx, settings):  # another function under a registered name
+        return None
+
+    with pytest.raises(ValueError, match="registered twice"):
+        estimator("grpo")(grpo)
+    with pytest.raises(ValueError, match="COMPONENT_FIELDS"):
+        estimator("brand_new", components=("a_hat", "not_a_component"))(grpo)
+    assert (
+        "brand_new" not in ESTIMATORS and ESTIMATORS["grpo"].fn.__module__ == "pipeline.credit.methods.grpo"
+    )
+
+
 @pytest.fixture
 def fireact_lake(tmp_path, real_data):
     """A lake whose round 0 is the shipped FireAct file: no verifier scores, no critic values."""

@@ -1,8 +1,7 @@
 """Method preconditions, checked before a round starts (issue 24): what each estimator / refiner needs from the
 round's steps, and which trajectories lack it.
 
-A stage declares its requirements with `declare(stage_name, Requirement(...))` (in its own module, or here for
-the built-in methods); `unmet(methods, step_flags, config)` is a pure function of a per-step flag table and
+A method declares its requirements where it is registered, `@estimator(name, requires=(Requirement(...),))`; `unmet(methods, step_flags, config)` is a pure function of a per-step flag table and
 returns every method whose requirement some trajectory does not meet, with the missing column and the
 trajectories affected. `creditflow process` runs it before any work: it stops with one line per unmet method,
 or, with `--skip-unmet`, computes the other methods and records what it skipped in the round's summary.
@@ -14,21 +13,11 @@ no query at all when no method has a requirement): traj_id, role, n_tokens, and 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import polars as pl
 
-from pipeline.credit.registry import parse_method
-
-
-@dataclass(frozen=True)
-class Requirement:
-    """Every assistant step with tokens needs `column` (a steps column), unless `applies(config)` is false."""
-
-    column: str  # verifier_score | values | logprobs
-    what: str  # in words, for the one-line message
-    applies: Callable[[object], bool] = field(default=lambda config: True)
+from pipeline.credit.registry import Requirement, parse_method
 
 
 @dataclass(frozen=True)
@@ -59,35 +48,13 @@ def step_flags_sql(round_: int, columns) -> str:
     )
 
 
-REQUIREMENTS: dict[str, tuple[Requirement, ...]] = {}
+REQUIREMENTS: dict[str, tuple[Requirement, ...]] = {}  # extra ones for a stage registered elsewhere
 
 
 def declare(stage: str, *requirements: Requirement) -> None:
-    """Declare what stage `stage` (an estimator or refiner name) needs from the round's steps."""
+    """Add requirements to stage `stage` (an estimator or refiner); a method's own module declares them with
+    `@estimator(..., requires=...)` instead."""
     REQUIREMENTS[stage] = REQUIREMENTS.get(stage, ()) + tuple(requirements)
-
-
-def _tcpo_errors_on_missing(config) -> bool:
-    return getattr(config.stage("tcpo"), "missing_score", "error") == "error"
-
-
-_SCORES = "per-turn verifier scores"
-for _name in (
-    "tcpo",
-    "tcpo_random_cf",
-    "tcpo_all_cf",
-    "tcpo_retro_hin",
-    "tcpo_retro",
-    "delta_reward",
-    "turn_reward",
-    "traj_reward",
-):
-    declare(
-        _name,
-        Requirement("verifier_score", f"{_SCORES} (or tcpo.missing_score=zero)", _tcpo_errors_on_missing),
-    )
-for _name in ("gae", "gae_pr", "turn_ppo"):
-    declare(_name, Requirement("values", "critic values"))
 
 
 def applicable(methods: list[str], config) -> list[tuple[str, str, Requirement]]:
@@ -96,7 +63,8 @@ def applicable(methods: list[str], config) -> list[tuple[str, str, Requirement]]
     for method in methods:
         est, refs = parse_method(method)
         for stage in (est, *refs):
-            out += [(method, stage.name, r) for r in REQUIREMENTS.get(stage.name, ()) if r.applies(config)]
+            reqs = stage.requires + REQUIREMENTS.get(stage.name, ())
+            out += [(method, stage.name, r) for r in reqs if r.applies(config)]
     return out
 
 

@@ -11,11 +11,22 @@ A method is a chain `estimator(+refiner)*`, e.g. `grpo`, `gae+c3`, `grpo+iapo+c3
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipeline.credit.context import CreditContext, CreditResult
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """What a method needs from the round's steps: every assistant step with tokens has `column` (a steps
+    column: verifier_score | values | logprobs), unless `applies(config)` is false. Checked before a round
+    starts (pipeline.credit.preconditions)."""
+
+    column: str
+    what: str  # in words, for the one-line message
+    applies: Callable[[object], bool] = field(default=lambda config: True)
 
 
 @dataclass(frozen=True)
@@ -31,6 +42,29 @@ class Stage:
     # `scope` says where it is taken; scope="round" (default): over the round, from the moments the statistics
     # pass (process.batch_statistics) collects
     batch_statistics: str | None = None
+    requires: tuple[Requirement, ...] = ()  # checked against the round before any work
+    components: tuple[str, ...] = ()  # the CreditResult components it fills (schemas/advantages.py)
+
+
+def _register(table: dict[str, Stage], stage: Stage) -> None:
+    """Add a stage; a second stage of the same name is an error (a silent overwrite would change a method)."""
+    from schemas.advantages import COMPONENT_FIELDS
+
+    old = table.get(stage.name)
+    if old is not None and (old.fn.__module__, old.fn.__qualname__) != (
+        stage.fn.__module__,
+        stage.fn.__qualname__,
+    ):
+        raise ValueError(
+            f"{stage.kind} {stage.name!r} is registered twice ({old.fn.__module__} and {stage.fn.__module__})"
+        )
+    unknown = [c for c in stage.components if c not in COMPONENT_FIELDS]
+    if unknown:
+        raise ValueError(
+            f"{stage.kind} {stage.name!r} declares components {unknown} that schemas/advantages.py "
+            "COMPONENT_FIELDS does not list: add them there (one line each, with their meaning)"
+        )
+    table[stage.name] = stage
 
 
 # the steps columns every method may read; others are read only when a stage lists them in `step_columns`:
@@ -54,9 +88,11 @@ def estimator(
     needs: tuple[str, ...] = (),
     step_columns: tuple[str, ...] = (),
     batch_statistics: str | None = None,
+    requires: tuple[Requirement, ...] = (),
+    components: tuple[str, ...] = (),
 ):
     def deco(fn: Callable) -> Callable:
-        ESTIMATORS[name] = Stage(
+        stage = Stage(
             name,
             "estimator",
             fn,
@@ -65,19 +101,36 @@ def estimator(
             (fn.__doc__ or "").strip(),
             tuple(step_columns),
             batch_statistics,
+            tuple(requires),
+            tuple(components),
         )
+        _register(ESTIMATORS, stage)
         return fn
 
     return deco
 
 
 def refiner(
-    name: str, settings: str | None = None, needs: tuple[str, ...] = (), step_columns: tuple[str, ...] = ()
+    name: str,
+    settings: str | None = None,
+    needs: tuple[str, ...] = (),
+    step_columns: tuple[str, ...] = (),
+    requires: tuple[Requirement, ...] = (),
+    components: tuple[str, ...] = (),
 ):
     def deco(fn: Callable) -> Callable:
-        REFINERS[name] = Stage(
-            name, "refiner", fn, settings, tuple(needs), (fn.__doc__ or "").strip(), tuple(step_columns)
+        stage = Stage(
+            name,
+            "refiner",
+            fn,
+            settings,
+            tuple(needs),
+            (fn.__doc__ or "").strip(),
+            tuple(step_columns),
+            requires=tuple(requires),
+            components=tuple(components),
         )
+        _register(REFINERS, stage)
         return fn
 
     return deco

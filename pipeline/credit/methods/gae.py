@@ -29,7 +29,7 @@ from pydantic import Field
 from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.ops import segment_bounds, segment_discounted_cumsum, whiten
-from pipeline.credit.registry import MethodError, estimator
+from pipeline.credit.registry import MethodError, Requirement, estimator
 
 
 @register_settings("gae")
@@ -73,7 +73,13 @@ def step_mean(ctx: CreditContext, token_values: np.ndarray) -> np.ndarray:
     return np.divide(total, count, out=np.full(ctx.n_steps, np.nan), where=count > 0)
 
 
-@estimator("gae", settings="gae", step_columns=("values",), batch_statistics="gae")
+@estimator(
+    "gae",
+    settings="gae",
+    step_columns=("values",),
+    batch_statistics="gae",
+    requires=(Requirement("values", "critic values"),),
+)
 def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
     """Token-level GAE over assistant tokens; returns before whitening."""
     return gae_credit(ctx, settings, "gae")

@@ -23,7 +23,7 @@ from pipeline.credit.methods.c3 import span_token_ranges
 from pipeline.credit.methods.gae import gae_credit, step_mean
 from pipeline.credit.methods.grpo import grpo_traj_advantage
 from pipeline.credit.ops import segment_discounted_cumsum, whiten
-from pipeline.credit.registry import estimator
+from pipeline.credit.registry import Requirement, estimator
 
 
 @register_settings("process_reward")
@@ -73,7 +73,12 @@ def grpo_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult
 
 
 @estimator(
-    "gae_pr", settings="process_reward", needs=("spans",), step_columns=("values",), batch_statistics="gae"
+    "gae_pr",
+    settings="process_reward",
+    needs=("spans",),
+    step_columns=("values",),
+    batch_statistics="gae",
+    requires=(Requirement("values", "critic values"),),
 )
 def gae_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
     """Token GAE with the behaviour penalties as turn rewards (or subtracted from the outcome reward)."""

@@ -44,7 +44,7 @@ from pydantic import Field
 from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.ops import group_normalize
-from pipeline.credit.registry import estimator
+from pipeline.credit.registry import Requirement, estimator
 
 Selection = Literal["top", "random", "all"]
 
@@ -333,49 +333,73 @@ def _broadcast(
 # ---- registered methods: TCPO and the ablations of Tables 3 and 4 ----------------------------------
 
 
-@estimator("tcpo", settings="tcpo", needs=("counterfactuals",), step_columns=("logprobs",))
+def _scores_required(config) -> bool:
+    return config.stage("tcpo").missing_score == "error"
+
+
+# every TCPO variant reads per-turn verifier scores r_{i,k} (unless missing ones are scored 0)
+TURN_SCORES = Requirement(
+    "verifier_score", "per-turn verifier scores (or tcpo.missing_score=zero)", _scores_required
+)
+
+
+@estimator(
+    "tcpo", settings="tcpo", needs=("counterfactuals",), step_columns=("logprobs",), requires=(TURN_SCORES,)
+)
 def tcpo(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """TCPO: retrospective + hindsight + Top-L counterfactual credit, normalised per (prompt, turn), gamma^(k-1)."""
     return tcpo_credit(ctx, settings, "full")
 
 
-@estimator("tcpo_random_cf", settings="tcpo", needs=("counterfactuals",), step_columns=("logprobs",))
+@estimator(
+    "tcpo_random_cf",
+    settings="tcpo",
+    needs=("counterfactuals",),
+    step_columns=("logprobs",),
+    requires=(TURN_SCORES,),
+)
 def tcpo_random_cf(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """TCPO with Rand-L counterfactual selection (Table 4), seeded by tcpo.seed."""
     return tcpo_credit(ctx, settings, "full", selection="random")
 
 
-@estimator("tcpo_all_cf", settings="tcpo", needs=("counterfactuals",), step_columns=("logprobs",))
+@estimator(
+    "tcpo_all_cf",
+    settings="tcpo",
+    needs=("counterfactuals",),
+    step_columns=("logprobs",),
+    requires=(TURN_SCORES,),
+)
 def tcpo_all_cf(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """TCPO with counterfactuals on every eligible turn (Table 4, All CF)."""
     return tcpo_credit(ctx, settings, "full", selection="all")
 
 
-@estimator("tcpo_retro_hin", settings="tcpo", step_columns=("logprobs",))
+@estimator("tcpo_retro_hin", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,))
 def tcpo_retro_hin(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Retro + Hin.': phi = c_ret + mu*c_hin (no counterfactuals)."""
     return tcpo_credit(ctx, settings, "retro_hin")
 
 
-@estimator("tcpo_retro", settings="tcpo", step_columns=("logprobs",))
+@estimator("tcpo_retro", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,))
 def tcpo_retro(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Retro': phi = c_ret."""
     return tcpo_credit(ctx, settings, "retro")
 
 
-@estimator("delta_reward", settings="tcpo", step_columns=("logprobs",))
+@estimator("delta_reward", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,))
 def delta_reward(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Delta reward': phi = r_{i,k} - r_{i,k-1} (r_{i,0} = 0), TCPO's Norm and gamma^(k-1)."""
     return tcpo_credit(ctx, settings, "delta_reward")
 
 
-@estimator("turn_reward", settings="tcpo", step_columns=("logprobs",))
+@estimator("turn_reward", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,))
 def turn_reward(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Turn reward': phi = r_{i,k}, TCPO's Norm and gamma^(k-1)."""
     return tcpo_credit(ctx, settings, "turn_reward")
 
 
-@estimator("traj_reward", settings="tcpo", step_columns=("logprobs",))
+@estimator("traj_reward", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,))
 def traj_reward(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Traj. reward' [INF]: phi = best-turn max_k r_{i,k} on every turn, TCPO's Norm and gamma^(k-1)."""
     return tcpo_credit(ctx, settings, "traj_reward")

@@ -23,7 +23,7 @@ from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.methods.gae import require_values
 from pipeline.credit.ops import segment_bounds, segment_discounted_cumsum, whiten
-from pipeline.credit.registry import estimator
+from pipeline.credit.registry import Requirement, estimator
 
 
 @register_settings("turn_ppo")
@@ -40,7 +40,13 @@ class TurnPPOSettings(StageSettings):
     )
 
 
-@estimator("turn_ppo", settings="turn_ppo", step_columns=("values",), batch_statistics="turn_ppo")
+@estimator(
+    "turn_ppo",
+    settings="turn_ppo",
+    step_columns=("values",),
+    batch_statistics="turn_ppo",
+    requires=(Requirement("values", "critic values"),),
+)
 def turn_ppo(ctx: CreditContext, settings: TurnPPOSettings) -> CreditResult:
     """GAE over turns, one value per turn."""
     steps = ctx.steps
