@@ -40,6 +40,7 @@ def llm_cfg(lake: Lake, server, tmp_path: Path):
     )
 
 
+@pytest.mark.slow
 def test_degraded_llm_result_is_asked_again_after_recovery(tmp_path, prefect_harness, llm_standin):
     lake = Lake(tmp_path / "lake")
     batches = make_round(lake, groups=4, batch_groups=2)
@@ -66,6 +67,7 @@ def test_degraded_llm_result_is_asked_again_after_recovery(tmp_path, prefect_har
     assert llm_standin.calls == calls
 
 
+@pytest.mark.slow
 def test_garbage_answers_complete_with_warnings(tmp_path, prefect_harness, llm_standin):
     lake = Lake(tmp_path / "lake")
     make_round(lake, groups=4, batch_groups=2)
