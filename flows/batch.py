@@ -10,6 +10,14 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from flows.stage_names import (  # noqa: F401  (CREDIT, EXPORT, method_slug: re-exported)
+    CREDIT,
+    EXPORT,
+    STATS,
+    advantages_part,
+    method_slug,
+    statistics_methods,
+)
 from pipeline.config import Config
 from pipeline.credit.ops import Moments
 from pipeline.credit.process import (
@@ -21,13 +29,9 @@ from pipeline.credit.process import (
     statistics_table,
 )
 from pipeline.stages import NO_IO, StageIO
-from warehouse.lake import Lake, safe_part_name
+from warehouse.lake import Lake
 from warehouse.rounds import batch_names, read_batch
 from warehouse.runlog import record_stage_run
-
-CREDIT, EXPORT = "credit", "export"
-# the statistics pass: the sufficient statistics of every batch-level statistic taken over the round
-STATS = "credit_stats"
 
 
 def stage_io(config: Config) -> StageIO:
@@ -45,14 +49,6 @@ def stage_io(config: Config) -> StageIO:
             return list(pool.map(fn, *iterables))
 
     return StageIO(llm=LLMClient, map=pool_map)
-
-
-def method_slug(method: str) -> str:
-    return safe_part_name(method.replace("+", "-"))
-
-
-def advantages_part(batch: str, method: str) -> str:
-    return f"{batch}.{method_slug(method)}"
 
 
 @dataclass
@@ -137,13 +133,6 @@ def _credit_inputs(lake: Lake, round_: int, batch: str, methods: list[str]) -> t
     steps = read_batch(lake, "steps", round_, batch, columns=method_step_columns(methods))
     annotations = {name: read_batch(lake, name, round_, batch) for name in sorted(annotation_names(methods))}
     return traj, steps, annotations
-
-
-def statistics_methods(config: Config) -> list[str]:
-    """The estimators of the round's methods whose batch-level statistics span the round (empty: no pass)."""
-    from pipeline.credit.registry import round_statistics_methods
-
-    return [stage.name for stage in round_statistics_methods(config.methods, config)]
 
 
 def stats_batch(lake: Lake, round_: int, batch: str, config: Config, cache_key: str | None = None) -> dict:

@@ -61,7 +61,7 @@ def _source_hash(paths: tuple[str, ...]) -> str:
 
 def code_version(stage: str) -> str:
     """Package version + hash of the sources that decide the stage's output."""
-    from flows.batch import CREDIT, EXPORT, STATS
+    from flows.stage_names import CREDIT, EXPORT, STATS
 
     if stage in (CREDIT, STATS):
         paths = ("pipeline/credit", "schemas/advantages.py")
@@ -79,7 +79,7 @@ def code_version(stage: str) -> str:
 
 def stage_inputs(stage: str, batch: str, config: Config) -> list[tuple[str, str]]:
     """(table, part) pairs the stage reads for the batch."""
-    from flows.batch import CREDIT, EXPORT, STATS, advantages_part, statistics_methods
+    from flows.stage_names import CREDIT, EXPORT, STATS, advantages_part, statistics_methods
     from pipeline.credit.process import annotation_names
 
     pairs = [("trajectories", batch), ("steps", batch)]
@@ -98,7 +98,7 @@ def stage_inputs(stage: str, batch: str, config: Config) -> list[tuple[str, str]
 
 def stage_settings(stage: str, config: Config) -> dict[str, Any]:
     """The settings a stage's output depends on, as plain JSON."""
-    from flows.batch import CREDIT, EXPORT, STATS, statistics_methods
+    from flows.stage_names import CREDIT, EXPORT, STATS, statistics_methods
 
     if stage == EXPORT:
         return {"methods": list(config.methods)}
