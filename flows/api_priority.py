@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 _lock = threading.Lock()
 _holders: dict[int, int] = {}  # API server pid -> stage phases in progress (rounds run side by side)
@@ -49,21 +49,37 @@ def stages_fill_cpus(workers: int) -> bool:
     return workers >= usable_cpus()
 
 
+API_APP = "prefect.server.api.server:create_app"  # what Prefect's API server process runs (uvicorn --factory)
+
+
 def own_api_pid() -> int | None:
-    """The pid of the running Prefect API server this process started and its flows report to, if any."""
-    module = sys.modules.get("prefect.server.api.server")  # never imported here: no server of ours without it
-    servers = getattr(getattr(module, "SubprocessASGIServer", None), "_instances", None)
-    if not isinstance(servers, dict):
-        return None
+    """The pid of a running Prefect API server that this process started (a child process serving Prefect's API
+    app, found from /proc: no Prefect internals) and that its flows report to, if any."""
+    from urllib.parse import urlparse
+
     from prefect.settings import PREFECT_API_URL
 
-    url = (PREFECT_API_URL.value() or "").rstrip("/")
-    for server in list(servers.values()):
-        proc = getattr(server, "server_process", None)
-        if not getattr(server, "running", False) or proc is None or proc.poll() is not None:
+    url = PREFECT_API_URL.value()
+    port = urlparse(str(url)).port if url else None
+    me = os.getpid()
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[1]) != me or stat[0] == "Z":
+                continue
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, IndexError, ValueError):
             continue
-        if not url or url == str(getattr(server, "api_url", "")).rstrip("/"):
-            return proc.pid
+        if API_APP not in argv:
+            continue
+        if port is None or (
+            "--port" in argv and argv[argv.index("--port") + 1 : argv.index("--port") + 2] == [str(port)]
+        ):
+            return int(entry)
     return None
 
 
