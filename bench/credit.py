@@ -57,7 +57,10 @@ def worker_engine(lake_dir: Path, round_: int, method: str) -> dict:
 
     # a method whose statistics span the round (gae, turn_ppo, gdpo) runs the statistics pass on the first
     # credit_batch (flows.batch.round_statistics): the parts of an earlier repetition must not spare it
-    shutil.rmtree(lake.partition_dir("credit_stats", round_), ignore_errors=True)
+    if getattr(lake, "format", "parquet") == "parquet":
+        shutil.rmtree(lake.partition_dir("credit_stats", round_), ignore_errors=True)
+    else:  # a Delta lake (--formats parquet,delta)
+        lake.delete_parts("credit_stats", round_)
     t0 = time.perf_counter()
     tokens = 0
     for b in round_batches(lake, round_):
@@ -107,6 +110,8 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
 
     lake = Lake(lake_dir)
     cols = method_step_columns([method])
+    if getattr(lake, "format", "parquet") == "delta":
+        return _delta_floor(lake, round_, method, cols)
     seconds = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for b in round_batches(lake, round_):
@@ -117,6 +122,38 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
             pq.read_table(lake.partition_dir("steps", round_) / f"part-{b}.parquet", columns=cols)
             pq.read_table(lake.partition_dir("trajectories", round_) / f"part-{b}.parquet")
             pq.write_table(adv, Path(tmp) / "adv.parquet", **write_options(adv.schema))
+            seconds += time.perf_counter() - t0
+            del adv
+    return {"seconds": seconds, "rss_mb": peak_rss_mb(), "columns": cols}
+
+
+def _delta_floor(lake, round_: int, method: str, cols: list[str]) -> dict:
+    """The floor of a Delta lake: delta-rs + pyarrow only: the same columns read from the Delta tables' datasets
+    (filtered to the round and the batch's part), the advantages part written by one Delta commit."""
+    import pyarrow.dataset as pads
+    from deltalake import DeltaTable, write_deltalake
+
+    from flows.batch import advantages_part, round_batches
+
+    def part(table: str, name: str, columns=None):
+        ds = DeltaTable(lake.table_uri(table)).to_pyarrow_dataset()
+        flt = (pads.field("round") == round_) & (pads.field("_part") == name)
+        return ds.to_table(columns=columns, filter=flt)
+
+    seconds = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for b in round_batches(lake, round_):
+            adv = part("advantages", advantages_part(b, method))
+            t0 = time.perf_counter()
+            part("steps", b, cols)
+            part("trajectories", b)
+            write_deltalake(
+                f"{tmp}/adv",
+                adv,
+                mode="overwrite",
+                predicate=f"round = {round_}",
+                partition_by=["round", "_part"],
+            )
             seconds += time.perf_counter() - t0
             del adv
     return {"seconds": seconds, "rss_mb": peak_rss_mb(), "columns": cols}
@@ -193,6 +230,11 @@ def main() -> None:
         help="a worktree of the code before this change (git worktree add DIR REV): its engine is "
         "timed in the same run, interleaved with this checkout's",
     )
+    p.add_argument(
+        "--formats",
+        default="parquet",
+        help="parquet,delta: also time the engine and its floor on a Delta copy of the lake (interleaved)",
+    )
     p.add_argument("--double", action="store_true", help="also run a round of twice the groups (RSS growth)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "credit.md")
     p.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
@@ -224,16 +266,25 @@ def main() -> None:
         if not (lake_dir / "steps" / f"round={r}").exists():
             info = make_round(lake_dir, r, g, args.samples, args.turns, args.tokens)
             print(f"round {r}: {g} groups synthesised in {info['seconds']:.1f} s", flush=True)
+    formats = [f for f in args.formats.split(",") if f]
+    delta_dir = lake_dir.parent / f"{lake_dir.name}-delta"
+    if "delta" in formats and not (delta_dir / "steps" / "_delta_log").exists():
+        from warehouse.delta_lake import migrate
+
+        t0 = time.perf_counter()
+        migrate(lake_dir, delta_dir)
+        print(f"Delta copy {delta_dir}: {time.perf_counter() - t0:.1f} s", flush=True)
     os.sync()  # the rounds just written: their writeback must not land inside the first measurement
     asst, total = assistant_tokens(lake_dir, 0)
 
-    def best_of(m: str, kinds: list[tuple[str, Path]]) -> list[dict]:
-        """The fastest of `reps` runs of each (kind, root), interleaved (engine, floor, compute, engine, ...), so
-        a slow spell of this shared machine hits the engine and its floor alike."""
+    def best_of(m: str, kinds: list[tuple]) -> list[dict]:
+        """The fastest of `reps` runs of each (kind, root[, lake]), interleaved (engine, floor, compute, engine,
+        ...), so a slow spell of this shared machine hits the engine and its floor alike."""
         runs: list[list[dict]] = [[] for _ in kinds]
         for _ in range(args.reps):
-            for i, (kind, root) in enumerate(kinds):
-                runs[i].append(sub("--root", str(root), "--worker", kind, str(lake_dir), "0", m))
+            for i, (kind, root, *lake) in enumerate(kinds):
+                where = str(lake[0] if lake else lake_dir)
+                runs[i].append(sub("--root", str(root), "--worker", kind, where, "0", m))
         return [min(r, key=lambda x: x["seconds"]) for r in runs]
 
     headers = [
@@ -252,10 +303,16 @@ def main() -> None:
         headers[1:1] = ["before: wall s", "before: x floor"]
     if args.double:
         headers += ["2x round: wall s", "2x round: peak RSS MB"]
+    if "delta" in formats:
+        headers += ["Delta: wall s", "Delta: I/O floor s", "Delta / hive wall"]
     rows = []
     for m in methods:
         kinds = [("engine", ROOT), ("floor", ROOT), ("compute", ROOT)]
+        if "delta" in formats:
+            kinds += [("engine", ROOT, delta_dir), ("floor", ROOT, delta_dir)]
         e, f, cpu, *rest = best_of(m, kinds + ([("engine", args.baseline)] if args.baseline else []))
+        de, df = (rest[0], rest[1]) if "delta" in formats else (None, None)
+        rest = rest[2:] if "delta" in formats else rest
         base = rest[0] if rest else None
         rf = sub("--ref-groups", str(args.ref_groups), "--worker", "reference", str(lake_dir), "0", m)
         ref_s = rf["seconds"] * asst / max(rf["assistant_tokens"], 1)
@@ -276,6 +333,8 @@ def main() -> None:
         if args.double:
             e2 = sub("--worker", "engine", str(lake_dir), "1", m)
             row += [f"{e2['seconds']:.2f}", f"{e2['rss_mb']:.0f}"]
+        if de is not None:
+            row += [f"{de['seconds']:.2f}", f"{df['seconds']:.2f}", f"{de['seconds'] / e['seconds']:.2f}"]
         print("| " + " | ".join(row) + " |", flush=True)
         rows.append(row)
     lines = [

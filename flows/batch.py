@@ -165,7 +165,7 @@ def stats_source(lake: Lake, round_: int, batch: str, config: Config) -> str:
     sizes and mtimes, the settings it reads, the code)."""
     from flows.caching import stage_cache_key
 
-    return stage_cache_key(str(lake.root), round_, batch, STATS, config)
+    return stage_cache_key(lake.uri, round_, batch, STATS, config)
 
 
 def round_statistics(lake: Lake, round_: int, config: Config, batches: list[str] | None = None) -> dict:

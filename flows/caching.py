@@ -161,7 +161,7 @@ def stage_cache_key(
     ]
     payload = {
         "stage": stage,
-        "lake": str(lake.root),
+        "lake": lake.uri,
         "round": int(round_),
         "batch": batch,
         "inputs": fingerprint,
@@ -183,8 +183,12 @@ def degraded_batches(lake: Lake, round_: int, stage: str, batches: set[str] | li
     from warehouse.runlog import TABLE
 
     folder = lake.partition_dir(TABLE, round_)
-    paths = [folder / f"part-{safe_part_name(f'{stage}.{b}')}.parquet" for b in sorted(batches)]
-    paths = [p for p in paths if p.exists()]
+    present = {lake.part_name(p) for p in lake.parts(TABLE, round_)}
+    paths = [
+        folder / f"part-{n}.parquet"
+        for b in sorted(batches)
+        if (n := safe_part_name(f"{stage}.{b}")) in present
+    ]
     if not paths:
         return set()
     runs = lake.read(TABLE, round_, columns=["batch", "warnings"], parts=paths)

@@ -125,7 +125,7 @@ def ingest_flow(sources: list[str], fmt: str, round_: int, config: Config | dict
             f"ingest {fmt}: no trajectory could be ingested from {len(sources)} source(s); "
             f"{quarantine.num_rows} record(s) quarantined in {lake.partition_dir('quarantine', round_)}"
         )
-    parts = write_round_task(str(lake.root), round_, trajectories, steps, quarantine, config.batch_groups)
+    parts = write_round_task(lake.uri, round_, trajectories, steps, quarantine, config.batch_groups)
     return {
         "format": fmt,
         "round": round_,
@@ -137,5 +137,5 @@ def ingest_flow(sources: list[str], fmt: str, round_: int, config: Config | dict
         "quarantined": quarantine.num_rows,
         "parts": len(parts),
         "tokens": stats.get("tokens"),
-        "lake": str(lake.root),
+        "lake": lake.uri,
     }

@@ -218,7 +218,7 @@ def process_round_flow(round_: int, config: Config | dict):
                     run = _run_stages(lake, round_, batches, config)
             finally:
                 workers.shutdown()  # worker processes (flow.processes) hold a batch's memory; free it
-        summary = round_stats_task(str(lake.root), round_)
+        summary = round_stats_task(lake.uri, round_)
     summary["this_run"] = run
     summary["wall_seconds"] = round(time.perf_counter() - t0, 3)
     summary["task_runner"] = config.task_runner
@@ -306,7 +306,7 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
             stage, batch = stages[s], batches[b]
             cached, refresh, done = variants[stage]
             future = (cached if batch in done else refresh).submit(
-                lake_root=str(lake.root),
+                lake_root=lake.uri,
                 round_=round_,
                 batch=batch,
                 stage=stage,

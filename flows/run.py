@@ -38,11 +38,13 @@ def prepare(cfg: Config) -> threading.Thread:
 def require_lake(lake_dir: Path | str) -> None:
     """A command that reads a lake stops with one line when the folder holds none (a mistyped --lake must not
     create an empty lake and succeed)."""
-    from schemas import TABLES
-    from warehouse.lake import lake_path
+    from warehouse.lake import Lake, LakeError
 
-    root = lake_path(lake_dir)
-    if not root.is_dir() or not any((root / table).is_dir() for table in TABLES):
+    try:
+        present = Lake(lake_dir).exists()
+    except LakeError as exc:
+        raise SystemExit(str(exc)) from None
+    if not present:
         raise SystemExit(f"no lake at {lake_dir} (no table folders there); check --lake")
 
 
@@ -160,29 +162,30 @@ def run_stats(lake_dir: Path | str, round_: int) -> dict:
     return summary
 
 
-def run_export(lake_dir: Path, round_: int, method: str, out: Path, layout: str = "flat", **padding) -> Path:
+def run_export(
+    lake_dir: Path | str, round_: int, method: str, out: Path, layout: str = "flat", **padding
+) -> Path:
     """`padding`: response_length / prompt_length / pad_token_id of `pipeline.layouts.to_padded`."""
     from warehouse.exports import ExportError, write_export
 
     require_lake(lake_dir)
     try:
-        rows = write_export(lake_dir, round_, method, out, layout, **padding)
+        rows, version = write_export(lake_dir, round_, method, out, layout, with_version=True, **padding)
     except ExportError as exc:
         raise SystemExit(str(exc)) from None
-    print_kv(
-        "creditflow export",
-        {"method": method, "round": round_, "layout": layout, "trajectories": rows, "out": str(out)},
-    )
+    shown = {"method": method, "round": round_, "layout": layout, "trajectories": rows, "out": str(out)}
+    if version:  # a Delta lake: the exact advantages this batch holds (`creditflow query --as-of`)
+        shown["lake version"] = version
+    print_kv("creditflow export", shown)
     return out
 
 
 def run_report(
-    lake_dir: Path, out: Path, rounds: list[int] | None = None, n_traj: int = 8, quiet: bool = False
+    lake_dir: Path | str, out: Path, rounds: list[int] | None = None, n_traj: int = 8, quiet: bool = False
 ) -> Path:
     from warehouse.lake import Lake
     from warehouse.report_file import write_report
 
-    lake_dir = Path(lake_dir)
     require_lake(lake_dir)
     out, data, timing = write_report(Lake(lake_dir), out, rounds, n_traj=n_traj)
     seconds, t_gather = timing["seconds"], timing["queries"]

@@ -35,7 +35,7 @@ def round_summary(lake: Lake, round_: int) -> dict:
     notes = total_notes(runs, [s for s in stages if s not in ("credit_stats", "credit", "export")])
     return {
         "round": int(round_),
-        "lake": str(lake.root),
+        "lake": lake.uri,
         "batches": len(lake.parts("trajectories", round_)),
         "trajectories": count_rows(lake, "trajectories", round_),
         "steps": count_rows(lake, "steps", round_),

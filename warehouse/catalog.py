@@ -20,7 +20,7 @@ import duckdb
 import pyarrow.parquet as pq
 
 from schemas import TABLES
-from warehouse.lake import Lake, temp_token
+from warehouse.lake import Lake, LakeError, temp_token
 from warehouse.views import VIEWS
 
 CATALOG_FILE = "catalog.duckdb"
@@ -73,15 +73,42 @@ def table_view_sql(lake: Lake, table: str) -> str:
     return f"CREATE OR REPLACE VIEW {table} AS SELECT CAST(NULL AS INTEGER) AS round, * FROM {src}"
 
 
-def build_catalog(lake: Lake, con: duckdb.DuckDBPyConnection) -> None:
+def _delta_catalog(lake: Lake, con: duckdb.DuckDBPyConnection, as_of=None) -> None:
+    """A Delta lake's tables as Arrow datasets registered on this connection (no path is stored anywhere;
+    object storage is read by delta-rs/Arrow, not by a DuckDB extension)."""
+    for table in TABLES:
+        ds = lake.dataset(table, as_of)
+        if ds is None:
+            spec = TABLES[table]
+            con.register(f"_delta_{table}", spec.empty())
+            con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM _delta_{table}")
+            continue
+        con.register(f"_delta_{table}", ds)
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS SELECT * EXCLUDE (_part) FROM _delta_{table}")
+    for view in VIEWS.values():
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {view.name} AS {view.sql}")
+
+
+def build_catalog(lake: Lake, con: duckdb.DuckDBPyConnection, as_of=None) -> None:
+    if lake.format == "delta":
+        _delta_catalog(lake, con, as_of)
+        return
+    if as_of is not None:
+        raise LakeError(
+            f"lake {lake.uri} is hive Parquet, which keeps no versions: `creditflow lake migrate --lake "
+            f"{lake.uri}` converts it to Delta"
+        )
     for table in TABLES:
         con.execute(table_view_sql(lake, table))
     for view in VIEWS.values():
         con.execute(f"CREATE OR REPLACE VIEW {view.name} AS {view.sql}")
 
 
-def refresh(lake: Lake) -> Path:
-    """(Re)build LAKE/catalog.duckdb atomically: views only, the data stays in Parquet."""
+def refresh(lake: Lake) -> Path | None:
+    """(Re)build LAKE/catalog.duckdb atomically for outside tools (views only, the data stays in Parquet); a
+    Delta lake has none (every connection registers the tables itself). `connect` does not use the file."""
+    if lake.format != "parquet":
+        return None
     lake.root.mkdir(parents=True, exist_ok=True)
     target = lake.root / CATALOG_FILE
     tmp = lake.root / f".tmp-{temp_token()}.duckdb"
@@ -96,6 +123,8 @@ def refresh(lake: Lake) -> Path:
 
 def allowed_directories(lake: Lake) -> list[str]:
     """The folders a read-only connection may read: each table's folder and the empty-table files."""
+    if lake.format != "parquet":  # the tables are registered Arrow datasets: no file access at all
+        return []
     dirs = [lake.table_dir(table) for table in TABLES] + [lake.root / "_empty"]
     return [str(d) + os.sep for d in dirs]
 
@@ -103,21 +132,24 @@ def allowed_directories(lake: Lake) -> list[str]:
 def lock_down(con: duckdb.DuckDBPyConnection, lake: Lake) -> None:
     """No file access outside the lake's tables, no extensions, and no SET that could undo it."""
     dirs = ", ".join(_quote(d) for d in allowed_directories(lake))
-    con.execute(f"SET allowed_directories = [{dirs}]")
+    if dirs:
+        con.execute(f"SET allowed_directories = [{dirs}]")
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
 
 
-def connect(lake: Lake | str, read_only: bool = True) -> duckdb.DuckDBPyConnection:
-    """A connection with every table and view defined. Read-only (and locked down) by default."""
+def connect(lake: Lake | str, read_only: bool = True, as_of=None) -> duckdb.DuckDBPyConnection:
+    """A connection with every table and view defined, built for this connection from the lake as it is now
+    (or as of a lake version, Delta only): no catalog file, no stored path. Read-only (and locked down) by
+    default."""
     lake = lake if isinstance(lake, Lake) else Lake(lake)
     if not read_only:
         con = duckdb.connect()
-        build_catalog(lake, con)
+        build_catalog(lake, con, as_of)
         return con
-    path = refresh(lake)
-    con = duckdb.connect(str(path), read_only=True, config=dict(_SAFE_CONFIG))
+    con = duckdb.connect(":memory:", config=dict(_SAFE_CONFIG))
     try:
+        build_catalog(lake, con, as_of)
         lock_down(con, lake)
     except BaseException:
         con.close()
@@ -159,11 +191,12 @@ def check_read_only(sql: str) -> None:
         )
 
 
-def query(lake: Lake | str, sql: str):
+def query(lake: Lake | str, sql: str, as_of=None):
     """Run read-only SQL (SELECT only, on a locked-down connection); returns a pyarrow Table.
-    Raises `QueryRefused` (a `duckdb.Error`) for any other statement, before anything runs."""
+    Raises `QueryRefused` (a `duckdb.Error`) for any other statement, before anything runs.
+    `as_of`: a lake version (`Lake.version()` token or ISO timestamp) to read instead of the latest (Delta)."""
     check_read_only(sql)
-    con = connect(lake, read_only=True)
+    con = connect(lake, read_only=True, as_of=as_of)
     try:
         return con.sql(sql).to_arrow_table()
     finally:

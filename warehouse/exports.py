@@ -23,8 +23,11 @@ def write_export(
     response_length: int | None = None,
     prompt_length: int | None = None,
     pad_token_id: int = 0,
-) -> int:
-    """Write the batch to `out` (temp file, then rename); returns the number of trajectories.
+    with_version: bool = False,
+) -> int | tuple[int, str]:
+    """Write the batch to `out` (temp file, then rename); returns the number of trajectories (and, with
+    `with_version`, the lake version read: all tables are read as of one version taken first, and a flat
+    file records it in its metadata as `creditflow.lake_version`; empty for a hive-Parquet lake).
     `response_length` / `prompt_length` (verl): the run's padded lengths; `pad_token_id`: what pads."""
     import pyarrow.parquet as pq
 
@@ -36,16 +39,24 @@ def write_export(
     if layout != "verl" and (response_length is not None or prompt_length is not None):
         raise ExportError("--response-length / --prompt-length apply to --layout verl only")
     lake = Lake(lake_dir)
-    adv = lake.read("advantages", round_)
+    version = lake.version()
+    as_of = {"as_of": version} if version else {}
+    adv = lake.read("advantages", round_, **as_of)
     adv = adv.filter(pc.equal(adv.column("method"), method))
     if adv.num_rows == 0:
         raise ExportError(
             f"no advantages for method {method!r} in round {round_}; run `creditflow process` first"
         )
-    batch = build_train_batch(lake.read("trajectories", round_), lake.read("steps", round_), adv)
+    batch = build_train_batch(
+        lake.read("trajectories", round_, **as_of), lake.read("steps", round_, **as_of), adv
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     if layout == "flat":
         tmp = out.with_name(f".tmp-{out.name}")
+        if version:
+            batch = batch.replace_schema_metadata(
+                {**(batch.schema.metadata or {}), b"creditflow.lake_version": version.encode()}
+            )
         pq.write_table(batch, tmp, **write_options(batch.schema))
     else:
         tmp = out.with_name(f".tmp-{out.stem}.npz")
@@ -55,4 +66,4 @@ def write_export(
             raise ExportError(str(exc)) from None
         save_padded(arrays, tmp)
     tmp.replace(out)
-    return batch.num_rows
+    return (batch.num_rows, version) if with_version else batch.num_rows

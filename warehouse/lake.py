@@ -88,26 +88,110 @@ def safe_part_name(name: str) -> str:
     return cleaned[:180]
 
 
+FORMATS = ("parquet", "delta")
+FORMAT_ENV = "CREDITFLOW_LAKE_FORMAT"  # the format of a NEW local lake (an existing one keeps its own)
+REMOTE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+
+
+class LakeError(ValueError):
+    """A lake URI that cannot be used (one line)."""
+
+
+def is_remote(root: str | os.PathLike) -> bool:
+    text = os.fspath(root)
+    return "://" in text and text.split("://", 1)[0].lower() in REMOTE_SCHEMES
+
+
 def lake_path(root: str | os.PathLike) -> Path:
-    """A local folder or a `file://` URL. Other fsspec schemes (s3://, gs://, ...) lack the atomic rename the
-    writes rely on: mount them (s3fs-fuse, gcsfuse, NFS) and give the mount path."""
+    """A local folder or a `file://` URL (object-store URIs are `Lake`s of format delta, see `lake_uri`)."""
     text = os.fspath(root)
     if "://" in text:
         from urllib.parse import unquote, urlparse
 
         url = urlparse(text)
         if url.scheme != "file":
-            raise ValueError(
-                f"lake {text!r}: only local paths and file:// URLs are supported; mount {url.scheme}:// "
-                "storage (s3fs-fuse, gcsfuse, NFS) and give the mount path"
+            raise LakeError(
+                f"lake {text!r}: {url.scheme}:// is not a local folder (object-store lakes are Delta tables: "
+                f"supported schemes {', '.join(REMOTE_SCHEMES)})"
             )
         text = unquote(url.path)
     return Path(text).expanduser().resolve()
 
 
+def lake_format(root: str | os.PathLike) -> str:
+    """The format of the lake at `root`: what is on disk decides (a table folder with a `_delta_log` is delta,
+    one with `round=` folders is hive Parquet); an object-store URI is always delta; a new local lake takes
+    $CREDITFLOW_LAKE_FORMAT (default parquet)."""
+    if is_remote(root):
+        return "delta"
+    path = lake_path(root)
+    marker = path / "_format"
+    if marker.is_file():
+        text = marker.read_text(encoding="utf-8").strip()
+        if text in FORMATS:
+            return text
+    if path.is_dir():
+        from schemas import TABLES
+
+        for table in TABLES:
+            if (path / table / "_delta_log").is_dir():
+                return "delta"
+        for table in TABLES:
+            if (path / table).is_dir():
+                return "parquet"
+    wanted = os.environ.get(FORMAT_ENV, "parquet").strip().lower() or "parquet"
+    if wanted not in FORMATS:
+        raise LakeError(f"{FORMAT_ENV}={wanted!r}: one of {', '.join(FORMATS)}")
+    return wanted
+
+
+BACKENDS: dict[str, type] = {}  # format -> Lake subclass (warehouse.delta_lake registers "delta")
+
+
 class Lake:
+    """The hive-Parquet lake. `Lake(root)` gives a `warehouse.delta_lake.DeltaLake` instead when the lake at
+    `root` is (or, new, will be) a Delta lake: see `lake_format`. Same API for both."""
+
+    format = "parquet"
+
+    def __new__(cls, root: str | os.PathLike = "", *args, **kwargs):
+        if cls is Lake:
+            fmt = lake_format(root)
+            if fmt != "parquet":
+                return super().__new__(BACKENDS[fmt])
+        return super().__new__(cls)
+
     def __init__(self, root: str | os.PathLike):
         self.root = lake_path(root)
+        self.uri = str(self.root)
+
+    def __reduce__(self):  # a worker process rebuilds the lake from its URI
+        return (Lake, (self.uri,))
+
+    def exists(self) -> bool:
+        """The lake holds at least one table (a mistyped --lake does not)."""
+        from schemas import TABLES
+
+        return self.root.is_dir() and any((self.root / table).is_dir() for table in TABLES)
+
+    def version(self) -> str:
+        """The lake version a reader can name (`query --as-of`): hive Parquet keeps none."""
+        return ""
+
+    def part_name(self, part: Path) -> str:
+        return Path(part).stem.removeprefix("part-")
+
+    def part_stat(self, table: str, round_: int, part: str) -> tuple[str, int, int]:
+        """(id, size, mtime_ns) of a part, size -1 when absent: the cheap identity the flow caches on."""
+        path = self.partition_dir(table, round_) / f"part-{safe_part_name(part)}.parquet"
+        try:
+            st = os.stat(path)
+            return (str(path), st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            return (str(path), -1, 0)
+
+    def count_rows(self, table: str, round_: int) -> int:
+        return sum(pq.ParquetFile(p).metadata.num_rows for p in self.parts(table, round_))
 
     # ---- paths ---------------------------------------------------------------------------------
     def table_dir(self, table: str) -> Path:

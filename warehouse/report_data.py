@@ -325,7 +325,7 @@ def gather(lake: Lake, rounds: list[int] | None = None, n_traj: int = 8) -> dict
             if members:
                 groups.append({"round": r, "group_id": trajs[members[0]]["group_id"], "members": members})
         data = {
-            "lake": str(lake.root),
+            "lake": lake.uri,
             "rounds": rounds,
             "summary": summary,
             "by_turn": by_turn,

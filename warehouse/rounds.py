@@ -61,6 +61,16 @@ def write_round_parts(lake: Lake, round_: int, batches: Iterable[tuple[pa.Table,
     (b00000, b00001, ...), validated and written to staging folders as it arrives (memory is one batch); once all
     are written the two partitions are swapped in, each in one rename. An error while writing leaves the lake as it was."""
     tables = ("trajectories", "steps")
+    if lake.format != "parquet":  # a Delta lake: one commit per table (the batches are held until then)
+        held = list(batches)
+        if not held:
+            from schemas import TABLES
+
+            held = [(TABLES["trajectories"].empty(), TABLES["steps"].empty())]
+        names = [batch_name(i) for i in range(len(held))]
+        for k, table_name in enumerate(tables):
+            lake.replace_partition(table_name, round_, {n: b[k] for n, b in zip(names, held, strict=True)})
+        return names
     staging = {t: lake.table_dir(t) / f".staging-{temp_token()}" for t in tables}
     try:
         names: list[str] = []
@@ -95,8 +105,8 @@ def write_round_parts(lake: Lake, round_: int, batches: Iterable[tuple[pa.Table,
 
 
 def batch_names(lake: Lake, round_: int) -> list[str]:
-    names = [p.stem.removeprefix("part-") for p in lake.parts("trajectories", round_)]
-    steps = {p.stem.removeprefix("part-") for p in lake.parts("steps", round_)}
+    names = [lake.part_name(p) for p in lake.parts("trajectories", round_)]
+    steps = {lake.part_name(p) for p in lake.parts("steps", round_)}
     missing = [n for n in names if n not in steps]
     if missing:
         raise FileNotFoundError(f"round {round_}: steps part(s) {missing} missing for trajectories parts")
@@ -108,7 +118,7 @@ def read_batch(lake: Lake, table: str, round_: int, batch: str, columns: list[st
     if table in ("trajectories", "steps"):
         return lake.read(table, round_, columns=columns, parts=[path])
     # annotation tables are written per batch with the same name (or absent)
-    if not path.exists():
+    if not lake.has_part(table, round_, batch):
         from schemas import TABLES
 
         return TABLES[table].empty()

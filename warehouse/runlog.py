@@ -4,13 +4,12 @@ and batch, replaced when the stage runs again, so the log always describes the o
 from __future__ import annotations
 
 import datetime as dt
-import os
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas import stage_runs as _stage_runs  # noqa: F401  (registers the table)
-from warehouse.lake import Lake, safe_part_name
+from warehouse.lake import Lake
 
 TABLE = "stage_runs"
 
@@ -52,24 +51,14 @@ def read_stage_runs(lake: Lake, round_: int) -> pa.Table:
 
 
 def count_rows(lake: Lake, table: str, round_: int) -> int:
-    """Rows of a (table, round) partition from the Parquet footers (no data read)."""
-    import pyarrow.parquet as pq
-
-    return sum(pq.ParquetFile(p).metadata.num_rows for p in lake.parts(table, round_))
+    """Rows of a (table, round) partition from the Parquet footers or the Delta log (no data read)."""
+    return lake.count_rows(table, round_)
 
 
 def part_fingerprints(lake: Lake, round_: int, parts: list[tuple[str, str]]) -> list[tuple[str, int, int]]:
     """(path, size, mtime_ns) of each (table, part) (absent parts as size -1): the cheap identity of a
     batch's inputs the flow caches on."""
-    out = []
-    for table, part in parts:
-        path = lake.partition_dir(table, round_) / f"part-{safe_part_name(part)}.parquet"
-        try:
-            st = os.stat(path)
-            out.append((str(path), st.st_size, st.st_mtime_ns))
-        except FileNotFoundError:
-            out.append((str(path), -1, 0))
-    return out
+    return [lake.part_stat(table, round_, part) for table, part in parts]
 
 
 def prune_stale_parts(lake: Lake, round_: int, tables: list[str], batches: list[str]) -> int:
@@ -77,12 +66,18 @@ def prune_stale_parts(lake: Lake, round_: int, tables: list[str], batches: list[
     keep = set(batches)
     removed = 0
     for table in tables:
+        stale = []
         for path in lake.parts(table, round_):
-            name = path.stem.removeprefix("part-")
+            name = lake.part_name(path)
             batch = name.split(".", 1)[-1] if table == TABLE else name.split(".", 1)[0]  # stage.batch
             if batch not in keep:
-                path.unlink(missing_ok=True)
-                removed += 1
+                stale.append(name)
+        if lake.format == "parquet":
+            for name in stale:
+                (lake.partition_dir(table, round_) / f"part-{name}.parquet").unlink(missing_ok=True)
+        else:
+            lake.delete_part_names(table, round_, stale)
+        removed += len(stale)
     return removed
 
 

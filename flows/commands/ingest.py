@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
             help="chat-jsonl | tau-bench | tau2-bench | react | ldb | parquet | rllm | areal | roll | trl | verl-batch"
             " | verl-rollout",
         ),
-        lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
+        lake: str = typer.Option("lake", "--lake", help="lake: folder, file://, s3://BUCKET/PATH, gs://..."),
         round_: int = typer.Option(
             ..., "--round", help="round to write (replaces the round's ingest tables)"
         ),

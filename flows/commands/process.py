@@ -85,7 +85,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("export")
     def export_cmd(
-        lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
+        lake: str = typer.Option("lake", "--lake", help="lake: folder, file://, s3://BUCKET/PATH, gs://..."),
         round_: int = typer.Option(..., "--round", help="round"),
         method: str = typer.Option(..., "--method", help="method chain to export"),
         out: Path = typer.Option(..., "--out", help="output Parquet file"),
@@ -106,7 +106,7 @@ def register(app: typer.Typer) -> None:
         from flows.run import run_export
 
         run_export(
-            Path(lake),
+            lake,
             round_,
             method,
             out,

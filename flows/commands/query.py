@@ -39,10 +39,15 @@ def register(app: typer.Typer) -> None:
     @app.command("query")
     def query_cmd(
         sql: str = typer.Argument(..., help="SQL; every lake table and analysis view is a view"),
-        lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
+        lake: str = typer.Option("lake", "--lake", help="lake: folder, file://, s3://BUCKET/PATH, gs://..."),
         fmt: Format = typer.Option(Format.table, "--format", help="table | csv | json | parquet"),
         out: Path | None = typer.Option(None, "--out", help="write the result here instead of stdout"),
         limit: int = typer.Option(50, help="rows shown in table format"),
+        as_of: str | None = typer.Option(
+            None,
+            "--as-of",
+            help="read the lake as of this version (the token `export` prints, table=v,...) or ISO time (Delta lakes)",
+        ),
     ) -> None:
         """Run SQL over the lake and print (or save) the result."""
         import duckdb
@@ -51,10 +56,14 @@ def register(app: typer.Typer) -> None:
 
         from flows.run import require_lake
         from warehouse.catalog import query
+        from warehouse.lake import LakeError
 
         require_lake(lake)  # a mistyped --lake is an error, not a new empty lake
         try:
-            result = query(str(lake), sql)
+            result = query(str(lake), sql, as_of=as_of)
+        except LakeError as exc:
+            typer.secho(f"query failed: {exc}", fg="red", err=True)
+            raise typer.Exit(2) from exc
         except duckdb.Error as exc:  # refused by the read-only guard, or a SQL error: one line
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             typer.secho(f"query failed: {first}", fg="red", err=True)

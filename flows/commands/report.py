@@ -10,7 +10,7 @@ import typer
 def register(app: typer.Typer) -> None:
     @app.command("report")
     def report_cmd(
-        lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
+        lake: str = typer.Option("lake", "--lake", help="lake: folder, file://, s3://BUCKET/PATH, gs://..."),
         round_: list[int] = typer.Option(
             [], "--round", help="round(s) to show trajectories of (default: all)"
         ),

@@ -1,0 +1,194 @@
+"""The Delta lake (#25) on a local folder: the same `Lake` API as hive Parquet (a property test runs one
+sequence of writes on both and compares every read), atomic idempotent part writes, versions and time travel,
+the format decided by what is on disk, the per-connection DuckDB catalog (no stored paths), and migration of a
+hive-Parquet lake without re-ingesting."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+
+import duckdb
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_foundation_lake import _steps, _traj
+from typer.testing import CliRunner
+
+pytest.importorskip("deltalake")
+
+from flows.cli import app  # noqa: E402
+from warehouse.catalog import connect, query  # noqa: E402
+from warehouse.delta_lake import DeltaLake, migrate  # noqa: E402
+from warehouse.lake import FORMAT_ENV, Lake, LakeError  # noqa: E402
+from warehouse.rounds import batch_names, read_batch, write_round  # noqa: E402
+
+runner = CliRunner()
+
+
+def _hive(path):
+    (path / "trajectories").mkdir(parents=True)  # a table folder without a Delta log: hive Parquet
+    lake = Lake(path)
+    assert type(lake) is Lake
+    return lake
+
+
+@pytest.fixture
+def delta(tmp_path, monkeypatch):
+    monkeypatch.setenv(FORMAT_ENV, "delta")
+    return Lake(tmp_path / "dlake")
+
+
+def test_format_follows_the_disk_and_the_setting(tmp_path, monkeypatch):
+    monkeypatch.delenv(FORMAT_ENV, raising=False)
+    assert type(Lake(tmp_path / "new")) is Lake  # a new local lake: hive Parquet unless asked
+    monkeypatch.setenv(FORMAT_ENV, "delta")
+    d = Lake(tmp_path / "d")
+    assert isinstance(d, DeltaLake) and not (tmp_path / "d").exists()  # deciding creates nothing
+    d.write_part("steps", 0, _steps(_traj()), part="b00000")
+    monkeypatch.delenv(FORMAT_ENV)
+    assert isinstance(Lake(tmp_path / "d"), DeltaLake)  # the disk decides from now on
+    monkeypatch.setenv(FORMAT_ENV, "delta")
+    p = tmp_path / "p"
+    (p / "steps" / "round=0").mkdir(parents=True)
+    assert type(Lake(p)) is Lake  # an existing hive lake stays hive
+    assert isinstance(pickle.loads(pickle.dumps(d)), DeltaLake)  # a worker gets the lake from its URI
+    monkeypatch.setenv(FORMAT_ENV, "orc")
+    with pytest.raises(LakeError, match="one of parquet, delta"):
+        Lake(tmp_path / "x")
+
+
+def test_part_writes_are_idempotent_versioned_and_travel_in_time(delta):
+    traj = _traj()
+    v0 = delta.write_part("trajectories", 0, traj, part="x") and delta.last_versions["trajectories"]
+    delta.write_part("trajectories", 0, traj, part="x")  # the same part again: replaced, not appended
+    assert delta.read("trajectories", 0).num_rows == traj.num_rows
+    delta.write_part("trajectories", 0, traj.slice(0, 2), part="x")
+    assert delta.read("trajectories", 0).num_rows == 2
+    assert delta.read("trajectories", 0, as_of={"trajectories": v0}).num_rows == traj.num_rows
+    token = delta.version()
+    assert token == f"trajectories={delta.last_versions['trajectories']}"
+    delta.replace_partition("trajectories", 0, {"y": traj})
+    assert delta.read("trajectories", 0, as_of=token).num_rows == 2
+    assert query(delta, "SELECT count(*) AS n FROM trajectories", as_of=token).to_pylist() == [{"n": 2}]
+    assert query(delta, "SELECT count(*) AS n FROM trajectories").to_pylist() == [{"n": traj.num_rows}]
+    with pytest.raises(LakeError, match="no version"):
+        delta.read("trajectories", 0, as_of={"trajectories": 99})
+
+
+def test_an_empty_part_is_a_part(delta):
+    """A stage that produced no rows for a batch has run: its part is there (and is not recomputed)."""
+    empty = _traj().slice(0, 0)
+    delta.write_part("trajectories", 3, empty, part="e")
+    assert delta.has_part("trajectories", 3, "e") and delta.rounds("trajectories") == []
+    assert delta.part_stat("trajectories", 3, "e")[1] == 0
+    delta.write_part("trajectories", 3, _traj(), part="e")
+    assert delta.has_part("trajectories", 3, "e") and delta.part_stat("trajectories", 3, "e")[1] > 0
+    assert delta.delete_parts("trajectories", 3) == 1 and not delta.has_part("trajectories", 3, "e")
+
+
+def test_round_reads_and_the_catalog_match_hive_parquet(delta, tmp_path):
+    hive = _hive(tmp_path / "hive")
+    traj = _traj(n_groups=5)
+    for lake in (delta, hive):
+        write_round(lake, 0, traj, _steps(traj), batch_groups=2)
+        write_round(lake, 1, traj.slice(0, 4), _steps(traj.slice(0, 4)), batch_groups=2)
+    assert batch_names(delta, 0) == batch_names(hive, 0) == ["b00000", "b00001", "b00002"]
+    for b in batch_names(hive, 0):
+        assert read_batch(delta, "steps", 0, b).equals(read_batch(hive, "steps", 0, b))
+    sql = "SELECT round, count(*) AS n, sum(len(token_ids)) AS t FROM steps GROUP BY round ORDER BY round"
+    assert query(delta, sql).equals(query(hive, sql))
+    assert query(delta, "SELECT count(*) AS n FROM spans").to_pylist() == [{"n": 0}]
+
+
+def test_the_delta_catalog_is_read_only(delta, tmp_path):
+    traj = _traj()
+    write_round(delta, 0, traj, _steps(traj))
+    before = delta.version()
+    for sql in (
+        "COPY (SELECT 1) TO 'x.csv'",
+        "SELECT * FROM read_text('/etc/passwd')",
+        "INSTALL httpfs",
+        "CREATE TEMP VIEW trajectories AS SELECT 1",
+        "DROP VIEW trajectories",
+    ):
+        with pytest.raises(duckdb.Error):
+            query(delta, sql)
+    con = connect(delta)
+    try:
+        for sql in ("SELECT * FROM read_text('/etc/passwd')", "SET enable_external_access = true"):
+            with pytest.raises(duckdb.Error):
+                con.execute(sql)
+    finally:
+        con.close()
+    assert delta.version() == before
+
+
+def test_no_stored_paths_a_copied_lake_reads_its_own_files(tmp_path):
+    """#25: a copy of a lake with round 1 deleted returned round 1 from the original through catalog.duckdb."""
+    lake = Lake(tmp_path / "a")
+    traj = _traj()
+    for r in (0, 1):
+        write_round(lake, r, traj, _steps(traj))
+    query(lake, "SELECT 1")
+    shutil.copytree(lake.root, tmp_path / "b")
+    for table in ("trajectories", "steps", "quarantine"):
+        shutil.rmtree(tmp_path / "b" / table / "round=1", ignore_errors=True)
+    rounds = query(tmp_path / "b", "SELECT DISTINCT round FROM trajectories ORDER BY round")
+    assert rounds.column("round").to_pylist() == [0]
+
+
+def test_migrate_converts_a_hive_lake_in_place(tmp_path, monkeypatch):
+    monkeypatch.delenv(FORMAT_ENV, raising=False)
+    hive = Lake(tmp_path / "lake")
+    traj = _traj(n_groups=4)
+    write_round(hive, 0, traj, _steps(traj), batch_groups=2)
+    sql = "SELECT round, count(*) AS n, sum(reward) AS r FROM trajectories GROUP BY round"
+    before, parts = query(hive, sql), batch_names(hive, 0)
+    res = runner.invoke(app, ["lake", "migrate", "--lake", str(hive.root)])
+    assert res.exit_code == 0, res.output
+    after = Lake(tmp_path / "lake")
+    assert isinstance(after, DeltaLake)
+    assert query(after, sql).equals(before) and batch_names(after, 0) == parts
+    assert not list((tmp_path / "lake").glob(".migrate-*")) and not list((tmp_path / "lake").glob(".old-*"))
+    with pytest.raises(LakeError, match="already delta"):
+        migrate(tmp_path / "lake")
+    info = runner.invoke(app, ["lake", "info", "--lake", str(hive.root)])
+    assert info.exit_code == 0 and "delta" in info.output and "trajectories=" in info.output
+
+
+_names = st.sampled_from(["b0", "b1", "b2"])
+_op = st.one_of(
+    st.tuples(st.just("part"), st.integers(0, 2), _names, st.integers(0, 6)),
+    st.tuples(
+        st.just("replace"), st.integers(0, 2), st.lists(_names, max_size=3, unique=True), st.integers(0, 6)
+    ),
+    st.tuples(st.just("delete"), st.integers(0, 2), _names, st.just(0)),
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(_op, min_size=1, max_size=6))
+def test_delta_and_hive_agree_on_any_sequence_of_writes(tmp_path_factory, ops):
+    root = tmp_path_factory.mktemp("seq")
+    hive, delta = _hive(root / "hive"), DeltaLake(root / "delta")
+    traj = _traj(n_groups=4)
+    for kind, round_, names, n in ops:
+        for lake in (hive, delta):
+            if kind == "part":
+                lake.write_part("trajectories", round_, traj.slice(0, n), part=names)
+            elif kind == "replace":
+                lake.replace_partition("trajectories", round_, {x: traj.slice(0, n) for x in names})
+            else:
+                lake.delete_parts("trajectories", round_, prefix=names)
+    for round_ in range(3):
+        assert [delta.part_name(p) for p in delta.parts("trajectories", round_)] == [
+            hive.part_name(p) for p in hive.parts("trajectories", round_)
+        ]
+        a, b = hive.read("trajectories", round_), delta.read("trajectories", round_)
+        key = [("traj_id", "ascending")]
+        assert a.sort_by(key).equals(b.sort_by(key)), (round_, ops)
+        assert delta.count_rows("trajectories", round_) == a.num_rows
+    assert delta.rounds("trajectories") == [
+        r for r in hive.rounds("trajectories") if hive.read("trajectories", r).num_rows
+    ]

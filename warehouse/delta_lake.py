@@ -1,0 +1,456 @@
+"""The lake as Delta tables (delta-rs), the same on a local folder and on object storage (s3://, gs://, ...).
+
+Each lake table is one Delta table `LAKE/<table>`, partitioned by `round` and `_part` (the part name, the unit
+the flow writes and caches on). Writes are Delta commits, atomic and idempotent:
+- `write_part` is an overwrite with the predicate `round = r AND _part = 'p'` (one commit);
+- `replace_partition` is an overwrite with `round = r` holding all the parts (one commit).
+A reader sees the table at its last committed version; a writer killed mid-write leaves uncommitted files only
+(never read). Concurrent writers: a commit that loses a race is retried (the writes are idempotent overwrites),
+so two runs writing the same part both finish with the same result. On S3, commits need a conditional put:
+`conditional_put=etag` (S3 and S3-compatible servers that support `If-Match`) is set by default; set
+`AWS_S3_ALLOW_UNSAFE_RENAME=true` for a store without it and only one writer.
+
+The lake version is one token naming every table's Delta version (`trajectories=3,steps=3,advantages=12`);
+`read(..., as_of=...)` and `warehouse.catalog.connect(as_of=...)` read the lake as of such a token or an ISO
+timestamp. Credentials and endpoints: see `storage_options`."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+
+import pyarrow as pa
+
+from warehouse.lake import BACKENDS, Lake, LakeError, is_remote, lake_path, safe_part_name
+
+PART = "_part"
+EMPTY_PARTS = (
+    "_empty_parts"  # (tbl, round, part) of the parts written with no rows (Delta keeps no file for them)
+)
+PARTITION_BY = ["round", PART]
+STATE_ENV = "CREDITFLOW_STATE_DIR"  # local folder for a remote lake's locks, caches and flow results
+COMMIT_RETRIES = 20
+
+
+def storage_options(uri: str) -> dict[str, str]:
+    """delta-rs storage options for `uri`, from the usual environment: AWS_ACCESS_KEY_ID /
+    AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN / AWS_REGION (or AWS_DEFAULT_REGION) / AWS_PROFILE, and an
+    S3-compatible endpoint from AWS_ENDPOINT_URL (or CREDITFLOW_S3_ENDPOINT). delta-rs reads the AWS_*
+    variables itself; these are passed explicitly so the same lake URI works in a worker process."""
+    scheme = uri.split("://", 1)[0].lower() if "://" in uri else "file"
+    opts: dict[str, str] = {}
+    if scheme in ("s3", "s3a"):
+        for key in (
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_SESSION_TOKEN",
+            "AWS_REGION",
+            "AWS_PROFILE",
+            "AWS_ALLOW_HTTP",
+            "AWS_S3_ALLOW_UNSAFE_RENAME",
+        ):
+            if os.environ.get(key):
+                opts[key] = os.environ[key]
+        if "AWS_REGION" not in opts and os.environ.get("AWS_DEFAULT_REGION"):
+            opts["AWS_REGION"] = os.environ["AWS_DEFAULT_REGION"]
+        endpoint = os.environ.get("CREDITFLOW_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            opts["AWS_ENDPOINT_URL"] = endpoint
+            if endpoint.startswith("http://"):
+                opts.setdefault("AWS_ALLOW_HTTP", "true")
+        if opts.get("AWS_S3_ALLOW_UNSAFE_RENAME", "").lower() != "true":
+            opts.setdefault("conditional_put", "etag")
+    return opts
+
+
+def state_dir(uri: str) -> Path:
+    """The local folder of a remote lake's side state (round locks, stage caches, Prefect results)."""
+    base = Path(os.environ.get(STATE_ENV) or Path.home() / ".cache" / "creditflow" / "lakes")
+    digest = hashlib.sha256(uri.encode()).hexdigest()[:12]
+    name = uri.split("://", 1)[-1].strip("/").replace("/", "_")[:60]
+    return base / f"{name}-{digest}"
+
+
+def _arrow(obj) -> pa.Table:
+    return obj if isinstance(obj, pa.Table) else pa.table(obj)
+
+
+class VirtualPart(PurePosixPath):
+    """A part of a Delta lake named like a hive part file (`.../round=<n>/part-<name>.parquet`); it is not a
+    file: read it with `Lake.read(..., parts=[p])`."""
+
+
+class DeltaLake(Lake):
+    format = "delta"
+
+    def __init__(self, root: str | os.PathLike):
+        text = os.fspath(root)
+        if is_remote(text):
+            self.uri = text.rstrip("/")
+            self.remote = True
+            self.root = state_dir(self.uri)
+        else:
+            self.root = lake_path(text)
+            self.uri = str(self.root)
+            self.remote = False
+        self.storage_options = storage_options(self.uri)
+        self.last_versions: dict[str, int] = {}
+
+    def __reduce__(self):
+        return (Lake, (self.uri,))
+
+    # ---- tables ----------------------------------------------------------------------------------
+    def table_uri(self, table: str) -> str:
+        return f"{self.uri}/{table}"
+
+    def table_dir(self, table: str) -> Path:
+        return PurePosixPath(self.table_uri(table)) if self.remote else self.root / table  # type: ignore[return-value]
+
+    def partition_dir(self, table: str, round_: int):
+        return PurePosixPath(self.table_uri(table)) / f"round={int(round_)}"
+
+    def _table(self, table: str, version: int | str | dt.datetime | None = None):
+        from deltalake import DeltaTable
+        from deltalake.exceptions import TableNotFoundError
+
+        if not self.remote and not (self.root / table / "_delta_log").is_dir():
+            return None
+        try:
+            t = DeltaTable(self.table_uri(table), storage_options=self.storage_options)
+        except TableNotFoundError:
+            return None
+        if version is not None:
+            try:
+                t.load_as_version(version)
+            except Exception as exc:  # noqa: BLE001 - delta-rs raises several kinds; one line for the user
+                raise LakeError(
+                    f"table {table!r} has no version {version!r}: {str(exc).splitlines()[0]}"
+                ) from None
+        return t
+
+    def _actions(self, table: str) -> pa.Table | None:
+        t = self._table(table)
+        if t is None:
+            return None
+        return _arrow(t.get_add_actions(flatten=True))
+
+    def exists(self) -> bool:
+        from schemas import TABLES
+
+        if not self.remote:
+            return any((self.root / table / "_delta_log").is_dir() for table in TABLES)
+        from deltalake import DeltaTable
+
+        for table in ("trajectories", *TABLES):
+            try:
+                if DeltaTable.is_deltatable(self.table_uri(table), storage_options=self.storage_options):
+                    return True
+            except OSError as exc:
+                raise LakeError(f"lake {self.uri}: {str(exc).splitlines()[0]}") from None
+        return False
+
+    def tables(self) -> dict[str, int]:
+        """Every table present and its current Delta version."""
+        from schemas import TABLES
+
+        out = {}
+        for table in TABLES:
+            t = self._table(table)
+            if t is not None:
+                out[table] = t.version()
+        return out
+
+    def version(self) -> str:
+        return ",".join(f"{t}={v}" for t, v in sorted(self.tables().items()))
+
+    @staticmethod
+    def parse_version(token: str) -> dict[str, int] | dt.datetime:
+        """`table=v,...` (a token from `version()`) or an ISO timestamp."""
+        token = token.strip()
+        if "=" in token:
+            out = {}
+            for item in token.split(","):
+                name, _, v = item.partition("=")
+                try:
+                    out[name.strip()] = int(v)
+                except ValueError:
+                    raise LakeError(f"lake version {token!r}: {item!r} is not table=<int>") from None
+            return out
+        try:
+            when = dt.datetime.fromisoformat(token)
+        except ValueError:
+            raise LakeError(
+                f"lake version {token!r}: give a token from `export` (table=v,...) or an ISO timestamp"
+            ) from None
+        return when if when.tzinfo else when.replace(tzinfo=dt.UTC)
+
+    def table_at(self, table: str, as_of: str | dict | dt.datetime | None):
+        """The Delta table as of a lake version (None: absent then)."""
+        if as_of is None:
+            return self._table(table)
+        spec = self.parse_version(as_of) if isinstance(as_of, str) else as_of
+        if isinstance(spec, dict):
+            return self._table(table, spec[table]) if table in spec else None
+        t = self._table(table)
+        if t is None:
+            return None
+        try:
+            t.load_as_version(spec)
+        except Exception:  # noqa: BLE001 - created after that time
+            return None
+        return t
+
+    # ---- reads -----------------------------------------------------------------------------------
+    def rounds(self, table: str) -> list[int]:
+        acts = self._actions(table)
+        if acts is None or acts.num_rows == 0:
+            return []
+        return sorted({int(r) for r in acts.column("partition.round").to_pylist()})
+
+    def _data_names(self, table: str, round_: int) -> set[str]:
+        acts = self._actions(table)
+        if acts is None or acts.num_rows == 0:
+            return set()
+        rounds = acts.column("partition.round").to_pylist()
+        names = acts.column(f"partition.{PART}").to_pylist()
+        return {n for r, n in zip(rounds, names, strict=True) if int(r) == int(round_)}
+
+    def _empty_names(self, table: str, round_: int) -> set[str]:
+        """Parts written with no rows: a part is there (its stage ran) even though Delta keeps no file."""
+        t = self._table(EMPTY_PARTS)
+        if t is None:
+            return set()
+        import pyarrow.dataset as pads
+
+        flt = (pads.field("tbl") == table) & (pads.field("round") == int(round_))
+        return set(t.to_pyarrow_dataset().to_table(columns=["part"], filter=flt).column("part").to_pylist())
+
+    def _set_empty(self, table: str, round_: int, names: list[str], predicate: str) -> None:
+        """Replace the empty-part records matching `predicate` (within this table and round) with `names`."""
+        if not names and self._table(EMPTY_PARTS) is None:
+            return
+        rows = pa.table(
+            {
+                "tbl": pa.array([table] * len(names), pa.string()),
+                "round": pa.array([int(round_)] * len(names), pa.int32()),
+                "part": pa.array(names, pa.string()),
+            }
+        )
+        self._commit(
+            EMPTY_PARTS, rows, f"tbl = '{table}' AND round = {int(round_)}{predicate}", partition_by=None
+        )
+
+    def part_names(self, table: str, round_: int) -> list[str]:
+        return sorted(self._data_names(table, round_) | self._empty_names(table, round_))
+
+    def parts(self, table: str, round_: int) -> list[Path]:
+        d = self.partition_dir(table, round_)
+        return [VirtualPart(d / f"part-{n}.parquet") for n in self.part_names(table, round_)]  # type: ignore[misc]
+
+    def has_part(self, table: str, round_: int, part: str) -> bool:
+        return safe_part_name(part) in self.part_names(table, round_)
+
+    def part_stat(self, table: str, round_: int, part: str) -> tuple[str, int, int]:
+        """(id, bytes, newest file's modification time in ns) of a part from the Delta log (-1: absent)."""
+        name = safe_part_name(part)
+        ident = f"{self.table_uri(table)}/round={int(round_)}/part-{name}"
+        acts = self._actions(table)
+        if acts is None or acts.num_rows == 0:
+            return (f"{ident}:empty", 0, 0) if name in self._empty_names(table, round_) else (ident, -1, 0)
+        import pyarrow.compute as pc
+
+        mask = pc.and_(
+            pc.equal(acts.column("partition.round").cast(pa.int64()), int(round_)),
+            pc.equal(acts.column(f"partition.{PART}"), name),
+        )
+        mine = acts.filter(mask)
+        if mine.num_rows == 0:
+            return (f"{ident}:empty", 0, 0) if name in self._empty_names(table, round_) else (ident, -1, 0)
+        mtime = pc.max(mine.column("modification_time").cast(pa.int64())).as_py()
+        paths = ",".join(sorted(mine.column("path").to_pylist()))
+        return (f"{ident}:{paths}", int(pc.sum(mine.column("size_bytes")).as_py()), int(mtime) * 1_000_000)
+
+    def count_rows(self, table: str, round_: int) -> int:
+        acts = self._actions(table)
+        if acts is None or acts.num_rows == 0:
+            return 0
+        rounds = acts.column("partition.round").to_pylist()
+        counts = acts.column("num_records").to_pylist()
+        return sum(int(c or 0) for r, c in zip(rounds, counts, strict=True) if int(r) == int(round_))
+
+    def dataset(self, table: str, as_of=None):
+        """The table as a pyarrow dataset (None when absent): what DuckDB scans."""
+        t = self.table_at(table, as_of)
+        return None if t is None else t.to_pyarrow_dataset()
+
+    def read(
+        self,
+        table_name: str,
+        round_: int | Iterable[int] | None = None,
+        columns: list[str] | None = None,
+        parts: list[Path] | None = None,
+        as_of=None,
+    ) -> pa.Table:
+        import pyarrow.dataset as pads
+
+        from schemas import TABLES
+
+        spec = TABLES.get(table_name)
+        ds = self.dataset(table_name, as_of)
+        if ds is None:
+            if spec is None:
+                return pa.table({})
+            empty = spec.empty()
+            return empty.select(columns) if columns else empty
+        flt = None
+        if round_ is not None:
+            rounds = [int(round_)] if isinstance(round_, int) else [int(r) for r in round_]
+            flt = pads.field("round").isin(pa.array(rounds, pa.int32()))
+        if parts is not None:
+            names = [self.part_name(p) for p in parts]
+            cond = pads.field(PART).isin(pa.array(names, pa.string()))
+            flt = cond if flt is None else flt & cond
+        file_cols = None
+        if columns is not None:
+            missing = [c for c in columns if c not in ds.schema.names]
+            if missing:
+                raise KeyError(
+                    f"table {table_name!r}: no column {', '.join(map(repr, missing))}; "
+                    f"columns: {', '.join(n for n in ds.schema.names if n != PART)}"
+                )
+            file_cols = list(columns)
+        out = ds.to_table(columns=file_cols, filter=flt)
+        if PART in out.column_names:
+            out = out.drop([PART])
+        if spec is not None:
+            if columns is None:
+                out = spec.conform(out)
+            else:
+                out = out.select(columns)
+        return out
+
+    # ---- writes ----------------------------------------------------------------------------------
+    def _frame(self, table_name: str, round_: int, part: str, table: pa.Table) -> pa.Table:
+        table = self._prepare(table_name, table)
+        n = table.num_rows
+        table = table.append_column("round", pa.array([int(round_)] * n, pa.int32()))
+        return table.append_column(PART, pa.array([safe_part_name(part)] * n, pa.string()))
+
+    def _commit(self, table_name: str, data: pa.Table, predicate: str, partition_by=PARTITION_BY) -> int:
+        from deltalake import write_deltalake
+        from deltalake.exceptions import CommitFailedError
+
+        uri = self.table_uri(table_name)
+        for attempt in range(COMMIT_RETRIES):
+            try:
+                write_deltalake(
+                    uri,
+                    data,
+                    mode="overwrite",
+                    predicate=predicate,
+                    partition_by=partition_by,
+                    schema_mode="merge",  # a part may bring a column the earlier parts lack (read as nulls)
+                    storage_options=self.storage_options,
+                    configuration={"delta.checkpointInterval": "50"},
+                )
+                break
+            except CommitFailedError:  # another writer committed first: our overwrite is idempotent, retry
+                if attempt == COMMIT_RETRIES - 1:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
+        version = self._table(table_name).version()
+        self.last_versions[table_name] = version
+        return version
+
+    def write_part(self, table_name: str, round_: int, table: pa.Table, part: str = "0") -> Path:
+        """Atomically write (or replace) one part of a (table, round) partition: one Delta commit."""
+        part = safe_part_name(part)
+        data = self._frame(table_name, round_, part, table)
+        self._commit(table_name, data, f"round = {int(round_)} AND {PART} = '{part}'")
+        was_empty = part in self._empty_names(table_name, round_)
+        if data.num_rows == 0 or was_empty:
+            self._set_empty(table_name, round_, [part] if data.num_rows == 0 else [], f" AND part = '{part}'")
+        return VirtualPart(self.partition_dir(table_name, round_) / f"part-{part}.parquet")  # type: ignore[return-value]
+
+    def replace_partition(self, table_name: str, round_: int, parts: dict[str, pa.Table] | pa.Table) -> Path:
+        """Atomically replace the whole (table, round) partition: one Delta commit."""
+        if isinstance(parts, pa.Table):
+            parts = {"0": parts}
+        frames = [self._frame(table_name, round_, name, tbl) for name, tbl in parts.items()]
+        if frames:
+            self._commit(
+                table_name, pa.concat_tables(frames, promote_options="permissive"), f"round = {int(round_)}"
+            )
+        elif (t := self._table(table_name)) is not None:  # no parts at all: the round is emptied
+            t.delete(f"round = {int(round_)}")
+            self.last_versions[table_name] = t.version()
+        empty = [safe_part_name(n) for n, f in zip(parts, frames, strict=True) if f.num_rows == 0]
+        self._set_empty(table_name, round_, empty, "")
+        return self.partition_dir(table_name, round_)
+
+    def delete_parts(self, table_name: str, round_: int, prefix: str = "") -> int:
+        names = [n for n in self.part_names(table_name, round_) if n.startswith(prefix)]
+        return self.delete_part_names(table_name, round_, names)
+
+    def delete_part_names(self, table_name: str, round_: int, names: list[str]) -> int:
+        if not names:
+            return 0
+        quoted = ", ".join("'" + n.replace("'", "''") + "'" for n in names)
+        t = self._table(table_name)
+        if t is not None:
+            t.delete(f"round = {int(round_)} AND {PART} IN ({quoted})")
+            self.last_versions[table_name] = t.version()
+        if self._empty_names(table_name, round_) & set(names):
+            self._set_empty(table_name, round_, [], f" AND part IN ({quoted})")
+        return len(names)
+
+    def cleanup(self) -> None:
+        """Uncommitted files of killed writers are invisible to readers; `vacuum` removes them (and old
+        versions) when the user asks: nothing to do per run."""
+        if not self.remote and self.root.exists():
+            super().cleanup()
+
+
+BACKENDS["delta"] = DeltaLake
+
+
+def migrate(src: str | os.PathLike, dest: str | os.PathLike | None = None) -> dict[str, int]:
+    """Convert a hive-Parquet lake to Delta without re-ingesting: every (table, round, part) is written to
+    the Delta lake at `dest` (default: in place, table by table through a temporary folder, so a table is
+    either old or new). Returns rows per table. The side state (locks, caches, ledgers) stays."""
+    import shutil
+
+    from schemas import TABLES
+    from warehouse.lake import temp_token
+
+    old = Lake(src)
+    if old.format != "parquet":
+        raise LakeError(f"lake {src}: already {old.format}")
+    if not old.exists():
+        raise LakeError(f"no lake at {src} (no table folders there); check --lake")
+    in_place = dest is None
+    counts: dict[str, int] = {}
+    names = [t for t in TABLES if old.rounds(t)]
+    for table in names:
+        target_root = old.root / f".migrate-{temp_token()}" if in_place else dest
+        new = DeltaLake(target_root)
+        n = 0
+        for r in old.rounds(table):
+            parts = {old.part_name(p): old.read(table, r, parts=[p]) for p in old.parts(table, r)}
+            new.replace_partition(table, r, parts)
+            n += sum(t.num_rows for t in parts.values())
+        counts[table] = n
+        if in_place:
+            backup = old.root / f".old-{temp_token()}-{table}"
+            os.replace(old.table_dir(table), backup)
+            os.replace(Path(target_root) / table, old.table_dir(table))
+            shutil.rmtree(backup, ignore_errors=True)
+            shutil.rmtree(target_root, ignore_errors=True)
+    marker = old.root if in_place else None
+    if marker is not None:
+        (marker / "_format").write_text("delta\n", encoding="utf-8")
+    return counts
