@@ -89,16 +89,24 @@ def annotation_stage(
     return deco
 
 
-def load_stages() -> dict[str, AnnotationStage]:
-    """Import the stage modules (each registers itself) and return the registry."""
-    import importlib
+STAGE_PACKAGES = ("pipeline.detect", "pipeline.annotate", "pipeline.counterfactual")
+_loaded = False
 
-    for module in ("pipeline.detect", "pipeline.annotate", "pipeline.counterfactual"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+
+def load_stages() -> dict[str, AnnotationStage]:
+    """Import the stage packages and every module in them (each stage registers itself, so a new stage is one
+    new module in one of these packages) and return the registry."""
+    global _loaded
+    if _loaded:
+        return STAGES
+    import importlib
+    import pkgutil
+
+    for name in STAGE_PACKAGES:
+        package = importlib.import_module(name)
+        for info in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{name}.{info.name}")
+    _loaded = True
     return STAGES
 
 
