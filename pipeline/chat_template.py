@@ -186,7 +186,8 @@ def tokenize_steps(drafts, tokenizer) -> tuple[list[list[int]], list[list[int]],
             continue
         made.append(f"chat template {name}" + (" + hermes tools" if hermes else ""))
     # one batched tokenizer call: whole renderings for the rendered drafts, step contents for the rest
-    texts, where = [], []
+    texts: list[str] = []
+    where: list[tuple[int, int | None]] = []
     for i, d in enumerate(drafts):
         if i in rendered:
             texts.append(rendered[i][0])
@@ -197,8 +198,8 @@ def tokenize_steps(drafts, tokenizer) -> tuple[list[list[int]], list[list[int]],
                 where.append((i, j))
     enc_ids, enc_offs = tokenizer.encode_batch(texts) if texts else ([], [])
     per_draft: dict[int, list] = {}
-    for (i, j), ids, offs, text in zip(where, enc_ids, enc_offs, texts, strict=True):
-        if j is None:
+    for (i, step_j), ids, offs, text in zip(where, enc_ids, enc_offs, texts, strict=True):
+        if step_j is None:
             bounds = rendered[i][1]
             steps = drafts[i].steps
             lookup = [m["content"] for m in rendered[i][3]]

@@ -40,14 +40,14 @@ def _recut(
 def _in_step_order(table: pa.Table) -> tuple[pa.Table, pl.DataFrame]:
     """The table sorted by (traj_id, step_idx), and those keys; a table already in that order (the lake's
     parts are written so) is returned as it is, without a take of every column."""
-    keys = pl.from_arrow(table.select(["traj_id", "step_idx"]))
+    keys = pl.DataFrame(table.select(["traj_id", "step_idx"]))
     if keys.height > 1:
         tid, idx = keys["traj_id"], keys["step_idx"]
         same = tid.slice(1) == tid.slice(0, keys.height - 1)
         ordered = tid.is_sorted() and not (same & (idx.slice(1) <= idx.slice(0, keys.height - 1))).any()
         if not ordered:
             table = table.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
-            keys = pl.from_arrow(table.select(["traj_id", "step_idx"]))
+            keys = pl.DataFrame(table.select(["traj_id", "step_idx"]))
     return table, keys
 
 
@@ -80,7 +80,7 @@ class TrainLayout:
         tok_mask = np.repeat(is_asst, self.lengths).astype(np.int8)
         turns = pc.fill_null(steps.column("turn"), 0).to_numpy(zero_copy_only=False).astype(np.int16)
         tok_turn = np.where(tok_mask == 1, np.repeat(turns, self.lengths), 0).astype(np.int16)
-        traj = pl.from_arrow(trajectories.select(["traj_id", "group_id", "reward"]))
+        traj = pl.DataFrame(trajectories.select(["traj_id", "group_id", "reward"]))
         meta = pl.DataFrame({"traj_id": pl.Series(self.traj_order, dtype=pl.String)}).join(
             traj, on="traj_id", how="left"
         )

@@ -307,4 +307,4 @@ def save_padded(arrays: dict[str, np.ndarray], path) -> None:
             with zf.open(f"{name}.npy", "w", force_zip64=True) as fh:
                 np.lib.format.write_array_header_1_0(fh, np.lib.format.header_data_from_array_1_0(arr))
                 if arr.size:
-                    fh.write(arr.reshape(-1).view(np.uint8))
+                    fh.write(arr.reshape(-1).view(np.uint8).data)

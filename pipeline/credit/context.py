@@ -7,7 +7,9 @@ Polars frames. Estimators are whole-column passes over these arrays, never Pytho
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -48,7 +50,9 @@ class _Deferred:
 
     __slots__ = ("make", "lists")
 
-    def __init__(self, make, lists=None):
+    def __init__(
+        self, make: Callable[[], np.ndarray], lists: tuple[pa.ChunkedArray, np.ndarray, int] | None = None
+    ) -> None:
         self.make = make
         self.lists = lists  # (list column, step token starts, n_tokens): lets values_at read a few tokens
 
@@ -93,6 +97,11 @@ def _list_values_on_rows(col: pa.ChunkedArray, rows: np.ndarray, lengths: np.nda
     return flat[np.repeat(chosen, list_len)].astype(np.float64)
 
 
+def _deferred(make, lists=None) -> Any:
+    """A `_Deferred` where a per-token array field is expected (its `_LazyArray` computes it on first read)."""
+    return _Deferred(make, lists)
+
+
 class _LazyArray:
     """Dataclass field descriptor: stores the value in the instance dict; a `_Deferred` is computed on first read
     and replaced by its result."""
@@ -115,7 +124,7 @@ class _LazyArray:
 def _sorted_by_traj_step(steps: pa.Table) -> bool:
     if steps.num_rows < 2:
         return True
-    keys = pl.from_arrow(steps.select(["traj_id", "step_idx"]))
+    keys = pl.DataFrame(steps.select(["traj_id", "step_idx"]))
     tid, idx = keys["traj_id"], keys["step_idx"]
     prev_tid, prev_idx = tid.shift(1), idx.shift(1)
     ok = (tid > prev_tid) | ((tid == prev_tid) & (idx > prev_idx))
@@ -154,7 +163,7 @@ class CreditContext:
         round_stats: dict[str, Moments] | None = None,
     ) -> CreditContext:
         traj_cols = [c for c in trajectories.column_names if c != "reward_components"]
-        traj = pl.from_arrow(trajectories.select(traj_cols)).sort("traj_id")
+        traj = pl.DataFrame(trajectories.select(traj_cols)).sort("traj_id")
         if "reward_components" in trajectories.column_names:
             # map<string, double> as list<struct<key, value>> (columnar; GDPO explodes it)
             rc = trajectories.sort_by("traj_id").column("reward_components").combine_chunks()
@@ -184,7 +193,7 @@ class CreditContext:
             for c in steps.column_names
             if c not in ("token_ids", "token_offsets", "logprobs", "values", "round")
         ]
-        step_frame = pl.from_arrow(steps.select(scalar_cols)).with_columns(
+        step_frame = pl.DataFrame(steps.select(scalar_cols)).with_columns(
             pl.Series("n_tokens", lengths), pl.Series("tok_start", starts)
         )
         step_frame = step_frame.join(
@@ -196,17 +205,17 @@ class CreditContext:
         step_frame = step_frame.with_columns((pl.col("role") == "assistant").alias("is_assistant"))
         step_traj = step_frame["traj_index"].to_numpy().astype(np.int64)
         # per-token arrays as runs of per-step values (np.repeat: sequential copies, no gathers)
-        tok_step = _Deferred(lambda: np.repeat(np.arange(len(lengths), dtype=np.int64), lengths))
-        tok_traj = _Deferred(lambda: np.repeat(step_traj, lengths))
+        tok_step = _deferred(lambda: np.repeat(np.arange(len(lengths), dtype=np.int64), lengths))
+        tok_traj = _deferred(lambda: np.repeat(step_traj, lengths))
         tok_mask = np.repeat(step_frame["is_assistant"].to_numpy(), lengths)
         lp_col, v_col = steps.column("logprobs"), steps.column("values")
-        tok_logprob = _Deferred(
+        tok_logprob = _deferred(
             lambda: _flat_list_floats(lp_col, starts, n_tokens), (lp_col, starts, n_tokens)
         )
-        tok_value = _Deferred(lambda: _flat_list_floats(v_col, starts, n_tokens), (v_col, starts, n_tokens))
-        anns = {}
+        tok_value = _deferred(lambda: _flat_list_floats(v_col, starts, n_tokens), (v_col, starts, n_tokens))
+        anns: dict[str, pl.DataFrame] = {}
         for name, t in (annotations or {}).items():
-            anns[name] = t if isinstance(t, pl.DataFrame) else pl.from_arrow(t)
+            anns[name] = t if isinstance(t, pl.DataFrame) else pl.DataFrame(t)
         return cls(
             trajectories=traj,
             steps=step_frame,
@@ -236,7 +245,7 @@ class CreditContext:
 
     @property
     def n_groups(self) -> int:
-        return int(self.trajectories["group_index"].max()) + 1 if self.n_traj else 0
+        return int(self.trajectories.select(pl.col("group_index").max()).item()) + 1 if self.n_traj else 0
 
     @property
     def traj_group(self) -> np.ndarray:
@@ -368,7 +377,7 @@ class CreditResult:
         per_step = np.where(ctx.steps["is_assistant"].to_numpy(), np.asarray(step_adv, dtype=np.float64), 0.0)
         lengths = ctx.steps["n_tokens"].to_numpy()
         return cls(
-            _Deferred(lambda: np.repeat(per_step, lengths)),
+            _deferred(lambda: np.repeat(per_step, lengths)),
             dict(components or {}),
             token_returns,
             dict(notes or {}),

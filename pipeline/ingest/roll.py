@@ -78,7 +78,7 @@ def read_dump(text: str, source_file: str):
             )
             yield record
             continue
-        for i in range(next(iter(lens.values()))):
+        for i in range(len(next(iter(data.values())))):
             row = {k: v[i] for k, v in data.items()}
             raw = json.dumps(row, ensure_ascii=False)
             yield SourceRecord(source_file, f"{record.location} row {i}", raw, row, context={"row": i})
@@ -110,7 +110,8 @@ def convert_dump_row(record: SourceRecord) -> TrajectoryDraft:
         n_lists = len(messages)  # agent-native: [messages]; several when branches were kept: the longest
         messages = max(messages, key=len)
     steps = convert_messages(messages)
-    info = data.get("reward_info") if isinstance(data.get("reward_info"), dict) else {}
+    raw_info = data.get("reward_info")
+    info = raw_info if isinstance(raw_info, dict) else {}
     if info.get("episode_reward") is None:
         raise Reject(MISSING_FIELD, "'trajectory_data.reward_info.episode_reward' is missing", "reward_info")
     reward = as_reward(info["episode_reward"], "reward_info.episode_reward")

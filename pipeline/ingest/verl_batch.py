@@ -254,7 +254,9 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
                 pa.array(lp_flat if lp_flat is not None else np.zeros(len(ids), np.float32)),
                 mask=pa.array(~lp_valid),
             ),
-            "logprob_source": pa.array(np.where(lp_valid, "rollout", None).astype(object), pa.string()),
+            "logprob_source": pa.array(
+                np.full(len(lp_valid), "rollout", dtype=object), pa.string(), mask=~np.asarray(lp_valid, bool)
+            ),
             "values": pa.nulls(n_seg, pa.list_(pa.float32())),
             "verifier_score": pa.nulls(n_seg, pa.float64()),
         }

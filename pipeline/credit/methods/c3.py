@@ -73,7 +73,7 @@ def span_confidence(
 ):
     """Per-span confidence from the behaviour logprobs of the span's tokens only (O(span tokens)); spans with
     a NaN logprob (or no tokens) get `missing`. Returns (confidence, missing mask)."""
-    if idx is None:
+    if idx is None or owner is None:
         idx, owner = expand_ranges(lo, hi)
     n = len(lo)
     lp = logprob[idx]

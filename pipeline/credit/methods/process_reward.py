@@ -103,6 +103,7 @@ def gae_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
     penalty[last_tok[rows]] = -settings.beta * s_step[rows]  # Eq. 1
     contrib = segment_discounted_cumsum(penalty[t], ctx.tok_traj[t], gs.gamma * gs.lam)
     A = raw.token_adv[t] + contrib
+    assert raw.token_returns is not None  # gae_credit always returns them
     returns = raw.token_returns.copy()
     returns[t] = returns[t] + contrib
     if gs.whiten:
