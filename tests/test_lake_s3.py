@@ -205,11 +205,13 @@ def test_two_process_runs_on_one_s3_lake_both_finish_identically(bucket, s3_env,
     assert [p.returncode for p in runs] == [0, 0], outs
     first = {t: _sorted(lake, t) for t in ("advantages", "train_batch")}
     assert first["advantages"].num_rows > 0
-    again = _cli(args + ["--force"], {**s3_env, "CREDITFLOW_STATE_DIR": str(tmp_path / "machine2")})
-    out = again.communicate(timeout=600)[0]
-    assert again.returncode == 0, out
-    for table, before in first.items():
-        assert _sorted(lake, table).equals(before), table
+    solo_uri = f"s3://{bucket}/solo"  # the same round processed by one run alone
+    _round(Lake(solo_uri))
+    solo = _cli([*args[:2], solo_uri, *args[3:]], {**s3_env, "CREDITFLOW_STATE_DIR": str(tmp_path / "solo")})
+    out = solo.communicate(timeout=600)[0]
+    assert solo.returncode == 0, out
+    for table, together in first.items():
+        assert _sorted(Lake(solo_uri), table).equals(together), table
 
 
 _WRITER = """
