@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 import uuid
 from decimal import Decimal
@@ -111,6 +112,12 @@ def _json_safe(value):
     return json.loads(json.dumps(value, default=str))
 
 
+def mlflow_name(metric: str) -> str:
+    """MLflow allows only alphanumerics, _ - . space : / in a metric name: a chain's '+' becomes '-' (method
+    names use underscores, so 'grpo-c3' is unambiguous), any other character '_'."""
+    return re.sub(r"[^/\w.\- :]", "_", metric.replace("+", "-"))
+
+
 def to_mlflow(cfg: Config, lake: Lake, round_: int, metrics: dict, summary: dict, report: Path | None) -> str:
     mlflow = _require("mlflow")
     from mlflow.tracking import MlflowClient
@@ -139,7 +146,9 @@ def to_mlflow(cfg: Config, lake: Lake, round_: int, metrics: dict, summary: dict
     now = int(time.time() * 1000)
     from mlflow.entities import Metric
 
-    client.log_batch(run_id, metrics=[Metric(k, v, now, int(round_)) for k, v in metrics.items()])
+    client.log_batch(
+        run_id, metrics=[Metric(mlflow_name(k), v, now, int(round_)) for k, v in metrics.items()]
+    )
     client.set_tag(run_id, f"methods.round{round_}", ",".join(cfg.methods))
     client.log_dict(run_id, _json_safe(summary), f"rounds/round-{round_}-summary.json")
     if report is not None:

@@ -181,3 +181,19 @@ def test_training_metrics_reach_the_tracker(lake, tmp_path):
     # the last of 3 steps per round: loss = 1 / (1 + step + 3 * round)
     assert [(p.step, p.value) for p in loss] == [(0, pytest.approx(1 / 3)), (1, pytest.approx(1 / 6))]
     assert [p.value for p in acc.Scalars("train/grpo/entropy")] == [pytest.approx(1.8)] * 2
+
+
+def test_mlflow_takes_method_chain_metrics(lake, tmp_path):
+    """MLflow refuses '+' in a metric name ('credit/grpo+c3/mean_adv'): a chain's metrics go as 'grpo-c3'."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.trackers import to_mlflow
+
+    uri = (tmp_path / "mlruns").as_uri()
+    cfg = _cfg(lake, "mlflow", tmp_path, f"tracking.mlflow_uri={uri}")
+    _round(lake, 0)
+    metrics = {"credit/grpo+c3/mean_adv": 0.25, "credit/grpo/mean_adv": 0.5}
+    run_id = to_mlflow(cfg, lake, 0, metrics, {"round": 0}, None)
+    client = MlflowClient(tracking_uri=uri)
+    assert [h.value for h in client.get_metric_history(run_id, "credit/grpo-c3/mean_adv")] == [0.25]
+    assert [h.value for h in client.get_metric_history(run_id, "credit/grpo/mean_adv")] == [0.5]
