@@ -1,0 +1,200 @@
+"""Benchmark: the fixed cost of a `creditflow process` command as a user sees it, beside its per-token cost,
+for this tree and for a baseline commit, in the same run (interleaved repetitions, min / median).
+
+Per tree, each repetition times the real CLI in a fresh process:
+- import:   `import <cli module>` (python -X importtime, the project's own modules and everything they pull);
+- first:    process of a small synthetic round (every stage computes);
+- noop:     the same command again on the processed round (every batch stage cached): the fixed cost;
+- server:   (this tree only) the no-op again with a managed Prefect server up (`creditflow server start`);
+- big:      process of a larger round; per-token cost = (big - noop) / its tokens.
+
+    python bench/fixed_cost.py                          # baseline: the commit before this session's work
+    python bench/fixed_cost.py --baseline 7cc0a8a --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+METHODS = "grpo,grpo+c3,gae"
+
+
+def cli_module(tree: Path) -> str:
+    return "flows.cli" if (tree / "flows" / "cli.py").exists() else "pipeline.cli"
+
+
+def run_cli(tree: Path, args: list[str], env: dict[str, str]) -> float:
+    code = f"from {cli_module(tree)} import app; app()"
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        [PY, "-c", code, *args],
+        cwd=tree,
+        env={**env, "PYTHONPATH": str(tree)},
+        capture_output=True,
+        text=True,
+    )
+    wall = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise RuntimeError(f"{tree.name}: {' '.join(args[:1])} failed: {out.stderr[-800:]}")
+    return wall
+
+
+def import_time(tree: Path, env: dict[str, str]) -> float:
+    out = subprocess.run(
+        [PY, "-X", "importtime", "-c", f"import {cli_module(tree)}"],
+        cwd=tree,
+        env={**env, "PYTHONPATH": str(tree)},
+        capture_output=True,
+        text=True,
+    )
+    last = [line for line in out.stderr.splitlines() if line.startswith("import time:")][-1]
+    return int(last.split("|")[1]) / 1e6  # cumulative microseconds of the top-level import
+
+
+def synth(tree: Path, lake: Path, groups: int, env: dict[str, str]) -> None:
+    run_cli(
+        tree,
+        [
+            "synth",
+            "--groups",
+            str(groups),
+            "--samples",
+            "4",
+            "--turns",
+            "4",
+            "--tokens",
+            "200",
+            "--out",
+            str(lake),
+        ],
+        env,
+    )
+
+
+def tokens_of(lake: Path) -> int:
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    total = 0
+    for part in (lake / "steps").rglob("*.parquet"):
+        col = pq.read_table(part, columns=["token_ids"]).column("token_ids")
+        total += int(pc.sum(pc.list_value_length(col)).as_py() or 0)
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", default="7cc0a8a", help="commit to compare with (a git worktree of it)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--small", type=int, default=8, help="groups of the small round")
+    ap.add_argument("--big", type=int, default=256, help="groups of the large round")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fixed_cost.md"))
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="cf-fixed-"))
+    base = work / "baseline"
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "-f", "--detach", str(base), args.baseline],
+        check=True,
+        capture_output=True,
+    )
+    trees = {"baseline": base, "this": ROOT}
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PYTHONPATH")}
+    env.update(
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        CREDITFLOW_NO_SERVER="1",
+        CREDITFLOW_CACHE=str(work / "cache"),
+    )
+    times: dict[tuple[str, str], list[float]] = {}
+    big_tokens = 0
+    try:
+        for rep in range(args.reps):
+            order = list(trees) if rep % 2 == 0 else list(reversed(trees))
+            for name in order:
+                tree = trees[name]
+                home = work / f"prefect-{name}-{rep}"
+                e = {**env, "PREFECT_HOME": str(home)}
+                small, big = work / f"{name}-{rep}-small", work / f"{name}-{rep}-big"
+                synth(tree, small, args.small, e)
+                synth(tree, big, args.big, e)
+                big_tokens = tokens_of(big)
+                proc = ["process", "--round", "0", "--methods", METHODS]
+                times.setdefault((name, "import"), []).append(import_time(tree, e))
+                times.setdefault((name, "first"), []).append(run_cli(tree, [*proc, "--lake", str(small)], e))
+                times.setdefault((name, "noop"), []).append(run_cli(tree, [*proc, "--lake", str(small)], e))
+                times.setdefault((name, "big"), []).append(run_cli(tree, [*proc, "--lake", str(big)], e))
+                if name == "this":
+                    es = {**e}
+                    es.pop("CREDITFLOW_NO_SERVER")
+                    run_cli(tree, ["server", "start"], es)
+                    try:
+                        run_cli(
+                            tree, [*proc, "--lake", str(small)], es
+                        )  # the server's first sight of this lake
+                        times.setdefault((name, "server"), []).append(
+                            run_cli(tree, [*proc, "--lake", str(small)], es)
+                        )
+                    finally:
+                        run_cli(tree, ["server", "stop"], es)
+                shutil.rmtree(small, ignore_errors=True)
+                shutil.rmtree(big, ignore_errors=True)
+                print(
+                    f"rep {rep + 1} {name}: "
+                    + ", ".join(f"{k[1]} {v[-1]:.2f}s" for k, v in times.items() if k[0] == name),
+                    flush=True,
+                )
+    finally:
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], capture_output=True
+        )
+        shutil.rmtree(work, ignore_errors=True)
+
+    def cell(name: str, what: str) -> str:
+        v = times.get((name, what))
+        return f"{min(v):.2f} / {statistics.median(v):.2f}" if v else "-"
+
+    lines = [
+        "# Fixed cost of `creditflow process` (bench/fixed_cost.py)",
+        "",
+        f"`python bench/fixed_cost.py --baseline {args.baseline} --reps {args.reps}`; methods {METHODS}; "
+        f"small round {args.small} groups, large round {args.big} groups ({big_tokens:,} tokens); "
+        f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs. Seconds, min / median of "
+        f"{args.reps} interleaved repetitions (order reversed every other one), each a fresh CLI process.",
+        "",
+        "| | baseline | this tree |",
+        "|---|---|---|",
+    ]
+    for what, label in [
+        ("import", "import of the CLI module"),
+        ("first", "process, small round (computes)"),
+        ("noop", "process again (all cached): **fixed cost**, ephemeral API"),
+        ("server", "process again with `creditflow server start` up"),
+        ("big", "process, large round"),
+    ]:
+        lines.append(f"| {label} | {cell('baseline', what)} | {cell('this', what)} |")
+
+    def per_token(name: str) -> str:
+        if not (times.get((name, "big")) and times.get((name, "noop")) and big_tokens):
+            return "-"
+        return f"{(min(times[(name, 'big')]) - min(times[(name, 'noop')])) / big_tokens * 1e6:.2f}"
+
+    lines.append(
+        f"| per-token cost: (large - no-op) / tokens, us | {per_token('baseline')} | {per_token('this')} |"
+    )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
