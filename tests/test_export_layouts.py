@@ -214,3 +214,22 @@ def test_saved_npz_loads_without_copy(tmp_path):
     t = torch.from_numpy(adv)
     assert t.data_ptr() == adv.__array_interface__["data"][0]  # shares memory: no copy
     assert data["uid"].dtype.kind == "U"
+
+
+def test_verl_credit_finds_rows_cut_to_the_runs_response_length():
+    """An export cut to a shorter `--response-length` (verl's rollout cuts the same way) is found by
+    trainer.verl_credit: a live batch holds the cut tokens, so the lookup keys them as laid out, and each row
+    gets its exported (cut) advantages."""
+    from trainer.verl_credit import CreditflowAdvantages
+
+    spec = [[(False, 3, 0), (True, 5, 1), (False, 2, 0), (True, 4, 2)], [(False, 2, 0), (True, 3, 1)]]
+    table, _ = _batch(spec)
+    R0 = to_padded(table, "verl")["responses"].shape[1]
+    for R in (R0 + 2, R0, R0 - 4, 1):
+        a = to_padded(table, "verl", response_length=R)
+        order = np.array([1, 0])  # a shuffled live batch
+        adv, found = CreditflowAdvantages(a).lookup(
+            a["prompts"][order], a["responses"][order], a["attention_mask"][order]
+        )
+        assert found.all(), R
+        assert np.array_equal(adv, a["advantages"][order])

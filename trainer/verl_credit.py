@@ -3,8 +3,9 @@
 `fit()` gives every sample a fresh `uid` (uuid4) each step and pads responses to `rollout.response_length`, so
 an export cannot be matched by uid or by shape. It is matched by `key`: a hash of the sample's real prompt and
 response token ids (`pipeline.layouts.sample_key`), which the export stores per row and which this module
-computes from the batch (`prompts`, `responses`, `attention_mask`). The advantages are then padded or cut to
-the batch's response length.
+computes from the batch (`prompts`, `responses`, `attention_mask`); a row the export cut to the run's
+`--response-length` is also found by the hash of its cut tokens (what verl's rollout holds). The advantages
+are then padded or cut to the batch's response length.
 
 Use (in the process that runs `fit()`, i.e. verl's `TaskRunner`, before `trainer.fit()`):
 
@@ -36,6 +37,16 @@ class CreditflowAdvantages:
                 raise ValueError(f"not a creditflow verl export: no {name!r} array")
         self.keys = [str(k) for k in arrays["key"]]
         self.row_of = {k: i for i, k in enumerate(self.keys)}
+        if "prompts" in arrays and "responses" in arrays:
+            # a row cut to the run's response_length: the live batch holds the cut tokens, so it is also
+            # found by the key of its tokens as laid out (`key` hashes the whole, uncut sample)
+            laid_out = self.batch_keys(
+                np.asarray(arrays["prompts"]),
+                np.asarray(arrays["responses"]),
+                np.asarray(arrays["attention_mask"]),
+            )
+            for i, k in enumerate(laid_out):
+                self.row_of.setdefault(k, i)
         self.advantages = np.asarray(arrays["advantages"], dtype=np.float32)
         R = self.advantages.shape[1]
         self.n_resp = np.asarray(arrays["attention_mask"])[:, -R:].sum(axis=1)
