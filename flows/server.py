@@ -94,11 +94,20 @@ def start(port: int | None = None, timeout_s: float = 120.0) -> tuple[ServerInfo
     raise RuntimeError(f"the Prefect server did not answer within {timeout_s:.0f} s; see {log}")
 
 
+def _is_prefect_server(pid: int) -> bool:
+    """The process runs `prefect server start` (what `start` launched), read from /proc/<pid>/cmdline."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"prefect" in args and b"server" in args
+
+
 def stop() -> ServerInfo | None:
     info = read_state()
     if info is None:
         return None
-    if pid_alive(info.pid):
+    if pid_alive(info.pid) and _is_prefect_server(info.pid):  # a stale record's pid may be another's now
         kill(info.pid, grace_s=10)
     try:
         state_path().unlink()

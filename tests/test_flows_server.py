@@ -74,3 +74,23 @@ def test_process_uses_the_managed_server(tmp_path):
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
     assert not (tmp_path / "cache" / "services" / "prefect.json").exists()
     assert _cli(["server", "status"], env).returncode == 1
+
+
+def test_stop_leaves_a_process_that_reused_a_stale_pid(tmp_path, monkeypatch):
+    """A state file left by a server that died (reboot, kill -9) names a pid another process may now hold:
+    `server stop` removes the record but signals only a Prefect server."""
+    from flows import server
+
+    monkeypatch.setenv("CREDITFLOW_CACHE", str(tmp_path / "cache"))
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a group leader, like the server was
+    try:
+        server.state_path().parent.mkdir(parents=True)
+        server.state_path().write_text(
+            json.dumps({"pid": other.pid, "url": "http://127.0.0.1:9/api", "log": "x", "started": 0.0})
+        )
+        assert server.stop() is not None
+        assert other.poll() is None  # still running
+        assert not server.state_path().exists()
+    finally:
+        other.kill()
+        other.wait()
