@@ -101,7 +101,7 @@ def test_flow_matches_plain_functions_and_reruns_cached(tmp_path, prefect_harnes
 
     # a deleted output part is rebuilt (only that batch's credit and export run again)
     victim = flow_lake.part_name(flow_lake.parts("advantages", 0)[0])
-    assert flow_lake.delete_parts("advantages", 0, prefix=victim) == 1
+    assert flow_lake.delete_part_names("advantages", 0, [victim]) == 1
     third = run_process(cfg, 0, quiet=True)
     assert flow_lake.has_part("advantages", 0, victim)
     assert third["this_run"]["credit"]["cached"] == 3 and third["this_run"]["export"]["cached"] == 3

@@ -245,7 +245,8 @@ class DeltaLake(Lake):
         )
 
     def part_names(self, table: str, round_: int) -> list[str]:
-        return sorted(self._data_names(table, round_) | self._empty_names(table, round_))
+        names = self._data_names(table, round_) | self._empty_names(table, round_)
+        return sorted(names, key=lambda n: f"part-{n}.parquet")  # the order of hive's part files
 
     def parts(self, table: str, round_: int) -> list[Path]:
         d = self.partition_dir(table, round_)
@@ -397,6 +398,8 @@ class DeltaLake(Lake):
         return self.delete_part_names(table_name, round_, names)
 
     def delete_part_names(self, table_name: str, round_: int, names: list[str]) -> int:
+        present = set(self.part_names(table_name, round_))
+        names = [safe_part_name(n) for n in names if safe_part_name(n) in present]
         if not names:
             return 0
         quoted = ", ".join("'" + n.replace("'", "''") + "'" for n in names)

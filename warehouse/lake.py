@@ -284,6 +284,16 @@ class Lake:
                 n += 1
         return n
 
+    def delete_part_names(self, table_name: str, round_: int, names: list[str]) -> int:
+        """Delete the named parts (exact names, not prefixes); returns how many there were."""
+        n = 0
+        for name in names:
+            path = self.partition_dir(table_name, round_) / f"part-{safe_part_name(name)}.parquet"
+            if path.exists():
+                path.unlink()
+                n += 1
+        return n
+
     def cleanup(self) -> None:
         """Remove leftovers of interrupted writes (temp files, staging folders) whose writer is gone: a name
         carries its writer's process id (`temp_token`), so the files of another live run on this lake stay."""

@@ -72,12 +72,7 @@ def prune_stale_parts(lake: Lake, round_: int, tables: list[str], batches: list[
             batch = name.split(".", 1)[-1] if table == TABLE else name.split(".", 1)[0]  # stage.batch
             if batch not in keep:
                 stale.append(name)
-        if lake.format == "parquet":
-            for name in stale:
-                (lake.partition_dir(table, round_) / f"part-{name}.parquet").unlink(missing_ok=True)
-        else:
-            lake.delete_part_names(table, round_, stale)
-        removed += len(stale)
+        removed += lake.delete_part_names(table, round_, stale)
     return removed
 
 

@@ -107,7 +107,7 @@ def register(app: typer.Typer) -> None:
     @annotators_app.command("run")
     def run_cmd(
         annotator: str = typer.Argument(..., help="rules | llm | llm=MODEL"),
-        lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
+        lake: str = typer.Option("lake", "--lake", help="lake: folder, file://, s3://BUCKET/PATH, gs://..."),
         round_: int = typer.Option(..., "--round", help="round"),
         annotator_id: str | None = typer.Option(None, "--annotator-id", help="id written to nodes/edges"),
         config: Path | None = typer.Option(None, "--config", help="YAML config file"),
@@ -122,7 +122,7 @@ def register(app: typer.Typer) -> None:
     def compare_cmd(
         a: str = typer.Argument(..., help="annotator A: rules | llm | llm=MODEL (the reference)"),
         b: str = typer.Argument(..., help="annotator B"),
-        lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
+        lake: str = typer.Option("lake", "--lake", help="lake: folder, file://, s3://BUCKET/PATH, gs://..."),
         round_: int = typer.Option(..., "--round", help="round"),
         id_a: str | None = typer.Option(
             None, "--id-a", help="annotator id for A (default: rules / llm:<model>)"

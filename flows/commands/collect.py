@@ -17,7 +17,7 @@ def register(app: typer.Typer) -> None:
         prompts: int | None = typer.Option(None, "--prompts", help="prompts (groups) this round"),
         samples: int | None = typer.Option(None, "--samples", help="samples per prompt (group size)"),
         round_: int = typer.Option(0, "--round", help="round number (lake partition)"),
-        lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
+        lake: str = typer.Option("lake", "--lake", help="lake: folder, file://, s3://BUCKET/PATH, gs://..."),
         endpoint: list[str] | None = typer.Option(
             None, "--endpoint", help="OpenAI-compatible base URL(s) (vllm backend)"
         ),

@@ -102,7 +102,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("rescore")
     def rescore_cmd(
-        lake: Path = typer.Option(Path("lake"), "--lake", help="lake folder"),
+        lake: str = typer.Option("lake", "--lake", help="lake: folder, file://, s3://BUCKET/PATH, gs://..."),
         round_: int = typer.Option(..., "--round", help="round whose steps to rescore"),
         endpoint: list[str] | None = typer.Option(
             None, "--endpoint", help="base URL(s); default: config/service"

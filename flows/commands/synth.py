@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from enum import StrEnum
-from pathlib import Path
 
 import typer
 
@@ -24,7 +23,7 @@ def register(app: typer.Typer) -> None:
             5, "--turns", min=1, help="assistant turns per trajectory (fixed budget K)"
         ),
         tokens: int = typer.Option(200, "--tokens", min=1, help="mean tokens (bytes) per assistant turn"),
-        out: Path = typer.Option(Path("lake"), "--out", help="lake folder to write into"),
+        out: str = typer.Option("lake", "--out", help="lake to write into: folder, file://, s3://BUCKET/PATH"),
         round_: int = typer.Option(0, "--round", help="round number (its partitions are replaced)"),
         seed: int = typer.Option(0, "--seed", help="same seed, same settings -> bit-identical output"),
         kind: Kind = typer.Option(Kind.mixed, "--kind", help="search | tool | mixed (per group)"),
