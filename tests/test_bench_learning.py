@@ -48,6 +48,16 @@ def test_quick_runs_the_loop_and_records_curves(tmp_path):
     for r in runs:
         assert len(r["success"]) == 3 and all(0.0 <= x <= 1.0 for x in r["success"])
         assert len(r["train_steps"]) == 3 and all(n > 0 for n in r["train_steps"])  # train_metrics per round
+    # the lake's learning_curve view (what the report can chart) agrees with the bench's own reading
+    from warehouse.catalog import query
+    from warehouse.lake import Lake
+
+    first = runs[0]
+    view = query(
+        Lake(Path(first["dir"]) / "lake"), "SELECT round, success_rate, train_steps FROM learning_curve"
+    )
+    assert view.column("success_rate").to_pylist() == pytest.approx(first["success"])
+    assert view.column("train_steps").to_pylist() == first["train_steps"]
     tcpo = next(r for r in runs if r["arm"] == "tcpo")
     assert tcpo["counterfactuals"]["ok"] > 0  # the policy server answered TCPO's counterfactual stage
     assert "Paired by seed" in res.stdout and "c3_search" in res.stdout
