@@ -106,15 +106,21 @@ def _driver_env(values: dict[str, str]) -> Iterator[None]:
 
 @contextmanager
 def ray_cluster(
-    nodes: int = 2, cpus_per_node: int = 1, object_store_mb: int = 80, env: dict[str, str] | None = None
+    nodes: int = 2,
+    cpus_per_node: int = 1,
+    object_store_mb: int = 80,
+    env: dict[str, str] | None = None,
+    token: Path | None = None,
 ) -> Iterator[Cluster]:
     """A Ray cluster of a head and `nodes - 1` node processes; yields its GCS address (`host:port`). The driver
-    (this process) gets the cluster's token through RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH while inside."""
+    (this process) gets the cluster's token through RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH while inside; clusters
+    that one driver uses in turn share a `token` file."""
     with ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cfray-", dir="/tmp")))
-        token = work / "token"
-        token.write_text(secrets.token_hex(32))
-        token.chmod(0o600)
+        if token is None:
+            token = work / "token"
+            token.write_text(secrets.token_hex(32))
+            token.chmod(0o600)
         auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
         penv = _env({**(env or {}), **auth, "RAY_USAGE_STATS_ENABLED": "0"})
         gcs = free_port()

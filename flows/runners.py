@@ -50,13 +50,29 @@ def settings_scope(updates: dict) -> Iterator[object]:
         yield hit[1]
 
 
+# where the lake is and how to reach it: a Ray job's workers get these from the driver (runtime_env), so one
+# lake URI names the same storage everywhere. Credentials are not sent (Ray keeps runtime_env in its GCS and
+# dashboard): the nodes take them from their own environment, profile or instance role, as Dask workers take all
+# of these from the environment their `dask worker` was started with.
+LAKE_ENV = (
+    "CREDITFLOW_LAKE_FORMAT",
+    "CREDITFLOW_STATE_DIR",
+    "CREDITFLOW_S3_ENDPOINT",
+    "AWS_ENDPOINT_URL",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ALLOW_HTTP",
+    "AWS_PROFILE",
+)
+
+
 def _worker_env() -> dict[str, str]:
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME
 
     env = {"PREFECT_HOME": str(PREFECT_HOME.value())}
     if PREFECT_API_URL.value():
         env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
-    for key in ("PREFECT_LOGGING_LEVEL", "PREFECT_SERVER_ANALYTICS_ENABLED", "CREDITFLOW_CACHE"):
+    for key in ("PREFECT_LOGGING_LEVEL", "PREFECT_SERVER_ANALYTICS_ENABLED", "CREDITFLOW_CACHE", *LAKE_ENV):
         if key in os.environ:
             env[key] = os.environ[key]
     return env

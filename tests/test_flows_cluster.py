@@ -41,6 +41,28 @@ def _config(lake_uri: str, **fields):
     )
 
 
+def test_ray_workers_get_the_lake_location_not_credentials(monkeypatch):
+    """A Ray job's workers get where the lake is (endpoint, region, state folder) from the driver; secrets stay
+    with the nodes' own environment."""
+    from flows.runners import _worker_env
+
+    for key, value in {
+        "AWS_ENDPOINT_URL": "http://s3.local:9000",
+        "AWS_REGION": "eu-west-1",
+        "CREDITFLOW_STATE_DIR": "/shared/state",
+        "AWS_SECRET_ACCESS_KEY": "s3cr3t",
+        "AWS_ACCESS_KEY_ID": "AKIA",
+        "AWS_SESSION_TOKEN": "tok",
+    }.items():
+        monkeypatch.setenv(key, value)
+    env = _worker_env()
+    assert env["AWS_ENDPOINT_URL"] == "http://s3.local:9000" and env["AWS_REGION"] == "eu-west-1"
+    assert env["CREDITFLOW_STATE_DIR"] == "/shared/state"
+    assert not {"AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN"} & set(env)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    assert "AWS_ENDPOINT_URL" not in _worker_env()
+
+
 @pytest.fixture(scope="module")
 def s3_env(tmp_path_factory):
     pytest.importorskip("moto.server")
@@ -82,7 +104,10 @@ def test_round_on_a_two_node_cluster_matches_threads(
         uri = f"s3://{bucket}/lake"
     else:
         uri = str(tmp_path / "lake")
-    lake = Lake(uri)
+    try:
+        lake = Lake(uri)
+    except ValueError as exc:  # a lake without object-store support (before #25.1-2): said, not hidden
+        pytest.skip(f"SKIPPED: this lake cannot open {uri}: {exc}")
     make_round(lake)
     with cluster_lib.DriverTraffic() as traffic:
         summary = run_process(
