@@ -233,3 +233,32 @@ def test_verl_credit_finds_rows_cut_to_the_runs_response_length():
         )
         assert found.all(), R
         assert np.array_equal(adv, a["advantages"][order])
+
+
+def test_verl_credit_says_when_rows_keep_verls_advantages(caplog):
+    """missing="keep": a batch row the export lacks keeps verl's advantages, and the run's log says how many."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from trainer.verl_credit import CreditflowAdvantages
+
+    table, _ = _batch([[(False, 2, 0), (True, 3, 1)], [(False, 2, 0), (True, 4, 1)]])
+    a = to_padded(table, "verl")
+    other = a["responses"].copy()
+    other[1, 0] += 1  # not a sample of the export
+    verl_adv = torch.full(other.shape, 7.0)
+    batch = SimpleNamespace(
+        batch={
+            "prompts": torch.from_numpy(a["prompts"]),
+            "responses": torch.from_numpy(other),
+            "attention_mask": torch.from_numpy(a["attention_mask"]),
+            "advantages": verl_adv.clone(),
+        }
+    )
+    with caplog.at_level(logging.WARNING, logger="trainer.verl_credit"):
+        assert CreditflowAdvantages(a).apply(batch) == 1
+    assert torch.equal(batch.batch["advantages"][1], verl_adv[1])
+    assert np.array_equal(batch.batch["advantages"][0].numpy(), a["advantages"][0])
+    assert "1 of 2 samples are not in the creditflow export" in caplog.text

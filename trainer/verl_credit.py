@@ -20,12 +20,15 @@ module imports with or without verl installed."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.layouts import sample_key
+
+log = logging.getLogger(__name__)
 
 
 class CreditflowAdvantages:
@@ -95,6 +98,12 @@ class CreditflowAdvantages:
         )
         if missing == "error" and not found.all():
             raise KeyError(f"{int((~found).sum())} of {len(found)} samples are not in the creditflow export")
+        if not found.all():
+            log.warning(
+                "%d of %d samples are not in the creditflow export: they keep verl's advantages",
+                int((~found).sum()),
+                len(found),
+            )
         current = t["advantages"] if "advantages" in t.keys() else None
         new = torch.from_numpy(adv)
         if current is not None:
