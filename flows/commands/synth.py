@@ -23,7 +23,9 @@ def register(app: typer.Typer) -> None:
             5, "--turns", min=1, help="assistant turns per trajectory (fixed budget K)"
         ),
         tokens: int = typer.Option(200, "--tokens", min=1, help="mean tokens (bytes) per assistant turn"),
-        out: str = typer.Option("lake", "--out", help="lake to write into: folder, file://, s3://BUCKET/PATH"),
+        out: str = typer.Option(
+            "lake", "--out", help="lake to write into: folder, file://, s3://BUCKET/PATH"
+        ),
         round_: int = typer.Option(0, "--round", help="round number (its partitions are replaced)"),
         seed: int = typer.Option(0, "--seed", help="same seed, same settings -> bit-identical output"),
         kind: Kind = typer.Option(Kind.mixed, "--kind", help="search | tool | mixed (per group)"),
