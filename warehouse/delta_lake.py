@@ -301,6 +301,10 @@ class DeltaLake(Lake):
         from schemas import TABLES
 
         spec = TABLES.get(table_name)
+        if not self.remote and as_of is None and parts is not None and isinstance(round_, int):
+            fast = self._read_files(table_name, round_, [self.part_name(p) for p in parts], columns)
+            if fast is not None:
+                return spec.conform(fast) if spec is not None and columns is None else fast
         ds = self.dataset(table_name, as_of)
         if ds is None:
             if spec is None:
@@ -334,6 +338,38 @@ class DeltaLake(Lake):
                 out = out.select(columns)
         return out
 
+    def _read_files(self, table: str, round_: int, names: list[str], columns: list[str] | None):
+        """A local batch read without a dataset: the parts' data files from the Delta log, read one by one
+        like hive parts (a dataset scan costs ~2x more per batch). None: take the dataset path."""
+        from urllib.parse import unquote
+
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        acts = self._actions(table)
+        if acts is None or acts.num_rows == 0:
+            return None
+        mask = pc.and_(
+            pc.equal(acts.column("partition.round").cast(pa.int64()), int(round_)),
+            pc.is_in(acts.column(f"partition.{PART}"), value_set=pa.array(names, pa.string())),
+        )
+        paths = acts.filter(mask).column("path").to_pylist()
+        if not paths:
+            return None
+        file_cols = None if columns is None else [c for c in columns if c != "round"]
+        pieces = []
+        try:
+            for rel in sorted(paths):
+                with pq.ParquetFile(self.root / table / unquote(rel)) as pf:
+                    if file_cols is not None and not set(file_cols) <= set(pf.schema_arrow.names):
+                        return None  # an older part without a column: the dataset reads it as nulls
+                    t = pf.read(columns=file_cols)
+                pieces.append(t.append_column("round", pa.array([int(round_)] * t.num_rows, pa.int32())))
+        except (OSError, pa.ArrowInvalid):
+            return None
+        out = pa.concat_tables(pieces, promote_options="permissive")
+        return out if columns is None else out.select(columns)
+
     # ---- writes ----------------------------------------------------------------------------------
     def _frame(self, table_name: str, round_: int, part: str, table: pa.Table) -> pa.Table:
         table = self._prepare(table_name, table)
@@ -342,14 +378,16 @@ class DeltaLake(Lake):
         return table.append_column(PART, pa.array([safe_part_name(part)] * n, pa.string()))
 
     def _commit(self, table_name: str, data: pa.Table, predicate: str, partition_by=PARTITION_BY) -> int:
-        from deltalake import write_deltalake
+        from deltalake import WriterProperties, write_deltalake
         from deltalake.exceptions import CommitFailedError
 
         uri = self.table_uri(table_name)
+        props = WriterProperties(compression="ZSTD")  # the hive lake's codec (delta-rs defaults to snappy)
         for attempt in range(COMMIT_RETRIES):
+            target = self._table(table_name)  # written through: its version is the commit's afterwards
             try:
                 write_deltalake(
-                    uri,
+                    target if target is not None else uri,
                     data,
                     mode="overwrite",
                     predicate=predicate,
@@ -357,13 +395,14 @@ class DeltaLake(Lake):
                     schema_mode="merge",  # a part may bring a column the earlier parts lack (read as nulls)
                     storage_options=self.storage_options,
                     configuration={"delta.checkpointInterval": "50"},
+                    writer_properties=props,
                 )
                 break
             except CommitFailedError:  # another writer committed first: our overwrite is idempotent, retry
                 if attempt == COMMIT_RETRIES - 1:
                     raise
                 time.sleep(0.05 * (attempt + 1))
-        version = self._table(table_name).version()
+        version = (target if target is not None else self._table(table_name)).version()
         self.last_versions[table_name] = version
         return version
 
