@@ -358,6 +358,14 @@ def main() -> None:
         "",
         *md_table(headers, rows),
     ]
+    if "delta" in formats:
+        lines += [
+            "",
+            "Delta columns (`--formats parquet,delta`): the same round converted to a Delta lake "
+            "(`warehouse.delta_lake.migrate`), its engine and floor timed in the same interleaved repetitions as the "
+            "hive ones; the Delta floor is delta-rs + pyarrow (the batch's columns read from the Delta datasets, the "
+            "advantages part written as one Delta commit).",
+        ]
     write_md(args.out, lines)
     print(f"wrote {args.out}")
 
