@@ -64,27 +64,46 @@ def _tokens(steps: pa.Table) -> int:
     return int(pc.sum(pc.list_value_length(steps.column("token_ids"))).as_py() or 0)
 
 
-def _summary(
+def _finish(
+    lake: Lake,
+    round_: int,
     stage: str,
     batch: str,
-    seconds: float,
+    t0: float,
     traj: pa.Table,
     steps: pa.Table,
     rows_out: dict[str, int],
-    notes: dict[str, float],
-    warnings: list[str],
+    cache_key: str | None,
+    notes: dict[str, float] | None = None,
+    warnings: list[str] | None = None,
 ) -> dict:
-    return {
+    """A batch stage's summary (what its task returns), recorded in the lake's run log (`stage_runs`)."""
+    summary = {
         "stage": stage,
         "batch": batch,
-        "seconds": seconds,
+        "seconds": time.perf_counter() - t0,
         "trajectories": traj.num_rows,
         "steps": steps.num_rows,
         "tokens": _tokens(steps),
         "rows_out": rows_out,
-        "notes": notes,
-        "warnings": warnings,
+        "notes": dict(notes or {}),
+        "warnings": list(warnings or []),
     }
+    record_stage_run(
+        lake,
+        round_,
+        stage,
+        batch,
+        seconds=summary["seconds"],
+        trajectories=traj.num_rows,
+        steps=steps.num_rows,
+        tokens=summary["tokens"],
+        rows_out=rows_out,
+        notes=summary["notes"],
+        warnings=summary["warnings"],
+        cache_key=cache_key,
+    )
+    return summary
 
 
 # ---- plain per-batch work (what the flow's tasks call; the benchmark's bare baseline) --------------------
@@ -105,24 +124,7 @@ def run_stage_batch(
     for table in stage.produces:
         lake.write_part(table, round_, out.tables[table], part=batch)
     rows = {t: out.tables[t].num_rows for t in stage.produces}
-    summary = _summary(
-        stage_name, batch, time.perf_counter() - t0, traj, steps, rows, dict(out.notes), list(out.warnings)
-    )
-    record_stage_run(
-        lake,
-        round_,
-        stage_name,
-        batch,
-        seconds=summary["seconds"],
-        trajectories=traj.num_rows,
-        steps=steps.num_rows,
-        tokens=summary["tokens"],
-        rows_out=rows,
-        notes=out.notes,
-        warnings=out.warnings,
-        cache_key=cache_key,
-    )
-    return summary
+    return _finish(lake, round_, stage_name, batch, t0, traj, steps, rows, cache_key, out.notes, out.warnings)
 
 
 def _credit_inputs(lake: Lake, round_: int, batch: str, methods: list[str]) -> tuple:
@@ -143,21 +145,7 @@ def stats_batch(lake: Lake, round_: int, batch: str, config: Config, cache_key: 
     stats = batch_statistics(traj, steps, methods, config, annotations, round_=round_)
     source = cache_key or stats_source(lake, round_, batch, config)
     lake.write_part(STATS, round_, statistics_table(stats, round_, source), part=batch)
-    rows = {STATS: len(stats)}
-    summary = _summary(STATS, batch, time.perf_counter() - t0, traj, steps, rows, {}, [])
-    record_stage_run(
-        lake,
-        round_,
-        STATS,
-        batch,
-        seconds=summary["seconds"],
-        trajectories=traj.num_rows,
-        steps=steps.num_rows,
-        tokens=summary["tokens"],
-        rows_out=rows,
-        cache_key=cache_key,
-    )
-    return summary
+    return _finish(lake, round_, STATS, batch, t0, traj, steps, {STATS: len(stats)}, cache_key)
 
 
 def stats_source(lake: Lake, round_: int, batch: str, config: Config) -> str:
@@ -214,21 +202,7 @@ def credit_batch(
         lake.write_part("advantages", round_, table, part=advantages_part(batch, method))
     notes = {f"{m}.{k}": float(v) for m, n in method_notes.items() for k, v in n.items()}
     rows = {"advantages": sum(t.num_rows for t in tables.values())}
-    summary = _summary(CREDIT, batch, time.perf_counter() - t0, traj, steps, rows, notes, [])
-    record_stage_run(
-        lake,
-        round_,
-        CREDIT,
-        batch,
-        seconds=summary["seconds"],
-        trajectories=traj.num_rows,
-        steps=steps.num_rows,
-        tokens=summary["tokens"],
-        rows_out=rows,
-        notes=notes,
-        cache_key=cache_key,
-    )
-    return summary
+    return _finish(lake, round_, CREDIT, batch, t0, traj, steps, rows, cache_key, notes)
 
 
 def export_batch(
@@ -248,20 +222,7 @@ def export_batch(
         table = layout.table(adv)
         lake.write_part("train_batch", round_, table, part=part)
         rows += table.num_rows
-    summary = _summary(EXPORT, batch, time.perf_counter() - t0, traj, steps, {"train_batch": rows}, {}, [])
-    record_stage_run(
-        lake,
-        round_,
-        EXPORT,
-        batch,
-        seconds=summary["seconds"],
-        trajectories=traj.num_rows,
-        steps=steps.num_rows,
-        tokens=summary["tokens"],
-        rows_out={"train_batch": rows},
-        cache_key=cache_key,
-    )
-    return summary
+    return _finish(lake, round_, EXPORT, batch, t0, traj, steps, {"train_batch": rows}, cache_key)
 
 
 def run_batch_stage(
