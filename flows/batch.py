@@ -5,7 +5,6 @@ The flow's tasks (flows/process_round.py) call exactly these; the benchmark runs
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -49,15 +48,6 @@ def stage_io(config: Config) -> StageIO:
             return list(pool.map(fn, *iterables))
 
     return StageIO(llm=LLMClient, map=pool_map)
-
-
-@dataclass
-class BatchSummary:
-    batch: str
-    trajectories: int = 0
-    steps: int = 0
-    tokens: int = 0
-    notes: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def _tokens(steps: pa.Table) -> int:
@@ -299,46 +289,6 @@ def run_batch_plain(lake: Lake, round_: int, batch: str, config: Config) -> list
         else:
             out.append(run_stage_batch(lake, round_, batch, stage, config))
     return out
-
-
-# ---- kept for callers of the first API -----------------------------------------------------------------
-
-
-def run_annotation_stages(
-    lake: Lake,
-    round_: int,
-    batch: str,
-    needed: set[str],
-    config: Config,
-    traj=None,
-    steps=None,
-    force: bool = False,
-) -> dict[str, float]:
-    """Run the stages that produce the needed tables for one batch; a stage whose parts exist is skipped."""
-    from pipeline.stages import stages_for
-
-    notes: dict[str, float] = {}
-    for stage in stages_for(needed):
-        if not force and all(lake.has_part(t, round_, batch) for t in stage.produces):
-            continue
-        summary = run_stage_batch(lake, round_, batch, stage.name, config)
-        notes.update({f"{stage.name}.{k}": v for k, v in summary["notes"].items()})
-    return notes
-
-
-def process_credit_batch(
-    lake: Lake, round_: int, batch: str, methods: list[str], config: Config
-) -> BatchSummary:
-    needed = annotation_names(methods)
-    stage_notes = run_annotation_stages(lake, round_, batch, needed, config) if needed else {}
-    s = credit_batch(lake, round_, batch, methods, config)
-    notes: dict[str, dict[str, float]] = {}
-    for key, value in s["notes"].items():
-        method, _, name = key.rpartition(".")
-        notes.setdefault(method, {})[name] = value
-    if stage_notes:
-        notes["stages"] = stage_notes
-    return BatchSummary(batch, s["trajectories"], s["steps"], s["tokens"], notes)
 
 
 def round_batches(lake: Lake, round_: int) -> list[str]:

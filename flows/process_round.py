@@ -20,22 +20,13 @@ from prefect.tasks import exponential_backoff
 
 from flows import progress, workers
 from flows.api_priority import api_waits_for_idle_cpu, stages_fill_cpus
-from flows.batch import (  # noqa: F401  (re-exported: the first API lived here)
+from flows.batch import (
     CREDIT,
-    EXPORT,
     STATS,
-    BatchSummary,
-    advantages_part,
-    credit_batch,
-    export_batch,
-    method_slug,
-    process_credit_batch,
     round_batches,
     round_stages,
     round_statistics,
-    run_annotation_stages,
     run_batch_stage,
-    run_stage_batch,
     stage_calls_llm,
     stage_outputs,
 )
