@@ -31,7 +31,8 @@ def worker_export(root: str, layout: str) -> dict:
     import pyarrow.parquet as pq
 
     from pipeline.export import build_train_batch
-    from pipeline.layouts import save_padded, to_padded
+    from pipeline.layouts import to_padded
+    from warehouse.exports import save_padded
     from warehouse.lake import Lake
     from warehouse.rounds import batch_names, read_batch
 

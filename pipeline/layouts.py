@@ -294,17 +294,3 @@ def _action_ranges(table: pa.Table, starts: np.ndarray, local: np.ndarray, n: in
     present = end >= 0
     ranges.reshape(-1, 2)[present] = np.column_stack([start[present], end[present]])
     return ranges
-
-
-def save_padded(arrays: dict[str, np.ndarray], path) -> None:
-    """Write the arrays as an uncompressed `.npz` (what `np.savez` writes: a zip of `.npy` members, no pickle),
-    streaming each array's buffer straight into the zip (np.savez copies it in chunks first)."""
-    import zipfile
-
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, value in arrays.items():
-            arr = np.ascontiguousarray(value)
-            with zf.open(f"{name}.npy", "w", force_zip64=True) as fh:
-                np.lib.format.write_array_header_1_0(fh, np.lib.format.header_data_from_array_1_0(arr))
-                if arr.size:
-                    fh.write(arr.reshape(-1).view(np.uint8).data)

@@ -6,7 +6,8 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.layouts import save_padded, to_padded
+from pipeline.layouts import to_padded
+from warehouse.exports import save_padded
 
 
 def _batch(rows_spec, with_returns=False):

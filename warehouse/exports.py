@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pyarrow.compute as pc
 
 from warehouse.lake import Lake, write_options
@@ -32,7 +33,7 @@ def write_export(
     import pyarrow.parquet as pq
 
     from pipeline.export import build_train_batch
-    from pipeline.layouts import LAYOUTS, save_padded, to_padded
+    from pipeline.layouts import LAYOUTS, to_padded
 
     if layout not in LAYOUTS:
         raise ExportError(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
@@ -67,3 +68,17 @@ def write_export(
         save_padded(arrays, tmp)
     tmp.replace(out)
     return (batch.num_rows, version) if with_version else batch.num_rows
+
+
+def save_padded(arrays: dict[str, np.ndarray], path) -> None:
+    """Write the arrays as an uncompressed `.npz` (what `np.savez` writes: a zip of `.npy` members, no pickle),
+    streaming each array's buffer straight into the zip (np.savez copies it in chunks first)."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, value in arrays.items():
+            arr = np.ascontiguousarray(value)
+            with zf.open(f"{name}.npy", "w", force_zip64=True) as fh:
+                np.lib.format.write_array_header_1_0(fh, np.lib.format.header_data_from_array_1_0(arr))
+                if arr.size:
+                    fh.write(arr.reshape(-1).view(np.uint8).data)
