@@ -1,11 +1,17 @@
 """The DuckDB catalog: every lake table as a view of the same name over all rounds, plus the named
 analysis views registered in `warehouse.views`. Queries run on a read-only, locked connection.
 
+The views are built for each connection from the lake as it is (#25): no catalog file is read and no path is
+stored, so a copied or pruned lake reads its own files. Hive Parquet: `read_parquet` over the table's part files;
+Delta (local or object storage): each table's Arrow dataset registered on the connection (delta-rs reads the
+storage; DuckDB needs no extension and no file access). `refresh` still writes LAKE/catalog.duckdb for outside
+tools on a hive lake.
+
 The guard of `query` (what `creditflow query` runs), in two layers:
 - only SELECT statements (and EXPLAIN of one) are run: COPY, ATTACH, INSTALL/LOAD, SET/RESET, PRAGMA,
   CREATE/INSERT/DROP, EXPORT, ... are refused before DuckDB executes anything (`QueryRefused`);
-- the connection itself opens the catalog file read-only, with `enable_external_access=false`, file access
-  limited to the lake's table folders (`allowed_directories`), extension autoinstall/autoload and community
+- the connection itself (in memory) has `enable_external_access=false`, file access limited to the lake's
+  table folders (none on a Delta lake) (`allowed_directories`), extension autoinstall/autoload and community
   extensions off, and `lock_configuration=true` (no SET can undo any of it).
 DuckDB cannot make a directory read-only but readable, so the statement check is what stops a write inside
 the lake; the connection settings stop reads and writes everywhere else, and any extension."""
