@@ -187,7 +187,12 @@ def run_report(
     from warehouse.report_file import write_report
 
     require_lake(lake_dir)
-    out, data, timing = write_report(Lake(lake_dir), out, rounds, n_traj=n_traj)
+    lake = Lake(lake_dir)
+    missing = [r for r in rounds or [] if not lake.parts("trajectories", r)]
+    if missing:
+        present = ", ".join(str(r) for r in lake.rounds("trajectories")) or "none"
+        raise SystemExit(f"round {', '.join(map(str, missing))} not in {lake_dir} (rounds there: {present})")
+    out, data, timing = write_report(lake, out, rounds, n_traj=n_traj)
     seconds, t_gather = timing["seconds"], timing["queries"]
     log.info(
         "report %s: rounds %s, %d trajectories, %.2f MB, %.2f s (queries %.2f s)",

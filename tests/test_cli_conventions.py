@@ -111,3 +111,62 @@ def test_query_csv_of_nested_columns(capsys, lake):
     rows = list(csv.DictReader(io.StringIO(out)))
     assert rows == [{"traj_id": "t0", "token_ids": "[1, 2]", "s": json.dumps({"a": 1, "b": [2, 3]})}]
     assert "token_ids, s" in _one_line(err)
+
+
+def _small_lake(lake):
+    from warehouse.rounds import write_round
+
+    traj = pa.Table.from_pylist(
+        [{"traj_id": "t0", "group_id": "g0", "sample_idx": 0, "reward": 1.0, "source": "x"}]
+    )
+    steps = pa.Table.from_pylist(
+        [
+            dict(
+                traj_id="t0",
+                step_idx=0,
+                role="assistant",
+                turn=1,
+                content="a",
+                is_error=False,
+                token_ids=[1],
+                token_offsets=[0],
+            )
+        ]
+    )
+    write_round(lake, 0, traj, steps)
+
+
+def test_report_of_a_round_the_lake_lacks_is_one_line(capsys, lake, tmp_path):
+    _small_lake(lake)
+    code, _, err = _run(capsys, "report", "--lake", lake.root, "--round", 9, "--out", tmp_path / "r.html")
+    assert code != 0 and "round 9" in _one_line(err) and "rounds there: 0" in err
+    assert not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.parametrize("layout, name", [("verl", "b.parquet"), ("flat", "b.npz")])
+def test_export_file_name_must_match_the_layout(capsys, lake, tmp_path, layout, name):
+    _small_lake(lake)
+    args = ["export", "--lake", lake.root, "--round", 0, "--method", "grpo", "--out", tmp_path / name]
+    code, _, err = _run(capsys, *args, "--layout", layout)
+    assert code != 0 and ".npz" in _one_line(err)
+    assert not (tmp_path / name).exists()
+
+
+def test_a_missing_tokenizer_is_named(capsys, tmp_path):
+    src = tmp_path / "r.jsonl"
+    src.write_text('{"messages": [{"role": "user", "content": "hi"}], "reward": 1}\n')
+    missing = tmp_path / "nope" / "tokenizer.json"
+    code, _, err = _run(
+        capsys,
+        "ingest",
+        src,
+        "--format",
+        "chat-jsonl",
+        "--lake",
+        tmp_path / "lake",
+        "--round",
+        0,
+        "--tokenizer",
+        missing,
+    )
+    assert code != 0 and str(missing) in _one_line(err)

@@ -39,6 +39,11 @@ def write_export(
         raise ExportError(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
     if layout != "verl" and (response_length is not None or prompt_length is not None):
         raise ExportError("--response-length / --prompt-length apply to --layout verl only")
+    suffix = Path(out).suffix.lower()
+    if layout == "flat" and suffix == ".npz":
+        raise ExportError(f"{out}: the flat layout is a Parquet file; name it .parquet (or choose --layout)")
+    if layout != "flat" and suffix != ".npz":
+        raise ExportError(f"{out}: --layout {layout} writes NumPy arrays (.npz); name the output FILE.npz")
     lake = Lake(lake_dir)
     version = lake.version()
     as_of = {"as_of": version} if version else {}

@@ -157,4 +157,9 @@ def get_tokenizer(spec: str | None = None) -> Tokenizer:
         return HFTokenizer(path, name="smollm2") if path else ByteTokenizer()
     if Path(spec).is_dir():
         return HFChatTokenizer(spec)
+    if not Path(spec).is_file():
+        raise FileNotFoundError(
+            f"tokenizer {spec!r}: no such file or directory (a tokenizer.json, a tokenizer/model directory, "
+            "smollm2, smollm2-plain or bytes)"
+        )
     return HFTokenizer(spec)
