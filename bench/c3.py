@@ -1,7 +1,7 @@
 """Benchmark C3 on the 16M-assistant-token synthetic round (512 groups x 8 samples x 10 turns x 400 tokens,
 `pipeline.synth`, mixed Search-R1 / tool-calling groups), batch by batch, as users run it:
 
-- detectors: the `detect` annotation stage (flows.batch.run_stage_batch: read, detect_spans, write the spans
+- detectors: the `detect` annotation stage (flows.batch.run_annotation_stage: read, detect_spans, write the spans
   part), once per round, shared by every method;
 - per base method m: `credit_batch(methods=[m])` (read the steps columns m needs + trajectories, build the
   context, estimate, write m's advantages part) next to `credit_batch(methods=[m+c3])` (the same plus the spans
@@ -28,7 +28,7 @@ from _common import emit, machine_note, md_table, peak_rss_mb, run_worker, write
 
 
 def worker_detect(lake_dir: str) -> dict:
-    from flows.batch import round_batches, run_stage_batch
+    from flows.batch import round_batches, run_annotation_stage
     from pipeline.config import Config
     from warehouse.lake import Lake
 
@@ -36,7 +36,7 @@ def worker_detect(lake_dir: str) -> dict:
     t0 = time.perf_counter()
     steps = spans = 0
     for b in round_batches(lake, 0):
-        s = run_stage_batch(lake, 0, b, "detect", cfg)
+        s = run_annotation_stage(lake, 0, b, "detect", cfg)
         steps += s["steps"]
         spans += s["rows_out"]["spans"]
     return {"seconds": time.perf_counter() - t0, "steps": steps, "spans": spans, "rss_mb": peak_rss_mb()}

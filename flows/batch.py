@@ -99,7 +99,7 @@ def _finish(
 # ---- plain per-batch work (what the flow's tasks call; the benchmark's bare baseline) --------------------
 
 
-def run_stage_batch(
+def run_annotation_stage(
     lake: Lake, round_: int, batch: str, stage_name: str, config: Config, cache_key: str | None = None
 ) -> dict:
     """One annotation stage on one batch: its tables as parts named like the batch."""
@@ -215,7 +215,7 @@ def export_batch(
     return _finish(lake, round_, EXPORT, batch, t0, traj, steps, {"train_batch": rows}, cache_key)
 
 
-def run_batch_stage(
+def run_stage_task(
     lake_root: str,
     round_: int,
     batch: str,
@@ -235,7 +235,7 @@ def run_batch_stage(
         )
     if stage == EXPORT:
         return export_batch(lake, round_, batch, config.methods, cache_key=cache_key)
-    return run_stage_batch(lake, round_, batch, stage, config, cache_key=cache_key)
+    return run_annotation_stage(lake, round_, batch, stage, config, cache_key=cache_key)
 
 
 def stage_calls_llm(stage: str, config: Config) -> bool:
@@ -287,7 +287,7 @@ def run_batch_plain(lake: Lake, round_: int, batch: str, config: Config) -> list
         elif stage == EXPORT:
             out.append(export_batch(lake, round_, batch, config.methods))
         else:
-            out.append(run_stage_batch(lake, round_, batch, stage, config))
+            out.append(run_annotation_stage(lake, round_, batch, stage, config))
     return out
 
 

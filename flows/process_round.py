@@ -26,7 +26,7 @@ from flows.batch import (
     round_batches,
     round_stages,
     round_statistics,
-    run_batch_stage,
+    run_stage_task,
     stage_calls_llm,
     stage_outputs,
 )
@@ -76,11 +76,11 @@ def batch_stage_task(
     args = (lake_root, round_, batch, stage, config, key)
     extra = {"round_stats": round_stats} if round_stats is not None else {}
     if workers.use_processes(config) and not stage_calls_llm(stage, config):
-        summary = workers.run(config.max_workers, run_batch_stage, *args, **extra)
+        summary = workers.run(config.max_workers, run_stage_task, *args, **extra)
     elif config.task_runner == "threads":
-        summary = workers.run_here(config.max_workers, run_batch_stage, *args, **extra)
+        summary = workers.run_here(config.max_workers, run_stage_task, *args, **extra)
     else:
-        summary = run_batch_stage(*args, **extra)
+        summary = run_stage_task(*args, **extra)
     _log_batch(summary)
     return summary
 
