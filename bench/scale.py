@@ -283,7 +283,7 @@ PAPER = [
     "endpoints behind a router, and the per-process limit set to (endpoint capacity / nodes), or the LLM "
     "stages on a few nodes only (Ray resources / Dask worker restrictions). Not done here.",
     "4. **Driver and API.** Per task the driver moves ~25-30 KiB (mostly Prefect's context) and the Prefect API "
-    "records ~3 state events: 5,000 tasks per round is ~150 MB through the driver and ~15k events, which one "
+    "records ~3 state events: 5,000 tasks per round is ~130 MB through the driver and ~15k events, which one "
     "Prefect server with the batched task-run recorder (flows/runners.py) absorbs; the summaries and cache "
     "records stay small JSON. Not the first limit.",
     "5. **Side state.** Round locks, stage caches and Prefect results of an S3 lake live in a local state "
@@ -291,6 +291,13 @@ PAPER = [
     "cluster test); across machines the workers' cache records are their own. That costs recomputation on a "
     "re-run, not correctness (outputs are written to the lake by name, idempotently); point "
     "CREDITFLOW_STATE_DIR at a shared filesystem for caching across nodes.",
+    "6. **The same code on every node.** Workers import creditflow from their own disk; the driver sends "
+    "references to its functions, not the code. Seen while measuring here: another change to `flows/batch.py` "
+    "in the shared working tree landed between the driver's import and a new Ray job's workers, and every task "
+    "failed with `Can't get attribute 'run_batch_stage'`. At 100 nodes: one image or wheel for driver and "
+    "workers (Ray `runtime_env` `py_modules`/`pip`, the same container for `dask worker`); the stage cache keys "
+    "already include the package version and each stage's source hash, so a node on other code never serves a "
+    "cached part as current.",
 ]
 
 
