@@ -65,8 +65,11 @@ def test_ray_workers_get_the_lake_location_not_credentials(monkeypatch):
 
 @pytest.fixture(scope="module")
 def s3_env(tmp_path_factory):
-    pytest.importorskip("moto.server")
-    pytest.importorskip("boto3")
+    """The local S3 server's environment, or None without moto / boto3 (the S3 cases then skip, saying so; the
+    local-lake cases still run)."""
+    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3") is None:
+        yield None
+        return
     with cluster_lib.s3_server() as env:
         yield {**env, "CREDITFLOW_STATE_DIR": str(tmp_path_factory.mktemp("state"))}
 
@@ -85,7 +88,7 @@ def cluster(request, s3_env):
     runner = request.param
     pytest.importorskip({"ray": "prefect_ray", "dask": "prefect_dask"}[runner])
     start = cluster_lib.ray_cluster if runner == "ray" else cluster_lib.dask_cluster
-    with start(2, env=s3_env) as running:
+    with start(2, env=s3_env or {}) as running:
         yield runner, running
 
 
@@ -96,6 +99,8 @@ def test_round_on_a_two_node_cluster_matches_threads(
 ):
     runner, running = cluster
     if storage == "s3":
+        if s3_env is None:
+            pytest.skip("SKIPPED: no local S3 server (pip install moto[server] boto3)")
         pytest.importorskip("deltalake")
         for key, value in s3_env.items():
             monkeypatch.setenv(key, value)
