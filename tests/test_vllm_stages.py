@@ -56,7 +56,7 @@ def test_counterfactuals_on_ldb_tasks_with_real_vllm(vllm_server, real_data, tmp
         tcpo={"M": 2, "L": 1},
         counterfactual={"max_tokens": 256, "temperature": 0.7},
     )
-    out = counterfactual(res.trajectories, res.steps, cfg, {})
+    out = counterfactual(res.trajectories, res.steps, cfg, {}, io=stage_io(cfg))
     cf = out.tables["counterfactuals"]
     assert cf.num_rows == 2 * 2  # L = 1 turn per prompt (one trajectory per prompt), M = 2 alternatives
     assert out.notes["llm_requests"] >= 2
