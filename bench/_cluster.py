@@ -116,6 +116,11 @@ def ray_cluster(
     (this process) gets the cluster's token through RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH while inside; clusters
     that one driver uses in turn share a `token` file."""
     with ExitStack() as stack:
+        # Ray may write its token to ~/.ray/auth_token; one left behind turns token authentication on for every
+        # later local Ray of this user (a plain `ray.init()` then fails): remove it if this cluster made it
+        home_token = Path.home() / ".ray" / "auth_token"
+        if not home_token.exists():
+            stack.callback(lambda: home_token.unlink(missing_ok=True))
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cfray-", dir="/tmp")))
         if token is None:
             token = work / "token"

@@ -130,7 +130,7 @@ def _root(
 
     if log_level.lower() not in LOG_LEVELS:
         raise typer.BadParameter(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
-    _state["debug"] = _state["debug"] or debug
+    _state["debug"] = debug or bool(os.environ.get("CREDITFLOW_DEBUG"))  # per invocation, not sticky
     setup_logging(log_level.lower())
     tune_allocator()
 

@@ -209,6 +209,8 @@ def process_round_flow(round_: int, config: Config | dict):
                     run = _run_stages(lake, round_, batches, config)
             finally:
                 workers.shutdown()  # worker processes (flow.processes) hold a batch's memory; free it
+        # again at the end: a writer of a killed run may still have been exiting when the round started
+        lake.cleanup()
         summary = round_stats_task(lake.uri, round_)
     summary["this_run"] = run
     summary["wall_seconds"] = round(time.perf_counter() - t0, 3)

@@ -93,6 +93,10 @@ def make_task_runner(config: Config):
         init = {"runtime_env": {"env_vars": _worker_env()}, "include_dashboard": False}
         if not config.task_runner_address:
             init.update(num_cpus=config.max_workers, object_store_memory=256 * 2**20)
+            # a throwaway local Ray on 127.0.0.1: Ray >= 2.5x turns token auth on for a new local cluster and
+            # writes ~/.ray/auth_token, which then clashes with a token this process already loaded (another
+            # cluster's); the user's own RAY_AUTH_MODE wins
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         return RayTaskRunner(address=config.task_runner_address, init_kwargs=init)
     if kind == "dask":
         from prefect_dask import DaskTaskRunner
