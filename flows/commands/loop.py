@@ -6,10 +6,6 @@ from pathlib import Path
 
 import typer
 
-# registered at CLI start so every command accepts a config with stages.loop / collect / train (light imports)
-import trainer.loop  # noqa: F401, E402
-import trainer.train  # noqa: F401, E402
-
 
 def register(app: typer.Typer) -> None:
     @app.command("loop")
