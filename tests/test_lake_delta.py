@@ -41,18 +41,20 @@ def delta(tmp_path, monkeypatch):
 
 def test_format_follows_the_disk_and_the_setting(tmp_path, monkeypatch):
     monkeypatch.delenv(FORMAT_ENV, raising=False)
-    assert type(Lake(tmp_path / "new")) is Lake  # a new local lake: hive Parquet unless asked
-    monkeypatch.setenv(FORMAT_ENV, "delta")
     d = Lake(tmp_path / "d")
-    assert isinstance(d, DeltaLake) and not (tmp_path / "d").exists()  # deciding creates nothing
+    assert isinstance(d, DeltaLake) and not (tmp_path / "d").exists()  # new: Delta; deciding creates nothing
+    monkeypatch.setenv(FORMAT_ENV, "parquet")
+    h = Lake(tmp_path / "h")
+    assert type(h) is Lake  # a new lake in the hive layout when asked
     d.write_part("steps", 0, _steps(_traj()), part="b00000")
-    monkeypatch.delenv(FORMAT_ENV)
     assert isinstance(Lake(tmp_path / "d"), DeltaLake)  # the disk decides from now on
     monkeypatch.setenv(FORMAT_ENV, "delta")
     p = tmp_path / "p"
     (p / "steps" / "round=0").mkdir(parents=True)
     assert type(Lake(p)) is Lake  # an existing hive lake stays hive
     assert isinstance(pickle.loads(pickle.dumps(d)), DeltaLake)  # a worker gets the lake from its URI
+    monkeypatch.delenv(FORMAT_ENV)
+    assert type(pickle.loads(pickle.dumps(h))) is Lake  # ... in its format, whatever the worker's setting
     monkeypatch.setenv(FORMAT_ENV, "orc")
     with pytest.raises(LakeError, match="one of parquet, delta"):
         Lake(tmp_path / "x")
@@ -124,23 +126,34 @@ def test_the_delta_catalog_is_read_only(delta, tmp_path):
     assert delta.version() == before
 
 
-def test_no_stored_paths_a_copied_lake_reads_its_own_files(tmp_path):
+@pytest.mark.parametrize("fmt", ["parquet", "delta"])
+def test_no_stored_paths_a_copied_lake_reads_its_own_files(tmp_path, monkeypatch, fmt):
     """#25: a copy of a lake with round 1 deleted returned round 1 from the original through catalog.duckdb."""
+    monkeypatch.setenv(FORMAT_ENV, fmt)
     lake = Lake(tmp_path / "a")
+    assert lake.format == fmt
     traj = _traj()
     for r in (0, 1):
         write_round(lake, r, traj, _steps(traj))
     query(lake, "SELECT 1")
     shutil.copytree(lake.root, tmp_path / "b")
+    copy = Lake(tmp_path / "b")
+    assert copy.format == fmt
     for table in ("trajectories", "steps", "quarantine"):
-        shutil.rmtree(tmp_path / "b" / table / "round=1", ignore_errors=True)
+        if fmt == "parquet":  # the hive layout: the round's folder goes
+            shutil.rmtree(tmp_path / "b" / table / "round=1", ignore_errors=True)
+        else:  # Delta: a commit in the copy's own log
+            copy.replace_partition(table, 1, {})
     rounds = query(tmp_path / "b", "SELECT DISTINCT round FROM trajectories ORDER BY round")
     assert rounds.column("round").to_pylist() == [0]
+    original = query(lake, "SELECT DISTINCT round FROM trajectories ORDER BY round")
+    assert original.column("round").to_pylist() == [0, 1]
 
 
 def test_migrate_converts_a_hive_lake_in_place(tmp_path, monkeypatch):
-    monkeypatch.delenv(FORMAT_ENV, raising=False)
+    monkeypatch.setenv(FORMAT_ENV, "parquet")
     hive = Lake(tmp_path / "lake")
+    assert type(hive) is Lake
     traj = _traj(n_groups=4)
     write_round(hive, 0, traj, _steps(traj), batch_groups=2)
     sql = "SELECT round, count(*) AS n, sum(reward) AS r FROM trajectories GROUP BY round"

@@ -100,9 +100,6 @@ class DeltaLake(Lake):
         self.storage_options = storage_options(self.uri)
         self.last_versions: dict[str, int] = {}
 
-    def __reduce__(self):
-        return (Lake, (self.uri,))
-
     # ---- tables ----------------------------------------------------------------------------------
     def table_uri(self, table: str) -> str:
         return f"{self.uri}/{table}"

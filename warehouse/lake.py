@@ -1,4 +1,7 @@
-"""The lake: `LAKE/<table>/round=<n>/part-<name>.parquet` (hive partitions).
+"""The hive-Parquet lake: `LAKE/<table>/round=<n>/part-<name>.parquet` (hive partitions), and the choice of
+format. A new lake is Delta (`warehouse.delta_lake`, locally and on object storage) unless
+CREDITFLOW_LAKE_FORMAT=parquet; an existing lake keeps the format on disk (`creditflow lake migrate` converts
+a hive lake to Delta).
 
 Every write is atomic (temp file, fsync, rename) and idempotent: a part is identified by its name, so
 writing the same part again replaces it, and `replace_partition` swaps a whole (table, round) partition in
@@ -90,6 +93,7 @@ def safe_part_name(name: str) -> str:
 
 FORMATS = ("parquet", "delta")
 FORMAT_ENV = "CREDITFLOW_LAKE_FORMAT"  # the format of a NEW local lake (an existing one keeps its own)
+DEFAULT_FORMAT = "delta"
 REMOTE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
 
 
@@ -121,7 +125,8 @@ def lake_path(root: str | os.PathLike) -> Path:
 def lake_format(root: str | os.PathLike) -> str:
     """The format of the lake at `root`: what is on disk decides (a table folder with a `_delta_log` is delta,
     one with `round=` folders is hive Parquet); an object-store URI is always delta; a new local lake takes
-    $CREDITFLOW_LAKE_FORMAT (default parquet)."""
+    $CREDITFLOW_LAKE_FORMAT (default delta: the same format locally and on object storage; `parquet` keeps
+    the hive layout for a new lake)."""
     if is_remote(root):
         return "delta"
     path = lake_path(root)
@@ -139,13 +144,22 @@ def lake_format(root: str | os.PathLike) -> str:
         for table in TABLES:
             if (path / table).is_dir():
                 return "parquet"
-    wanted = os.environ.get(FORMAT_ENV, "parquet").strip().lower() or "parquet"
+    wanted = os.environ.get(FORMAT_ENV, DEFAULT_FORMAT).strip().lower() or DEFAULT_FORMAT
     if wanted not in FORMATS:
         raise LakeError(f"{FORMAT_ENV}={wanted!r}: one of {', '.join(FORMATS)}")
     return wanted
 
 
 BACKENDS: dict[str, type] = {}  # format -> Lake subclass (warehouse.delta_lake registers "delta")
+
+
+def open_lake(uri: str, fmt: str) -> Lake:
+    """The lake at `uri` in format `fmt` (what a pickled lake becomes in a worker: a new lake's format was
+    decided by the driver's setting, which the worker's environment may not have)."""
+    cls = BACKENDS.get(fmt, Lake)
+    lake = object.__new__(cls)
+    lake.__init__(uri)
+    return lake
 
 
 class Lake:
@@ -165,8 +179,8 @@ class Lake:
         self.root = lake_path(root)
         self.uri = str(self.root)
 
-    def __reduce__(self):  # a worker process rebuilds the lake from its URI
-        return (Lake, (self.uri,))
+    def __reduce__(self):  # a worker process rebuilds the lake from its URI, in this lake's format
+        return (open_lake, (self.uri, self.format))
 
     def exists(self) -> bool:
         """The lake holds at least one table (a mistyped --lake does not)."""
