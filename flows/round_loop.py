@@ -1,14 +1,24 @@
-"""`round_loop_flow`: collect -> process -> train, round after round.
+"""The round loop: collect -> process -> train, round after round, resumable. One flow, `round_loop_flow`;
+`creditflow loop` (`run_loop`) runs it.
 
-Collect (rollout generation into the lake) and train (the policy update) are hooks the trainer provides:
-a module `trainer/hooks.py` defining `collect(config, round_) -> dict` and/or `train(config, round_) -> dict`,
-or hooks registered with `register_round_hook`. Without a trainer (no hooks, or a config without `loop`,
-`collect` or `train` settings) the loop runs process only."""
+The trainer provides the policy side as hooks: `trainer/hooks.py` (used when the config sets the trainer up:
+`loop`, `collect` or `train` settings), or functions registered with `register_round_hook`:
+
+- `setup(config, log) -> Config | None`: once before the rounds (the config the loop runs with, or None: as is);
+- `status(config, round_) -> dict`: columns of the round's row, plus `done` (why the round is complete:
+  skipped) and `processed` (why its advantages need no processing: process skipped), None when not;
+- `collect(config, round_) -> dict` and `train(config, round_) -> dict`: the round's stages, as Prefect
+  tasks; what they return joins the round's row;
+- `teardown() -> None`: once after the rounds, also after an error (the trainer stops its vLLM server).
+
+Without hooks the loop runs process only. The flow processes each round (`flows.run.process_checked_round`:
+preconditions, the round's lock, process_round_flow as a subflow) and sends it to `config.track`."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -16,9 +26,10 @@ from prefect.cache_policies import NO_CACHE
 from flows.config import as_config
 from pipeline.config import Config
 
-RoundHook = Callable[[Config, int], dict]
+RoundHook = Callable[..., Any]
 HOOKS: dict[str, RoundHook] = {}
-HOOK_NAMES = ("collect", "train")
+HOOK_NAMES = ("setup", "status", "collect", "train", "teardown")
+Log = Callable[[str], None]
 
 
 def register_round_hook(name: str, fn: RoundHook) -> RoundHook:
@@ -37,8 +48,8 @@ def trainer_configured(config: Config) -> bool:
 
 
 def round_hooks(config: Config | None = None) -> dict[str, RoundHook]:
-    """Registered hooks, plus `collect` / `train` from trainer.hooks when the trainer provides them (and, given
-    a config, only when it configures the trainer: otherwise the loop is process-only)."""
+    """Registered hooks, plus those trainer.hooks provides (and, given a config, only when it configures the
+    trainer: otherwise the loop is process-only)."""
     import importlib
 
     hooks = dict(HOOKS)
@@ -61,71 +72,87 @@ def round_hook_task(name: str, config: Config, round_: int) -> dict:
     return round_hooks()[name](config, round_) or {}
 
 
+def loop_rounds(config: Config, start_round: int | None, rounds: int | None) -> range:
+    """The rounds to run: the arguments, else the config's `loop` settings."""
+    if start_round is None or rounds is None:
+        import trainer.loop  # noqa: F401 - registers the loop settings
+
+        s = config.stage("loop")
+        start_round = s.start_round if start_round is None else start_round
+        rounds = s.rounds if rounds is None else rounds
+    return range(start_round, start_round + rounds)
+
+
+def process_step(config: Config, round_: int, log: Log) -> dict:
+    """The round's process: its preconditions (a method that lacks its inputs stops the loop with one line),
+    then process_round_flow under the round's lock."""
+    from flows.run import check_preconditions, process_checked_round, require_round
+    from warehouse.lake import Lake
+
+    lake = Lake(config.lake)
+    require_round(lake, round_)
+    config, skipped = check_preconditions(config, lake, round_)
+    summary = process_checked_round(config, lake, round_, skipped)
+    log(f"[loop] round {round_}: processed ({summary['state']}) in {summary['seconds']}s")
+    return summary
+
+
 @flow(name="round-loop", validate_parameters=False)
-def round_loop_flow(config: Config | dict, start_round: int, rounds: int = 1) -> list[dict]:
-    """`rounds` rounds from `start_round`: collect (if a trainer provides it) -> process -> train (likewise)."""
-    from flows.process_round import process_round_flow
-    from flows.runners import make_task_runner
-
+def round_loop_flow(
+    config: Config | dict, start_round: int | None = None, rounds: int | None = None, log: Log | None = None
+) -> list[dict]:
+    """`rounds` rounds from `start_round` (default: the config's `loop` settings): collect (the trainer's hook)
+    -> process -> train (likewise). Resumable: a round the trainer reports `done` is skipped, and process is
+    skipped when it reports the round `processed`. Returns one row per round (the `creditflow loop` table)."""
     config = as_config(config)
+    log = log or print
     hooks = round_hooks(config)
-    out = []
-    for round_ in range(start_round, start_round + rounds):
-        entry: dict = {"round": round_}
-        if "collect" in hooks:
-            entry["collect"] = round_hook_task("collect", config, round_)
-        state = process_round_flow.with_options(task_runner=make_task_runner(config))(
-            round_=round_, config=config, return_state=True
-        )
-        entry["process"] = state.result()
-        entry["state"] = state.name
-        if "train" in hooks:
-            entry["train"] = round_hook_task("train", config, round_)
-        out.append(entry)
-    return out
-
-
-def run_loop(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
-    """Run (or resume) the loop; returns one row of timings and outcomes per round."""
-    from flows.run import run_process
-    from trainer.loop import (
-        LoopState,
-        checkpoint,
-        checkpoint_done,
-        collect_round,
-        has_advantages,
-        train_round,
-    )
-
-    st = LoopState(cfg, log)
     rows = []
     try:
-        for r in range(st.s.start_round, st.s.start_round + st.s.rounds):
-            row: dict = {"round": r, "policy": st.policy(r).name, "method": st.method, "backend": st.backend}
-            if checkpoint_done(checkpoint(st.work, r)):
-                log(f"[loop] round {r}: checkpoint {checkpoint(st.work, r)} exists, skipped")
+        if "setup" in hooks:
+            config = hooks["setup"](config, log) or config
+        for r in loop_rounds(config, start_round, rounds):
+            status = dict(hooks["status"](config, r)) if "status" in hooks else {}
+            done, processed = status.pop("done", None), status.pop("processed", None)
+            row: dict = {"round": r, **status}
+            if done:
+                log(f"[loop] round {r}: {done}, skipped")
                 rows.append({**row, "skipped": True})
                 continue
             t0 = time.perf_counter()
-            row.update(collect_round(st, r))
-            t1 = time.perf_counter()
+            if "collect" in hooks:
+                row.update(round_hook_task("collect", config, r))
             summary: dict = {"round": r}
-            if has_advantages(st.lake, r, st.method):
-                log(f"[loop] round {r}: advantages exist, process skipped")
+            if processed:
+                log(f"[loop] round {r}: {processed}, process skipped")
                 row["process_s"] = 0.0
             else:
-                summary = run_process(st.cfg, r, quiet=True)
-                row["process_s"] = round(time.perf_counter() - t1, 2)
-                row["process_state"] = summary.get("state")
-                log(f"[loop] round {r}: processed ({summary.get('state')}) in {row['process_s']}s")
-            row.update(train_round(st, r))
-            if st.cfg.track:  # after training, so the round's train_metrics go too
+                t1 = time.perf_counter()
+                summary = process_step(config, r, log)
+                row.update(process_s=round(time.perf_counter() - t1, 2), process_state=summary["state"])
+                row["process"] = summary
+            if "train" in hooks:
+                row.update(round_hook_task("train", config, r))
+            if config.track:  # after training, so the round's train_metrics go too
                 from flows.trackers import track_round
 
-                row["tracked"] = ", ".join(track_round(st.cfg, r, summary))
+                row["tracked"] = ", ".join(track_round(config, r, summary))
             row["total_s"] = round(time.perf_counter() - t0, 2)
             rows.append(row)
     finally:
-        if st.server is not None:
-            st.server.stop()
+        if "teardown" in hooks:
+            hooks["teardown"]()
     return rows
+
+
+def run_loop(cfg: Config, log: Log = print) -> list[dict]:
+    """Run (or resume) the loop the config describes (`creditflow loop`): `round_loop_flow` on the managed
+    Prefect server when one runs, else on one API for all its rounds; one row per round."""
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.runners import settings_scope, worker_api
+    from flows.server import use_running_server
+
+    server_url = use_running_server()
+    with settings_scope({PREFECT_API_URL: server_url} if server_url else {}), worker_api(cfg):
+        return round_loop_flow(cfg, log=log)

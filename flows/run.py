@@ -79,11 +79,13 @@ def check_preconditions(cfg: Config, lake, round_: int, skip_unmet: bool = False
     return cfg.model_copy(update={"methods": keep}), lines
 
 
-def run_process(cfg: Config, round_: int, quiet: bool = False, skip_unmet: bool = False) -> dict:
+def run_process(
+    cfg: Config, round_: int, quiet: bool = False, skip_unmet: bool = False, fast: bool = False
+) -> dict:
     """Run `process_round_flow` on the configured task runner, with a progress bar per stage, and print the
-    round summary and the credit statistics."""
-    from contextlib import nullcontext
-
+    round summary and the credit statistics. `fast` (the CLI's default): a round already processed with the
+    same inputs, settings and code is not run again: its summary comes from the lake, Prefect never starts
+    (flows/uptodate.py)."""
     from flows.server import use_running_server
     from warehouse.lake import Lake
 
@@ -92,22 +94,64 @@ def run_process(cfg: Config, round_: int, quiet: bool = False, skip_unmet: bool 
     cfg, skipped = check_preconditions(cfg, lake, round_, skip_unmet)  # and each method's inputs
     if skipped and not quiet:
         console.print("[yellow]skipped (unmet preconditions): " + " | ".join(skipped))
+    if fast:
+        from flows.uptodate import UP_TO_DATE, up_to_date_summary
+
+        summary = up_to_date_summary(cfg, lake, round_, skipped)
+        if summary is not None:
+            if not quiet:
+                from flows.summary import print_round
+
+                print_round(summary, lake, title=f"creditflow process: round {round_}")
+                console.print(UP_TO_DATE.format(round=round_), soft_wrap=True)
+            return summary
     server_url = use_running_server()  # `creditflow server start`: no ephemeral API to start
     prepare(cfg)  # worker processes and imports while the API (ephemeral: seconds) comes up
     from prefect.settings import PREFECT_API_URL
 
-    from flows.process_round import WARNING_STATE, process_round_flow
-    from flows.progress import rich_progress
-    from flows.runners import make_task_runner, settings_scope, worker_api
+    from flows.process_round import WARNING_STATE
+    from flows.runners import settings_scope
     from flows.summary import print_summary
+
+    with settings_scope({PREFECT_API_URL: server_url} if server_url else {}):
+        summary = process_checked_round(cfg, lake, round_, skipped, progress=cfg.flow.progress and not quiet)
+    if quiet:
+        return summary
+    title = f"creditflow process: round {round_}" + (
+        " [yellow](completed with warnings)" if summary["state"] == WARNING_STATE else ""
+    )
+    print_summary(summary, title=title)
+    from warehouse.catalog import query
+
+    stats = query(lake, f"SELECT * FROM credit_summary WHERE round = {int(round_)}")
+    print_table(stats, title="credit by method")
+    return summary
+
+
+def say_waiting(line: str) -> None:
+    """One line on stderr: this run waits for another one (the round's lock)."""
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
+def process_checked_round(cfg: Config, lake, round_: int, skipped=(), progress: bool = False) -> dict:
+    """`process_round_flow` on the configured task runner for a round `check_preconditions` passed (`skipped`:
+    its lines for the methods it dropped), under the round's lock; returns the flow's summary with its state,
+    methods and seconds. `run_process` (the CLI) and the round loop's process step both run a round here."""
+    from contextlib import nullcontext
+
+    from flows.process_round import process_round_flow
+    from flows.progress import rich_progress
+    from flows.runners import make_task_runner, worker_api
     from warehouse.locks import round_lock
 
     t0 = time.perf_counter()
-    api = settings_scope({PREFECT_API_URL: server_url} if server_url else {})
-    # one run per (lake, round): another run of the round stops here with one line (warehouse/locks.py)
-    with round_lock(lake, round_), api, worker_api(cfg):
+    # one run per (lake, round): another run of the round stops here with one line, or (flow.lock_wait_s,
+    # `process --wait`) waits for it, saying so, and then finds its work cached (warehouse/locks.py)
+    with round_lock(lake, round_, wait_s=cfg.flow.lock_wait_s, on_wait=say_waiting), worker_api(cfg):
         flow_ = process_round_flow.with_options(task_runner=make_task_runner(cfg))
-        with rich_progress(console) if cfg.flow.progress and not quiet else nullcontext():
+        with rich_progress(console) if progress else nullcontext():
             state = flow_(round_=round_, config=cfg, return_state=True)
     summary = state.result()  # raises the flow's error if it failed
     if skipped:  # kept in the round's run log, so `creditflow stats` shows it too
@@ -120,7 +164,7 @@ def run_process(cfg: Config, round_: int, quiet: bool = False, skip_unmet: bool 
             "round",
             seconds=0.0,
             notes={"skipped_methods": len(skipped)},
-            warnings=skipped,
+            warnings=list(skipped),
         )
     summary.update(
         {
@@ -131,16 +175,6 @@ def run_process(cfg: Config, round_: int, quiet: bool = False, skip_unmet: bool 
             "advantages": str(lake.partition_dir("advantages", round_)),
         }
     )
-    if quiet:
-        return summary
-    title = f"creditflow process: round {round_}" + (
-        " [yellow](completed with warnings)" if state.name == WARNING_STATE else ""
-    )
-    print_summary(summary, title=title)
-    from warehouse.catalog import query
-
-    stats = query(lake, f"SELECT * FROM credit_summary WHERE round = {int(round_)}")
-    print_table(stats, title="credit by method")
     return summary
 
 

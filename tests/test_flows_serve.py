@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from test_flows_faults import write_chat_files
 from test_flows_process import cfg_for, make_round
 from typer.testing import CliRunner
@@ -123,7 +124,70 @@ def test_process_pending_and_round_loop(tmp_path, prefect_harness):
     finally:
         HOOKS.clear()
     assert calls == [("collect", 2), ("train", 2, True)]
-    assert out[0]["collect"] == {"trajectories": 16} and out[0]["train"] == {"loss": 0.0}
+    assert out[0]["trajectories"] == 16 and out[0]["loss"] == 0.0 and out[0]["process_state"] == "Completed"
+
+
+def test_round_loop_resumes_from_the_trainer_status(tmp_path, prefect_harness):
+    """The one loop's resume logic: a round the trainer's `status` reports done is skipped (no collect,
+    process or train), one it reports processed skips process only; setup's config is the one the hooks get,
+    and teardown runs once, also when a hook fails."""
+    lake = Lake(tmp_path / "lake")
+    cfg = cfg_for(lake, methods=["grpo"])
+    calls: list = []
+    logs: list[str] = []
+
+    def setup(config, log):
+        calls.append("setup")
+        return config.model_copy(update={"batch_groups": 7})
+
+    def status(config, round_):
+        return {
+            "policy": f"p{round_}",
+            "done": "checkpoint c0 exists" if round_ == 0 else None,
+            "processed": "advantages exist" if round_ == 1 else None,
+        }
+
+    def collect(config, round_):
+        assert config.batch_groups == 7
+        calls.append(("collect", round_))
+        if round_ == 3:
+            raise RuntimeError("collect failed")
+        make_round(Lake(config.lake), round_=round_, groups=4, batch_groups=2, seed=round_)
+        return {}
+
+    def train(config, round_):
+        calls.append(("train", round_, Lake(config.lake).parts("advantages", round_) != []))
+        return {"train_s": 0.0}
+
+    for name, fn in [
+        ("setup", setup),
+        ("status", status),
+        ("collect", collect),
+        ("train", train),
+        ("teardown", lambda: calls.append("teardown")),
+    ]:
+        register_round_hook(name, fn)
+    try:
+        rows = round_loop_flow(cfg, start_round=0, rounds=3, log=logs.append)
+        assert calls == [
+            "setup",
+            ("collect", 1),
+            ("train", 1, False),
+            ("collect", 2),
+            ("train", 2, True),
+            "teardown",
+        ]
+        assert rows[0] == {"round": 0, "policy": "p0", "skipped": True}
+        assert rows[1]["process_s"] == 0.0 and "process" not in rows[1]
+        assert rows[2]["process_state"] == "Completed" and rows[2]["policy"] == "p2"
+        assert "[loop] round 0: checkpoint c0 exists, skipped" in logs
+        assert "[loop] round 1: advantages exist, process skipped" in logs
+        calls.clear()
+        with pytest.raises(RuntimeError, match="collect failed"):
+            round_loop_flow(cfg, start_round=3, rounds=1, log=logs.append)
+        assert calls == ["setup", ("collect", 3), "teardown"]
+    finally:
+        HOOKS.clear()
 
 
 def test_example_config_is_valid_and_maps_flags():

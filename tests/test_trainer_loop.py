@@ -112,7 +112,7 @@ def test_round_loop_flow_runs_the_trainer_hooks(tmp_path, prefect_harness):
     from trainer.loop import checkpoint, checkpoint_done
     from warehouse.lake import Lake
 
-    assert set(round_hooks()) == {"collect", "train"}
+    assert set(round_hooks()) == {"setup", "status", "collect", "train", "teardown"}
     cfg = load_config(
         None,
         [
@@ -128,9 +128,9 @@ def test_round_loop_flow_runs_the_trainer_hooks(tmp_path, prefect_harness):
         ],
     )
     out = round_loop_flow(cfg, start_round=0, rounds=1)
-    assert out[0]["round"] == 0 and out[0]["collect"]["episodes"] == 8
-    assert out[0]["train"]["train_steps"] >= 1
+    assert out[0]["round"] == 0 and out[0]["episodes"] == 8 and out[0]["policy"] == "base-tiny"
+    assert out[0]["train_steps"] >= 1
     assert checkpoint_done(checkpoint(tmp_path / "lake" / "_loop", 0))
     lake = Lake(cfg.lake)
-    assert lake.read("train_metrics", 0).num_rows == out[0]["train"]["train_steps"]
+    assert lake.read("train_metrics", 0).num_rows == out[0]["train_steps"]
     assert lake.read("advantages", 0).num_rows > 0

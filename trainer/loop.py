@@ -4,7 +4,7 @@ Round r (policy P_r = the base model for the first round, else the checkpoint of
 1. collect: P_r rolls out `prompts x samples` episodes in the env -> lake trajectories/steps, round r
    (backend vllm: the managed vLLM server is (re)started on P_r first, so the policy that collects is the
    one that serves; backend local: transformers from P_r's folder);
-2. process: `flows.run.run_process` (the Prefect process_round flow: annotation stages, every configured
+2. process: the flow's own step (the Prefect process_round flow: annotation stages, every configured
    method's advantages, train_batch);
 3. export: `warehouse.exports.write_export` of the loop's method -> `WORKDIR/batch-round<r>.parquet`;
 4. train: `trainer.train.train` P_r on the batch -> `WORKDIR/ckpt-round<r>` (= P_{r+1}), train_metrics into
@@ -12,8 +12,8 @@ Round r (policy P_r = the base model for the first round, else the checkpoint of
 
 Resume: a round whose checkpoint exists is skipped; one whose trajectories+steps exist skips collect; one
 whose advantages for the method exist skips process; one whose batch file exists skips export.
-The stages are functions (`collect_round`, `train_round`) called by the loop's drivers in flows/round_loop.py
-(`run_loop`, and the Prefect flow `round_loop_flow`, which finds them through `trainer/hooks.py`).
+The stages are functions (`round_status`, `collect_round`, `train_round`) that the one loop, the Prefect flow
+`flows.round_loop.round_loop_flow` (what `creditflow loop` runs), calls through `trainer/hooks.py`.
 
 Models: `model: tiny` builds a tiny Llama from a config into WORKDIR/base (no download; tokenizer bytes or
 the SmolLM2 tokenizer), `smollm2` is the service's converted SmolLM2-135M-Instruct checkpoint
@@ -254,6 +254,19 @@ class LoopState:
         """P_r: the base model for the first round, else the checkpoint of round r-1 (when complete)."""
         prev = checkpoint(self.work, round_ - 1) if round_ > self.s.start_round else None
         return prev if prev is not None and checkpoint_done(prev) else self.base
+
+
+def round_status(st: LoopState, r: int) -> dict:
+    """Round r's row before it runs (policy, method, backend), with what resume skips: `done` when its
+    checkpoint is complete (the whole round), `processed` when the method's advantages exist (process)."""
+    ckpt = checkpoint(st.work, r)
+    return {
+        "policy": st.policy(r).name,
+        "method": st.method,
+        "backend": st.backend,
+        "done": f"checkpoint {ckpt} exists" if checkpoint_done(ckpt) else None,
+        "processed": "advantages exist" if has_advantages(st.lake, r, st.method) else None,
+    }
 
 
 def collect_round(st: LoopState, r: int) -> dict:
