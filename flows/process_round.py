@@ -189,9 +189,10 @@ def process_round_flow(round_: int, config: Config | dict):
     if workers.use_processes(config):
         workers.warm(config.max_workers)  # the worker processes start while the round is prepared
     lake = Lake(config.lake)
-    # one run per (lake, round): a second one stops with one line naming the holder (warehouse/locks.py);
-    # cleanup removes only the leftovers of writers that are gone, never a live run's temporary files
-    with round_lock(lake, round_):
+    # one run per (lake, round): a second one stops with one line naming the holder, or waits for it
+    # (flow.lock_wait_s) and finds its work cached (warehouse/locks.py); cleanup removes only the leftovers of
+    # writers that are gone, never a live run's temporary files
+    with round_lock(lake, round_, wait_s=config.flow.lock_wait_s, on_wait=get_run_logger().warning):
         lake.cleanup()
         batches = round_batches(lake, round_)
         prune_stale_parts(lake, round_, list(DERIVED_TABLES), batches)

@@ -46,6 +46,13 @@ class FlowSettings(BaseModel):
     retry_delay_s: float = Field(2.0, ge=0, description="first retry delay; doubles on each retry (backoff)")
     export: bool = Field(True, description="write the train_batch table (per batch and method) after credit")
     progress: bool = Field(True, description="rich progress bars per stage on the terminal")
+    lock_wait_s: float = Field(
+        0.0,
+        ge=0,
+        description="when another run is processing the same (lake, round): wait up to this long for it "
+        "(.inf: as long as it runs), then run, finding its work cached; 0: stop at once with one line "
+        "(`creditflow process --wait`)",
+    )
     processes: Literal["auto"] | bool = Field(
         "auto",
         description="run the thread runner's batch stages in worker processes (the stages hold the GIL); "

@@ -152,20 +152,7 @@ def test_two_process_runs_on_one_lake(tmp_path, prefect_harness):
     env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "COLUMNS": "200"}
 
     def start(round_: int) -> subprocess.Popen:
-        cmd = [
-            str(Path(sys.executable).parent / "creditflow"),
-            "process",
-            "--lake",
-            str(lake.root),
-            "--round",
-            str(round_),
-            "--methods",
-            methods,
-            "--max-workers",
-            "1",
-            "--set",
-            "flow.progress=false",
-        ]
+        cmd = _process_cmd(lake, round_, methods)
         return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     procs = [start(0), start(0), start(1)]
@@ -191,3 +178,102 @@ def test_two_process_runs_on_one_lake(tmp_path, prefect_harness):
                 order = [*keys, ("step_idx", "ascending")]
                 assert got.sort_by(order).column("token_adv").equals(want.sort_by(order).column("token_adv"))
     assert not list(lake.root.rglob(".tmp-*"))
+
+
+def test_round_lock_waits_for_its_holder_saying_so_once(tmp_path):
+    import math
+    import threading
+
+    lake = Lake(tmp_path / "lake")
+    holder = _holder(lake, 0)
+    try:
+        lines: list[str] = []
+        with pytest.raises(RoundBusy, match=r"\(waited \d+ s\)"):  # a bounded wait gives up, saying how long
+            with round_lock(lake, 0, wait_s=0.5, on_wait=lines.append):
+                pass
+        assert len(lines) == 1 and f"processed by pid {holder.pid} since" in lines[0]
+        assert "up to 0.5 s" in lines[0]
+        lines.clear()
+        got = threading.Event()
+
+        def waiter() -> None:
+            with round_lock(lake, 0, wait_s=math.inf, poll_s=0.05, on_wait=lines.append):
+                got.set()
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        time.sleep(0.5)
+        assert not got.is_set()  # still waiting while the holder runs
+    finally:
+        holder.kill()
+        holder.wait()
+    thread.join(timeout=10)
+    assert got.is_set()
+    assert len(lines) == 1 and f"pid {holder.pid}" in lines[0] and "up to" not in lines[0], lines
+
+
+def _process_cmd(lake: Lake, round_: int, methods: str, *extra: str) -> list[str]:
+    return [
+        str(Path(sys.executable).parent / "creditflow"),
+        "process",
+        "--lake",
+        str(lake.root),
+        "--round",
+        str(round_),
+        "--methods",
+        methods,
+        "--max-workers",
+        "1",
+        "--set",
+        "flow.progress=false",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_a_second_process_run_with_wait_waits_then_finds_the_work_cached(tmp_path, prefect_harness):
+    """Two real `creditflow process` runs of one round: the second, started while the first holds the round,
+    with --wait: it says once that it waits and for whom, then runs, finding every stage cached (no stage runs
+    again); both exit 0 and the round equals one processed alone."""
+    from prefect.settings import PREFECT_API_URL
+    from test_flows_process import sorted_table
+
+    from flows.batch import run_batch_plain
+    from warehouse.locks import lock_path
+    from warehouse.rounds import batch_names
+
+    lake, reference = Lake(tmp_path / "lake"), Lake(tmp_path / "reference")
+    make_round(lake, groups=16, batch_groups=2)
+    make_round(reference, groups=16, batch_groups=2)
+    methods = "grpo,grpo+c3,gae"
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "COLUMNS": "200"}
+    pipe = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE}
+    first = subprocess.Popen(_process_cmd(lake, 0, methods), **pipe)
+    deadline = time.monotonic() + 120
+    while f"pid {first.pid} " not in (lock_path(lake, 0).read_text() if lock_path(lake, 0).exists() else ""):
+        assert first.poll() is None and time.monotonic() < deadline, "the first run never took the round"
+        time.sleep(0.05)
+    second = subprocess.Popen(_process_cmd(lake, 0, methods, "--wait"), **pipe)
+    outcomes = [
+        (p.returncode, err.decode()) for p in (first, second) for _, err in [p.communicate(timeout=600)]
+    ]
+    assert [code for code, _ in outcomes] == [0, 0], [err[-3000:] for _, err in outcomes]
+    waits = [ln for ln in outcomes[1][1].splitlines() if "waiting for it to finish" in ln]
+    assert len(waits) == 1 and f"is being processed by pid {first.pid} since" in waits[0], outcomes[1][1][
+        -3000:
+    ]
+
+    batches = batch_names(lake, 0)
+    runs = lake.read("stage_runs", 0)
+    for stage in (
+        "credit",
+        "export",
+    ):  # the second run recomputed nothing: one row per batch, the first run's
+        assert pc.sum(pc.equal(runs.column("stage"), stage)).as_py() == len(batches), stage
+    cfg = cfg_for(reference, methods=methods.split(","))
+    for b in batch_names(reference, 0):
+        run_batch_plain(reference, 0, b, cfg)
+    for table in ("advantages", "train_batch"):
+        got, want = sorted_table(lake, table), sorted_table(reference, table)
+        assert got.num_rows == want.num_rows > 0, table
+        assert got.equals(want), table

@@ -1,7 +1,8 @@
 """One writer per (lake, round): an advisory lock file `LAKE/_flow/locks/round=<n>.lock`.
 
 `process` holds it for the whole round, so a second `process` of the same round on the same lake stops at once
-with one line naming the run that holds it (or waits for it, `wait_s`). The kernel drops the lock when its
+with one line naming the run that holds it, or waits for it (`wait_s`, `creditflow process --wait`): the
+waiting run then finds the holder's work done and cached. The kernel drops the lock when its
 holder dies (flock), so a killed run never leaves the round locked. Rounds are independent: two runs on two
 rounds of one lake proceed side by side (their temporary files carry their process id, see
 `Lake.cleanup`). Re-entrant within a process: the flow takes the lock the CLI already holds."""
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import datetime as dt
 import fcntl
+import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -43,8 +45,16 @@ def _holder(path: Path) -> str:
 
 
 @contextmanager
-def round_lock(lake: Lake, round_: int, wait_s: float = 0.0, poll_s: float = 0.2) -> Iterator[Path]:
-    """Hold the (lake, round) lock for the block; RoundBusy if another process holds it after `wait_s`."""
+def round_lock(
+    lake: Lake,
+    round_: int,
+    wait_s: float = 0.0,
+    poll_s: float = 0.2,
+    on_wait: Callable[[str], None] | None = None,
+) -> Iterator[Path]:
+    """Hold the (lake, round) lock for the block; RoundBusy if another process holds it after `wait_s`
+    (`math.inf`: as long as the holder runs). `on_wait` gets one line naming the holder when this call has to
+    wait (once, before the first wait)."""
     path = lock_path(lake, round_)
     key = str(path)
     with _guard:
@@ -60,18 +70,27 @@ def round_lock(lake: Lake, round_: int, wait_s: float = 0.0, poll_s: float = 0.2
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held past this block, closed below
-    deadline = time.monotonic() + wait_s
+    start = time.monotonic()
+    waited = False
     while True:
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
-            if time.monotonic() >= deadline:
+            if time.monotonic() - start >= wait_s:
                 fh.close()
+                after = f" (waited {time.monotonic() - start:.0f} s)" if waited else ""
                 raise RoundBusy(
-                    f"round {int(round_)} of {lake.root} is being processed by {_holder(path)}; "
-                    "wait for that run to finish (or stop it) and run again"
+                    f"round {int(round_)} of {lake.root} is being processed by {_holder(path)}{after}; "
+                    "wait for that run to finish (or stop it) and run again, or run with --wait"
                 ) from None
+            if not waited and on_wait is not None:
+                limit = "" if math.isinf(wait_s) else f" (up to {wait_s:g} s)"
+                on_wait(
+                    f"round {int(round_)} of {lake.root} is being processed by {_holder(path)}; "
+                    f"waiting for it to finish{limit}"
+                )
+            waited = True
             time.sleep(poll_s)
     fh.seek(0)
     fh.truncate()

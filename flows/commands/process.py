@@ -48,6 +48,15 @@ def register(app: typer.Typer) -> None:
             help="send the round's credit statistics, summary and report to mlflow | wandb | tensorboard "
             "(repeatable or comma-separated; config: track, settings tracking.*)",
         ),
+        wait: bool = typer.Option(
+            False,
+            "--wait",
+            help="when another run is processing this round of this lake, wait for it (one line says for "
+            "whom), then run: its work is found cached (config: flow.lock_wait_s); without it, stop at once",
+        ),
+        wait_s: float | None = typer.Option(
+            None, "--wait-s", min=0, help="with --wait: give up after this many seconds (default: no limit)"
+        ),
         skip_unmet: bool = typer.Option(
             False,
             "--skip-unmet",
@@ -61,6 +70,8 @@ def register(app: typer.Typer) -> None:
 
         if no_cache:
             sets = [*sets, "flow.cache=false"]
+        if wait or wait_s is not None:
+            sets = [*sets, f"flow.lock_wait_s={'inf' if wait_s is None else wait_s}"]
         cfg = load_config(
             config,
             sets,
