@@ -15,7 +15,7 @@ import pytest
 from test_flows_process import cfg_for, make_round
 
 from flows.process_round import WARNING_STATE, process_round_flow
-from warehouse.lake import Lake
+from warehouse.lake import FORMAT_ENV, FORMATS, Lake
 from warehouse.locks import RoundBusy, round_lock
 
 
@@ -113,11 +113,16 @@ def test_round_lock_names_its_holder_and_dies_with_it(tmp_path):
         pass
 
 
-def test_cleanup_keeps_a_live_runs_temporary_files(tmp_path):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cleanup_keeps_a_live_runs_temporary_files(tmp_path, monkeypatch, fmt):
     from warehouse.lake import temp_token
 
+    monkeypatch.setenv(FORMAT_ENV, fmt)
     lake = Lake(tmp_path / "lake")
-    folder = lake.partition_dir("advantages", 0)
+    assert lake.format == fmt
+    # hive: a part's temp file in its partition folder; Delta (parts are commits): the lake's own temp files
+    # (catalog, ledger) at its root
+    folder = lake.partition_dir("advantages", 0) if fmt == "parquet" else lake.root
     folder.mkdir(parents=True)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
     dead_pid = int(gone.stdout)
@@ -129,7 +134,7 @@ def test_cleanup_keeps_a_live_runs_temporary_files(tmp_path):
         p.write_bytes(b"x")
     os.utime(unowned_old, (time.time() - 7200, time.time() - 7200))
     staging = lake.table_dir("advantages") / f".staging-{temp_token()}"
-    staging.mkdir()
+    staging.mkdir(parents=True)
     lake.cleanup()
     assert live.exists() and unowned_new.exists() and staging.exists()
     assert not dead.exists() and not unowned_old.exists()

@@ -12,6 +12,7 @@ from schemas import TABLES, SchemaError
 from schemas import steps as steps_schema
 from schemas import trajectories as traj_schema
 from warehouse.catalog import query
+from warehouse.lake import FORMAT_ENV, FORMATS, Lake
 from warehouse.rounds import batch_names, read_batch, write_round
 
 
@@ -108,6 +109,16 @@ def test_steps_validation_catches_length_mismatch_role_and_turn():
         steps_schema.validate(pa.Table.from_pylist(rows, schema=steps_schema.SCHEMA))
 
 
+@pytest.fixture(params=FORMATS)
+def lake(request, tmp_path, monkeypatch):
+    """The lake tests here run on both formats: Delta (a new lake's default) and hive Parquet (an existing
+    lake, or CREDITFLOW_LAKE_FORMAT=parquet)."""
+    monkeypatch.setenv(FORMAT_ENV, request.param)
+    store = Lake(tmp_path / "lake")
+    assert store.format == request.param
+    return store
+
+
 def test_write_twice_gives_same_rows_once(lake):
     traj = _traj()
     steps = _steps(traj)
@@ -124,13 +135,21 @@ def test_write_twice_gives_same_rows_once(lake):
     assert n == {"n": 12, "d": 6}
 
 
-def test_write_part_is_atomic_and_replaces(lake):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_write_part_is_atomic_and_replaces(tmp_path, monkeypatch, fmt):
+    monkeypatch.setenv(FORMAT_ENV, fmt)
+    lake = Lake(tmp_path / "lake")
+    assert lake.format == fmt
     traj = _traj()
     lake.write_part("trajectories", 1, traj, part="x")
     lake.write_part("trajectories", 1, traj.slice(0, 2), part="x")
     assert lake.read("trajectories", 1).num_rows == 2
-    files = os.listdir(lake.partition_dir("trajectories", 1))
-    assert files == ["part-x.parquet"], files  # no temp files left behind
+    assert [lake.part_name(p) for p in lake.parts("trajectories", 1)] == ["x"]
+    assert lake.count_rows("trajectories", 1) == 2
+    assert not list(lake.root.rglob(".tmp-*"))  # no temp files left behind
+    if fmt == "parquet":  # the hive layout: one file per part, replaced in place
+        files = os.listdir(lake.partition_dir("trajectories", 1))
+        assert files == ["part-x.parquet"], files
 
 
 def test_read_columns_across_parts_written_before_a_column_existed(lake):

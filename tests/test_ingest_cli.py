@@ -6,6 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
+from warehouse.lake import FORMAT_ENV, Lake
 
 runner = CliRunner()
 TAU2 = "tau2_bench/qwen2.5-7b_airline_1trial.json"
@@ -17,7 +18,8 @@ def _query(lake, sql):
     return json.loads(out.output)
 
 
-def test_ingest_tau2_bench_into_lake_and_query(real_data, tmp_path):
+def test_ingest_tau2_bench_into_lake_and_query(real_data, tmp_path, monkeypatch):
+    monkeypatch.delenv(FORMAT_ENV, raising=False)
     src = real_data / TAU2
     if not src.exists():
         pytest.skip("tau2-bench sample not shipped")
@@ -39,8 +41,11 @@ def test_ingest_tau2_bench_into_lake_and_query(real_data, tmp_path):
     for word in ("records read", "trajectories", "tokens", "quarantined", str(lake.resolve())):
         assert word in out.output
     # 50 groups in parts of 16 groups: 4 aligned parts
-    assert len(list((lake / "trajectories" / "round=2").glob("part-*.parquet"))) == 4
-    assert len(list((lake / "steps" / "round=2").glob("part-*.parquet"))) == 4
+    store = Lake(lake)
+    assert store.format == "delta"  # a new lake is Delta (CREDITFLOW_LAKE_FORMAT unset)
+    names = ["b00000", "b00001", "b00002", "b00003"]
+    assert [store.part_name(p) for p in store.parts("trajectories", 2)] == names
+    assert [store.part_name(p) for p in store.parts("steps", 2)] == names
 
     def counts():
         return _query(
