@@ -14,12 +14,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Config, ConfigError
+from pipeline.config import Config
 from warehouse.lake import Lake
 from warehouse.runlog import part_fingerprints
 
@@ -60,93 +59,35 @@ def _source_hash(paths: tuple[str, ...]) -> str:
 
 
 def code_version(stage: str) -> str:
-    """Package version + hash of the sources that decide the stage's output."""
-    from flows.stage_names import CREDIT, EXPORT, STATS
+    """Package version + hash of the sources that decide the stage's output (its declaration's `code_paths`)."""
+    from pipeline.stages import load_stages
 
-    if stage in (CREDIT, STATS):
-        paths = ("pipeline/credit", "schemas/advantages.py")
-    elif stage == EXPORT:
-        paths = ("pipeline/export.py", "schemas/train_batch.py")
-    else:
-        from pipeline.stages import load_stages
-
-        spec = load_stages()[stage]
-        module = spec.fn.__module__.split(".")
-        package = "/".join(module[:2]) if len(module) > 1 else module[0]
-        paths = (package, "pipeline/stages.py") + (("pipeline/llm",) if spec.uses_llm else ())
+    paths = load_stages()[stage].code_paths()
     return f"{_package_version()}:{_source_hash(paths + ('flows/batch.py',))}"
 
 
 def stage_inputs(stage: str, batch: str, config: Config) -> list[tuple[str, str]]:
     """(table, part) pairs the stage reads for the batch."""
-    from flows.stage_names import CREDIT, EXPORT, STATS, advantages_part, statistics_methods
-    from pipeline.credit.process import annotation_names
+    from flows.stage_names import stage_reads
+    from pipeline.stages import load_stages
 
-    pairs = [("trajectories", batch), ("steps", batch)]
-    if stage == CREDIT:
-        pairs += [(t, batch) for t in sorted(annotation_names(config.methods))]
-    elif stage == STATS:
-        pairs += [(t, batch) for t in sorted(annotation_names(statistics_methods(config)))]
-    elif stage == EXPORT:
-        pairs += [("advantages", advantages_part(batch, m)) for m in config.methods]
-    else:
-        from pipeline.stages import load_stages
-
-        pairs += [(t, batch) for t in load_stages()[stage].needs]
-    return pairs
+    reads = stage_reads(load_stages()[stage], batch, config)
+    return [("trajectories", batch), ("steps", batch)] + [(table, part) for table, part, _ in reads]
 
 
 def stage_settings(stage: str, config: Config) -> dict[str, Any]:
-    """The settings a stage's output depends on, as plain JSON."""
-    from flows.stage_names import CREDIT, EXPORT, STATS, statistics_methods
-
-    if stage == EXPORT:
-        return {"methods": list(config.methods)}
-    if stage in (CREDIT, STATS):
-        from pipeline.credit.registry import parse_method
-
-        methods = statistics_methods(config) if stage == STATS else list(config.methods)
-        names: set[str] = set()
-        for method in methods:
-            est, refs = parse_method(method)
-            names |= {s.settings for s in (est, *refs) if s.settings}
-        if stage == STATS and "process_reward" in names:
-            names.add("gae")  # gae_pr whitens with gae's settings
-        return {
-            "methods": methods,
-            "settings": {n: config.stage(n).model_dump(mode="json") for n in sorted(names)},
-        }
+    """What a stage's output depends on besides its inputs and code, as plain JSON: the settings models it
+    declares it reads, the Config fields it reads and the methods whose work it does."""
     from pipeline.stages import load_stages
 
     spec = load_stages()[stage]
-    settings = {}
-    for name in sorted(_settings_read_by(stage)):
-        try:
-            settings[name] = config.stage(name).model_dump(mode="json")
-        except ConfigError:
-            settings[name] = config.stages.get(name)
-    out: dict[str, Any] = {"settings": settings, "annotator": config.annotator, "tokenizer": config.tokenizer}
-    if spec.uses_llm:
-        out["llm"] = config.llm
+    out: dict[str, Any] = {
+        "settings": {n: config.stage(n).model_dump(mode="json") for n in sorted(spec.settings_read(config))}
+    }
+    out |= {f: getattr(config, f) for f in spec.fields}
+    if spec.methods is not None:
+        out["methods"] = list(spec.methods(config))
     return out
-
-
-_STAGE_READ = re.compile(r"""\.stage\(\s*["']([A-Za-z0-9_]+)["']\s*\)""")
-
-
-@functools.cache
-def _settings_read_by(stage: str) -> frozenset[str]:
-    """The settings an annotation stage reads: its own and every `config.stage("name")` in its package's
-    source (the counterfactual stage reads `tcpo`, the annotate stage `annotate_rules` / `annotate_llm`)."""
-    from pipeline.stages import load_stages
-
-    module = load_stages()[stage].fn.__module__.split(".")
-    base = ROOT.joinpath(*module[:2]) if len(module) > 1 else ROOT / f"{module[0]}.py"
-    files = sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
-    names = {stage}
-    for f in files:
-        names |= set(_STAGE_READ.findall(f.read_text(encoding="utf-8")))
-    return frozenset(names)
 
 
 def stage_cache_key(

@@ -10,6 +10,10 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.stages import NO_IO, StageIO, StageOutput, batch_stage, method_key
+
+EXPORT = "export"
+
 
 def _recut(
     steps_col: pa.ChunkedArray | pa.Array,
@@ -156,3 +160,26 @@ class TrainLayout:
 def build_train_batch(trajectories: pa.Table, steps: pa.Table, advantages: pa.Table) -> pa.Table:
     """Join steps with one method's advantages and lay each trajectory out flat."""
     return TrainLayout(trajectories, steps).table(advantages)
+
+
+@batch_stage(
+    EXPORT,
+    order=60,
+    produces_per_method=("train_batch",),
+    needs_per_method=("advantages",),
+    step_columns=STEP_COLUMNS,
+    methods=lambda config: list(config.methods),
+    runs_if=lambda config: bool(config.flow.export),
+    code=("pipeline/export.py", "schemas/train_batch.py"),
+)
+def export(
+    trajectories: pa.Table, steps: pa.Table, config, inputs: dict[str, pa.Table], io: StageIO = NO_IO
+) -> StageOutput:
+    """The flat per-trajectory training layout of every method on one batch (one layout, shared)."""
+    layout = TrainLayout(trajectories, steps)  # what every method shares, built once
+    return StageOutput(
+        {
+            method_key("train_batch", m): layout.table(inputs[method_key("advantages", m)])
+            for m in config.methods
+        }
+    )

@@ -1,11 +1,13 @@
-"""Annotation stages: the work that runs on a batch before credit (C3 detectors -> spans, IAPO annotators
--> nodes/edges, TCPO counterfactuals -> counterfactuals). Each stage is a pure function of one batch of
-whole groups and returns the tables it produces; flows decide which stages run from what the requested
-methods need, run them in order, and write their tables as parts named like the batch.
+"""Batch stages: the work a round runs on each batch of whole groups, in order: C3 detectors -> spans, IAPO
+annotators -> nodes/edges, TCPO counterfactuals -> counterfactuals, the statistics pass -> credit_stats, credit
+-> advantages, export -> train_batch. Each stage is one declaration (`BatchStage`, filled by `@batch_stage`)
+beside its pure function: the tables it reads and writes, the settings it reads, whether it calls an LLM and
+the sources that make its code version. Flows run any stage from its declaration alone (read its inputs, call
+it, write its outputs) and key its cache on it; nothing outside the declaration names a stage.
 
-    @annotation_stage("detect", produces=("spans",), order=10)
-    def detect(trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict[str, pa.Table]
-               ) -> StageOutput: ...
+    @batch_stage("detect", order=10, produces=("spans",), settings=("detect",))
+    def detect(trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict[str, pa.Table],
+               io: StageIO = NO_IO) -> StageOutput: ...
 """
 
 from __future__ import annotations
@@ -19,9 +21,14 @@ import pyarrow as pa
 
 @dataclass
 class StageOutput:
-    tables: dict[str, pa.Table]
+    tables: dict[str, pa.Table]  # by table name; a per-method table by `method_key(table, method)`
     notes: dict[str, float] = field(default_factory=dict)  # counts for the run summary (llm calls, fallbacks)
     warnings: list[str] = field(default_factory=list)  # degraded but completed (endpoint down, ...)
+
+
+def method_key(table: str, method: str) -> str:
+    """The key of one method's table in a stage's `inputs` and `StageOutput.tables` (`advantages[gae+c3]`)."""
+    return f"{table}[{method}]"
 
 
 class LLMRunner(Protocol):
@@ -55,47 +62,131 @@ class StageIO:
 
 NO_IO = StageIO()
 
+# a declared set of names: fixed, or a function of the round's Config (a credit stage's follow its methods)
+Names = tuple[str, ...] | Callable[[Any], Iterable[str]]
+
+
+def _names(declared: Names, config: Any) -> tuple[str, ...]:
+    return tuple(declared(config)) if callable(declared) else tuple(declared)
+
 
 @dataclass(frozen=True)
-class AnnotationStage:
+class BatchStage:
+    """One batch stage, declared. A stage reads `trajectories` and `steps` (`step_columns`: only those; None:
+    all) and the parts of `needs` (tables of earlier stages, one part per batch) and `needs_per_method`
+    (one part per batch and method, `inputs[method_key(t, m)]`); it writes the tables of `produces` (one part
+    per batch) and `produces_per_method` (one per batch and method of the round). Its cache key holds the
+    settings models it reads (`settings`: every `config.stage(name)` its function makes, checked by
+    tests/test_stage_registry.py), the Config fields it reads (`fields`), `methods` (the method chains whose
+    work it does) and the hash of `code` (its sources; default: its module's package)."""
+
     name: str
-    produces: tuple[str, ...]
     fn: Callable[..., StageOutput]
-    order: int  # detect 10, annotate 20, counterfactual 30
-    uses_llm: bool
-    needs: tuple[str, ...]  # tables from earlier stages it reads
+    order: int  # detect 10, annotate 20, counterfactual 30, credit_stats 40, credit 50, export 60
+    produces: tuple[str, ...] = ()
+    produces_per_method: tuple[str, ...] = ()
+    needs: Names = ()
+    needs_per_method: tuple[str, ...] = ()
+    step_columns: Callable[[Any], Sequence[str]] | Sequence[str] | None = None
+    settings: Names = ()
+    fields: tuple[str, ...] = ()  # top-level Config fields (annotator, llm)
+    methods: Callable[[Any], Sequence[str]] | None = None
+    uses_llm: bool = False
     llm_if: Callable[..., bool] | None = None  # config -> whether this run calls a model (default: uses_llm)
+    runs_if: Callable[[Any], bool] | None = (
+        None  # runs in every round where true; None: when a stage needs it
+    )
+    round_statistics: bool = False  # reads the round's merged statistics (inputs["credit_stats"])
+    records_source: bool = False  # its rows carry what they were computed from (the cache key): `source`
+    code: tuple[str, ...] = ()  # source paths (files or folders) that decide its output
 
     def calls_llm(self, config) -> bool:
         """Whether the stage talks to an LLM endpoint under this config (the IAPO `rules` annotator does not)."""
         return self.uses_llm if self.llm_if is None else bool(self.llm_if(config))
 
+    def tables_needed(self, config) -> tuple[str, ...]:
+        return _names(self.needs, config)
 
-STAGES: dict[str, AnnotationStage] = {}
+    def settings_read(self, config) -> tuple[str, ...]:
+        return _names(self.settings, config)
+
+    def columns(self, config) -> list[str] | None:
+        cols = self.step_columns(config) if callable(self.step_columns) else self.step_columns
+        return None if cols is None else list(cols)
+
+    def code_paths(self) -> tuple[str, ...]:
+        """What decides its output besides the settings: `code`, else its module's package (or the module file
+        of a top-level module), with the sources every stage shares."""
+        if self.code:
+            paths = self.code
+        else:
+            module = self.fn.__module__.split(".")
+            paths = ("/".join(module[:2]),) if len(module) > 2 else ("/".join(module) + ".py",)
+        return paths + ("pipeline/stages.py",) + (("pipeline/llm",) if self.uses_llm else ())
 
 
-def annotation_stage(
+STAGES: dict[str, BatchStage] = {}
+
+
+def batch_stage(
     name: str,
-    produces: tuple[str, ...],
     order: int,
+    produces: tuple[str, ...] = (),
+    *,
+    produces_per_method: tuple[str, ...] = (),
+    needs: Names = (),
+    needs_per_method: tuple[str, ...] = (),
+    step_columns: Callable[[Any], Sequence[str]] | Sequence[str] | None = None,
+    settings: Names = (),
+    fields: tuple[str, ...] = (),
+    methods: Callable[[Any], Sequence[str]] | None = None,
     uses_llm: bool = False,
-    needs: tuple[str, ...] = (),
     llm_if: Callable[..., bool] | None = None,
+    runs_if: Callable[[Any], bool] | None = None,
+    round_statistics: bool = False,
+    records_source: bool = False,
+    code: tuple[str, ...] = (),
 ):
+    """Register `fn(trajectories, steps, config, inputs, io=NO_IO) -> StageOutput` as a batch stage. A second
+    stage of the same name from another function is an error (a silent overwrite would change a round)."""
+
     def deco(fn: Callable[..., StageOutput]) -> Callable[..., StageOutput]:
-        STAGES[name] = AnnotationStage(name, tuple(produces), fn, order, uses_llm, tuple(needs), llm_if)
+        old = STAGES.get(name)
+        if old is not None and (old.fn.__module__, old.fn.__qualname__) != (fn.__module__, fn.__qualname__):
+            raise ValueError(f"stage {name!r} is registered twice ({old.fn.__module__} and {fn.__module__})")
+        STAGES[name] = BatchStage(
+            name,
+            fn,
+            order,
+            tuple(produces),
+            tuple(produces_per_method),
+            needs if callable(needs) else tuple(needs),
+            tuple(needs_per_method),
+            step_columns,
+            settings if callable(settings) else tuple(settings),
+            tuple(fields),
+            methods,
+            uses_llm,
+            llm_if,
+            runs_if,
+            round_statistics,
+            records_source,
+            tuple(code),
+        )
         return fn
 
     return deco
 
 
+# every module of these packages is imported (a new annotation stage is one new module in one of them), and
+# these modules hold the credit stages
 STAGE_PACKAGES = ("pipeline.detect", "pipeline.annotate", "pipeline.counterfactual")
+STAGE_MODULES = ("pipeline.credit.process", "pipeline.export")
 _loaded = False
 
 
-def load_stages() -> dict[str, AnnotationStage]:
-    """Import the stage packages and every module in them (each stage registers itself, so a new stage is one
-    new module in one of these packages) and return the registry."""
+def load_stages() -> dict[str, BatchStage]:
+    """Import the stage packages and modules (each stage registers itself) and return the registry."""
     global _loaded
     if _loaded:
         return STAGES
@@ -106,15 +197,17 @@ def load_stages() -> dict[str, AnnotationStage]:
         package = importlib.import_module(name)
         for info in pkgutil.iter_modules(package.__path__):
             importlib.import_module(f"{name}.{info.name}")
+    for name in STAGE_MODULES:
+        importlib.import_module(name)
     _loaded = True
     return STAGES
 
 
-def stages_for(tables_needed: set[str]) -> list[AnnotationStage]:
+def stages_for(tables_needed: set[str], config: Any = None) -> list[BatchStage]:
     """The stages that produce the needed tables, plus what they need in turn, in run order."""
     stages = load_stages()
-    by_table = {t: s for s in stages.values() for t in s.produces}
-    chosen: dict[str, AnnotationStage] = {}
+    by_table = {t: s for s in stages.values() for t in (*s.produces, *s.produces_per_method)}
+    chosen: dict[str, BatchStage] = {}
     todo = list(tables_needed)
     while todo:
         table = todo.pop()
@@ -123,5 +216,16 @@ def stages_for(tables_needed: set[str]) -> list[AnnotationStage]:
             raise KeyError(f"no stage produces table {table!r}; stages: {sorted(stages)}")
         if stage.name not in chosen:
             chosen[stage.name] = stage
-            todo.extend(stage.needs)
+            todo.extend(stage.tables_needed(config))
+            todo.extend(stage.needs_per_method)
     return sorted(chosen.values(), key=lambda s: s.order)
+
+
+def round_stages(config: Any) -> list[BatchStage]:
+    """The stages a round runs, in order: those whose `runs_if` holds under the config (credit, the statistics
+    pass when a method takes a statistic over the round, export when on) and the stages producing what they
+    read."""
+    chosen = [s for s in load_stages().values() if s.runs_if is not None and s.runs_if(config)]
+    needed = {t for s in chosen for t in (*s.tables_needed(config), *s.needs_per_method)}
+    out = {s.name: s for s in chosen} | {s.name: s for s in stages_for(needed, config)}
+    return sorted(out.values(), key=lambda s: s.order)

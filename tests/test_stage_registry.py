@@ -25,8 +25,8 @@ def test_a_new_stage_module_registers_itself(tmp_path, monkeypatch):
 
     extra = tmp_path / "extra_stage.py"
     extra.write_text(
-        "from pipeline.stages import StageOutput, annotation_stage\n"
-        "@annotation_stage('extra_probe', produces=('extra_probe_table',), order=99)\n"
+        "from pipeline.stages import StageOutput, batch_stage\n"
+        "@batch_stage('extra_probe', order=99, produces=('extra_probe_table',))\n"
         "def extra(trajectories, steps, config, inputs, io=None):\n"
         "    return StageOutput(tables={})\n"
     )

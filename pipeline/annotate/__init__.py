@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from pipeline.config import Config
-from pipeline.stages import NO_IO, StageIO, StageOutput, annotation_stage
+from pipeline.stages import NO_IO, StageIO, StageOutput, batch_stage
 
 ANNOTATORS = ("rules", "llm")
 
@@ -37,10 +37,12 @@ def run_annotator(
     raise ValueError(f"unknown IAPO annotator {kind!r}; choose one of {ANNOTATORS}")
 
 
-@annotation_stage(
+@batch_stage(
     "annotate",
-    produces=("nodes", "edges"),
     order=20,
+    produces=("nodes", "edges"),
+    settings=("annotate_rules", "annotate_llm", "llm"),
+    fields=("annotator", "llm"),
     uses_llm=True,
     llm_if=lambda config: (config.annotator or "rules").strip() == "llm",
 )

@@ -26,7 +26,7 @@ from pydantic import Field
 
 from pipeline.config import Config, StageSettings, register_settings
 from pipeline.llm.types import LLMError, LLMRequest, LLMSettings
-from pipeline.stages import NO_IO, StageIO, StageOutput, annotation_stage
+from pipeline.stages import NO_IO, StageIO, StageOutput, batch_stage
 from schemas.counterfactuals import SCHEMA as CF_SCHEMA
 
 CF_METHOD_SELECTION = {"tcpo": None, "tcpo_random_cf": "random", "tcpo_all_cf": "all"}
@@ -108,7 +108,27 @@ def _seed(base: int | None, traj_id: str, turn: int) -> int | None:
     return int.from_bytes(h, "little") & 0x7FFFFFFF
 
 
-@annotation_stage("counterfactual", produces=("counterfactuals",), order=30, uses_llm=True)
+def _selection_methods(config: Config) -> list[str]:
+    """The round's estimators that decide which turns get counterfactuals (CF_METHOD_SELECTION)."""
+    return sorted({m.split("+")[0].strip() for m in config.methods} & set(CF_METHOD_SELECTION))
+
+
+@batch_stage(
+    "counterfactual",
+    order=30,
+    produces=("counterfactuals",),
+    # tcpo: the turn selection; sandbox: the code_tests verifier's limits (flows.batch.stage_io configures it)
+    settings=("counterfactual", "tcpo", "llm", "sandbox"),
+    fields=("llm",),
+    methods=_selection_methods,
+    uses_llm=True,
+    code=(
+        "pipeline/counterfactual",
+        "pipeline/verifiers",
+        "pipeline/credit/methods/tcpo.py",
+        "pipeline/credit/context.py",
+    ),
+)
 def counterfactual(
     trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict, io: StageIO = NO_IO
 ) -> StageOutput:

@@ -16,8 +16,17 @@ import pyarrow as pa
 from pipeline.config import Config
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.ops import Moments
-from pipeline.credit.registry import round_statistics_methods, run_methods
+from pipeline.credit.registry import (
+    method_settings,
+    method_step_columns,
+    round_statistics_methods,
+    run_methods,
+)
+from pipeline.stages import NO_IO, StageIO, StageOutput, batch_stage, method_key
 from schemas.advantages import COMPONENT_FIELDS, COMPONENTS
+
+CREDIT = "credit"
+STATS = "credit_stats"  # the statistics pass: the sufficient statistics of every batch-level statistic
 
 
 def _list_column(flat: np.ndarray, offsets: np.ndarray, dtype=pa.float32()) -> pa.Array:
@@ -153,3 +162,64 @@ def statistics_json(stats: dict[str, Moments]) -> dict[str, list[float]]:
 
 def statistics_from_json(data: dict[str, list[float]]) -> dict[str, Moments]:
     return {k: Moments(*map(float, v)) for k, v in data.items()}
+
+
+# ---- the batch stages: the statistics pass and credit, declared like every stage (pipeline/stages.py) ---------
+
+CREDIT_CODE = ("pipeline/credit", "schemas/advantages.py")
+
+
+def statistics_methods(config: Config) -> list[str]:
+    """The estimators of the round's methods whose batch-level statistics span the round (empty: no pass)."""
+    return [stage.name for stage in round_statistics_methods(config.methods, config)]
+
+
+def _round_of(trajectories: pa.Table) -> int:
+    return int(trajectories.column("round")[0].as_py()) if trajectories.num_rows else 0
+
+
+@batch_stage(
+    STATS,
+    order=40,
+    produces=(STATS,),
+    needs=lambda config: sorted(annotation_names(statistics_methods(config))),
+    step_columns=lambda config: method_step_columns(statistics_methods(config)),
+    settings=lambda config: sorted(method_settings(statistics_methods(config))),
+    methods=statistics_methods,
+    runs_if=lambda config: bool(statistics_methods(config)),
+    records_source=True,
+    code=CREDIT_CODE,
+)
+def credit_stats(
+    trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict[str, pa.Table], io: StageIO = NO_IO
+) -> StageOutput:
+    """The statistics pass on one batch: a few rows of moments (`credit_stats`), no advantages."""
+    round_ = _round_of(trajectories)
+    stats = batch_statistics(trajectories, steps, statistics_methods(config), config, inputs, round_=round_)
+    return StageOutput({STATS: statistics_table(stats, round_)})
+
+
+@batch_stage(
+    CREDIT,
+    order=50,
+    produces_per_method=("advantages",),
+    needs=lambda config: sorted(annotation_names(config.methods)),
+    step_columns=lambda config: method_step_columns(config.methods),
+    settings=lambda config: sorted(method_settings(config.methods)),
+    methods=lambda config: list(config.methods),
+    runs_if=lambda config: True,
+    round_statistics=True,
+    code=CREDIT_CODE,
+)
+def credit(
+    trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict[str, pa.Table], io: StageIO = NO_IO
+) -> StageOutput:
+    """Every method on one batch: one advantages table per method; `inputs["credit_stats"]` (the round's merged
+    statistics, when the round has a statistics pass) makes a batch-level statistic span the round."""
+    annotations = {k: v for k, v in inputs.items() if k != STATS}
+    stats = merge_statistics(inputs[STATS]) if STATS in inputs else None
+    tables, method_notes = process_batch(
+        trajectories, steps, list(config.methods), config, annotations, _round_of(trajectories), stats
+    )
+    notes = {f"{m}.{k}": float(v) for m, n in method_notes.items() for k, v in n.items()}
+    return StageOutput({method_key("advantages", m): t for m, t in tables.items()}, notes)

@@ -44,6 +44,7 @@ class Stage:
     batch_statistics: str | None = None
     requires: tuple[Requirement, ...] = ()  # checked against the round before any work
     components: tuple[str, ...] = ()  # the CreditResult components it fills (schemas/advantages.py)
+    reads: tuple[str, ...] = ()  # other settings models it reads (`ctx.stage(name)`: grpo_pr reads grpo's)
 
 
 def _register(table: dict[str, Stage], stage: Stage) -> None:
@@ -90,6 +91,7 @@ def estimator(
     batch_statistics: str | None = None,
     requires: tuple[Requirement, ...] = (),
     components: tuple[str, ...] = (),
+    reads: tuple[str, ...] = (),
 ):
     def deco(fn: Callable) -> Callable:
         stage = Stage(
@@ -103,6 +105,7 @@ def estimator(
             batch_statistics,
             tuple(requires),
             tuple(components),
+            tuple(reads),
         )
         _register(ESTIMATORS, stage)
         return fn
@@ -117,6 +120,7 @@ def refiner(
     step_columns: tuple[str, ...] = (),
     requires: tuple[Requirement, ...] = (),
     components: tuple[str, ...] = (),
+    reads: tuple[str, ...] = (),
 ):
     def deco(fn: Callable) -> Callable:
         stage = Stage(
@@ -129,6 +133,7 @@ def refiner(
             tuple(step_columns),
             requires=tuple(requires),
             components=tuple(components),
+            reads=tuple(reads),
         )
         _register(REFINERS, stage)
         return fn
@@ -168,6 +173,17 @@ def method_step_columns(methods: list[str]) -> list[str]:
         for stage in (est, *refs):
             cols += [c for c in stage.step_columns if c not in cols]
     return cols
+
+
+def method_settings(methods: list[str]) -> set[str]:
+    """The settings models a set of methods reads: each stage's own, the one its batch statistic's `scope`
+    comes from, and those it `reads` besides (what the credit stages declare, so their cache keys hold them)."""
+    names: set[str] = set()
+    for method in methods:
+        est, refs = parse_method(method)
+        for stage in (est, *refs):
+            names |= {n for n in (stage.settings, stage.batch_statistics, *stage.reads) if n}
+    return names
 
 
 def round_statistics_methods(methods: list[str], config) -> list[Stage]:

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 from pipeline.config import Config
 from pipeline.detect.registry import DETECTORS, DetectSettings, Hit, StepView, TrajView, parse_meta
 from pipeline.detect.text import turn_range
-from pipeline.stages import NO_IO, StageIO, StageOutput, annotation_stage
+from pipeline.stages import NO_IO, StageIO, StageOutput, batch_stage
 from schemas.spans import SCHEMA as SPANS_SCHEMA
 
 
@@ -165,7 +165,7 @@ def detect_spans(
     return table, notes
 
 
-@annotation_stage("detect", produces=("spans",), order=10)
+@batch_stage("detect", order=10, produces=("spans",), settings=("detect",))
 def detect(
     trajectories: pa.Table,
     steps: pa.Table,

@@ -53,7 +53,7 @@ def penalised_rewards(ctx: CreditContext, beta: float, s_step: np.ndarray) -> np
     return ctx.rewards() - beta * penalty  # Eq. 2
 
 
-@estimator("grpo_pr", settings="process_reward", needs=("spans",))
+@estimator("grpo_pr", settings="process_reward", needs=("spans",), reads=("grpo",))
 def grpo_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
     """GRPO on the outcome reward minus beta * the summed turn severities."""
     s_step = step_severity(ctx)
