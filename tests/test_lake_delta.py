@@ -60,6 +60,19 @@ def test_format_follows_the_disk_and_the_setting(tmp_path, monkeypatch):
         Lake(tmp_path / "x")
 
 
+def test_a_new_delta_lake_says_so_before_its_first_commit(tmp_path, monkeypatch):
+    """delta-rs writes a table's data files before its log: a killed first write leaves a table folder with no
+    `_delta_log`, which alone would read as a hive lake; the `_format` marker says delta first."""
+    monkeypatch.delenv(FORMAT_ENV, raising=False)
+    d = Lake(tmp_path / "d")
+    d.write_part("steps", 0, _steps(_traj()), part="b00000")
+    assert (tmp_path / "d" / "_format").read_text().strip() == "delta"
+    shutil.rmtree(tmp_path / "d" / "steps" / "_delta_log")  # as if the first commit never happened
+    assert (tmp_path / "d" / "steps").is_dir()
+    monkeypatch.setenv(FORMAT_ENV, "parquet")
+    assert isinstance(Lake(tmp_path / "d"), DeltaLake)
+
+
 def test_part_writes_are_idempotent_versioned_and_travel_in_time(delta):
     traj = _traj()
     v0 = delta.write_part("trajectories", 0, traj, part="x") and delta.last_versions["trajectories"]

@@ -25,7 +25,7 @@ from pathlib import Path, PurePosixPath
 
 import pyarrow as pa
 
-from warehouse.lake import BACKENDS, Lake, LakeError, is_remote, lake_path, safe_part_name
+from warehouse.lake import BACKENDS, Lake, LakeError, is_remote, lake_path, safe_part_name, temp_token
 
 PART = "_part"
 EMPTY_PARTS = (
@@ -382,6 +382,8 @@ class DeltaLake(Lake):
         props = WriterProperties(compression="ZSTD")  # the hive lake's codec (delta-rs defaults to snappy)
         for attempt in range(COMMIT_RETRIES):
             target = self._table(table_name)  # written through: its version is the commit's afterwards
+            if target is None and not self.remote:
+                self._mark()
             try:
                 write_deltalake(
                     target if target is not None else uri,
@@ -402,6 +404,17 @@ class DeltaLake(Lake):
         version = (target if target is not None else self._table(table_name)).version()
         self.last_versions[table_name] = version
         return version
+
+    def _mark(self) -> None:
+        """`LAKE/_format` says delta before a table's first commit: delta-rs writes the data files before the
+        log, and a table folder without a `_delta_log` (a reader in between, a killed first write) would
+        otherwise read as a hive lake (`warehouse.lake.lake_format`)."""
+        marker = self.root / "_format"
+        if not marker.is_file():
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = self.root / f".tmp-{temp_token()}-_format"
+            tmp.write_text("delta\n", encoding="utf-8")
+            os.replace(tmp, marker)
 
     def write_part(self, table_name: str, round_: int, table: pa.Table, part: str = "0") -> Path:
         """Atomically write (or replace) one part of a (table, round) partition: one Delta commit."""
@@ -464,7 +477,6 @@ def migrate(src: str | os.PathLike, dest: str | os.PathLike | None = None) -> di
     import shutil
 
     from schemas import TABLES
-    from warehouse.lake import temp_token
 
     old = Lake(src)
     if old.format != "parquet":
