@@ -104,3 +104,14 @@ def print_summary(summary: dict, title: str | None = None, console=None) -> None
     console.print(table)
     for warning in summary.get("warnings", [])[:10]:
         console.print(f"[yellow]warning:[/yellow] {warning}")
+
+
+def print_round(summary: dict, lake: Lake, title: str) -> None:
+    """What `creditflow process` prints at the end: the summary, then the round's credit by method (a DuckDB
+    query of the lake)."""
+    from flows.display import print_table
+    from warehouse.catalog import query
+
+    print_summary(summary, title=title)
+    stats = query(lake, f"SELECT * FROM credit_summary WHERE round = {int(summary['round'])}")
+    print_table(stats, title="credit by method")

@@ -46,9 +46,12 @@ def test_process_uses_the_managed_server(tmp_path):
         assert (
             json.loads((tmp_path / "cache" / "services" / "prefect.json").read_text())["pid"] == state["pid"]
         )
-        for _ in range(2):  # the first run computes, the second is a cached re-run
-            run = _cli(["process", "--lake", str(lake), "--round", "0", "--methods", "grpo"], env)
+        # the first run computes, the second is a cached re-run (--force: a flow run even though the round is
+        # up to date), the third finds the round up to date and starts no flow run
+        for extra in ([], ["--force"], []):
+            run = _cli(["process", "--lake", str(lake), "--round", "0", "--methods", "grpo", *extra], env)
             assert run.returncode == 0, run.stderr[-2000:]
+        assert "round 0 is up to date" in run.stdout
         # the runs are recorded by the managed server (not an ephemeral API that died with the command)
         probe = (
             "import asyncio\n"

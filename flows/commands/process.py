@@ -57,6 +57,13 @@ def register(app: typer.Typer) -> None:
         wait_s: float | None = typer.Option(
             None, "--wait-s", min=0, help="with --wait: give up after this many seconds (default: no limit)"
         ),
+        force: bool = typer.Option(
+            False,
+            "--force",
+            help="run the flow even when the round is up to date (same inputs, settings and code: without "
+            "--force process prints its summary and starts nothing); its stages still come from the cache "
+            "unless --no-cache",
+        ),
         skip_unmet: bool = typer.Option(
             False,
             "--skip-unmet",
@@ -87,7 +94,7 @@ def register(app: typer.Typer) -> None:
             from flows.trackers import check_trackers
 
             check_trackers(cfg.track)  # a missing extra is one line before the round, not after it
-        summary = run_process(cfg, round_, skip_unmet=skip_unmet)
+        summary = run_process(cfg, round_, skip_unmet=skip_unmet, fast=not force)
         if cfg.track:
             from flows.display import print_kv
             from flows.trackers import track_round
