@@ -50,7 +50,7 @@ def _sizes(table, paths: list[str]) -> int:
 
 
 def vacuum(
-    lake: Lake, retain_hours: float | None = None, dry_run: bool = False, force: bool = False
+    lake: Lake, retain_hours: int | None = None, dry_run: bool = False, force: bool = False
 ) -> list[Removed]:
     """Remove (dry run: list) per table the files no lake version newer than `retain_hours` needs. Delta only;
     see `cleanup_leftovers` for a hive lake."""

@@ -1,17 +1,18 @@
-"""`creditflow lake`: the lake's format, version and migration (hive Parquet -> Delta)."""
+"""`creditflow lake`: the lake's format, version, migration (hive Parquet -> Delta) and upkeep (vacuum,
+compact)."""
 
 from __future__ import annotations
 
 import typer
 
-DEFAULT_RETAIN_HOURS = (
-    168.0  # warehouse.maintenance.DEFAULT_RETAIN_HOURS (not imported: the CLI starts light)
-)
+# warehouse.maintenance.DEFAULT_RETAIN_HOURS, not imported: the CLI starts light (a test keeps them equal)
+DEFAULT_RETAIN_HOURS = 168
 
 
 def register(app: typer.Typer) -> None:
     lake_app = typer.Typer(
-        help="The lake itself: its format and version, and migrating it to Delta.", no_args_is_help=True
+        help="The lake itself: its format and version, migrating it to Delta, vacuum and compact.",
+        no_args_is_help=True,
     )
     app.add_typer(lake_app, name="lake")
 
@@ -61,7 +62,7 @@ def register(app: typer.Typer) -> None:
     @lake_app.command("vacuum")
     def vacuum_cmd(
         lake: str = typer.Option("lake", "--lake", help="lake: folder, file://, s3://BUCKET/PATH, gs://..."),
-        retain_hours: float = typer.Option(
+        retain_hours: int = typer.Option(
             DEFAULT_RETAIN_HOURS,
             "--retain-hours",
             help="keep every file a lake version of the last H hours needs: `query --as-of` and an export's "
