@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
-from warehouse.lake import FORMAT_ENV, Lake
+from warehouse.lake import FORMAT_ENV, FORMATS, Lake
 
 runner = CliRunner()
 TAU2 = "tau2_bench/qwen2.5-7b_airline_1trial.json"
@@ -112,33 +112,23 @@ def test_ingest_quarantine_and_strict(tmp_path):
     assert _query(lake, "SELECT count(*) AS n FROM quarantine") == [{"n": 0}]
 
 
-def test_ingest_parquet_from_a_lake_export(tmp_path):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_ingest_parquet_from_a_lake_export(tmp_path, monkeypatch, fmt):
+    """A lake is an ingest source as it is now: a Delta lake's folders also hold the files of the versions its
+    round replaced, which are not read."""
+    monkeypatch.setenv(FORMAT_ENV, fmt)
     good = {
         "traj_id": "a",
         "group_id": "g",
         "reward": 0.5,
         "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}],
     }
-    (tmp_path / "r.jsonl").write_text(json.dumps(good) + "\n")
     first = tmp_path / "lake1"
-    assert (
-        runner.invoke(
-            app,
-            [
-                "ingest",
-                str(tmp_path / "r.jsonl"),
-                "-f",
-                "chat-jsonl",
-                "--lake",
-                str(first),
-                "--round",
-                "0",
-                "--tokenizer",
-                "bytes",
-            ],
-        ).exit_code
-        == 0
-    )
+    for reward in (0.25, 0.5):  # round 0 ingested, then replaced
+        (tmp_path / "r.jsonl").write_text(json.dumps({**good, "reward": reward}) + "\n")
+        args = ["ingest", str(tmp_path / "r.jsonl"), "-f", "chat-jsonl", "--lake", str(first), "--round", "0"]
+        assert runner.invoke(app, [*args, "--tokenizer", "bytes"]).exit_code == 0
+    assert Lake(first).format == fmt
     second = tmp_path / "lake2"
     out = runner.invoke(
         app,

@@ -75,6 +75,22 @@ def _read_parquet(path: Path) -> pa.Table | Unreadable:
     return _concat(path, [path])
 
 
+def _read_delta_lake(path: Path) -> dict[str, pa.Table] | Unreadable:
+    """The canonical tables of a Delta lake at its current version (its folders also hold the files of older
+    versions, which a file listing would read too), without the lake's `round` (ingest gives its own)."""
+    from warehouse.delta_lake import DeltaLake
+
+    lake = DeltaLake(path)
+    tables = {}
+    for name in CANONICAL:
+        try:
+            table = lake.read(name)
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            return unreadable(path / name, exc)
+        tables[name] = table.drop_columns(["round"]) if "round" in table.column_names else table
+    return tables
+
+
 def read_table_sources(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, pa.Table]]]:
     """Canonical `trajectories` + `steps` tables from each source: a folder holding `trajectories/` and
     `steps/` (sub-folders or `*.parquet` files whose names contain the table name), or such files given
@@ -86,6 +102,9 @@ def read_table_sources(paths: Iterable[str | Path]) -> list[tuple[str, dict[str,
         if not path.exists():
             raise FileNotFoundError(f"no such source: {path}")
         if path.is_dir() and all((path / name).is_dir() for name in CANONICAL):
+            if any((path / name / "_delta_log").is_dir() for name in CANONICAL):
+                out.append((str(path), _read_delta_lake(path)))
+                continue
             tables = {name: _read_parquet(path / name) for name in CANONICAL}
             bad = [t for t in tables.values() if isinstance(t, Unreadable)]
             out.append((str(path), bad[0] if bad else tables))
