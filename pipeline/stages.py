@@ -120,8 +120,11 @@ class BatchStage:
         if self.code:
             paths = self.code
         else:
+            import sys
+
             module = self.fn.__module__.split(".")
-            paths = ("/".join(module[:2]),) if len(module) > 2 else ("/".join(module) + ".py",)
+            package = len(module) > 2 or hasattr(sys.modules.get(self.fn.__module__), "__path__")
+            paths = ("/".join(module[:2]),) if package else ("/".join(module) + ".py",)
         return paths + ("pipeline/stages.py",) + (("pipeline/llm",) if self.uses_llm else ())
 
 
