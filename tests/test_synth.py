@@ -270,9 +270,12 @@ def test_tool_rates_and_rendering(tool_round):
     assert reused > 100
 
 
-def test_cli_into_lake_and_query(tmp_path):
+@pytest.mark.parametrize("fmt", ["delta", "parquet"])
+def test_cli_into_lake_and_query(tmp_path, monkeypatch, fmt):
     from flows.cli import app
+    from warehouse.lake import FORMAT_ENV, Lake
 
+    monkeypatch.setenv(FORMAT_ENV, fmt)
     runner = CliRunner()
     out = tmp_path / "lake"
     args = [
@@ -302,7 +305,9 @@ def test_cli_into_lake_and_query(tmp_path):
     ]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
-    assert len(list((out / "steps" / "round=1").glob("part-*.parquet"))) == 3
+    lake = Lake(out)
+    assert lake.format == fmt
+    assert [lake.part_name(p) for p in lake.parts("steps", 1)] == ["b00000", "b00001", "b00002"]
     res = runner.invoke(
         app, ["query", "--lake", str(out), "--format", "json", "select count(*) as n from steps"]
     )
