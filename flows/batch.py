@@ -225,6 +225,12 @@ def stage_calls_llm(stage: str, config: Config) -> bool:
     return load_stages()[stage].calls_llm(config)
 
 
+def takes_round_statistics(stage: str) -> bool:
+    """Whether a stage reads the round's merged statistics (credit): the flow holds it until every batch's
+    statistics are in and passes them (`round_stats`), and they enter its cache key."""
+    return load_stages()[stage].round_statistics
+
+
 def stage_outputs(stage: str, batch: str, methods: list[str]) -> list[tuple[str, str]]:
     """(table, part) pairs a stage writes for a batch: all present = the stage's work is on disk."""
     return [(table, part) for table, part, _ in stage_writes(load_stages()[stage], batch, methods)]

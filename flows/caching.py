@@ -2,8 +2,12 @@
 
 - input content: (path, size, mtime) of every part the stage reads for the batch (trajectories, steps and
   the annotation / advantages parts it needs), so a re-ingested or re-annotated batch is recomputed;
-- settings: the JSON of the settings the stage reads (validated, with defaults);
-- code version: the package version and a hash of the stage's source files.
+- settings: the JSON of the settings models the stage declares it reads (validated, with defaults), the Config
+  fields it reads and the methods whose work it does;
+- code version: the package version and a hash of the source files its declaration names.
+
+All three come from the stage's declaration (pipeline.stages.BatchStage), the same for every stage;
+tests/test_stage_registry.py runs each stage and fails when it reads a setting it does not declare.
 
 The key says nothing about the outputs: the flow refreshes a batch whose output parts are missing, so a
 deleted partition is rebuilt. Cache records (small JSON summaries) live in the lake under `_flow/cache`, so
