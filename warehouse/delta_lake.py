@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
@@ -115,16 +116,51 @@ class DeltaLake(Lake):
     def partition_dir(self, table: str, round_: int):
         return PurePosixPath(self.table_uri(table)) / f"round={int(round_)}"
 
-    def _table(self, table: str, version: int | str | dt.datetime | None = None):
+    def _open_tables(self) -> dict:
+        """This thread's loaded tables (a DeltaTable is not shared between threads)."""
+        local = self.__dict__.get("_local")
+        if local is None:
+            local = self.__dict__.setdefault("_local", threading.local())
+        if not hasattr(local, "tables"):
+            local.tables = {}
+        return local.tables
+
+    def _latest(self, table: str):
+        """The table at its latest version: loaded once, then brought up to date by reading only the commits
+        made since (`update_incremental`, ~0.3 ms) instead of loading the log again (2-20 ms per call, dozens of
+        calls per batch). None: not loaded yet."""
+        cached = self._open_tables().get(table)
+        if cached is not None:
+            if (
+                not self.remote
+                and not (self.root / table / "_delta_log" / f"{cached.version():020d}.json").exists()
+            ):  # the folder was replaced (an in-place migration): its log is another one
+                self._open_tables().pop(table, None)
+                return None
+            try:
+                cached.update_incremental()
+                return cached
+            except Exception:  # noqa: BLE001 - the table was replaced or removed under us: load it afresh
+                self._open_tables().pop(table, None)
+        return None
+
+    def _table(self, table: str, version: int | str | dt.datetime | None = None, fresh: bool = False):
+        """The Delta table `table` (None when absent) at its latest version, or at `version` (a new object;
+        `fresh`: a new one too, for a caller that moves it to another version)."""
         from deltalake import DeltaTable
         from deltalake.exceptions import TableNotFoundError
 
         if not self.remote and not (self.root / table / "_delta_log").is_dir():
+            self._open_tables().pop(table, None)
             return None
+        if version is None and not fresh and (t := self._latest(table)) is not None:
+            return t
         try:
             t = DeltaTable(self.table_uri(table), storage_options=self.storage_options)
         except TableNotFoundError:
             return None
+        if version is None and not fresh:
+            self._open_tables()[table] = t
         if version is not None:
             try:
                 t.load_as_version(version)
@@ -197,7 +233,7 @@ class DeltaLake(Lake):
         spec = self.parse_version(as_of) if isinstance(as_of, str) else as_of
         if isinstance(spec, dict):
             return self._table(table, spec[table]) if table in spec else None
-        t = self._table(table)
+        t = self._table(table, fresh=True)
         if t is None:
             return None
         try:
