@@ -173,3 +173,17 @@ def test_declarations_name_registered_settings_and_existing_sources():
         assert all((ROOT / p).exists() for p in stage.code_paths()), (stage.name, stage.code_paths())
         assert all(f in Config.model_fields for f in stage.fields), stage.name
         assert stage.produces or stage.produces_per_method, stage.name
+
+
+def test_every_stage_takes_an_empty_batch():
+    """Edge case over every declaration: a batch without trajectories gives each stage's declared tables,
+    empty (every method, so every stage runs)."""
+    from tcpo_data import make_batch
+
+    from pipeline.config import Config
+
+    traj, steps = make_batch([])
+    config = Config(methods=_all_methods())
+    record: list[str] = []
+    read = run_declared(config, traj, steps, record)
+    assert set(read) == set(load_stages())
