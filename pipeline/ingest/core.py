@@ -282,6 +282,7 @@ def iter_json_array(
     pos = _skip_ws(text, pos + 1)
     index = 0
     if pos < len(text) and text[pos] == "]":
+        yield from _after_array(text, pos + 1, source_file, path)
         return
     while pos < len(text):
         location = f"{path}[{index}]"
@@ -308,12 +309,28 @@ def iter_json_array(
             pos = _skip_ws(text, pos + 1)
             continue
         if pos < len(text) and text[pos] == "]":
+            yield from _after_array(text, pos + 1, source_file, path)
             return
         yield (
             _malformed(source_file, f"{path}[{index}:]", text[pos:], ValueError("expected ',' or ']'")),
             len(text),
         )
         return
+    # the text ended inside the array (a truncated file): what is missing is one quarantined record
+    yield (
+        _malformed(source_file, f"{path}[{index}:]", "", ValueError("the array is not closed (no ']')")),
+        len(text),
+    )
+
+
+def _after_array(text: str, end: int, source_file: str, path: str) -> Iterator[tuple[SourceRecord, int]]:
+    """Text after the array's closing bracket (a damaged file): one quarantined record, not silence."""
+    rest = _skip_ws(text, end)
+    if rest < len(text):
+        yield (
+            _malformed(source_file, f"{path or '$'}+", text[rest:], ValueError("text after the array")),
+            len(text),
+        )
 
 
 def iter_json_object(text: str, pos: int) -> Iterator[tuple[str, Any, int, int]]:
@@ -324,6 +341,7 @@ def iter_json_object(text: str, pos: int) -> Iterator[tuple[str, Any, int, int]]
         raise ValueError(f"expected a JSON object at char {pos}")
     pos = _skip_ws(text, pos + 1)
     if pos < len(text) and text[pos] == "}":
+        _after_object(text, pos + 1)
         return
     while True:
         key, pos = _DECODER.raw_decode(text, pos)
@@ -343,8 +361,14 @@ def iter_json_object(text: str, pos: int) -> Iterator[tuple[str, Any, int, int]]
             pos = _skip_ws(text, pos + 1)
             continue
         if pos < len(text) and text[pos] == "}":
+            _after_object(text, pos + 1)
             return
         raise ValueError(f"expected ',' or '}}' at char {pos}")
+
+
+def _after_object(text: str, end: int) -> None:
+    if _skip_ws(text, end) < len(text):
+        raise ValueError(f"text after the object at char {end}")
 
 
 def read_json_list(text: str, source_file: str) -> Iterator[SourceRecord]:
