@@ -7,14 +7,23 @@ then the whole round read back, one part read back, and the round replaced in on
 interleave within each repetition; min and median of the repetitions are printed, and the files on disk
 counted. Local disk (object storage adds a round trip per request; see tests/test_lake_s3.py).
 
+Second workload (`--process`, on by default): what a user runs, on a new lake of each format (hive through
+CREDITFLOW_LAKE_FORMAT=parquet, Delta by default): `creditflow synth` then `creditflow process --methods
+grpo,gae,turn_ppo`, each a fresh CLI process (Prefect's ephemeral API included, the same for both); formats
+interleaved, min / median of the repetitions, and the flow's own per-stage seconds (its run log) beside.
+
     nice .venv/bin/python bench/lake_formats.py [--groups 64] [--parts 16] [--reps 3]
+        [--process-groups 128] [--process-batch-groups 16] [--no-process]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -158,6 +167,129 @@ def one(kind, root: Path, parts: dict[str, pa.Table]) -> dict:
     }
 
 
+CLI = Path(sys.executable).parent / "creditflow"
+PROCESS_METHODS = "grpo,gae,turn_ppo"
+FORMATS = {"hive Parquet": "parquet", "Delta (delta-rs)": "delta"}
+
+
+def _cli(env: dict, *args: str) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    out = subprocess.run([str(CLI), *args], env=env, capture_output=True, text=True, check=False)
+    took = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise SystemExit(f"creditflow {' '.join(args)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return took, out.stdout
+
+
+def one_process(fmt: str, root: Path, groups: int, batch_groups: int) -> dict:
+    """synth + process on a new lake of format `fmt`, each a CLI run; the flow's per-stage seconds."""
+    env = {**os.environ, "CREDITFLOW_LAKE_FORMAT": fmt, "CREDITFLOW_NO_SERVER": "1", "COLUMNS": "200"}
+    lake = str(root / "lake")
+    synth_s, _ = _cli(
+        env, "synth", "--out", lake, "--groups", str(groups), "--batch-groups", str(batch_groups)
+    )
+    process_s, shown = _cli(
+        env,
+        "process",
+        "--lake",
+        lake,
+        "--round",
+        "0",
+        "--methods",
+        PROCESS_METHODS,
+        "--set",
+        "flow.progress=false",
+    )
+    flow = re.search(r"wall seconds\W+([0-9.]+)", shown)
+    assert flow, shown[-2000:]
+    store = Lake(lake)
+    assert store.format == fmt, (store.format, fmt)
+    runs = store.read("stage_runs", 0)
+    stages: dict[str, float] = {}
+    for stage, sec in zip(runs.column("stage").to_pylist(), runs.column("seconds").to_pylist(), strict=True):
+        stages[stage] = stages.get(stage, 0.0) + (sec or 0.0)
+    adv = store.read("advantages", 0, columns=["method"])
+    return {
+        "synth_s": synth_s,
+        "process_s": process_s,
+        "flow_s": float(flow.group(1)),
+        "stages": stages,
+        "rows": adv.num_rows,
+        "batches": len(store.parts("trajectories", 0)),
+        "files": _files(root / "lake"),
+    }
+
+
+def process_section(args) -> list[str]:
+    results: dict[str, list[dict]] = {name: [] for name in FORMATS}
+    names = list(FORMATS)
+    for rep in range(args.reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            root = Path(tempfile.mkdtemp(prefix="cf-lakeproc-"))
+            try:
+                results[name].append(
+                    one_process(FORMATS[name], root, args.process_groups, args.process_batch_groups)
+                )
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            print(name, {k: v for k, v in results[name][-1].items() if k != "stages"}, flush=True)
+    rows_seen = {r["rows"] for runs in results.values() for r in runs}
+    assert len(rows_seen) == 1, f"the formats' advantages differ in rows: {rows_seen}"
+    keys = ("synth_s", "process_s", "flow_s")
+    base = {k: statistics.median(r[k] for r in results["hive Parquet"]) for k in keys}
+    stage_names = sorted({s for runs in results.values() for r in runs for s in r["stages"]})
+    rows = []
+    for name, runs in results.items():
+
+        def mm(key, runs=runs):
+            vals = [r[key] for r in runs]
+            return f"{min(vals):.2f} / {statistics.median(vals):.2f}"
+
+        med = {k: statistics.median(r[k] for r in runs) for k in keys}
+        stage_med = [f"{statistics.median(r['stages'].get(s, 0.0) for r in runs):.2f}" for s in stage_names]
+        rows.append(
+            [
+                name,
+                mm("synth_s"),
+                f"{med['synth_s'] / base['synth_s']:.2f}x",
+                mm("process_s"),
+                f"{med['process_s'] / base['process_s']:.2f}x",
+                mm("flow_s"),
+                f"{med['flow_s'] / base['flow_s']:.2f}x",
+                *stage_med,
+                runs[-1]["files"],
+            ]
+        )
+    first = next(iter(results.values()))[-1]
+    return [
+        "",
+        "## A round through the CLI: `creditflow synth` + `creditflow process` on a new lake of each format",
+        "",
+        f"`creditflow synth --groups {args.process_groups} --batch-groups {args.process_batch_groups}` "
+        f"({first['batches']} batches, 8 samples x 5 turns x ~200 tokens) then `creditflow process --methods "
+        f"{PROCESS_METHODS}` ({first['rows']:,} advantages rows), each a fresh CLI process with Prefect's "
+        f"ephemeral API (CREDITFLOW_NO_SERVER=1); hive through CREDITFLOW_LAKE_FORMAT=parquet, Delta the "
+        f"default. {args.reps} interleaved repetitions, min / median seconds. process: the whole CLI run; flow "
+        "run: the flow's own `wall seconds` (the round's body, after the CLI's imports and the API's start-up); "
+        "stage columns: the flow's run-log seconds summed over batches (median).",
+        "",
+        *md_table(
+            [
+                "format",
+                "synth (s)",
+                "vs hive",
+                "process (s)",
+                "vs hive",
+                "flow run (s)",
+                "vs hive",
+                *[f"{s} (s)" for s in stage_names],
+                "files after",
+            ],
+            rows,
+        ),
+    ]
+
+
 def main() -> None:
     import warnings
 
@@ -166,6 +298,9 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=64)
     ap.add_argument("--parts", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--process-groups", type=int, default=128)
+    ap.add_argument("--process-batch-groups", type=int, default=16)
+    ap.add_argument("--no-process", dest="process", action="store_false", help="only the table workload")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "lake_formats.md"))
     args = ap.parse_args()
     traj, steps = generate(SynthSettings(groups=args.groups, samples=8, turns=6, tokens=64, seed=0))
@@ -241,6 +376,8 @@ def main() -> None:
             rows,
         ),
     ]
+    if args.process:
+        lines += process_section(args)
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)
