@@ -7,6 +7,8 @@ import json
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pipeline.export import build_train_batch
 from pipeline.ingest import ingest
@@ -237,3 +239,24 @@ def test_nothing_bad_reaches_the_verl_export(lake):
         assert np.isfinite(lp).all() and (lp <= LOGPROB_TOLERANCE).all()
         assert (out["responses"] >= 0).all() and (out["input_ids"] >= 0).all()
         assert (out["input_ids"] < TOKEN_ID_LIMIT).all()
+
+
+SCALARS = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=2),
+    st.sampled_from([np.int64(3), np.float64(-0.5), np.float32(1.0), np.bool_(True), [1], {}]),
+)
+
+
+@given(st.lists(SCALARS, max_size=12))
+def test_all_instances_is_the_per_token_isinstance_check(values):
+    """The whole-list type check of finalize is the per-token rule it replaced: an int / float, never a bool."""
+    from pipeline.ingest.core import all_instances
+
+    for kinds in (int, (int, float)):
+        assert all_instances(values, kinds) == all(
+            isinstance(x, kinds) and not isinstance(x, bool) for x in values
+        )

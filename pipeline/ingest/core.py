@@ -447,13 +447,9 @@ def finalize(draft: TrajectoryDraft) -> TrajectoryDraft:
                 f"step {i}: {len(step.token_ids)} token_ids but {len(step.logprobs)} logprobs",
                 f"steps[{i}].logprobs",
             )
-        if step.logprobs is not None and not all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) for x in step.logprobs
-        ):
+        if step.logprobs is not None and not all_instances(step.logprobs, (int, float)):
             raise Reject(INVALID_VALUE, f"step {i}: logprobs are not numbers", f"steps[{i}].logprobs")
-        if step.token_ids is not None and not all(
-            isinstance(x, int) and not isinstance(x, bool) for x in step.token_ids
-        ):
+        if step.token_ids is not None and not all_instances(step.token_ids, int):
             raise Reject(INVALID_VALUE, f"step {i}: token_ids are not integers", f"steps[{i}].token_ids")
         _check_step_tokens(i, step)
         if step.verifier_score is not None:
@@ -465,6 +461,13 @@ def finalize(draft: TrajectoryDraft) -> TrajectoryDraft:
 
 
 # ---- token data and text that cannot lie ---------------------------------------------------------------
+
+
+def all_instances(values: list, kinds: type | tuple[type, ...]) -> bool:
+    """Every value is an instance of `kinds` and none is a bool: the distinct types of the list in one C-level
+    pass (`map(type, ...)`), then one check per type, not per token. (Arrow and NumPy conversions coerce
+    1.0 to an int and True to a float, so they cannot tell these apart.)"""
+    return all(issubclass(t, kinds) and not issubclass(t, bool) for t in set(map(type, values)))
 
 
 def bad_token_ids(ids: np.ndarray, limit: int = TOKEN_ID_LIMIT) -> np.ndarray:
