@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -36,6 +37,7 @@ def make_round(lake_dir: Path, round_: int, groups: int, samples: int, turns: in
     from warehouse.lake import Lake
     from warehouse.rounds import prefetched, write_round_parts
 
+    os.environ["CREDITFLOW_LAKE_FORMAT"] = "parquet"  # the hive lake (a new lake's default is Delta)
     s = SynthSettings(
         groups=groups, samples=samples, turns=turns, tokens=tokens, round=round_, seed=round_, batch_groups=64
     )
@@ -235,6 +237,12 @@ def main() -> None:
         default="parquet",
         help="parquet,delta: also time the engine and its floor on a Delta copy of the lake (interleaved)",
     )
+    p.add_argument(
+        "--baseline-formats",
+        default="parquet",
+        help="the lake formats the --baseline engine is timed on (parquet, delta or both; delta needs --formats "
+        "parquet,delta)",
+    )
     p.add_argument("--double", action="store_true", help="also run a round of twice the groups (RSS growth)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "credit.md")
     p.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
@@ -279,13 +287,17 @@ def main() -> None:
 
     def best_of(m: str, kinds: list[tuple]) -> list[dict]:
         """The fastest of `reps` runs of each (kind, root[, lake]), interleaved (engine, floor, compute, engine,
-        ...), so a slow spell of this shared machine hits the engine and its floor alike."""
+        ...), so a slow spell of this shared machine hits the engine and its floor alike; each with the median
+        of its runs' seconds (`median_s`)."""
         runs: list[list[dict]] = [[] for _ in kinds]
         for _ in range(args.reps):
             for i, (kind, root, *lake) in enumerate(kinds):
                 where = str(lake[0] if lake else lake_dir)
                 runs[i].append(sub("--root", str(root), "--worker", kind, where, "0", m))
-        return [min(r, key=lambda x: x["seconds"]) for r in runs]
+        return [
+            {**min(r, key=lambda x: x["seconds"]), "median_s": statistics.median(x["seconds"] for x in r)}
+            for r in runs
+        ]
 
     headers = [
         "method",
@@ -299,21 +311,32 @@ def main() -> None:
         "engine compute s (no I/O)",
         "ref / compute",
     ]
-    if args.baseline:
+    base_formats = [f for f in args.baseline_formats.split(",") if f] if args.baseline else []
+    if "delta" not in formats:
+        base_formats = [f for f in base_formats if f != "delta"]
+    if "parquet" in base_formats:
         headers[1:1] = ["before: wall s", "before: x floor"]
     if args.double:
         headers += ["2x round: wall s", "2x round: peak RSS MB"]
     if "delta" in formats:
-        headers += ["Delta: wall s", "Delta: I/O floor s", "Delta / hive wall"]
+        headers += ["hive wall s min / median", "Delta: wall s min / median", "Delta: I/O floor s"]
+        headers += ["Delta / hive wall min / median"]
+        if "delta" in base_formats:
+            headers += ["Delta before: wall s min / median", "Delta before / hive min / median"]
     rows = []
     for m in methods:
         kinds = [("engine", ROOT), ("floor", ROOT), ("compute", ROOT)]
         if "delta" in formats:
             kinds += [("engine", ROOT, delta_dir), ("floor", ROOT, delta_dir)]
-        e, f, cpu, *rest = best_of(m, kinds + ([("engine", args.baseline)] if args.baseline else []))
+        if "parquet" in base_formats:
+            kinds += [("engine", args.baseline)]
+        if "delta" in base_formats:  # the baseline's Delta engine on the same Delta copy
+            kinds += [("engine", args.baseline, delta_dir)]
+        e, f, cpu, *rest = best_of(m, kinds)
         de, df = (rest[0], rest[1]) if "delta" in formats else (None, None)
         rest = rest[2:] if "delta" in formats else rest
-        base = rest[0] if rest else None
+        base = rest.pop(0) if "parquet" in base_formats else None
+        base_delta = rest.pop(0) if "delta" in base_formats else None
         rf = sub("--ref-groups", str(args.ref_groups), "--worker", "reference", str(lake_dir), "0", m)
         ref_s = rf["seconds"] * asst / max(rf["assistant_tokens"], 1)
         row = [
@@ -334,7 +357,15 @@ def main() -> None:
             e2 = sub("--worker", "engine", str(lake_dir), "1", m)
             row += [f"{e2['seconds']:.2f}", f"{e2['rss_mb']:.0f}"]
         if de is not None:
-            row += [f"{de['seconds']:.2f}", f"{df['seconds']:.2f}", f"{de['seconds'] / e['seconds']:.2f}"]
+
+            def pair(a: dict, b: dict | None = None) -> str:  # seconds (b None) or a / b, min / median
+                if b is None:
+                    return f"{a['seconds']:.2f} / {a['median_s']:.2f}"
+                return f"{a['seconds'] / b['seconds']:.2f} / {a['median_s'] / b['median_s']:.2f}"
+
+            row += [pair(e), pair(de), f"{df['seconds']:.2f}", pair(de, e)]
+            if base_delta is not None:
+                row += [pair(base_delta), pair(base_delta, e)]
         print("| " + " | ".join(row) + " |", flush=True)
         rows.append(row)
     lines = [
