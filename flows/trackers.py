@@ -1,7 +1,8 @@
 """Experiment trackers: after a round, `--track mlflow|wandb|tensorboard` (config `track:`) sends the round's
 credit statistics per method (step = round), the round summary, and the HTML report as an artifact.
 
-Each lake keeps one run per tracker across rounds (ids in LAKE/_tracking.json), so the trends over rounds are
+Each lake keeps one run per tracker across rounds (ids in LAKE/_tracking.json, in the bucket of an object-store
+lake: warehouse/side_files.py), so the trends over rounds are
 one chart in the tracker. The tracker libraries are optional extras (`pip install 'creditflow[track]'`),
 imported only here and only when asked for."""
 
@@ -97,15 +98,22 @@ def train_metrics(lake: Lake, round_: int) -> dict[str, float]:
 
 
 def _runs(lake: Lake) -> dict:
-    path = lake.root / RUNS_FILE
-    return json.loads(path.read_text()) if path.exists() else {}
+    """The lake's run per tracker, kept in the lake's own storage (the bucket of an s3:// lake), so every
+    machine that tracks the lake continues the same runs."""
+    from warehouse.side_files import read_json
+
+    return read_json(lake, RUNS_FILE)
 
 
-def _save_run(lake: Lake, tracker: str, run_id: str) -> None:
-    runs = {**_runs(lake), tracker: run_id}
-    tmp = lake.root / f".tmp-{RUNS_FILE}"
-    tmp.write_text(json.dumps(runs, indent=1, sort_keys=True))
-    tmp.replace(lake.root / RUNS_FILE)
+def _save_run(lake: Lake, tracker: str, run_id: str) -> str:
+    from warehouse.side_files import write_json
+
+    return write_json(lake, RUNS_FILE, {**_runs(lake), tracker: run_id})
+
+
+def _lake_name(lake: Lake) -> str:
+    """The lake's name in a tracker (its last path part; an object-store lake's, not its local state dir's)."""
+    return lake.uri.rstrip("/").rsplit("/", 1)[-1]
 
 
 def _json_safe(value):
@@ -137,10 +145,10 @@ def to_mlflow(cfg: Config, lake: Lake, round_: int, metrics: dict, summary: dict
         exp = client.get_experiment_by_name(cfg.tracking.mlflow_experiment)
         exp_id = exp.experiment_id if exp else client.create_experiment(cfg.tracking.mlflow_experiment)
         run = client.create_run(
-            exp_id, run_name=f"creditflow {lake.root.name}", tags={"creditflow.lake": str(lake.root)}
+            exp_id, run_name=f"creditflow {_lake_name(lake)}", tags={"creditflow.lake": lake.uri}
         )
         run_id = run.info.run_id
-        client.log_param(run_id, "lake", str(lake.root))
+        client.log_param(run_id, "lake", lake.uri)
         client.log_param(run_id, "task_runner", cfg.task_runner)
         _save_run(lake, "mlflow", run_id)
     now = int(time.time() * 1000)
@@ -168,8 +176,8 @@ def to_wandb(cfg: Config, lake: Lake, round_: int, metrics: dict, summary: dict,
         dir=str(folder),
         id=run_id,
         resume="allow",
-        name=f"creditflow {lake.root.name}",
-        config={"lake": str(lake.root), "task_runner": cfg.task_runner},
+        name=f"creditflow {_lake_name(lake)}",
+        config={"lake": lake.uri, "task_runner": cfg.task_runner},
         settings=wandb.Settings(silent=True, console="off"),
         reinit="create_new",
     )
@@ -179,7 +187,7 @@ def to_wandb(cfg: Config, lake: Lake, round_: int, metrics: dict, summary: dict,
             {f"round{round_}/{k}": v for k, v in _json_safe(summary).items() if k != "this_run"}
         )
         if report is not None:
-            artifact = wandb.Artifact(f"report-{lake.root.name}-round-{round_}", type="report")
+            artifact = wandb.Artifact(f"report-{_lake_name(lake)}-round-{round_}", type="report")
             artifact.add_file(str(report))
             run.log_artifact(artifact)
     finally:
