@@ -293,3 +293,33 @@ def test_a_second_process_run_with_wait_waits_then_finds_the_work_cached(tmp_pat
         got, want = sorted_table(lake, table), sorted_table(reference, table)
         assert got.num_rows == want.num_rows > 0, table
         assert got.equals(want), table
+
+
+def test_cleanup_judges_another_hosts_temporary_files_by_age(tmp_path, monkeypatch):
+    """A lake on a shared filesystem: a temp name carries its writer's machine, and a process id of another
+    machine means nothing here (the same number may be a dead process here, or a live unrelated one), so
+    another host's files stay until they are over a day old; this host's are judged by their process."""
+    from warehouse.lake import STALE_OTHER_HOST_S, host_name, temp_token
+
+    monkeypatch.setenv(FORMAT_ENV, "parquet")
+    lake = Lake(tmp_path / "lake")
+    folder = lake.partition_dir("advantages", 0)
+    folder.mkdir(parents=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    dead_pid = int(gone.stdout)
+    assert temp_token().startswith(f"{os.getpid()}@{host_name()}@")
+    other = "node-17.cluster.local" if host_name() != "node-17.cluster.local" else "node-18"
+    hex_ = "0123456789abcdef0123456789abcdef"
+    other_fresh = folder / f".tmp-{dead_pid}@{other}@{hex_}-part-b00000.grpo.parquet"  # dead pid *here*
+    other_old = folder / f".tmp-{dead_pid}@{other}@{hex_}-part-b00001.grpo.parquet"
+    other_staging = lake.table_dir("advantages") / f".staging-{dead_pid}@{other}@{hex_}"
+    mine_dead = folder / f".tmp-{dead_pid}@{host_name()}@{hex_}-part-b00002.grpo.parquet"
+    mine_live = folder / f".tmp-{temp_token()}-part-b00003.grpo.parquet"
+    for p in (other_fresh, other_old, mine_dead, mine_live):
+        p.write_bytes(b"x")
+    other_staging.mkdir()
+    day_ago = time.time() - STALE_OTHER_HOST_S - 60
+    os.utime(other_old, (day_ago, day_ago))
+    lake.cleanup()
+    assert other_fresh.exists() and other_staging.exists() and mine_live.exists()
+    assert not other_old.exists() and not mine_dead.exists()

@@ -9,9 +9,11 @@ one rename. The `round` column lives in the path, not in the files."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Iterable
@@ -55,10 +57,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@functools.cache
+def host_name() -> str:
+    """This machine's name as it goes into temporary names (a safe alphabet, no '@')."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "host"
+
+
 def temp_token() -> str:
-    """The middle of a temporary name: this process's id and a random part (`.tmp-<pid>-<hex>-...`), so that
-    `Lake.cleanup` of one run never removes the files another live run is writing."""
-    return f"{os.getpid()}-{uuid.uuid4().hex}"
+    """The middle of a temporary name: this process's id, this machine's name and a random part
+    (`.tmp-<pid>@<host>@<hex>-...`), so that `Lake.cleanup` of one run never removes the files another live
+    run is writing, on this machine or (a lake on a shared filesystem) on another."""
+    return f"{os.getpid()}@{host_name()}@{uuid.uuid4().hex}"
 
 
 def _alive(pid: int) -> bool:
@@ -72,15 +81,29 @@ def _alive(pid: int) -> bool:
 
 
 STALE_UNOWNED_S = 3600.0
+STALE_OTHER_HOST_S = 24 * 3600.0  # a process id of another machine cannot be asked: only age tells
+_OWNED = re.compile(r"(\d{1,7})@([A-Za-z0-9._-]{1,64})@")
 
 
 def _stale(path: Path, prefix: str) -> bool:
-    """A leftover: its writer's process is gone, or (a name without a process id) it is over an hour old."""
-    pid, sep, _ = path.name[len(prefix) :].partition("-")
+    """A leftover: its writer's process on this machine is gone; a file of another machine's writer (a shared
+    filesystem) only when over a day old; a name without a process id when over an hour old. (A name of the
+    older form `<pid>-<hex>` names no machine: its process id is taken as this machine's.)"""
+    rest = path.name[len(prefix) :]
+    owned = _OWNED.match(rest)
+    if owned:
+        if owned.group(2) == host_name():
+            return not _alive(int(owned.group(1)))
+        return _older_than(path, STALE_OTHER_HOST_S)
+    pid, sep, _ = rest.partition("-")
     if sep and pid.isdigit() and len(pid) <= 7:
         return not _alive(int(pid))
+    return _older_than(path, STALE_UNOWNED_S)
+
+
+def _older_than(path: Path, seconds: float) -> bool:
     try:
-        return time.time() - path.stat().st_mtime > STALE_UNOWNED_S
+        return time.time() - path.stat().st_mtime > seconds
     except FileNotFoundError:
         return False
 
