@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from pipeline.config import Config
-from warehouse.lake import Lake, is_remote
+from warehouse.lake import Lake
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,6 @@ def not_up_to_date(lake: Lake, round_: int, config: Config) -> str | None:
 
     if not config.flow.cache:
         return "caching is off (flow.cache=false)"
-    if is_remote(lake.uri):
-        return "the lake is on object storage (its cache records are the flow's to read)"
     folder = cache_dir(lake)
     if not folder.is_dir():
         return "no cache records"

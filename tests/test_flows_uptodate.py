@@ -207,3 +207,19 @@ def test_cli_noop_starts_no_prefect(tmp_path, prefect_harness):
     }
     assert not {m for m in modules if m.split(".")[0] in ("prefect", "torch", "ray", "dask")}
     print(f"no-op process: {wall:.2f} s")
+
+
+@pytest.mark.slow
+def test_hive_lake_needs_its_catalog_file(tmp_path, prefect_harness, monkeypatch):
+    """On a hive lake the flow rebuilds LAKE/catalog.duckdb at the end of a run: a round whose catalog file is
+    missing (or older than its last stage run) is not up to date."""
+    from warehouse.catalog import CATALOG_FILE
+
+    monkeypatch.setenv("CREDITFLOW_LAKE_FORMAT", "parquet")
+    lake, cfg = _processed(tmp_path)
+    assert lake.format == "parquet"
+    assert not_up_to_date(lake, 0, cfg) is None and _fast(cfg)["up_to_date"]
+    (lake.root / CATALOG_FILE).unlink()
+    assert "catalog" in (not_up_to_date(lake, 0, cfg) or "")
+    assert "up_to_date" not in _fast(cfg)
+    assert (lake.root / CATALOG_FILE).exists() and _fast(cfg)["up_to_date"]

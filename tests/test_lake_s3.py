@@ -136,6 +136,9 @@ def test_commands_on_s3(bucket, s3_env, tmp_path):
     )
     res = runner.invoke(app, ["process", "--lake", uri, "--round", "0", "--methods", "grpo"])
     assert res.exit_code == 0, res.output
+    # again: up to date (keys from the Delta log, cache records in the local state folder), no flow run
+    res = runner.invoke(app, ["process", "--lake", uri, "--round", "0", "--methods", "grpo"])
+    assert res.exit_code == 0 and "round 0 is up to date" in res.output, res.output
     out = tmp_path / "batch.parquet"
     res = runner.invoke(app, ["export", "--lake", uri, "--round", "0", "--method", "grpo", "--out", str(out)])
     assert res.exit_code == 0, res.output
