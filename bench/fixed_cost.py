@@ -4,12 +4,18 @@ for this tree and for a baseline commit, in the same run (interleaved repetition
 Per tree, each repetition times the real CLI in a fresh process:
 - import:   `import <cli module>` (python -X importtime, the project's own modules and everything they pull);
 - first:    process of a small synthetic round (every stage computes);
-- noop:     the same command again on the processed round (every batch stage cached): the fixed cost;
-- server:   (this tree only) the no-op again with a managed Prefect server up (`creditflow server start`);
-- big:      process of a larger round; per-token cost = (big - noop) / its tokens.
+- noop:     the same command again on the processed round: what a user waits for (a tree with the up-to-date
+            check answers from the lake without starting Prefect);
+- force:    (a tree with `process --force`) the no-op through the flow anyway, every batch stage cached: the
+            flow's own fixed cost (Prefect's ephemeral API, task runs);
+- server / server force: the same two with a managed Prefect server up (`creditflow server start`);
+- big:      process of a larger round; per-token cost = (big - the flow's fixed cost) / its tokens.
+
+Both trees make their lakes in one format (--format, CREDITFLOW_LAKE_FORMAT; default delta, the default of a
+new lake since #25).
 
     python bench/fixed_cost.py                          # baseline: the commit before this session's work
-    python bench/fixed_cost.py --baseline 7cc0a8a --reps 3
+    python bench/fixed_cost.py --baseline 865894d --reps 3
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ METHODS = "grpo,grpo+c3,gae"
 
 def cli_module(tree: Path) -> str:
     return "flows.cli" if (tree / "flows" / "cli.py").exists() else "pipeline.cli"
+
+
+def has_force(tree: Path) -> bool:
+    return '"--force"' in (tree / "flows" / "commands" / "process.py").read_text(encoding="utf-8")
 
 
 def run_cli(tree: Path, args: list[str], env: dict[str, str]) -> float:
@@ -87,6 +97,8 @@ def tokens_of(lake: Path) -> int:
 
     total = 0
     for part in (lake / "steps").rglob("*.parquet"):
+        if "_delta_log" in part.parts:
+            continue
         col = pq.read_table(part, columns=["token_ids"]).column("token_ids")
         total += int(pc.sum(pc.list_value_length(col)).as_py() or 0)
     return total
@@ -94,26 +106,45 @@ def tokens_of(lake: Path) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline", default="7cc0a8a", help="commit to compare with (a git worktree of it)")
+    ap.add_argument("--baseline", default="865894d", help="commit to compare with (a git worktree of it)")
+    ap.add_argument(
+        "--this",
+        default="HEAD",
+        help="commit measured as 'this tree' (a worktree of it: other work in the checkout cannot change it "
+        "mid-run); 'checkout' measures the checkout itself",
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--small", type=int, default=8, help="groups of the small round")
     ap.add_argument("--big", type=int, default=256, help="groups of the large round")
+    ap.add_argument("--format", default="delta", choices=["delta", "parquet"], help="format of the new lakes")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fixed_cost.md"))
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="cf-fixed-"))
-    base = work / "baseline"
-    subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "-f", "--detach", str(base), args.baseline],
-        check=True,
-        capture_output=True,
-    )
-    trees = {"baseline": base, "this": ROOT}
+    trees = {"baseline": work / "baseline", "this": ROOT if args.this == "checkout" else work / "this"}
+    commits = {"baseline": args.baseline, "this": args.this}
+    for name, tree in trees.items():
+        if tree != ROOT:
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "add", "-f", "--detach", str(tree), commits[name]],
+                check=True,
+                capture_output=True,
+            )
+    shown = {
+        name: subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", commits[name] if tree != ROOT else "HEAD"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        + ("" if tree != ROOT else " + checkout")
+        for name, tree in trees.items()
+    }
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PYTHONPATH")}
     env.update(
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         CREDITFLOW_NO_SERVER="1",
         CREDITFLOW_CACHE=str(work / "cache"),
+        CREDITFLOW_LAKE_FORMAT=args.format,
     )
     times: dict[tuple[str, str], list[float]] = {}
     big_tokens = 0
@@ -132,20 +163,27 @@ def main() -> None:
                 times.setdefault((name, "import"), []).append(import_time(tree, e))
                 times.setdefault((name, "first"), []).append(run_cli(tree, [*proc, "--lake", str(small)], e))
                 times.setdefault((name, "noop"), []).append(run_cli(tree, [*proc, "--lake", str(small)], e))
+                force = ["--force"] if has_force(tree) else []
+                if force:
+                    times.setdefault((name, "force"), []).append(
+                        run_cli(tree, [*proc, "--lake", str(small), *force], e)
+                    )
                 times.setdefault((name, "big"), []).append(run_cli(tree, [*proc, "--lake", str(big)], e))
-                if name == "this":
-                    es = {**e}
-                    es.pop("CREDITFLOW_NO_SERVER")
-                    run_cli(tree, ["server", "start"], es)
-                    try:
-                        run_cli(
-                            tree, [*proc, "--lake", str(small)], es
-                        )  # the server's first sight of this lake
-                        times.setdefault((name, "server"), []).append(
-                            run_cli(tree, [*proc, "--lake", str(small)], es)
+                es = {**e}
+                es.pop("CREDITFLOW_NO_SERVER")
+                run_cli(tree, ["server", "start"], es)
+                try:
+                    # the server's first sight of this lake (a flow run: its flow and task records)
+                    run_cli(tree, [*proc, "--lake", str(small), *force], es)
+                    times.setdefault((name, "server"), []).append(
+                        run_cli(tree, [*proc, "--lake", str(small)], es)
+                    )
+                    if force:
+                        times.setdefault((name, "server force"), []).append(
+                            run_cli(tree, [*proc, "--lake", str(small), *force], es)
                         )
-                    finally:
-                        run_cli(tree, ["server", "stop"], es)
+                finally:
+                    run_cli(tree, ["server", "stop"], es)
                 shutil.rmtree(small, ignore_errors=True)
                 shutil.rmtree(big, ignore_errors=True)
                 print(
@@ -154,9 +192,11 @@ def main() -> None:
                     flush=True,
                 )
     finally:
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], capture_output=True
-        )
+        for tree in trees.values():
+            if tree != ROOT:
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True
+                )
         shutil.rmtree(work, ignore_errors=True)
 
     def cell(name: str, what: str) -> str:
@@ -166,30 +206,35 @@ def main() -> None:
     lines = [
         "# Fixed cost of `creditflow process` (bench/fixed_cost.py)",
         "",
-        f"`python bench/fixed_cost.py --baseline {args.baseline} --reps {args.reps}`; methods {METHODS}; "
+        f"`python bench/fixed_cost.py --baseline {args.baseline} --reps {args.reps} --format {args.format}`; "
+        f"methods {METHODS}; {args.format} lakes; "
         f"small round {args.small} groups, large round {args.big} groups ({big_tokens:,} tokens); "
         f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs. Seconds, min / median of "
         f"{args.reps} interleaved repetitions (order reversed every other one), each a fresh CLI process.",
         "",
-        "| | baseline | this tree |",
+        f"| | baseline ({shown['baseline']}) | this tree ({shown['this']}) |",
         "|---|---|---|",
     ]
     for what, label in [
         ("import", "import of the CLI module"),
         ("first", "process, small round (computes)"),
-        ("noop", "process again (all cached): **fixed cost**, ephemeral API"),
-        ("server", "process again with `creditflow server start` up"),
+        ("noop", "process again (round unchanged): **what a no-op costs**, no server"),
+        ("server", "process again, `creditflow server start` up"),
+        ("force", "process again through the flow (`--force`, all cached), ephemeral API"),
+        ("server force", "process again through the flow (`--force`), server up"),
         ("big", "process, large round"),
     ]:
         lines.append(f"| {label} | {cell('baseline', what)} | {cell('this', what)} |")
 
     def per_token(name: str) -> str:
-        if not (times.get((name, "big")) and times.get((name, "noop")) and big_tokens):
+        flow = times.get((name, "force")) or times.get((name, "noop"))  # the flow's fixed cost
+        if not (times.get((name, "big")) and flow and big_tokens):
             return "-"
-        return f"{(min(times[(name, 'big')]) - min(times[(name, 'noop')])) / big_tokens * 1e6:.2f}"
+        return f"{(min(times[(name, 'big')]) - min(flow)) / big_tokens * 1e6:.2f}"
 
     lines.append(
-        f"| per-token cost: (large - no-op) / tokens, us | {per_token('baseline')} | {per_token('this')} |"
+        "| per-token cost: (large - the flow's no-op) / tokens, us "
+        f"| {per_token('baseline')} | {per_token('this')} |"
     )
     text = "\n".join(lines) + "\n"
     print(text)
