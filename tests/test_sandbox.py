@@ -175,11 +175,24 @@ def test_a_program_cannot_rebind_the_tests_variables():
     assert verify("def f(x):\n    return 10\n", "code", meta).score == 1.0
 
 
-_json = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
-    max_leaves=30,
-)
+_JSON_LEAVES = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5)
+
+
+def _json_containers(inner):
+    """A level of JSON containers over `inner` (a named function: hypothesis reads an extend function's source
+    to check that it recurses, and warns (deprecated) when it cannot see `inner` used, as with some lambdas)."""
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)
+
+
+_json = st.recursive(_JSON_LEAVES, _json_containers, max_leaves=30)
+
+
+def test_the_json_strategy_validates_without_warnings():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a HypothesisDeprecationWarning fails here
+        st.recursive(_JSON_LEAVES, _json_containers, max_leaves=30).validate()
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
