@@ -26,7 +26,16 @@ from pathlib import Path, PurePosixPath
 
 import pyarrow as pa
 
-from warehouse.lake import BACKENDS, Lake, LakeError, is_remote, lake_path, safe_part_name, temp_token
+from warehouse.lake import (
+    BACKENDS,
+    Lake,
+    LakeError,
+    is_remote,
+    lake_path,
+    safe_part_name,
+    temp_token,
+    write_options,
+)
 
 PART = "_part"
 EMPTY_PARTS = (
@@ -83,6 +92,23 @@ def _arrow(obj) -> pa.Table:
         # (pa.table() would first import pandas, 0.4 s, only to ask whether obj is a DataFrame)
         return pa.RecordBatchReader.from_stream(obj).read_all()
     return pa.table(obj)
+
+
+def writer_properties(schema: pa.Schema):
+    """The hive lake's Parquet options (`warehouse.lake.write_options`) for delta-rs: zstd (delta-rs defaults to
+    snappy) and a dictionary only for the top-level string columns. delta-rs builds one for every column by
+    default: a gae advantages part (10,752 rows of per-token lists, 29 MB in memory) took 0.60 s to write
+    instead of 0.39 s, as long as pyarrow's write of the same part with the hive options."""
+    from deltalake import ColumnProperties, WriterProperties
+
+    opts = write_options(schema)
+    return WriterProperties(
+        compression=opts["compression"].upper(),
+        default_column_properties=ColumnProperties(dictionary_enabled=False),
+        column_properties={
+            name: ColumnProperties(dictionary_enabled=True) for name in opts["use_dictionary"]
+        },
+    )
 
 
 class VirtualPart(PurePosixPath):
@@ -416,11 +442,11 @@ class DeltaLake(Lake):
         return table.append_column(PART, pa.array([safe_part_name(part)] * n, pa.string()))
 
     def _commit(self, table_name: str, data: pa.Table, predicate: str, partition_by=PARTITION_BY) -> int:
-        from deltalake import WriterProperties, write_deltalake
+        from deltalake import write_deltalake
         from deltalake.exceptions import CommitFailedError
 
         uri = self.table_uri(table_name)
-        props = WriterProperties(compression="ZSTD")  # the hive lake's codec (delta-rs defaults to snappy)
+        props = writer_properties(data.schema)
         for attempt in range(COMMIT_RETRIES):
             target = self._table(table_name)  # written through: its version is the commit's afterwards
             if target is None and not self.remote:
