@@ -1,6 +1,8 @@
 """The collect -> process -> train loop end to end on a tiny model: 2 rounds, then resume after a lost
 checkpoint (collect and process are not redone)."""
 
+import json
+
 import pytest
 
 pytest.importorskip("torch")
@@ -68,6 +70,7 @@ def test_loop_two_rounds_and_resume(tmp_path, prefect_harness):
     logs: list[str] = []
     rows = run_loop(cfg, log=logs.append)
     assert [r["round"] for r in rows] == [0, 1]
+    json.dumps(rows)  # bench/trainer.py prints them as JSON
     assert (
         rows[0]["policy"] == "base-tiny" and rows[1]["policy"] == "ckpt-round0"
     )  # round 1 collects with P_1
