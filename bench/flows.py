@@ -169,26 +169,33 @@ def child(mode: str, lake_dir: str) -> dict:
         workers = int(mode.split("-")[1].rstrip("p"))
         cfg = _config(lake_dir, workers)
         batches = batch_names(lake, 0)
-        from concurrent.futures import ThreadPoolExecutor
+        from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
-        from flows import workers as worker_procs
+        if mode.endswith("p"):  # worker processes, started (and their imports done) before the clock
+            import multiprocessing as mp
 
-        if mode.endswith("p"):  # the flow's worker processes (flows/workers.py), started before the clock
-            with ThreadPoolExecutor(workers) as pool:
-                list(pool.map(lambda _: worker_procs.run(workers, time.sleep, 0.2), range(workers)))
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(
+                ["flows.batch", "pipeline.credit", "pipeline.export", "pipeline.stages"]
+            )
+            procs = ProcessPoolExecutor(workers, mp_context=ctx, initializer=tune_allocator)
+            list(procs.map(time.sleep, [0.2] * workers))
         t0 = time.perf_counter()
         with TreeRSS() as tree:
             if workers == 1:
                 for b in batches:
                     run_batch_plain(lake, 0, b, cfg)
             elif mode.endswith("p"):  # a whole batch's stages per call, no Prefect
-                with ThreadPoolExecutor(workers) as pool:
-                    list(
-                        pool.map(
-                            lambda b: worker_procs.run(workers, run_batch_plain, lake, 0, b, cfg), batches
-                        )
+                list(
+                    procs.map(
+                        run_batch_plain,
+                        [lake] * len(batches),
+                        [0] * len(batches),
+                        batches,
+                        [cfg] * len(batches),
                     )
-                worker_procs.shutdown()
+                )
+                procs.shutdown()
             else:
                 with ThreadPoolExecutor(workers) as pool:
                     list(pool.map(lambda b: run_batch_plain(lake, 0, b, cfg), batches))
@@ -205,13 +212,15 @@ def child(mode: str, lake_dir: str) -> dict:
         def warmup() -> int:
             return 1
 
-        runner = {"ray-2": "ray", "dask-2": "dask"}.get(mode, "threads")
+        runner = {"ray-2": "ray", "dask-2": "dask"}.get(mode) or (
+            "processes" if mode.endswith("p") else "threads"
+        )
         workers = int(mode.split("-")[1].rstrip("tpn"))
         cfg = _config(
             lake_dir,
             workers,
             runner,
-            {"t": "false", "p": "true"}.get(mode[-1], "auto"),
+            "false" if mode.endswith("t") else "auto",
             api_idle=not mode.endswith("n"),
         )
         from flows.run import prepare
@@ -262,7 +271,11 @@ def _same_outputs(a: Path, b: Path) -> bool:
     return True
 
 
-def run_child(mode: str, lake: Path, home: Path) -> dict:
+def run_child(mode: str, lake: Path, home: Path, baseline: Path | None = None) -> dict:
+    """One mode in a fresh process; `baseline`: a `base:` mode runs that checkout's bench/flows.py (its code)."""
+    script = Path(__file__)
+    if mode.startswith("base:"):
+        mode, script = mode[5:], (baseline or ROOT) / "bench" / "flows.py"
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),
@@ -272,7 +285,7 @@ def run_child(mode: str, lake: Path, home: Path) -> dict:
     }
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", mode, "--lake", str(lake)],
+        [sys.executable, str(script), "--child", mode, "--lake", str(lake)],
         env=env,
         capture_output=True,
         text=True,
@@ -301,6 +314,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "flows.md"))
     ap.add_argument("--quick", action="store_true", help="do not write the results file")
     ap.add_argument("--modes", default=None, help="comma-separated subset of the modes (with --quick)")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another checkout (e.g. a `git worktree` of the code before a change): `base:<mode>` modes run its "
+        "bench/flows.py, interleaved with this one's",
+    )
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.lake)))
@@ -334,7 +354,7 @@ def main() -> None:
             for mode in modes if rep % 2 == 0 else modes[::-1]:  # every other rep reversed: drift cancels
                 lake = work / mode
                 _copy_round(base, lake)
-                r = run_child(mode, lake, work / f"home-{mode}")
+                r = run_child(mode, lake, work / f"home-{mode}", args.baseline)
                 walls[mode].append(r["wall_s"])
                 if mode not in results or r["wall_s"] < results[mode]["wall_s"]:
                     results[mode] = r

@@ -2,7 +2,8 @@
 then the round's stats.
 
 Each stage is one Prefect task mapped over the batches (aligned parts of whole groups) on the configured
-task runner; batch b's stage waits only for batch b's previous stage. Tasks call the plain functions in
+task runner (flows/runners.py); batch b's stage gets batch b's previous stage's future as `upstream`, so it
+waits only for that one (Prefect resolves it). Tasks call the plain functions in
 flows/batch.py and return small summaries; the outputs are the lake's tables. Caching (flows/caching.py)
 makes a re-run of a finished round do no work and an interrupted round resume at the missing batches. LLM
 stages retry with exponential backoff; a stage that degraded (endpoint down, fallbacks used) completes with
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 import time
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger, task, unmapped
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import as_completed
 from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
 from prefect.states import Completed
 from prefect.tasks import exponential_backoff
@@ -73,14 +75,13 @@ def batch_stage_task(
     """One stage on one batch; `upstream` (the previous stage's summary of this batch) only orders the work;
     `round_stats` (credit: the round's merged statistics) is part of the cache key."""
     key = _cache_key(lake_root, round_, batch, stage, config, round_stats) if config.flow.cache else None
-    args = (lake_root, round_, batch, stage, config, key)
-    extra = {"round_stats": round_stats} if round_stats is not None else {}
+    args = (lake_root, round_, batch, stage, config, key, round_stats)
     if workers.use_processes(config) and not stage_calls_llm(stage, config):
-        summary = workers.run(config.max_workers, run_stage_task, *args, **extra)
+        summary = workers.run(config.max_workers, run_stage_task, *args)  # off the flow's GIL
     elif config.task_runner == "threads":
-        summary = workers.run_here(config.max_workers, run_stage_task, *args, **extra)
-    else:
-        summary = run_stage_task(*args, **extra)
+        summary = workers.run_here(config.max_workers, run_stage_task, *args)
+    else:  # processes, Ray, Dask: this is a worker process already
+        summary = run_stage_task(*args)
     _log_batch(summary)
     return summary
 
@@ -204,7 +205,7 @@ def process_round_flow(round_: int, config: Config | dict):
                 # core is free (flows/api_priority.py)
                 with api_waits_for_idle_cpu(
                     config.flow.api_idle
-                    and config.task_runner == "threads"
+                    and config.task_runner in ("threads", "processes")
                     and stages_fill_cpus(config.max_workers)
                 ) as idle_api:
                     run = _run_stages(lake, round_, batches, config)
@@ -254,83 +255,82 @@ def _log_round(round_: int, summary: dict, run: dict[str, dict]) -> None:
 
 
 def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> dict[str, dict]:
-    """Run every (stage, batch) task, batch b's stage after batch b's previous stage; report progress as they
-    finish; return per stage: batches, cached, warnings, finished_after_s.
+    """Each stage mapped over the batches, batch b's stage after batch b's previous stage (its future is the
+    task's `upstream`: Prefect waits for it); progress is reported as tasks finish. Returns per stage: batches,
+    cached, warnings, finished_after_s.
 
-    A task is submitted only once its upstream has finished, so no worker ever blocks waiting for one. On the
-    thread runner at most `max_workers` tasks are in flight and the ready task of the earliest batch goes first
-    (depth first: batches complete one after another and a finished batch's memory is freed); Ray and Dask get
-    every ready task at once and schedule them on their cluster.
+    With a statistics pass (STATS), credit is mapped once every batch's statistics are in: it gets the round's
+    merged moments (read once from the `credit_stats` parts), which enter its cache key, so a credit part
+    computed with other round statistics is recomputed."""
+    tally = _Tally(time.perf_counter())
+    upstream: list | None = None
+    for stage in round_stages(config):
+        round_stats = None
+        if stage == CREDIT and STATS in tally.run:  # the barrier: the round's statistics, merged
+            tally.wait()
+            round_stats = statistics_json(round_statistics(lake, round_, config, batches))
+        upstream = _map_stage(lake, round_, batches, stage, config, upstream, round_stats)
+        tally.add(stage, upstream)
+    tally.wait()
+    return tally.run
 
-    With a statistics pass (STATS), no batch's credit starts before every batch's statistics are in: credit
-    gets the round's merged moments (read once from the `credit_stats` parts), which enter its cache key, so a
-    credit part computed with other round statistics is recomputed."""
-    import heapq
-    import queue
 
-    t0 = time.perf_counter()
-    stages = round_stages(config)
-    variants = {}
-    for stage in stages:
-        progress.report("stage", stage, total=len(batches))
-        task_ = _stage_task(stage, config, lake, stage_calls_llm(stage, config))
-        done = {b for b in batches if parts_present(lake, round_, stage_outputs(stage, b, config.methods))}
-        if stage_calls_llm(stage, config):  # a degraded result (fallbacks) is never served as final
-            done -= degraded_batches(lake, round_, stage, done)
-        # a batch whose outputs are missing refreshes its cache record; the others may be served from it
-        variants[stage] = (
-            task_.with_options(refresh_cache=False),
-            task_.with_options(refresh_cache=True),
-            done,
+def _map_stage(
+    lake: Lake,
+    round_: int,
+    batches: list[str],
+    stage: str,
+    config: Config,
+    upstream: list | None,
+    round_stats: dict | None,
+) -> list:
+    """One stage's task mapped over the batches; returns its futures in batch order. A batch whose outputs are
+    missing (or, for an LLM stage, degraded) refreshes its cache record; the others may be served from it."""
+    progress.report("stage", stage, total=len(batches))
+    calls_llm = stage_calls_llm(stage, config)
+    done = {b for b in batches if parts_present(lake, round_, stage_outputs(stage, b, config.methods))}
+    if calls_llm:  # a degraded result (fallbacks) is never served as final
+        done -= degraded_batches(lake, round_, stage, done)
+    task_ = _stage_task(stage, config, lake, calls_llm)
+    futures: dict[str, object] = {}
+    for refresh in (False, True):
+        index = [i for i, b in enumerate(batches) if (b in done) != refresh]
+        if not index:
+            continue
+        mapped = task_.with_options(refresh_cache=refresh).map(
+            lake_root=unmapped(lake.uri),
+            round_=unmapped(round_),
+            batch=[batches[i] for i in index],
+            stage=unmapped(stage),
+            config=unmapped(config),
+            upstream=[upstream[i] for i in index] if upstream else unmapped(None),
+            round_stats=unmapped(round_stats),
         )
-    limit = workers.dispatch_slots(config) if config.task_runner == "threads" else len(batches) * len(stages)
-    ready = [(b, 0) for b in range(len(batches))]  # a heap of (batch index, stage index)
-    barrier = stages.index(STATS) + 1 if STATS in stages else None  # the stage after the statistics pass
-    held: list[tuple[int, int]] = []  # batches whose statistics are in, waiting for the round's
-    round_stats: dict | None = None
-    futures: dict[tuple[int, int], object] = {}
-    finished: queue.Queue = queue.Queue()
-    in_flight = 0
+        futures.update(zip((batches[i] for i in index), mapped, strict=True))
+    return [futures[b] for b in batches]
 
-    run = {s: {"batches": 0, "cached": 0, "warnings": []} for s in stages}
-    finished_at: dict[str, float] = {}
-    while ready or in_flight:
-        while ready and in_flight < limit:
-            b, s = heapq.heappop(ready)
-            stage, batch = stages[s], batches[b]
-            cached, refresh, done = variants[stage]
-            future = (cached if batch in done else refresh).submit(
-                lake_root=lake.uri,
-                round_=round_,
-                batch=batch,
-                stage=stage,
-                config=config,
-                upstream=futures.get((b, s - 1)),
-                round_stats=round_stats if stage == CREDIT else None,
-            )  # finished already: keeps the dependency in Prefect's graph
-            futures[(b, s)] = future
-            future.add_done_callback(lambda _f, key=(b, s): finished.put(key))
-            in_flight += 1
-        b, s = finished.get()
-        in_flight -= 1
-        future = futures[(b, s)]
-        summary = future.result()  # a failed task raises here and fails the flow run
-        stage = stages[s]
-        is_cached = future.state.name == "Cached"
-        run[stage]["batches"] += 1
-        run[stage]["cached"] += int(is_cached)
-        run[stage]["warnings"] += [f"{summary['batch']}: {w}" for w in summary.get("warnings", [])]
-        finished_at[stage] = time.perf_counter() - t0
-        progress.report("batch", stage, batch=summary["batch"], cached=is_cached)
-        if s + 1 == barrier:
-            held.append((b, s + 1))
-            if len(held) == len(batches):  # every batch's statistics are in: merge them, release credit
-                round_stats = statistics_json(round_statistics(lake, round_, config, batches))
-                for item in held:
-                    heapq.heappush(ready, item)
-        elif s + 1 < len(stages):
-            heapq.heappush(ready, (b, s + 1))
 
-    for stage, seconds in finished_at.items():
-        run[stage]["finished_after_s"] = round(seconds, 3)
-    return run
+class _Tally:
+    """The per-stage run summary and the progress bars, from the stage tasks' futures as they finish."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.pending: dict[object, tuple[object, str]] = {}  # task run id -> (future, stage)
+        self.run: dict[str, dict] = {}
+
+    def add(self, stage: str, futures: list) -> None:
+        self.run[stage] = {"batches": 0, "cached": 0, "warnings": []}
+        self.pending.update((f.task_run_id, (f, stage)) for f in futures)
+
+    def wait(self) -> None:
+        """Until every task mapped so far has finished; a failed task raises here and fails the flow run."""
+        for future in as_completed([f for f, _ in self.pending.values()]):
+            _, stage = self.pending.pop(future.task_run_id)
+            summary = future.result()
+            cached = future.state.name == "Cached"
+            r = self.run[stage]
+            r["batches"] += 1
+            r["cached"] += int(cached)
+            r["warnings"] += [f"{summary['batch']}: {w}" for w in summary.get("warnings", [])]
+            r["finished_after_s"] = round(time.perf_counter() - self.t0, 3)
+            progress.report("batch", stage, batch=summary["batch"], cached=cached)

@@ -3,7 +3,7 @@ cluster (prefect-dask), local unless `task_runner_address` names one.
 
 Process-based workers report task runs to the Prefect API themselves. Without a server, each would start its
 own ephemeral API (and leave it running), so `worker_api` gives every worker one URL: the configured server
-(PREFECT_API_URL) or one local API server started for the run and stopped after it."""
+(PREFECT_API_URL) or Prefect's ephemeral API server, started once per process (its URL given to the workers)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from pipeline.config import Config, ConfigError
 
-RUNNERS = ("threads", "ray", "dask")
+RUNNERS = ("threads", "processes", "ray", "dask")
 OWN_API_RECORDER_BATCH = 100
 
 SETTINGS_SCOPES_KEPT = 16
@@ -87,6 +87,14 @@ def make_task_runner(config: Config):
         from flows.workers import dispatch_slots
 
         return ThreadPoolTaskRunner(max_workers=dispatch_slots(config))
+    if kind == "processes":
+        from prefect.task_runners import ProcessPoolTaskRunner
+
+        from flows.runtime import start_worker
+
+        return ProcessPoolTaskRunner(
+            max_workers=config.max_workers, initializer=start_worker, initargs=(os.getpid(),)
+        )
     if kind == "ray":
         from prefect_ray import RayTaskRunner
 
@@ -171,7 +179,7 @@ def _worker_api(config: Config) -> Iterator[str | None]:
     from prefect.settings import PREFECT_API_URL
 
     url = PREFECT_API_URL.value()
-    if config.task_runner == "threads" or url:
+    if config.task_runner == "threads" or url:  # processes, ray, dask: their workers report to one API
         saved = os.environ.get("PREFECT_API_URL")
         if url:
             os.environ["PREFECT_API_URL"] = str(url)  # workers started from here inherit it
@@ -183,6 +191,9 @@ def _worker_api(config: Config) -> Iterator[str | None]:
         return
     from prefect.server.api.server import SubprocessASGIServer
 
+    # Prefect's own ephemeral server (the one instance a flow's client starts without PREFECT_API_URL): started
+    # once per process and stopped when it exits (Prefect registers that), so rounds run one after another in a
+    # process share it, and the flow's events and logs go to a server that is still there
     server = SubprocessASGIServer()
     quiet = os.environ.get("PREFECT_SERVER_ANALYTICS_ENABLED")
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"  # the child server only: no telemetry calls
@@ -197,7 +208,6 @@ def _worker_api(config: Config) -> Iterator[str | None]:
             yield server.api_url
     finally:
         _restore("PREFECT_API_URL", saved)
-        server.stop()
 
 
 def _restore(key: str, value: str | None) -> None:

@@ -86,3 +86,14 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="creditflow-exit-with-parent", daemon=True).start()
+
+
+def start_worker(parent_pid: int) -> None:
+    """The initializer of the `processes` task runner's worker processes (Prefect's ProcessPoolTaskRunner): exit
+    with the flow's process (a `creditflow process` killed with -9 leaves no worker holding a batch's memory; a
+    poll, since the pool may start its workers from any of the parent's threads) and keep large freed blocks on
+    the heap for the next batch."""
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the parent died before this worker started
+    exit_with_parent()
+    tune_allocator()

@@ -1,5 +1,7 @@
 """kill -9 of a process that runs batch stages in worker processes leaves none of them behind (issue 22):
-the forkserver and each worker ask the kernel for SIGKILL when their parent dies (flows.runtime.die_with_parent)."""
+the forkserver and each worker ask the kernel for SIGKILL when their parent dies (flows.runtime.die_with_parent);
+the `processes` task runner's workers (Prefect's ProcessPoolTaskRunner) exit when their parent has died
+(flows.runtime.start_worker, the runner's initializer)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,27 @@ starter.start(); starter.join(); time.sleep(1.0)
 pids = {workers.run(2, os.getpid) for _ in range(8)}
 print(" ".join(map(str, sorted(pids))), flush=True)
 time.sleep(120)
+"""
+# a flow on the `processes` task runner, killed while its pool is up (the flow holds it)
+PROCESSES_DRIVER = """
+import os, sys, time
+from prefect import flow, task
+from flows.config import load_config
+from flows.runners import make_task_runner, worker_api
+
+@task
+def pid(i):
+    time.sleep(0.3)
+    return os.getpid()
+
+@flow
+def hold(n):
+    print(" ".join(map(str, sorted(set(pid.map(range(n)).result())))), flush=True)
+    time.sleep(120)
+
+cfg = load_config(None, [], lake=sys.argv[1], task_runner="processes", max_workers=2)
+with worker_api(cfg):
+    hold.with_options(task_runner=make_task_runner(cfg))(8)
 """
 
 
@@ -59,15 +82,23 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_workers_die_with_a_killed_parent():
+@pytest.mark.parametrize("driver", ["forkserver", "processes"])
+def test_workers_die_with_a_killed_parent(tmp_path, driver):
+    code = DRIVER if driver == "forkserver" else PROCESSES_DRIVER
     proc = subprocess.Popen(
-        [sys.executable, "-c", DRIVER], cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ}
+        [sys.executable, "-c", code, str(tmp_path / "lake")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ},
     )
     try:
         worker_pids = {int(p) for p in proc.stdout.readline().split()}
         assert worker_pids, "the driver reported no worker process"
         tree = _descendants(proc.pid)
-        assert worker_pids <= tree  # the workers are the driver's (forkserver's) children
+        assert worker_pids <= tree and proc.pid not in worker_pids  # the driver's worker processes
+        if driver == "processes":  # Prefect's own API server (a child too) is Prefect's to stop: the workers
+            tree = worker_pids
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         deadline = time.monotonic() + 10

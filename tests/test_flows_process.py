@@ -238,9 +238,11 @@ def test_worker_death_names_an_unguarded_main_script(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("runner", ["ray", "dask"])
+@pytest.mark.parametrize("runner", ["processes", "ray", "dask"])
 def test_process_runner_matches_thread_runner(tmp_path, prefect_harness, runner):
-    pytest.importorskip({"ray": "prefect_ray", "dask": "prefect_dask"}[runner])
+    """Prefect's ProcessPoolTaskRunner, Ray and Dask: the same tables as the thread runner, bit for bit."""
+    if runner != "processes":
+        pytest.importorskip({"ray": "prefect_ray", "dask": "prefect_dask"}[runner])
     threads, other = Lake(tmp_path / "threads"), Lake(tmp_path / runner)
     make_round(threads)
     make_round(other)
