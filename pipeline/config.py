@@ -111,7 +111,7 @@ class Config(BaseModel):
     methods: list[str] = Field(default_factory=lambda: ["grpo"], description="method chains to compute")
     annotator: str = Field("rules", description="IAPO annotator: rules | llm")
     batch_groups: int = Field(64, ge=1, description="groups per processing batch (whole groups)")
-    task_runner: str = Field("threads", description="threads | ray | dask")
+    task_runner: str = Field("threads", description="threads | processes | ray | dask")
     task_runner_address: str | None = Field(None, description="Ray/Dask cluster address (None: local)")
     max_workers: int = Field(2, ge=1, description="thread-runner workers")
     tokenizer: str | None = Field(None, description="tokenizer.json path; None: SmolLM2 (byte fallback)")

@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
             None, "--annotator", help="IAPO annotator: rules | llm (config: annotator)"
         ),
         task_runner: str | None = typer.Option(
-            None, "--task-runner", help="threads | ray | dask (config: task_runner)"
+            None, "--task-runner", help="threads | processes | ray | dask (config: task_runner)"
         ),
         max_workers: int | None = typer.Option(
             None, "--max-workers", help="parallel batches (config: max_workers)"
