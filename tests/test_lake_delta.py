@@ -73,6 +73,32 @@ def test_a_new_delta_lake_says_so_before_its_first_commit(tmp_path, monkeypatch)
     assert isinstance(Lake(tmp_path / "d"), DeltaLake)
 
 
+def test_loaded_tables_are_kept_per_process_and_not_reused_for_a_remade_lake(tmp_path):
+    """Every DeltaLake of one URI in a thread shares the loaded tables (the flow opens one per task); a lake
+    deleted and made again at the same path by another thread is read afresh, not as the kept old table
+    brought up to date with the new log's commits."""
+    import threading
+
+    traj = _traj()
+    a = DeltaLake(tmp_path / "l")
+    a.write_part("trajectories", 0, traj, part="x")
+    b = DeltaLake(tmp_path / "l")
+    assert b._open_tables() is a._open_tables() and "trajectories" in b._open_tables()
+    assert b.read("trajectories", 0).num_rows == traj.num_rows
+
+    def remake():
+        shutil.rmtree(tmp_path / "l")
+        c = DeltaLake(tmp_path / "l")
+        for k in range(3):
+            c.write_part("trajectories", 0, traj.slice(0, 1), part=f"y{k}")
+
+    thread = threading.Thread(target=remake)
+    thread.start()
+    thread.join()
+    assert a.part_names("trajectories", 0) == ["y0", "y1", "y2"]
+    assert a.read("trajectories", 0).num_rows == 3
+
+
 def test_part_writes_are_idempotent_versioned_and_travel_in_time(delta):
     traj = _traj()
     v0 = delta.write_part("trajectories", 0, traj, part="x") and delta.last_versions["trajectories"]
