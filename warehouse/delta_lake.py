@@ -86,6 +86,7 @@ def state_dir(uri: str) -> Path:
 
 
 _LOADED = threading.local()  # per thread: {lake URI: {table: DeltaTable kept up to date}} (`_open_tables`)
+KEPT_LAKES = 8  # lakes whose tables a thread keeps loaded (a test session opens hundreds)
 
 
 def _arrow(obj) -> pa.Table:
@@ -150,7 +151,13 @@ class DeltaLake(Lake):
         process by the lake's URI: the flow opens a `Lake` per task and per cache key, and each new one loaded
         every table's log again (~5 ms a load, ~18 loads per batch of `creditflow process`)."""
         lakes = _LOADED.__dict__.setdefault("lakes", {})
-        return lakes.setdefault(self.uri, {})
+        tables = lakes.pop(self.uri, None)
+        if tables is None:
+            tables = {}
+            while len(lakes) >= KEPT_LAKES:  # the least recently used lake's tables go
+                lakes.pop(next(iter(lakes)))
+        lakes[self.uri] = tables  # most recently used last
+        return tables
 
     def _log_id(self, table: str) -> tuple[int, int]:
         """The identity of a local table's first commit file (inode, modification time; written once): a table
