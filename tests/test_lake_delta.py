@@ -97,6 +97,14 @@ def test_loaded_tables_are_kept_per_process_and_not_reused_for_a_remade_lake(tmp
     thread.join()
     assert a.part_names("trajectories", 0) == ["y0", "y1", "y2"]
     assert a.read("trajectories", 0).num_rows == 3
+    # another writer's commit is seen by the kept table (its version's next commit file is there)
+    other = threading.Thread(
+        target=lambda: DeltaLake(tmp_path / "l").write_part("trajectories", 0, traj, "z")
+    )
+    other.start()
+    other.join()
+    assert a.part_names("trajectories", 0) == ["y0", "y1", "y2", "z"]
+    assert a.count_rows("trajectories", 0) == 3 + traj.num_rows
 
 
 def test_part_writes_are_idempotent_versioned_and_travel_in_time(delta):

@@ -181,6 +181,11 @@ class DeltaLake(Lake):
             ):  # the folder was replaced (an in-place migration, a lake made again): its log is another one
                 self._open_tables().pop(table, None)
                 return None
+            if (
+                not self.remote
+                and not (self.root / table / "_delta_log" / f"{cached.version() + 1:020d}.json").exists()
+            ):  # no commit since (commits are numbered in order): one stat, not a listing of the log
+                return cached
             try:
                 cached.update_incremental()
                 return cached
@@ -217,10 +222,18 @@ class DeltaLake(Lake):
         return t
 
     def _actions(self, table: str) -> pa.Table | None:
+        """The table's live files (its log's add actions) at its latest version, as Arrow; kept with the loaded
+        table until its version changes (several calls per batch stage)."""
         t = self._table(table)
         if t is None:
             return None
-        return _arrow(t.get_add_actions(flatten=True))
+        version = t.version()
+        kept = getattr(t, "_creditflow_actions", None)
+        if kept is not None and kept[0] == version:
+            return kept[1]
+        acts = _arrow(t.get_add_actions(flatten=True))
+        t._creditflow_actions = (version, acts)  # type: ignore[attr-defined]
+        return acts
 
     def exists(self) -> bool:
         from schemas import TABLES
