@@ -22,7 +22,7 @@ from flows.stage_names import (  # noqa: F401  (CREDIT, EXPORT, advantages_part,
 )
 from pipeline.config import Config
 from pipeline.credit.process import merge_statistics, statistics_from_json, statistics_table
-from pipeline.stages import NO_IO, StageIO, load_stages
+from pipeline.stages import NO_IO, StageIO, get_stage
 from pipeline.stages import round_stages as pipeline_round_stages
 from warehouse.lake import Lake
 from warehouse.rounds import batch_names, read_batch
@@ -108,7 +108,7 @@ def run_stage(
     its function, write its outputs as parts named like the batch (per method: `<batch>.<method>`).
     `round_stats`: the round's merged moments (`process.statistics_json`) for a stage that reads them, as the
     flow passes them; None: read (or made) here from the lake."""
-    stage = load_stages()[stage_name]
+    stage = get_stage(stage_name)
     t0 = time.perf_counter()
     traj = read_batch(lake, "trajectories", round_, batch)
     steps = read_batch(lake, "steps", round_, batch, columns=stage.columns(config))
@@ -222,18 +222,18 @@ def run_stage_task(
 
 def stage_calls_llm(stage: str, config: Config) -> bool:
     """Whether a round stage talks to an LLM endpoint under this config."""
-    return load_stages()[stage].calls_llm(config)
+    return get_stage(stage).calls_llm(config)
 
 
 def takes_round_statistics(stage: str) -> bool:
     """Whether a stage reads the round's merged statistics (credit): the flow holds it until every batch's
     statistics are in and passes them (`round_stats`), and they enter its cache key."""
-    return load_stages()[stage].round_statistics
+    return get_stage(stage).round_statistics
 
 
 def stage_outputs(stage: str, batch: str, methods: list[str]) -> list[tuple[str, str]]:
     """(table, part) pairs a stage writes for a batch: all present = the stage's work is on disk."""
-    return [(table, part) for table, part, _ in stage_writes(load_stages()[stage], batch, methods)]
+    return [(table, part) for table, part, _ in stage_writes(get_stage(stage), batch, methods)]
 
 
 def round_stages(config: Config) -> list[str]:

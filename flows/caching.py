@@ -64,27 +64,27 @@ def _source_hash(paths: tuple[str, ...]) -> str:
 
 def code_version(stage: str) -> str:
     """Package version + hash of the sources that decide the stage's output (its declaration's `code_paths`)."""
-    from pipeline.stages import load_stages
+    from pipeline.stages import get_stage
 
-    paths = load_stages()[stage].code_paths()
+    paths = get_stage(stage).code_paths()
     return f"{_package_version()}:{_source_hash(paths + ('flows/batch.py',))}"
 
 
 def stage_inputs(stage: str, batch: str, config: Config) -> list[tuple[str, str]]:
     """(table, part) pairs the stage reads for the batch."""
     from flows.stage_names import stage_reads
-    from pipeline.stages import load_stages
+    from pipeline.stages import get_stage
 
-    reads = stage_reads(load_stages()[stage], batch, config)
+    reads = stage_reads(get_stage(stage), batch, config)
     return [("trajectories", batch), ("steps", batch)] + [(table, part) for table, part, _ in reads]
 
 
 def stage_settings(stage: str, config: Config) -> dict[str, Any]:
     """What a stage's output depends on besides its inputs and code, as plain JSON: the settings models it
     declares it reads, the Config fields it reads and the methods whose work it does."""
-    from pipeline.stages import load_stages
+    from pipeline.stages import get_stage
 
-    spec = load_stages()[stage]
+    spec = get_stage(stage)
     out: dict[str, Any] = {
         "settings": {n: config.stage(n).model_dump(mode="json") for n in sorted(spec.settings_read(config))}
     }

@@ -206,6 +206,13 @@ def load_stages() -> dict[str, BatchStage]:
     return STAGES
 
 
+def get_stage(name: str) -> BatchStage:
+    """One stage's declaration; the stage packages are imported only when it is not registered yet (credit,
+    the statistics pass and export register with their modules, so a credit caller skips the annotators')."""
+    stage = STAGES.get(name)
+    return stage if stage is not None else load_stages()[name]
+
+
 def stages_for(tables_needed: set[str], config: Any = None) -> list[BatchStage]:
     """The stages that produce the needed tables, plus what they need in turn, in run order."""
     stages = load_stages()
