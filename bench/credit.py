@@ -131,11 +131,17 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
 
 def _delta_floor(lake, round_: int, method: str, cols: list[str]) -> dict:
     """The floor of a Delta lake: delta-rs + pyarrow only: the same columns read from the Delta tables' datasets
-    (filtered to the round and the batch's part), the advantages part written by one Delta commit."""
+    (filtered to the round and the batch's part), the advantages part written by one Delta commit with the lake's
+    writer options."""
     import pyarrow.dataset as pads
     from deltalake import DeltaTable, write_deltalake
 
     from flows.batch import advantages_part, round_batches
+
+    try:  # the lake's Parquet options for delta-rs (zstd, dictionaries for string columns only)
+        from warehouse.delta_lake import writer_properties
+    except ImportError:  # a baseline checkout from before them: delta-rs's defaults
+        writer_properties = None
 
     def part(table: str, name: str, columns=None):
         ds = DeltaTable(lake.table_uri(table)).to_pyarrow_dataset()
@@ -155,6 +161,7 @@ def _delta_floor(lake, round_: int, method: str, cols: list[str]) -> dict:
                 mode="overwrite",
                 predicate=f"round = {round_}",
                 partition_by=["round", "_part"],
+                writer_properties=writer_properties(adv.schema) if writer_properties else None,
             )
             seconds += time.perf_counter() - t0
             del adv
