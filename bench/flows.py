@@ -259,16 +259,18 @@ def _copy_round(base: Path, dest: Path) -> None:
 
 
 def _same_outputs(a: Path, b: Path) -> bool:
-    import pyarrow.parquet as pq
+    """The same parts with the same data in both lakes (through the Lake API: hive files or Delta parts)."""
+    from warehouse.lake import Lake
 
+    la, lb = Lake(a), Lake(b)
     for table in ("advantages", "train_batch", "spans", "nodes", "edges"):
-        pa_ = sorted((a / table / "round=0").glob("part-*.parquet"))
-        pb_ = sorted((b / table / "round=0").glob("part-*.parquet"))
+        pa_, pb_ = la.parts(table, 0), lb.parts(table, 0)
         if [p.name for p in pa_] != [p.name for p in pb_]:
             return False
-        if not all(pq.read_table(x).equals(pq.read_table(y)) for x, y in zip(pa_, pb_, strict=True)):
-            return False
-    return True
+        for x, y in zip(pa_, pb_, strict=True):
+            if not la.read(table, 0, parts=[x]).equals(lb.read(table, 0, parts=[y])):
+                return False
+    return bool(la.parts("advantages", 0))
 
 
 def run_child(mode: str, lake: Path, home: Path, baseline: Path | None = None) -> dict:
