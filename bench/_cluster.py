@@ -321,11 +321,19 @@ class DriverTraffic:
 
     def overlapping_runs(self) -> int:
         """How many pairs of this run's task runs overlapped in time (from the Prefect API's records): with
-        one CPU per node (Ray) or one thread per worker (Dask), two at once ran on two nodes."""
+        one CPU per node (Ray) or one thread per worker (Dask), two at once ran on two nodes. The API records task
+        runs from their events in batches (flushed every second): waits up to 30 s for every run's end."""
+        import time
+
         from prefect import get_client
 
+        deadline = time.monotonic() + 30
         with get_client(sync_client=True) as client:
-            runs = [client.read_task_run(key) for key in self.sent]
+            while True:
+                runs = [client.read_task_run(key) for key in self.sent]
+                if all(r.start_time and r.end_time for r in runs) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
         spans = sorted((r.start_time, r.end_time) for r in runs if r.start_time and r.end_time)
         return sum(1 for i, a in enumerate(spans) for b in spans[i + 1 :] if b[0] < a[1])
 
