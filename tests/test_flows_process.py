@@ -257,6 +257,10 @@ def test_process_runner_matches_thread_runner(tmp_path, prefect_harness, runner)
     for a, b in pairs:
         assert a.name == b.name
         assert threads.read("advantages", 0, parts=[a]).equals(other.read("advantages", 0, parts=[b]))
+    # the cache (policy, records, results) works from Prefect's worker processes too
+    if runner == "processes":
+        again = run_process(cfg_for(other, task_runner=runner, max_workers=2), 0, quiet=True)
+        assert all(r["cached"] == r["batches"] == 4 for r in again["this_run"].values())
 
 
 def test_stats_command_prints_summary_from_lake(tmp_path, prefect_harness):
