@@ -500,9 +500,9 @@ def render(
         "so two of them side by side each take much longer (bare-2 column) and threads alone reach ~1.3-1.5x. "
         "With flow.processes (auto: on with the thread runner) each thread-runner worker hands its batch stage to a "
         "worker process (forkserver, pipeline preloaded; the worker reads and writes the lake itself, only paths, "
-        "the config and the summary cross over) while Prefect orchestrates from the threads. A stage task is "
-        "submitted only once its batch's previous stage has finished (earliest batch first), so no worker waits on "
-        "an unfinished upstream.",
+        "the config and the summary cross over) while Prefect orchestrates from the threads. Each stage is one "
+        "task mapped over the batches, batch b's task waiting on batch b's previous stage (its `upstream` future); "
+        "the processes modes (flow-Np) run the same tasks on Prefect's ProcessPoolTaskRunner.",
         "- Process-based runners avoid the GIL but pay a start-up (local Ray ~10-15 s, a local Dask cluster a few "
         "seconds, both inside the wall time here) and a pickled round trip per task; on a 16M-token round on 2 "
         "cores they do not beat the thread runner. They are for more cores or several machines (a shared lake "
