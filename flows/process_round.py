@@ -23,7 +23,6 @@ from prefect.tasks import exponential_backoff
 from flows import progress, workers
 from flows.api_priority import api_waits_for_idle_cpu, stages_fill_cpus
 from flows.batch import (
-    CREDIT,
     STATS,
     round_batches,
     round_stages,
@@ -31,6 +30,7 @@ from flows.batch import (
     run_stage_task,
     stage_calls_llm,
     stage_outputs,
+    takes_round_statistics,
 )
 from flows.caching import (
     BatchStageCache,
@@ -266,7 +266,9 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
     upstream: list | None = None
     for stage in round_stages(config):
         round_stats = None
-        if stage == CREDIT and STATS in tally.run:  # the barrier: the round's statistics, merged
+        if (
+            takes_round_statistics(stage) and STATS in tally.run
+        ):  # the barrier: the round's statistics, merged
             tally.wait()
             round_stats = statistics_json(round_statistics(lake, round_, config, batches))
         upstream = _map_stage(lake, round_, batches, stage, config, upstream, round_stats)
