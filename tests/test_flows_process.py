@@ -247,9 +247,12 @@ def test_process_runner_matches_thread_runner(tmp_path, prefect_harness, runner)
     make_round(threads)
     make_round(other)
     run_process(cfg_for(threads), 0, quiet=True)
-    summary = run_process(cfg_for(other, task_runner=runner, max_workers=2), 0, quiet=True)
-    assert summary["task_runner"] == runner and summary["state"] == "Completed"
-    assert all(r["batches"] == 4 for r in summary["this_run"].values())
+    if runner == "ray":
+        _process_in_own_process(other, tmp_path, runner)
+    else:
+        summary = run_process(cfg_for(other, task_runner=runner, max_workers=2), 0, quiet=True)
+        assert summary["task_runner"] == runner and summary["state"] == "Completed"
+        assert all(r["batches"] == 4 for r in summary["this_run"].values())
     assert_same_tables(threads, other)
     # bit for bit: each advantages part holds the same data (read through the lake: hive files or Delta parts)
     pairs = list(zip(threads.parts("advantages", 0), other.parts("advantages", 0), strict=True))
@@ -261,6 +264,47 @@ def test_process_runner_matches_thread_runner(tmp_path, prefect_harness, runner)
     if runner == "processes":
         again = run_process(cfg_for(other, task_runner=runner, max_workers=2), 0, quiet=True)
         assert all(r["cached"] == r["batches"] == 4 for r in again["this_run"].values())
+
+
+def _own_api_env(home) -> dict[str, str]:
+    """This environment for a `creditflow` command with no Prefect server: its own ephemeral API in `home`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
+        PREFECT_LOGGING_LEVEL="WARNING",
+    )
+    return env
+
+
+def _process_command(lake: Lake, *options: str) -> list[str]:
+    import sys
+    from pathlib import Path
+
+    creditflow = str(Path(sys.executable).parent / "creditflow")
+    command = [creditflow, "process", "--lake", str(lake.root), "--round", "0"]
+    return [*command, "--methods", ",".join(RULE_METHODS), "--set", "flow.progress=false", *options]
+
+
+def _process_in_own_process(lake: Lake, tmp_path, runner: str) -> None:
+    """`creditflow process --task-runner RUNNER` as a command of its own. Ray keeps its authentication mode
+    (RAY_AUTH_MODE, read once per process) for the life of the process: after the token-authenticated
+    two-node cluster of tests/test_flows_cluster.py, a throwaway local Ray (authentication off) started in the
+    pytest process had its workers' calls to the driver refused (OwnerDiedError in a clean-clone CI run)."""
+    import re
+    import subprocess
+
+    env = {**_own_api_env(tmp_path / "prefect-home"), "COLUMNS": "200"}
+    env = {k: v for k, v in env.items() if not k.startswith("RAY_")}
+    cmd = _process_command(
+        lake, "--task-runner", runner, "--max-workers", "2", "--set", "flow.retry_delay_s=0"
+    )
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(rf"task runner\s*│\s*{runner}\b", proc.stdout), proc.stdout[-3000:]
+    stage_rows = re.findall(r"^│ (\w+)\s*│\s*(\d+) │", proc.stdout, flags=re.M)
+    assert stage_rows and all(n == "4" for _, n in stage_rows), proc.stdout[-3000:]
 
 
 def test_stats_command_prints_summary_from_lake(tmp_path, prefect_harness):
@@ -343,33 +387,12 @@ def test_own_ephemeral_api_records_every_task_run_without_heartbeats(tmp_path):
     exited (the recorder's last batch is written when the server stops), with its final state."""
     import sqlite3
     import subprocess
-    import sys
-    from pathlib import Path
 
     lake = Lake(tmp_path / "lake")
     n_batches = len(make_round(lake))
     home = tmp_path / "prefect-home"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(
-        {
-            "PREFECT_HOME": str(home),
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-            "PREFECT_LOGGING_LEVEL": "WARNING",
-        }
-    )
-    cmd = [
-        str(Path(sys.executable).parent / "creditflow"),
-        "process",
-        "--lake",
-        str(lake.root),
-        "--round",
-        "0",
-        "--methods",
-        ",".join(RULE_METHODS),
-        "--set",
-        "flow.progress=false",
-    ]
+    env = _own_api_env(home)
+    cmd = _process_command(lake)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stages = round_stages(cfg_for(lake))
