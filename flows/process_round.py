@@ -43,6 +43,7 @@ from flows.caching import (
 from flows.config import as_config
 from flows.runners import settings_scope
 from flows.runtime import tune_allocator
+from flows.uptodate import derived_tables
 from pipeline.config import Config
 from pipeline.credit.process import statistics_json
 from warehouse.lake import Lake
@@ -50,16 +51,6 @@ from warehouse.locks import round_lock
 from warehouse.runlog import parts_present, prune_stale_parts
 
 WARNING_STATE = "CompletedWithWarnings"
-DERIVED_TABLES = (
-    "spans",
-    "nodes",
-    "edges",
-    "counterfactuals",
-    "credit_stats",
-    "advantages",
-    "train_batch",
-    "stage_runs",
-)
 
 
 @task(task_run_name="{stage}-{batch}", persist_result=True, result_serializer="json")
@@ -196,7 +187,7 @@ def process_round_flow(round_: int, config: Config | dict):
     with round_lock(lake, round_, wait_s=config.flow.lock_wait_s, on_wait=get_run_logger().warning):
         lake.cleanup()
         batches = round_batches(lake, round_)
-        prune_stale_parts(lake, round_, list(DERIVED_TABLES), batches)
+        prune_stale_parts(lake, round_, list(derived_tables()), batches)
 
         # cache records and the small JSON summaries they point to both live in the lake
         with settings_scope({PREFECT_LOCAL_STORAGE_PATH: result_dir(lake)}):  # `worker_api` set it already

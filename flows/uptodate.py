@@ -105,7 +105,7 @@ def current_round_statistics(lake: Lake, round_: int, config: Config, batches: l
 def not_up_to_date(lake: Lake, round_: int, config: Config) -> str | None:
     """Why the flow would have work to do on this round (one line), or None: it would do nothing (every
     (stage, batch) served from the cache, nothing to prune or refresh)."""
-    from flows.batch import CREDIT, STATS, round_batches, round_stages, stage_outputs
+    from flows.batch import STATS, round_batches, round_stages, stage_outputs, takes_round_statistics
     from flows.caching import cache_dir, degraded_batches, result_dir, stage_cache_key
     from warehouse.runlog import parts_present
 
@@ -119,8 +119,9 @@ def not_up_to_date(lake: Lake, round_: int, config: Config) -> str | None:
     if stale:
         return f"parts of batches the round no longer holds: {', '.join(stale[:3])}"
     round_stats: dict | None = None
-    for stage in round_stages(config):
-        if stage == CREDIT and STATS in round_stages(config):
+    stages = round_stages(config)
+    for stage in stages:
+        if takes_round_statistics(stage) and STATS in stages:
             round_stats = current_round_statistics(lake, round_, config, batches)
             if round_stats is None:
                 return "the round's statistics are missing or stale"
@@ -131,7 +132,7 @@ def not_up_to_date(lake: Lake, round_: int, config: Config) -> str | None:
             if not parts_present(lake, round_, stage_outputs(stage, b, list(config.methods))):
                 return f"{stage} {b}: output part(s) missing"
             key = stage_cache_key(
-                lake.uri, round_, b, stage, config, round_stats if stage == CREDIT else None
+                lake.uri, round_, b, stage, config, round_stats if takes_round_statistics(stage) else None
             )
             if not cache_record_valid(folder, key, result_dir(lake)):
                 return f"{stage} {b}: inputs, settings or code changed (no cache record {key})"
