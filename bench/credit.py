@@ -46,15 +46,23 @@ def make_round(lake_dir: Path, round_: int, groups: int, samples: int, turns: in
     return {"batches": len(names), "seconds": time.perf_counter() - t0}
 
 
-def worker_engine(lake_dir: Path, round_: int, method: str) -> dict:
+def worker_engine(lake_dir: Path, round_: int, method: str, batch_scope: bool = False) -> dict:
     """The user path: flows.batch.credit_batch per batch (read the steps columns the method needs +
-    trajectories, build the context, estimate, write the advantages part and the stage_runs row)."""
+    trajectories, build the context, estimate, write the advantages part and the stage_runs row). With
+    `batch_scope`, a method whose statistics span the round by default takes them per batch (`scope: batch`:
+    no statistics pass, the work of the code before #22)."""
     from flows.batch import credit_batch, round_batches
     from pipeline.config import Config
     from warehouse.lake import Lake
 
     lake = Lake(lake_dir)
-    cfg = Config(lake=str(lake_dir), methods=[method])
+    stages = {}
+    if batch_scope:
+        from pipeline.credit.registry import ESTIMATORS
+
+        statistics = ESTIMATORS[method.split("+")[0]].batch_statistics
+        stages = {statistics: {"scope": "batch"}} if statistics else {}
+    cfg = Config(lake=str(lake_dir), methods=[method], stages=stages)
     import pipeline.credit  # noqa: F401  (import time is not processing time)
 
     # a method whose statistics span the round (gae, turn_ppo, gdpo) runs the statistics pass on the first
@@ -251,6 +259,12 @@ def main() -> None:
         "parquet,delta)",
     )
     p.add_argument("--double", action="store_true", help="also run a round of twice the groups (RSS growth)")
+    p.add_argument(
+        "--batch-scope",
+        action="store_true",
+        help="also time this checkout's engine with scope=batch (no round statistics pass: the work of the code "
+        "before #22), min / median beside the engine's and the baseline's",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "credit.md")
     p.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
     p.add_argument("--worker", nargs=4, metavar=("KIND", "LAKE", "ROUND", "METHOD"))
@@ -264,7 +278,12 @@ def main() -> None:
         except ImportError:  # a baseline checkout from before it existed
             pass
         kind, lake_dir, round_, method = args.worker
-        fn = {"engine": worker_engine, "floor": worker_floor, "compute": worker_compute}.get(kind)
+        fn = {
+            "engine": worker_engine,
+            "engine-batch-scope": lambda lake, r, m: worker_engine(lake, r, m, batch_scope=True),
+            "floor": worker_floor,
+            "compute": worker_compute,
+        }.get(kind)
         res = (
             fn(Path(lake_dir), int(round_), method)
             if fn
@@ -330,6 +349,9 @@ def main() -> None:
         headers += ["Delta / hive wall min / median"]
         if "delta" in base_formats:
             headers += ["Delta before: wall s min / median", "Delta before / hive min / median"]
+    if args.batch_scope:
+        headers += ["wall s min / median", "scope=batch: wall s min / median"]
+        headers += ["before: wall s min / median"] if "parquet" in base_formats else []
     rows = []
     for m in methods:
         kinds = [("engine", ROOT), ("floor", ROOT), ("compute", ROOT)]
@@ -339,7 +361,10 @@ def main() -> None:
             kinds += [("engine", args.baseline)]
         if "delta" in base_formats:  # the baseline's Delta engine on the same Delta copy
             kinds += [("engine", args.baseline, delta_dir)]
+        if args.batch_scope:
+            kinds += [("engine-batch-scope", ROOT)]
         e, f, cpu, *rest = best_of(m, kinds)
+        batch_scope = rest.pop() if args.batch_scope else None
         de, df = (rest[0], rest[1]) if "delta" in formats else (None, None)
         rest = rest[2:] if "delta" in formats else rest
         base = rest.pop(0) if "parquet" in base_formats else None
@@ -373,6 +398,8 @@ def main() -> None:
             row += [pair(e), pair(de), f"{df['seconds']:.2f}", pair(de, e)]
             if base_delta is not None:
                 row += [pair(base_delta), pair(base_delta, e)]
+        if batch_scope is not None:
+            row += [f"{x['seconds']:.2f} / {x['median_s']:.2f}" for x in (e, batch_scope, base) if x]
         print("| " + " | ".join(row) + " |", flush=True)
         rows.append(row)
     lines = [
