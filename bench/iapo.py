@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 from _common import machine_note
 
-from flows.batch import stage_io
 from pipeline.annotate.rules import annotate_rules
 from pipeline.config import Config
 from pipeline.credit import CreditContext
@@ -108,7 +107,6 @@ _SERVER = """
 import json, sys, time
 sys.path.insert(0, {tests!r})
 from llm_standin import StandIn
-from flows.batch import stage_io
 reply = json.dumps({{"actions": [{{"action_id": 1, "error": 0, "error_kind": "none", "sources": []}}]}})
 with StandIn(lambda body, kind, i: reply, latency_s={latency}) as server:
     print(server.url, flush=True)
@@ -120,6 +118,8 @@ def bench_llm(n_traj: int, latency: float, concurrency: int) -> tuple[list[str],
     """The stand-in runs in its own process (as a real server would), so it does not share the GIL."""
     import subprocess
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project's flows/, not bench/flows.py
+    from flows.batch import stage_io
     from pipeline.annotate.llm import annotate_llm
 
     s = SynthSettings(

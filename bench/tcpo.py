@@ -26,6 +26,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+# the project before bench/ (which holds a flows.py of its own) when this runs as `python bench/tcpo.py`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import cores as n_cores  # noqa: E402
 from _common import machine_note, peak_rss_mb  # noqa: E402
@@ -93,7 +95,9 @@ def bench_cf(args) -> dict:
     """The stand-in runs in its own process (as a vLLM server would), so its CPU does not share our GIL."""
     import subprocess
 
+    from flows.batch import stage_io
     from pipeline.counterfactual import counterfactual
+    from pipeline.stages import execute
 
     tests = Path(__file__).resolve().parents[1] / "tests"
     code = (
@@ -111,13 +115,14 @@ def bench_cf(args) -> dict:
         warm, wsteps = next(
             iter_batches(SynthSettings(groups=1, samples=2, turns=2, tokens=20, kind="search", seed=1))
         )
-        counterfactual(warm, wsteps, cfg, {})  # imports (openai) and the first connection, outside the timing
+        io = stage_io(cfg)  # the flow's client and verifier pool
+        execute(counterfactual(warm, wsteps, cfg, {}, io=io), io)  # imports, the first connection: untimed
         s = SynthSettings(
             groups=args.cf_groups, samples=8, turns=5, tokens=100, kind="search", batch_groups=args.cf_groups
         )
         traj, steps = next(iter_batches(s))
         t0 = time.perf_counter()
-        out = counterfactual(traj, steps, cfg, {})
+        out = execute(counterfactual(traj, steps, cfg, {}, io=io), io)
         wall = time.perf_counter() - t0
     finally:
         server.kill()

@@ -22,7 +22,7 @@ from flows.stage_names import (  # noqa: F401  (CREDIT, EXPORT, advantages_part,
 )
 from pipeline.config import Config
 from pipeline.credit.process import merge_statistics, statistics_from_json, statistics_table
-from pipeline.stages import NO_IO, StageIO, get_stage
+from pipeline.stages import NO_IO, StageIO, execute, get_stage
 from pipeline.stages import round_stages as pipeline_round_stages
 from warehouse.lake import Lake
 from warehouse.rounds import batch_names, read_batch
@@ -120,7 +120,8 @@ def run_stage(
             inputs[STATS] = statistics_table(statistics_from_json(round_stats), round_)
         elif statistics_methods(config):
             inputs[STATS] = statistics_table(round_statistics(lake, round_, config), round_)
-    out = stage.fn(traj, steps, config, inputs, io=stage_io(config) if stage.calls_llm(config) else NO_IO)
+    io = stage_io(config) if stage.calls_llm(config) else NO_IO
+    out = execute(stage.fn(traj, steps, config, inputs, io=io), io)  # an LLM stage's requests: sent here
     source = (
         (cache_key or stage_cache_key(lake.uri, round_, batch, stage_name, config))
         if stage.records_source

@@ -62,6 +62,45 @@ class StageIO:
 
 NO_IO = StageIO()
 
+
+@dataclass
+class LLMReply:
+    """What the flow hands back for an exchange's requests: one result or `LLMError` per request, in order,
+    the client's call records and the wall time of the batch."""
+
+    results: list[Any]
+    records: list[Any]
+    wall_s: float
+
+
+@dataclass
+class LLMExchange:
+    """An LLM stage's work, split: the requests it built (pure) and the parser of their answers, `parse(reply)`,
+    which returns the stage's output or the next exchange (a re-ask of the answers that were not valid). The
+    flow sends the requests through its client (`execute`); pipeline code never holds one."""
+
+    settings: Any  # the client settings (pipeline.llm.types.LLMSettings)
+    requests: list[Any]
+    parse: Callable[[LLMReply], StageOutput | LLMExchange]
+
+
+def execute(work: StageOutput | LLMExchange, io: StageIO) -> StageOutput:
+    """Run a stage's exchanges through the client of `io` until it returns its output (a stage without an LLM
+    returns its output at once)."""
+    import time
+
+    client, settings = None, None
+    while isinstance(work, LLMExchange):
+        if client is None or work.settings != settings:  # a re-ask goes through the same client
+            client, settings = io.client(work.settings), work.settings
+        seen = len(client.records)
+        t0 = time.perf_counter()
+        results = client.run_batch(work.requests) if work.requests else []
+        wall_s = time.perf_counter() - t0
+        work = work.parse(LLMReply(list(results), list(client.records)[seen:], wall_s))
+    return work
+
+
 # a declared set of names: fixed, or a function of the round's Config (a credit stage's follow its methods)
 Names = tuple[str, ...] | Callable[[Any], Iterable[str]]
 
@@ -81,7 +120,7 @@ class BatchStage:
     work it does) and the hash of `code` (its sources; default: its module's package)."""
 
     name: str
-    fn: Callable[..., StageOutput]
+    fn: Callable[..., StageOutput | LLMExchange]
     order: int  # detect 10, annotate 20, counterfactual 30, credit_stats 40, credit 50, export 60
     produces: tuple[str, ...] = ()
     produces_per_method: tuple[str, ...] = ()
@@ -150,10 +189,11 @@ def batch_stage(
     records_source: bool = False,
     code: tuple[str, ...] = (),
 ):
-    """Register `fn(trajectories, steps, config, inputs, io=NO_IO) -> StageOutput` as a batch stage. A second
+    """Register `fn(trajectories, steps, config, inputs, io=NO_IO) -> StageOutput | LLMExchange` as a batch stage
+    (an LLM stage returns its requests and their parser; the flow sends them, `execute`). A second
     stage of the same name from another function is an error (a silent overwrite would change a round)."""
 
-    def deco(fn: Callable[..., StageOutput]) -> Callable[..., StageOutput]:
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         old = STAGES.get(name)
         if old is not None and (old.fn.__module__, old.fn.__qualname__) != (fn.__module__, fn.__qualname__):
             raise ValueError(f"stage {name!r} is registered twice ({old.fn.__module__} and {fn.__module__})")

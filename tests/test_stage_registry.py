@@ -83,7 +83,7 @@ def run_declared(config, traj, steps, record: list[str]) -> dict[str, set[str]]:
     """Every stage of the round in order, in memory, each fed only what its declaration says it reads and
     checked to return what it says it writes; returns per stage the settings models it read."""
     from pipeline.credit.process import STATS
-    from pipeline.stages import StageIO, method_key, round_stages
+    from pipeline.stages import StageIO, execute, method_key, round_stages
 
     lake: dict[str, object] = {}
     read: dict[str, set[str]] = {}
@@ -97,7 +97,7 @@ def run_declared(config, traj, steps, record: list[str]) -> dict[str, set[str]]:
         if stage.round_statistics and STATS in lake:
             inputs[STATS] = lake[STATS]
         record.clear()
-        out = stage.fn(traj, steps.select(cols) if cols else steps, config, inputs, io=io)
+        out = execute(stage.fn(traj, steps.select(cols) if cols else steps, config, inputs, io=io), io)
         read[stage.name] = set(record)
         written = set(stage.produces) | {
             method_key(t, m) for t in stage.produces_per_method for m in config.methods

@@ -16,12 +16,18 @@ from pipeline.config import Config
 from pipeline.counterfactual import counterfactual
 from pipeline.counterfactual.env import KVBankEnv, StatefulEnv, score_from_snapshot
 from pipeline.credit.process import process_batch
-from pipeline.stages import stages_for
+from pipeline.stages import execute, stages_for
 
 QA_META = {"verifier": "em", "golden_answers": ["Paris"], "sampling": {"temperature": 0.7, "top_p": 0.95}}
 # A fails turn 1 then succeeds; B never succeeds; C succeeds at once: eligible turns A1, B1, B2
 GROUPS = [[[0.0, 1.0], [0.0, 0.0], [1.0, 1.0]]]
 LOGPROBS = [[[-2.0, -0.1], [-1.0, -3.0], [-0.1, -0.1]]]  # xi: A1 2, B1 1, B2 3
+
+
+def _run(stage_fn, traj, steps, cfg):
+    """The stage's requests sent through the flow's client (flows.batch.stage_io), as `run_stage` does."""
+    io = stage_io(cfg)
+    return execute(stage_fn(traj, steps, cfg, {}, io=io), io)
 
 
 def config(url_or_urls, methods=("tcpo",), **tcpo) -> Config:
@@ -46,7 +52,7 @@ def test_samples_selected_turns_under_the_exact_history(llm_standin):
     llm_standin.behaviour = alt_behaviour
     traj, steps = batch()
     cfg_ = config(llm_standin.url)
-    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
+    out = _run(counterfactual, traj, steps, cfg_)
     cf = pl.from_arrow(out.tables["counterfactuals"])
     # Top-2 by surprisal of {A1 (2), B1 (1), B2 (3)}: B2 and A1, M = 4 alternatives each
     assert sorted(set(zip(cf["traj_id"], cf["turn"], strict=True))) == [("g000-t00", 1), ("g000-t01", 2)]
@@ -72,7 +78,7 @@ def test_end_to_end_credit_uses_the_alternatives(llm_standin):
     traj, steps = batch()
     cfg = config(llm_standin.url)
     (stage,) = stages_for({"counterfactuals"})
-    out = stage.fn(traj, steps, cfg, {}, io=stage_io(cfg))
+    out = _run(stage.fn, traj, steps, cfg)
     tables, notes = process_batch(
         traj, steps, ["tcpo"], cfg, {"counterfactuals": out.tables["counterfactuals"]}
     )
@@ -98,7 +104,7 @@ def test_failed_samples_fall_back_to_hindsight(llm_standin):
     traj, steps = batch()
     cfg = config(llm_standin.url)
     cfg_ = cfg
-    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
+    out = _run(counterfactual, traj, steps, cfg_)
     cf = pl.from_arrow(out.tables["counterfactuals"])
     b2 = cf.filter(pl.col("traj_id") == "g000-t01")
     assert b2.height == 4 and (b2["status"] == "sample_failed").all() and b2["score"].null_count() == 4
@@ -112,7 +118,7 @@ def test_every_endpoint_down_never_fails_the_round():
     traj, steps = batch()
     cfg = config([dead_endpoint()])
     cfg_ = cfg
-    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
+    out = _run(counterfactual, traj, steps, cfg_)
     cf = pl.from_arrow(out.tables["counterfactuals"])
     assert cf.height == 8 and (cf["status"] == "sample_failed").all()
     tables, notes = process_batch(
@@ -125,7 +131,7 @@ def test_round_robin_with_a_dead_endpoint_fails_over(llm_standin):
     llm_standin.behaviour = alt_behaviour
     traj, steps = batch()
     cfg_ = config([dead_endpoint(), llm_standin.url])
-    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
+    out = _run(counterfactual, traj, steps, cfg_)
     assert out.notes["alts_ok"] == 8
 
 
@@ -136,7 +142,7 @@ def test_slow_responses_run_concurrently(llm_standin):
     traj, steps = make_batch(groups, meta=QA_META, action_format="search_r1")
     t0 = time.perf_counter()
     cfg_ = config(llm_standin.url)
-    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
+    out = _run(counterfactual, traj, steps, cfg_)
     wall = time.perf_counter() - t0
     assert out.notes["alts_ok"] == 12 * 4
     assert llm_standin.max_inflight >= 6
@@ -147,7 +153,7 @@ def test_verifier_failure_is_recorded(llm_standin):
     llm_standin.behaviour = alt_behaviour
     traj, steps = make_batch(GROUPS, logprobs=LOGPROBS, meta={"verifier": "em"})  # no gold answer
     cfg_ = config(llm_standin.url)
-    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
+    out = _run(counterfactual, traj, steps, cfg_)
     cf = pl.from_arrow(out.tables["counterfactuals"])
     assert (cf["status"] == "verify_failed").all() and "gold" in cf["error"][0]
 
@@ -156,7 +162,7 @@ def test_all_cf_and_random_cf_methods_widen_the_selection(llm_standin):
     llm_standin.behaviour = alt_behaviour
     traj, steps = batch()
     cfg_ = config(llm_standin.url, methods=("tcpo", "tcpo_all_cf"))
-    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
+    out = _run(counterfactual, traj, steps, cfg_)
     assert out.notes["selected_turns"] == 3
 
 
@@ -194,7 +200,7 @@ def test_stage_scores_alternatives_in_the_environment(llm_standin):
         [[[0.0, 0.0], [0.0, 0.0]]], meta=BANK, contents=contents, logprobs=[[[-0.1, -5.0], [-0.1, -0.2]]]
     )
     cfg_ = config(llm_standin.url, L=1)
-    out = counterfactual(traj, steps, cfg_, {}, io=stage_io(cfg_))
+    out = _run(counterfactual, traj, steps, cfg_)
     cf = pl.from_arrow(out.tables["counterfactuals"]).sort("alt_idx")
     assert cf["traj_id"].unique().to_list() == ["g000-t00"] and cf["turn"][0] == 2
     # pre-turn state: alice 8, bob 2 (turn 1 replayed); each alternative from that state

@@ -15,6 +15,7 @@ from flows.batch import stage_io
 from pipeline.config import Config
 from pipeline.credit.process import process_batch
 from pipeline.ingest import ingest
+from pipeline.stages import execute
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -56,7 +57,8 @@ def test_counterfactuals_on_ldb_tasks_with_real_vllm(vllm_server, real_data, tmp
         tcpo={"M": 2, "L": 1},
         counterfactual={"max_tokens": 256, "temperature": 0.7},
     )
-    out = counterfactual(res.trajectories, res.steps, cfg, {}, io=stage_io(cfg))
+    io = stage_io(cfg)
+    out = execute(counterfactual(res.trajectories, res.steps, cfg, {}, io=io), io)
     cf = out.tables["counterfactuals"]
     assert cf.num_rows == 2 * 2  # L = 1 turn per prompt (one trajectory per prompt), M = 2 alternatives
     assert out.notes["llm_requests"] >= 2

@@ -7,19 +7,16 @@ from __future__ import annotations
 import pyarrow as pa
 
 from pipeline.config import Config
-from pipeline.stages import NO_IO, StageIO, StageOutput, batch_stage
+from pipeline.stages import NO_IO, LLMExchange, StageIO, StageOutput, batch_stage, execute
 
 ANNOTATORS = ("rules", "llm")
 
 
-def run_annotator(
-    steps: pa.Table,
-    config: Config,
-    annotator: str | None = None,
-    annotator_id: str | None = None,
-    io: StageIO = NO_IO,
-) -> StageOutput:
-    """Annotate one batch with the named annotator (default: config.annotator)."""
+def annotator_work(
+    steps: pa.Table, config: Config, annotator: str | None = None, annotator_id: str | None = None
+) -> StageOutput | LLMExchange:
+    """One batch's annotation with the named annotator (default: config.annotator): the output of `rules`, or
+    the `llm` annotator's requests and the parser of their answers (`pipeline.stages.execute` sends them)."""
     import pipeline.annotate.settings  # noqa: F401  (registers the settings models)
 
     kind = (annotator or config.annotator or "rules").strip()
@@ -31,10 +28,21 @@ def run_annotator(
         )
         return StageOutput(tables={"nodes": nodes, "edges": edges}, notes=notes)
     if kind == "llm":
-        from pipeline.annotate.llm import annotate_llm
+        from pipeline.annotate.llm import annotate_llm_requests
 
-        return annotate_llm(steps, config, annotator_id=annotator_id, io=io)
+        return annotate_llm_requests(steps, config, annotator_id=annotator_id)
     raise ValueError(f"unknown IAPO annotator {kind!r}; choose one of {ANNOTATORS}")
+
+
+def run_annotator(
+    steps: pa.Table,
+    config: Config,
+    annotator: str | None = None,
+    annotator_id: str | None = None,
+    io: StageIO = NO_IO,
+) -> StageOutput:
+    """Annotate one batch with the named annotator, an LLM's requests sent through the client of `io`."""
+    return execute(annotator_work(steps, config, annotator, annotator_id), io)
 
 
 @batch_stage(
@@ -52,6 +60,7 @@ def annotate(
     config: Config,
     inputs: dict[str, pa.Table],
     io: StageIO = NO_IO,
-) -> StageOutput:
-    """IAPO dependency graphs for one batch (annotator from config.annotator)."""
-    return run_annotator(steps, config, io=io)
+) -> StageOutput | LLMExchange:
+    """IAPO dependency graphs for one batch (annotator from config.annotator); the llm annotator returns its
+    requests, which the flow sends (`pipeline.stages.execute`)."""
+    return annotator_work(steps, config)

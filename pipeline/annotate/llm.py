@@ -31,7 +31,7 @@ from pipeline.annotate.settings import LLMAnnotatorSettings
 from pipeline.annotate.tables import add_edges, graph_tables
 from pipeline.config import Config
 from pipeline.llm.types import LLMError, LLMRequest, LLMSettings
-from pipeline.stages import NO_IO, LLMRunner, StageIO, StageOutput
+from pipeline.stages import NO_IO, LLMExchange, LLMReply, StageIO, StageOutput, execute
 
 PROMPT_VERSION = "iapo-annotate-v1"
 ERROR_KINDS = ("tool", "schema", "runtime", "rule", "rejection", "none")
@@ -304,59 +304,77 @@ def _split_trajectories(steps: pa.Table) -> list[tuple[str, list[dict]]]:
     return out
 
 
-def annotate_llm(
-    steps: pa.Table,
-    config: Config,
-    annotator_id: str | None = None,
-    client: LLMRunner | None = None,
-    io: StageIO = NO_IO,
-) -> StageOutput:
-    """The llm annotator over a batch of steps (one request per trajectory, sent by the flow's client)."""
+def annotate_llm_requests(steps: pa.Table, config: Config, annotator_id: str | None = None) -> LLMExchange:
+    """The llm annotator's requests for a batch of steps (one chat per trajectory) and the parser of their
+    answers (`_Annotation.parse`): an answer that is not the schema is re-asked up to `retries` times (the
+    parser's next exchange), then the trajectory falls back to uniform weights."""
     s: LLMAnnotatorSettings = config.stage("annotate_llm")
-    if client is None:
-        overrides = {"model": s.model} if s.model else {}
-        client = io.client(LLMSettings.from_config(config, **overrides))
-    round_ = (
-        int(steps.column("round")[0].as_py() or 0) if "round" in steps.column_names and steps.num_rows else 0
-    )
-    trajs = _split_trajectories(steps)
-    prepared = []
-    for tid, rows in trajs:
-        items, idx = build_transcript(rows, s)
-        prepared.append((tid, idx, build_messages(items)))
-    params = {"temperature": 0.0, "max_tokens": s.max_tokens, "purpose": "iapo"}
-    if s.structured_output:
-        params["response_format"] = RESPONSE_FORMAT
-    answers: dict[int, list[dict]] = {}
-    failures: dict[int, str] = {}
-    model_name: str | None = s.model
-    pending = list(range(len(prepared)))
-    convo = {k: prepared[k][2] for k in pending}
-    notes: defaultdict[str, float] = defaultdict(float)
-    for attempt in range(s.retries + 1):
-        if not pending:
-            break
-        results = client.run_batch([LLMRequest.chat(convo[k], **params) for k in pending])
+    overrides = {"model": s.model} if s.model else {}
+    work = _Annotation(steps, s, annotator_id)
+    return work.exchange(LLMSettings.from_config(config, **overrides))
+
+
+def annotate_llm(
+    steps: pa.Table, config: Config, annotator_id: str | None = None, io: StageIO = NO_IO
+) -> StageOutput:
+    """The llm annotator over a batch of steps, its requests sent through the client of `io`."""
+    return execute(annotate_llm_requests(steps, config, annotator_id), io)
+
+
+class _Annotation:
+    """One batch's annotation in progress: the transcripts, the conversations still waiting for a valid answer,
+    the answers so far."""
+
+    def __init__(self, steps: pa.Table, s: LLMAnnotatorSettings, annotator_id: str | None) -> None:
+        self.s, self.annotator_id = s, annotator_id
+        self.round = (
+            int(steps.column("round")[0].as_py() or 0)
+            if "round" in steps.column_names and steps.num_rows
+            else 0
+        )
+        self.prepared = []
+        for tid, rows in _split_trajectories(steps):
+            items, idx = build_transcript(rows, s)
+            self.prepared.append((tid, idx, build_messages(items)))
+        self.params: dict[str, Any] = {"temperature": 0.0, "max_tokens": s.max_tokens, "purpose": "iapo"}
+        if s.structured_output:
+            self.params["response_format"] = RESPONSE_FORMAT
+        self.answers: dict[int, list[dict]] = {}
+        self.failures: dict[int, str] = {}
+        self.model_name: str | None = s.model
+        self.pending = list(range(len(self.prepared)))
+        self.convo = {k: self.prepared[k][2] for k in self.pending}
+        self.notes: defaultdict[str, float] = defaultdict(float)
+        self.attempt = 0
+        self.settings: LLMSettings | None = None
+
+    def exchange(self, settings: LLMSettings) -> LLMExchange:
+        self.settings = settings
+        requests = [LLMRequest.chat(self.convo[k], **self.params) for k in self.pending]
+        return LLMExchange(settings, requests, self.parse)
+
+    def parse(self, reply: LLMReply) -> StageOutput | LLMExchange:
+        s, notes = self.s, self.notes
         retry = []
-        for k, res in zip(pending, results, strict=True):
+        for k, res in zip(self.pending, reply.results, strict=True):
             if isinstance(res, LLMError):
-                failures[k] = f"llm error: {res}"
+                self.failures[k] = f"llm error: {res}"
                 notes["llm_errors"] += 1
                 continue
             notes["llm_calls"] += 1
             notes["cache_hits"] += float(bool(res.cached))
-            model_name = model_name or res.model
+            self.model_name = self.model_name or res.model
             text = res.choices[0].text if res.choices else ""
             try:
-                answers[k] = parse_answer(text)
-                failures.pop(k, None)
+                self.answers[k] = parse_answer(text)
+                self.failures.pop(k, None)
             except MalformedAnswer as exc:
-                failures[k] = str(exc)
+                self.failures[k] = str(exc)
                 notes["malformed_answers"] += 1
-                if attempt < s.retries:
+                if self.attempt < s.retries:
                     retry.append(k)
-                    convo[k] = [
-                        *convo[k],
+                    self.convo[k] = [
+                        *self.convo[k],
                         {"role": "assistant", "content": text[:4000]},
                         {
                             "role": "user",
@@ -364,41 +382,52 @@ def annotate_llm(
                             "again with only the JSON object described in the instructions.",
                         },
                     ]
-        pending = retry
-    ann_id = annotator_id or s.annotator_id or f"llm:{model_name or 'default'}"
-    n: dict[str, list] = defaultdict(list)
-    e: dict[str, list] = defaultdict(list)
-    for k, (tid, idx, _) in enumerate(prepared):
-        failed = k not in answers
-        if failed:
-            nodes = {t: [0, "none", 0] for t in idx.actions}
-            edges: list[tuple] = []
-            notes["parse_failures"] += 1
-        else:
-            nodes, edges, dropped = validate_answer(answers[k], idx)
-            for key, v in dropped.items():
-                notes[f"dropped_{key}"] += v
-        for t in idx.actions:
-            err, kind, u_dir = nodes[t]
-            n["traj_id"].append(tid)
-            n["turn"].append(t)
-            n["error"].append(err)
-            n["error_kind"].append(kind)
-            n["u_dir"].append(u_dir)
-            n["parse_failed"].append(failed)
-        add_edges(e, tid, edges)
-    nodes_t, edges_t = graph_tables(n, e, round_, ann_id, PROMPT_VERSION)
-    notes["edges"] = float(edges_t.num_rows)
-    warnings = []
-    if notes.get("llm_errors"):
-        warnings.append(
-            f"iapo llm annotator: {int(notes['llm_errors'])} request(s) failed; those trajectories "
-            "fall back to uniform weights"
+        self.attempt += 1
+        self.pending = retry
+        if retry:
+            assert self.settings is not None
+            return self.exchange(self.settings)
+        return self.output()
+
+    def output(self) -> StageOutput:
+        s, notes, prepared, answers = self.s, self.notes, self.prepared, self.answers
+        ann_id = self.annotator_id or s.annotator_id or f"llm:{self.model_name or 'default'}"
+        n: dict[str, list] = defaultdict(list)
+        e: dict[str, list] = defaultdict(list)
+        for k, (tid, idx, _) in enumerate(prepared):
+            failed = k not in answers
+            if failed:
+                nodes = {t: [0, "none", 0] for t in idx.actions}
+                edges: list[tuple] = []
+                notes["parse_failures"] += 1
+            else:
+                nodes, edges, dropped = validate_answer(answers[k], idx)
+                for key, v in dropped.items():
+                    notes[f"dropped_{key}"] += v
+            for t in idx.actions:
+                err, kind, u_dir = nodes[t]
+                n["traj_id"].append(tid)
+                n["turn"].append(t)
+                n["error"].append(err)
+                n["error_kind"].append(kind)
+                n["u_dir"].append(u_dir)
+                n["parse_failed"].append(failed)
+            add_edges(e, tid, edges)
+        nodes_t, edges_t = graph_tables(n, e, self.round, ann_id, PROMPT_VERSION)
+        notes["edges"] = float(edges_t.num_rows)
+        warnings = []
+        if notes.get("llm_errors"):
+            warnings.append(
+                f"iapo llm annotator: {int(notes['llm_errors'])} request(s) failed; those trajectories "
+                "fall back to uniform weights"
+            )
+        unparsed = sum(
+            not why.startswith("llm error") for k, why in self.failures.items() if k not in answers
         )
-    unparsed = sum(not why.startswith("llm error") for k, why in failures.items() if k not in answers)
-    if unparsed:
-        warnings.append(
-            f"iapo llm annotator: {unparsed} of {len(prepared)} answer(s) were not the JSON schema after "
-            f"{s.retries} retr{'y' if s.retries == 1 else 'ies'}; those trajectories fall back to uniform weights"
-        )
-    return StageOutput(tables={"nodes": nodes_t, "edges": edges_t}, notes=dict(notes), warnings=warnings)
+        if unparsed:
+            warnings.append(
+                f"iapo llm annotator: {unparsed} of {len(prepared)} answer(s) were not the JSON schema after "
+                f"{s.retries} retr{'y' if s.retries == 1 else 'ies'}; those trajectories fall back to uniform "
+                "weights"
+            )
+        return StageOutput(tables={"nodes": nodes_t, "edges": edges_t}, notes=dict(notes), warnings=warnings)

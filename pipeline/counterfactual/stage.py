@@ -26,7 +26,7 @@ from pydantic import Field
 
 from pipeline.config import Config, StageSettings, register_settings
 from pipeline.llm.types import LLMError, LLMRequest, LLMSettings
-from pipeline.stages import NO_IO, StageIO, StageOutput, batch_stage
+from pipeline.stages import NO_IO, LLMExchange, LLMReply, StageIO, StageOutput, batch_stage
 from schemas.counterfactuals import SCHEMA as CF_SCHEMA
 
 CF_METHOD_SELECTION = {"tcpo": None, "tcpo_random_cf": "random", "tcpo_all_cf": "all"}
@@ -131,13 +131,13 @@ def _selection_methods(config: Config) -> list[str]:
 )
 def counterfactual(
     trajectories: pa.Table, steps: pa.Table, config: Config, inputs: dict, io: StageIO = NO_IO
-) -> StageOutput:
-    from pipeline.counterfactual.env import make_env, score_from_snapshot
-    from pipeline.verifiers import parse_meta, verify
+) -> StageOutput | LLMExchange:
+    """The requests for one batch's selected turns and the parser of their answers (`_verify_alternatives`);
+    the flow sends the requests, `io.map` runs the verifiers."""
+    from pipeline.verifiers import parse_meta
 
     cs: CounterfactualSettings = config.stage("counterfactual")
     notes: dict[str, float] = {}
-    warnings: list[str] = []
     try:
         selected, ts = _selected_turns(trajectories, steps, config)
     except ValueError as exc:  # e.g. a missing verifier score: the estimator reports it by name
@@ -183,11 +183,25 @@ def counterfactual(
         )
         prior = [s["content"] for s in tsteps[:first] if s["role"] == "assistant"]
         jobs.append((t, meta, req, prior))
-    client = io.client(LLMSettings.from_config(config))
-    t0 = time.perf_counter()
-    results = client.run_batch([j[2] for j in jobs])
-    notes["llm_wall_s"] = time.perf_counter() - t0
-    recs = client.records
+    # the flow sends the requests (pipeline.stages.execute); `_verify_alternatives` reads the answers
+    return LLMExchange(
+        LLMSettings.from_config(config),
+        [j[2] for j in jobs],
+        lambda reply: _verify_alternatives(reply, jobs, traj_info, round_, M, notes, io),
+    )
+
+
+def _verify_alternatives(
+    reply: LLMReply, jobs: list, traj_info: dict, round_: int, M: int, notes: dict[str, float], io: StageIO
+) -> StageOutput:
+    """The parser of the counterfactual requests' answers: each alternative re-verified (the verifiers run in
+    the flow's parallel map), one row per (turn, alternative)."""
+    from pipeline.counterfactual.env import make_env, score_from_snapshot
+    from pipeline.verifiers import verify
+
+    results, recs = reply.results, reply.records
+    warnings: list[str] = []
+    notes["llm_wall_s"] = reply.wall_s
     notes["llm_requests"] = float(len(recs))
     notes["llm_cache_hits"] = float(sum(r.cached for r in recs))
     notes["llm_busy_s"] = float(sum(r.latency_s for r in recs))  # / llm_wall_s = achieved concurrency
