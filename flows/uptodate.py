@@ -121,7 +121,8 @@ def not_up_to_date(lake: Lake, round_: int, config: Config) -> str | None:
     round_stats: dict | None = None
     stages = round_stages(config)
     for stage in stages:
-        if takes_round_statistics(stage) and STATS in stages:
+        reads_statistics = takes_round_statistics(stage)
+        if reads_statistics and STATS in stages:
             round_stats = current_round_statistics(lake, round_, config, batches)
             if round_stats is None:
                 return "the round's statistics are missing or stale"
@@ -132,7 +133,7 @@ def not_up_to_date(lake: Lake, round_: int, config: Config) -> str | None:
             if not parts_present(lake, round_, stage_outputs(stage, b, list(config.methods))):
                 return f"{stage} {b}: output part(s) missing"
             key = stage_cache_key(
-                lake.uri, round_, b, stage, config, round_stats if takes_round_statistics(stage) else None
+                lake.uri, round_, b, stage, config, round_stats if reads_statistics else None
             )
             if not cache_record_valid(folder, key, result_dir(lake)):
                 return f"{stage} {b}: inputs, settings or code changed (no cache record {key})"

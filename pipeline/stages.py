@@ -97,7 +97,7 @@ def execute(work: StageOutput | LLMExchange, io: StageIO) -> StageOutput:
         t0 = time.perf_counter()
         results = client.run_batch(work.requests) if work.requests else []
         wall_s = time.perf_counter() - t0
-        work = work.parse(LLMReply(list(results), list(client.records)[seen:], wall_s))
+        work = work.parse(LLMReply(list(results), client.records[seen:], wall_s))
     return work
 
 

@@ -346,14 +346,12 @@ class _Annotation:
         self.convo = {k: self.prepared[k][2] for k in self.pending}
         self.notes: defaultdict[str, float] = defaultdict(float)
         self.attempt = 0
-        self.settings: LLMSettings | None = None
 
     def exchange(self, settings: LLMSettings) -> LLMExchange:
-        self.settings = settings
         requests = [LLMRequest.chat(self.convo[k], **self.params) for k in self.pending]
-        return LLMExchange(settings, requests, self.parse)
+        return LLMExchange(settings, requests, lambda reply: self.parse(reply, settings))
 
-    def parse(self, reply: LLMReply) -> StageOutput | LLMExchange:
+    def parse(self, reply: LLMReply, settings: LLMSettings) -> StageOutput | LLMExchange:
         s, notes = self.s, self.notes
         retry = []
         for k, res in zip(self.pending, reply.results, strict=True):
@@ -385,8 +383,7 @@ class _Annotation:
         self.attempt += 1
         self.pending = retry
         if retry:
-            assert self.settings is not None
-            return self.exchange(self.settings)
+            return self.exchange(settings)
         return self.output()
 
     def output(self) -> StageOutput:
