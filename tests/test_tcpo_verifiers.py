@@ -27,6 +27,7 @@ def meta_of(row) -> dict:
     }
 
 
+@pytest.mark.sandbox
 def test_ldb_passing_and_failing_programs(ldb):
     solved = [r for r in ldb if r["is_solved"]][:3]
     for r in solved:  # the final program of a solved task passes every hidden test
@@ -40,6 +41,7 @@ def test_ldb_passing_and_failing_programs(ldb):
         assert v.detail is not None and v.detail["total"] >= 1
 
 
+@pytest.mark.sandbox
 def test_fraction_of_tests_passed(ldb):
     r = next(x for x in ldb if x["task_id"] == "HumanEval/45")  # triangle_area: three asserts
     wrong_one = "def triangle_area(a, h):\n    return 7.5 if (a, h) == (5, 3) else a * h\n"
@@ -51,6 +53,7 @@ def test_fraction_of_tests_passed(ldb):
     assert verify(r["solution"], "code", {"verifier": "code_tests", "tests": r["given_tests"]}).score == 1.0
 
 
+@pytest.mark.sandbox
 def test_infinite_loop_times_out_and_scores_zero(ldb):
     r = next(x for x in ldb if x["task_id"] == "HumanEval/45")
     t0 = time.perf_counter()
@@ -63,6 +66,7 @@ def test_infinite_loop_times_out_and_scores_zero(ldb):
     assert time.perf_counter() - t0 < 5
 
 
+@pytest.mark.sandbox
 def test_network_is_unreachable(ldb):
     r = next(x for x in ldb if x["task_id"] == "HumanEval/45")
     at_import = (

@@ -149,6 +149,7 @@ def test_collect_through_the_llm_client_against_the_standin(tiny, lake, llm_stan
     )
 
 
+@pytest.mark.sandbox
 def test_collect_code_repair_local(tiny):
     s = CollectSettings(env="code_repair", prompts=2, samples=2, max_new_tokens=8)
     res = collect(tiny, s, 3, backend="local")

@@ -90,6 +90,7 @@ FIX_R01 = "```python\ndef total(xs):\n    return sum(xs)\n```\n"
 HALF_R01 = "```python\ndef total(xs):\n    return 0\n```\n"  # passes [] and [-4, 4]
 
 
+@pytest.mark.sandbox
 def test_code_repair_scores_and_budget():
     env = make_env("code_repair")
     task = {**_task(env, "r01"), "max_turns": 3}
@@ -116,7 +117,7 @@ def test_code_repair_scores_and_budget():
             ["<search> Vessari flag stars </search>", "nonsense"],
             ["<answer> eleven </answer>", "<answer> twelve </answer>", "<search> flag </search>", "junk"],
         ),
-        ("code_repair", [HALF_R01], [FIX_R01, HALF_R01, "no code"]),
+        pytest.param("code_repair", [HALF_R01], [FIX_R01, HALF_R01, "no code"], marks=pytest.mark.sandbox),
     ],
 )
 def test_snapshot_restore_identical_continuations(name, prior, alts):
