@@ -62,7 +62,7 @@ def check_preconditions(cfg: Config, lake, round_: int, skip_unmet: bool = False
     """Every method's requirements (pipeline.credit.preconditions) against the round's steps, before any work.
     An unmet one stops with one line naming the method, the missing column and the trajectories that lack it;
     with `skip_unmet` those methods are dropped: returns (the config without them, one line per skipped one)."""
-    from pipeline.credit.preconditions import required_columns, step_flags_sql, unmet
+    from pipeline.credit.preconditions import grouped_lines, required_columns, step_flags_sql, unmet
     from warehouse.catalog import query
 
     columns = required_columns(cfg.methods, cfg)
@@ -76,7 +76,7 @@ def check_preconditions(cfg: Config, lake, round_: int, skip_unmet: bool = False
     if not skip_unmet or not keep:
         hint = " (--skip-unmet computes the other methods)" if keep else " (no method left to compute)"
         raise SystemExit("; ".join(lines) + hint)
-    return cfg.model_copy(update={"methods": keep}), lines
+    return cfg.model_copy(update={"methods": keep}), grouped_lines(problems)
 
 
 def run_process(
@@ -93,7 +93,9 @@ def run_process(
     require_round(lake, round_)  # before any API or worker starts
     cfg, skipped = check_preconditions(cfg, lake, round_, skip_unmet)  # and each method's inputs
     if skipped and not quiet:
-        console.print("[yellow]skipped (unmet preconditions): " + " | ".join(skipped))
+        console.print(f"[yellow]skipped {len(skipped)} kind(s) of methods, their inputs are missing:")
+        for line in skipped:
+            console.print(f"[yellow]  - {line}", soft_wrap=True)
     if fast:
         from flows.uptodate import UP_TO_DATE, up_to_date_summary
 
@@ -121,10 +123,10 @@ def run_process(
         " [yellow](completed with warnings)" if summary["state"] == WARNING_STATE else ""
     )
     print_summary(summary, title=title)
+    from flows.summary import credit_by_method_sql
     from warehouse.catalog import query
 
-    stats = query(lake, f"SELECT * FROM credit_summary WHERE round = {int(round_)}")
-    print_table(stats, title="credit by method")
+    print_table(query(lake, credit_by_method_sql(round_)), title="credit by method")
     return summary
 
 
@@ -163,7 +165,7 @@ def process_checked_round(cfg: Config, lake, round_: int, skipped=(), progress: 
             "preconditions",
             "round",
             seconds=0.0,
-            notes={"skipped_methods": len(skipped)},
+            notes={"skipped_methods": sum(len(line.split(": need")[0].split(", ")) for line in skipped)},
             warnings=list(skipped),
         )
     summary.update(

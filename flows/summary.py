@@ -54,6 +54,7 @@ def round_summary(lake: Lake, round_: int) -> dict:
 
 def print_summary(summary: dict, title: str | None = None, console=None) -> None:
     """The summary as two rich tables: the round at a glance, then one row per stage."""
+    from rich import box
     from rich.table import Table
 
     from flows.display import console as default_console
@@ -81,20 +82,22 @@ def print_summary(summary: dict, title: str | None = None, console=None) -> None
         overview["wall seconds"] = summary["wall_seconds"]
         overview["task runner"] = summary.get("task_runner")
     overview.update({f"out: {t}": p for t, p in summary.get("outputs", {}).items()})
-    head = Table(title=title or f"round {summary.get('round')}", show_header=False)
-    head.add_column("what", style="bold")
+    head = Table(title=title or f"round {summary.get('round')}", show_header=False, box=box.SIMPLE)
+    head.add_column("what", style="bold", no_wrap=True)
     head.add_column("value", overflow="fold")
     for k, v in overview.items():
         head.add_row(str(k), "" if v is None else str(v))
     console.print(head)
 
     this_run = summary.get("this_run", {})
-    table = Table(title="stages")
-    for col in ("stage", "batches", "stage seconds (sum)", "warnings"):
-        table.add_column(col, justify="left" if col == "stage" else "right")
+    table = Table(
+        title="stages (seconds: summed over batches; done at: this run's wall clock)", box=box.SIMPLE_HEAD
+    )
+    for col in ("stage", "batches", "seconds", "warnings"):
+        table.add_column(col, justify="left" if col == "stage" else "right", no_wrap=True)
     if this_run:
-        table.add_column("this run: cached", justify="right")
-        table.add_column("this run: done after s", justify="right")
+        table.add_column("cached", justify="right", no_wrap=True)
+        table.add_column("done at s", justify="right", no_wrap=True)
     for stage, entry in summary.get("stages", {}).items():
         cells = [stage, str(entry["batches"]), f"{entry['seconds']:.2f}", str(entry["warnings"])]
         if this_run:
@@ -106,6 +109,17 @@ def print_summary(summary: dict, title: str | None = None, console=None) -> None
         console.print(f"[yellow]warning:[/yellow] {warning}")
 
 
+def credit_by_method_sql(round_: int) -> str:
+    """The round's credit by method, narrow enough for an 80-column terminal (view credit_summary)."""
+    return (
+        "SELECT method, trajectories AS trajs, round(mean_adv, 4) AS mean, "
+        "round(mean_within_step_std, 3) AS step_sd, round(min_adv, 3) AS min, round(max_adv, 3) AS max, "
+        'round(100.0 * positive_tokens / assistant_tokens, 1) AS "pos %", '
+        'round(100.0 * negative_tokens / assistant_tokens, 1) AS "neg %" '
+        f"FROM credit_summary WHERE round = {int(round_)} ORDER BY method"
+    )
+
+
 def print_round(summary: dict, lake: Lake, title: str) -> None:
     """What `creditflow process` prints at the end: the summary, then the round's credit by method (a DuckDB
     query of the lake)."""
@@ -113,5 +127,4 @@ def print_round(summary: dict, lake: Lake, title: str) -> None:
     from warehouse.catalog import query
 
     print_summary(summary, title=title)
-    stats = query(lake, f"SELECT * FROM credit_summary WHERE round = {int(summary['round'])}")
-    print_table(stats, title="credit by method")
+    print_table(query(lake, credit_by_method_sql(summary["round"])), title="credit by method")

@@ -115,7 +115,15 @@ def test_process_stops_before_any_work_with_one_line(fireact_lake):
     assert "--skip-unmet" in msg
     assert not lake.parts("advantages", 0)  # nothing was computed
     kept, skipped = check_preconditions(cfg, lake, 0, skip_unmet=True)
-    assert kept.methods == ["grpo"] and len(skipped) == 2 and skipped[0].startswith("tcpo:")
+    assert kept.methods == ["grpo"] and skipped == [
+        "tcpo: need per-turn verifier scores (or tcpo.missing_score=zero) (steps.verifier_score), "
+        "missing on 500 of 500 trajectories",
+        "gae+c3: need critic values (steps.values), missing on 500 of 500 trajectories",
+    ]
+    # methods that lack the same input share one line
+    cfg3 = cfg.model_copy(update={"methods": ["grpo", "gae", "gae+c3", "tcpo"]})
+    _, grouped = check_preconditions(cfg3, lake, 0, skip_unmet=True)
+    assert grouped[0].startswith("gae, gae+c3: need critic values") and len(grouped) == 2
     with pytest.raises(SystemExit, match="no method left"):
         check_preconditions(cfg.model_copy(update={"methods": ["tcpo"]}), lake, 0, skip_unmet=True)
 
@@ -156,7 +164,7 @@ def test_skip_unmet_computes_the_others_and_records_the_skipped(tmp_path, real_d
     cfg = Config(lake=str(lake.root), methods=["grpo", "tcpo"])
     summary = run_process(cfg, 0, quiet=True, skip_unmet=True)
     assert summary["methods"] == "grpo"
-    assert summary["skipped (unmet preconditions)"].startswith("tcpo: tcpo needs per-turn verifier scores")
+    assert summary["skipped (unmet preconditions)"].startswith("tcpo: need per-turn verifier scores")
     methods = query(lake, "SELECT DISTINCT method FROM advantages WHERE round = 0")["method"].to_pylist()
     assert methods == ["grpo"]
     after = round_summary(lake, 0)  # what `creditflow stats` prints

@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
         fresh: bool = typer.Option(False, "--fresh", help="delete the lake first"),
     ) -> None:
         """Ingest real + synthetic rollouts, compute every credit method, print the statistics."""
-        from flows.display import console, print_kv, print_table
+        from flows.display import console, print_kv
 
         t0 = time.perf_counter()
         if fresh and lake.exists():
@@ -96,15 +96,6 @@ def register(app: typer.Typer) -> None:
             methods = demo_methods(set())
             run("process", "--lake", lake, "--round", round_, "--methods", ",".join(methods), "--skip-unmet")
 
-        from warehouse.catalog import query
-
-        stats = query(
-            str(lake),
-            "SELECT round, method, round(mean_adv, 4) AS mean_adv, round(min_adv, 3) AS min_adv, "
-            "round(max_adv, 3) AS max_adv, round(positive_tokens / assistant_tokens, 3) AS pos_share, "
-            "round(negative_tokens / assistant_tokens, 3) AS neg_share FROM credit_summary ORDER BY round, method",
-        )
-        print_table(stats, title="credit statistics by method (view credit_summary)", limit=200)
         outputs = {"lake": str(lake.resolve()), "advantages": str((lake / "advantages").resolve())}
         console.print("[bold]4/4[/bold] HTML report")
         try:
@@ -115,5 +106,5 @@ def register(app: typer.Typer) -> None:
         except ImportError:
             outputs["report"] = "(report module not installed)"
         outputs["seconds"] = round(time.perf_counter() - t0, 1)
-        outputs["try"] = f'./dev query --lake {lake} "select * from credit_by_turn where round = 1"'
+        outputs["try"] = f'./dev query --lake {lake} "select * from credit_summary"'
         print_kv("creditflow demo: done", outputs)
