@@ -82,6 +82,10 @@ class TrainLayout:
 
         is_asst = pc.equal(steps.column("role"), "assistant").to_numpy(zero_copy_only=False)
         tok_mask = np.repeat(is_asst, self.lengths).astype(np.int8)
+        # a row's behaviour logprobs are known when every assistant step carries them (else 0-filled: a
+        # trainer must not take them for the sampling policy's, `trainer.trl_credit`)
+        known_step = ~is_asst | steps.column("logprobs").is_valid().to_numpy(zero_copy_only=False)
+        logprobs_known = np.logical_and.reduceat(known_step, step_starts) if n else np.array([], dtype=bool)
         turns = pc.fill_null(steps.column("turn"), 0).to_numpy(zero_copy_only=False).astype(np.int16)
         tok_turn = np.where(tok_mask == 1, np.repeat(turns, self.lengths), 0).astype(np.int16)
         traj = pl.DataFrame(trajectories.select(["traj_id", "group_id", "reward"]))
@@ -99,6 +103,7 @@ class TrainLayout:
                 steps.column("logprobs"), self.traj_offsets, pa.float32(), lengths=self.lengths
             ),
             "turn_ids": pa.ListArray.from_arrays(off, pa.array(tok_turn)),
+            "logprobs_known": pa.array(logprobs_known, pa.bool_()),
         }
         self._has_values = steps.column("values").null_count < steps.num_rows
         self._values: pa.Array | None = None  # cut on first use: only methods with returns carry values
@@ -153,6 +158,7 @@ class TrainLayout:
             if has_returns
             else self._no_floats,
             "turn_ids": c["turn_ids"],
+            "logprobs_known": c["logprobs_known"],
         }
         return pa.table(out)
 

@@ -20,7 +20,8 @@ SkyRL's multi-turn rollouts.
 - skyrl (0.3, `convert_prompts_responses_to_batch_tensors`): sequences (whole sequence, left-padded),
   attention_mask, response_mask (int64) and the response tensors right-aligned in (B, max response length):
   loss_mask (float32), rollout_logprobs, rewards, advantages, returns, values (float32)
-Every layout also carries traj_id, uid and key. Arrays are C-contiguous NumPy, saved with `np.savez` layout
+Every layout also carries traj_id, uid, key and logprobs_known ((B,) bool: the row's logprobs are the
+behaviour policy's; False: 0-filled, unknown). Arrays are C-contiguous NumPy, saved with `np.savez` layout
 (no pickle), so `torch.from_numpy(np.load(f)[k])` needs no copy.
 
 Reward placement (one rule, shared with the GAE estimator, `pipeline/credit/methods/gae.py` Eq. 1): the
@@ -75,6 +76,18 @@ def _place(flat: np.ndarray, offset: np.ndarray, count: np.ndarray, width: int, 
     out = np.full((len(offset), width), fill, dtype=dtype)
     out[cells] = flat
     return out
+
+
+def _logprobs_known(table: pa.Table) -> np.ndarray:
+    """The flat batch's `logprobs_known` (a batch written before the column: known where a row's trained
+    tokens are not all 0, the only trace a 0-filled row leaves)."""
+    if "logprobs_known" in table.column_names:
+        return pc.fill_null(table.column("logprobs_known"), False).to_numpy(zero_copy_only=False).astype(bool)
+    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+    hit = (_flat(table, "loss_mask", np.int8) != 0) & (_flat(table, "old_logprobs", np.float32) != 0)
+    hits = np.concatenate([[0], np.cumsum(hit, dtype=np.int64)])
+    ends = np.cumsum(lengths)
+    return (hits[ends] - hits[ends - lengths]) > 0
 
 
 def reward_columns(mask: np.ndarray, last_real: np.ndarray) -> np.ndarray:
@@ -143,6 +156,9 @@ def to_padded(
         "uid": np.asarray(table.column("group_id").to_pylist(), dtype=np.str_),
         "traj_id": np.asarray(table.column("traj_id").to_pylist(), dtype=np.str_),
         "key": sample_keys(ids, starts, lengths, prompt_len),
+        # (B,) whether a row's logprobs are the behaviour policy's (False: 0-filled, unknown; a trainer takes
+        # the policy's own for the old ones, `trainer.trl_credit`)
+        "logprobs_known": _logprobs_known(table),
     }
     if layout == "verl":
         return _verl(ids, mask, floats, reward, common, lengths, prompt_len, local, pad_token_id,

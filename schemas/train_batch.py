@@ -18,6 +18,7 @@ SCHEMA = pa.schema(
         pa.field("values", pa.list_(pa.float32())),
         pa.field("returns", pa.list_(pa.float32())),
         pa.field("turn_ids", pa.list_(pa.int16()), nullable=False),
+        pa.field("logprobs_known", pa.bool_()),
     ]
 )
 
@@ -34,6 +35,7 @@ DOCS = {
     "values": "critic values (gae only)",
     "returns": "critic targets (gae only)",
     "turn_ids": "assistant turn of each token (0 on masked tokens)",
+    "logprobs_known": "old_logprobs are the behaviour policy's on every trained token (false: 0-filled, unknown)",
 }
 
 SPEC = TableSpec(
