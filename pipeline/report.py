@@ -9,6 +9,8 @@ caller passes the plotly.js bundle to inline (flows/run.py reads it from the plo
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
 import json
 import math
@@ -112,7 +114,7 @@ def turn_figure(rows: list[dict], round_: int, focus: str | None) -> dict:
             {
                 "type": "scatter",
                 "mode": "lines+markers",
-                "name": method,
+                "name": _esc(method),  # Plotly reads its labels as markup: text only
                 "legendgroup": method,
                 "visible": _visible(i, focus, method),
                 "x": [r["turn"] for r in rs],
@@ -165,7 +167,7 @@ def histogram_figure(rows: list[dict], round_: int | None, focus: str | None) ->
         traces.append(
             {
                 "type": "bar",
-                "name": method,
+                "name": _esc(method),  # Plotly reads its labels as markup: text only
                 "visible": _visible(i, focus, method) if i != 0 or focus is None else True,
                 "x": [_num(r["x"]) for r in rs],
                 "width": [_num(r["width"]) for r in rs],
@@ -195,7 +197,7 @@ def outcome_figure(rows: list[dict]) -> dict:
             {
                 "type": "bar",
                 "name": outcome,
-                "x": [f"{r['method']} · r{r['round']}" for r in rs],
+                "x": [_esc(f"{r['method']} · r{r['round']}") for r in rs],
                 "y": [_num(r["mean_adv"]) for r in rs],
                 "error_y": {"type": "data", "array": [_num(r["ci95"]) for r in rs], "visible": True},
                 "customdata": [[r["trajectories"], r["n"]] for r in rs],
@@ -224,8 +226,8 @@ def disagreement_figure(rows: list[dict], round_: int | None) -> dict:
         n[i][j] = n[j][i] = int(r["tokens"] or 0)
     trace = {
         "type": "heatmap",
-        "x": methods,
-        "y": methods,
+        "x": [_esc(m) for m in methods],
+        "y": [_esc(m) for m in methods],
         "z": z,
         "customdata": n,
         "zmin": 0,
@@ -276,7 +278,7 @@ def trends_figure(credit: list[dict], reward: list[dict], focus: str | None) -> 
             {
                 "type": "scatter",
                 "mode": "lines+markers",
-                "name": method,
+                "name": _esc(method),  # Plotly reads its labels as markup: text only
                 "visible": _visible(i, focus, method),
                 "x": [r["round"] for r in rs],
                 "y": [_num(r["mean_abs_adv"]) for r in rs],
@@ -326,7 +328,7 @@ def train_figure(rows: list[dict]) -> dict:
                 {
                     "type": "scatter",
                     "mode": "lines+markers",
-                    "name": method,
+                    "name": _esc(method),  # Plotly reads its labels as markup: text only
                     "legendgroup": method,
                     "showlegend": p == 0,
                     "x": list(range(len(rs))),
@@ -344,7 +346,7 @@ def train_figure(rows: list[dict]) -> dict:
 
 def categories_figure(rows: list[dict]) -> dict:
     cats = ("progress", "keep", "regression", "delayed", "neutral")
-    labels = [f"{r['method']} · r{r['round']}" for r in rows]
+    labels = [_esc(f"{r['method']} · r{r['round']}") for r in rows]
     traces = [
         {
             "type": "bar",
@@ -367,7 +369,7 @@ def weights_figure(rows: list[dict]) -> dict:
     for r in rows:
         v = _num(r["w"])
         if v is not None:
-            by[f"{r['method']} · r{r['round']}"].append(round(v, 5))
+            by[_esc(f"{r['method']} · r{r['round']}")].append(round(v, 5))
     colours = _colours(sorted(by))
     traces = [
         {
@@ -493,7 +495,7 @@ function advOf(t, method, step, j) {
   return Array.isArray(v) ? (v[j] || 0) : v;
 }
 function fillMethods(sel, methods, withNone) {
-  const prev = sel.value; sel.innerHTML = '';
+  const prev = sel.value; sel.replaceChildren();
   if (withNone) { const o = document.createElement('option'); o.value=''; o.textContent='(none)'; sel.appendChild(o); }
   methods.forEach(m => { const o = document.createElement('option'); o.value = m; o.textContent = m; sel.appendChild(o); });
   if ([...sel.options].some(o => o.value === prev) && prev) sel.value = prev;
@@ -505,12 +507,21 @@ function scaleOf(ts, methods) {
     s.pieces.forEach((_, j) => { for (const m of methods) if (m) scale = Math.max(scale, Math.abs(advOf(t, m, s, j))); }); }
   return scale;
 }
+function el(tag, cls, text) {  // every value from data enters the page as text, never as markup
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined && text !== null) e.textContent = String(text);
+  return e;
+}
 function edgesDiv(t) {
-  const e = document.createElement('div');
-  e.className = 'edges';
-  e.innerHTML = '<span class="muted">dependency edges: </span>' + (t.edges.length ?
-    t.edges.map(x => `<span class="edge ${x.sign > 0 ? 'pos' : 'neg'}" title="${String(x.info_unit||'').replace(/"/g,'&quot;')}">turn ${x.src_turn} → ${x.dst_turn} (${x.type})</span>`).join('')
-    : '<span class="muted">none</span>');
+  const e = el('div', 'edges');
+  e.appendChild(el('span', 'muted', 'dependency edges: '));
+  if (!t.edges.length) e.appendChild(el('span', 'muted', 'none'));
+  for (const x of t.edges) {
+    const s = el('span', 'edge ' + (x.sign > 0 ? 'pos' : 'neg'), `turn ${x.src_turn} → ${x.dst_turn} (${x.type})`);
+    s.title = String(x.info_unit || '');
+    e.appendChild(s);
+  }
   return e;
 }
 function stepsInto(box, t, rows, scale) {
@@ -539,15 +550,15 @@ function render() {
   const t = DATA.trajectories[trajSel.value];
   const method = methodSel.value, other = compareSel.value;
   const rows = other ? [method, other] : [method];
-  const box = document.getElementById('viewer'); box.innerHTML = '';
-  const head = document.createElement('div');
-  head.innerHTML = `<b>${t.traj_id}</b> · group ${t.group_id} · reward <b>${t.reward}</b> · ${t.source || ''}`;
+  const box = document.getElementById('viewer'); box.replaceChildren();
+  const head = el('div');
+  head.append(el('b', '', t.traj_id), ` · group ${t.group_id} · reward `, el('b', '', t.reward), ` · ${t.source || ''}`);
   box.appendChild(head);
   if (t.edges.length) box.appendChild(edgesDiv(t));
   stepsInto(box, t, rows, scaleOf([t], rows));
 }
 function renderGroup() {
-  const box = document.getElementById('group-view'); box.innerHTML = '';
+  const box = document.getElementById('group-view'); box.replaceChildren();
   if (groupSel.value === '') return;
   const g = DATA.groups[groupSel.value];
   const ts = g.members.map(i => DATA.trajectories[i]);
@@ -556,7 +567,9 @@ function renderGroup() {
   for (const t of ts) {
     const col = document.createElement('div');
     col.className = 'sample ' + (t.reward > 0 ? 'win' : 'lose');
-    col.innerHTML = `<div><b>sample ${t.sample_idx ?? ''}</b> · ${t.traj_id} · reward <b>${t.reward}</b></div>`;
+    const head = el('div');
+    head.append(el('b', '', `sample ${t.sample_idx ?? ''}`), ` · ${t.traj_id} · reward `, el('b', '', t.reward));
+    col.appendChild(head);
     col.appendChild(edgesDiv(t));
     stepsInto(col, t, [m], scale);
     box.appendChild(col);
@@ -607,10 +620,32 @@ def _clean(value):
 VIEWER_KEYS = ("trajectories", "groups", "default_method")
 
 
+_JSON_HTML = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"})
+
+
 def _json_script(element_id: str, value) -> str:
+    """Data as JSON in a script element the browser never runs; no `<`, `>` or `&` in it (escaped as `\\u003c`
+    ...), so no value can close the element or open a comment or a script inside it."""
     payload = json.dumps(_clean(value), default=_num, separators=(",", ":"), allow_nan=False)
-    payload = payload.replace("</", "<\\/")
-    return f"<script type='application/json' id='{element_id}'>{payload}</script>"
+    return f"<script type='application/json' id='{element_id}'>{payload.translate(_JSON_HTML)}</script>"
+
+
+def _sha256(script: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(script.encode()).digest()).decode() + "'"
+
+
+def content_security_policy(*scripts: str) -> str:
+    """The page's policy: only the two inline scripts it carries run (by hash: no other script element, no
+    inline event handler, no eval); nothing is fetched or sent (connect, images and fonts other than data:,
+    frames, forms, base, workers all 'none')."""
+    return (
+        "default-src 'none'; script-src "
+        + " ".join(_sha256(s) for s in scripts)
+        + "; style-src 'unsafe-inline'; "
+        "img-src data: blob:; font-src data:; connect-src 'none'; media-src 'none'; object-src 'none'; "
+        "frame-src 'none'; child-src 'none'; worker-src 'none'; manifest-src 'none'; base-uri 'none'; "
+        "form-action 'none'"
+    )
 
 
 def build_report(data: dict, plotly_js: str) -> str:
@@ -668,8 +703,10 @@ def build_report(data: dict, plotly_js: str) -> str:
         "<div id='group-view'></div>"
     )
     fig_map = {key: fig for key, _, fig in figs if fig is not None}
+    csp = content_security_policy(plotly_js, JS)  # quotes are single: it sits in a double-quoted attribute
     return (
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+        f"<meta http-equiv='Content-Security-Policy' content=\"{csp}\">"
         "<meta name='viewport' content='width=device-width, initial-scale=1'>"
         f"<title>creditflow report</title><style>{CSS}</style><script>{plotly_js}</script></head><body>"
         f"<h1>creditflow credit report</h1><p class='muted'>lake {_esc(data['lake'])} · rounds {_esc(data['rounds'])}"

