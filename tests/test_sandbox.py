@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import pipeline.verifiers.code as sandbox_code
 from pipeline.ingest.ldb import visible_pass_fraction
 from pipeline.verifiers import verify
 from pipeline.verifiers.code import (
@@ -508,3 +509,79 @@ def test_humaneval_check_with_loops_and_setup(ldb):
         assert verify(r["prompt"] + r["canonical_solution"], "code", meta).score == 1.0, tid
         wrong = f"def {r['entry_point']}(*args):\n    return 0\n"
         assert verify(wrong, "code", meta).score < 1.0, tid
+
+
+# ---- a record's meta.sandbox may tighten the operator's limits, never loosen them (issue #33) -------------
+
+_LIMIT_VALUES = (
+    st.none()
+    | st.booleans()
+    | st.text(max_size=4)
+    | st.integers(min_value=-(1 << 70), max_value=1 << 70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.lists(st.integers(), max_size=2)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    requested=st.dictionaries(
+        st.sampled_from([*sandbox_code.TIGHTENABLE, "unsafe_no_sandbox", "drop_root", "x"]), _LIMIT_VALUES
+    )
+    | _LIMIT_VALUES
+)
+def test_record_limits_only_tighten(requested):
+    ceiling = DEFAULT_LIMITS.model_copy(update={"wall_s": 7.5, "mem_bytes": 1 << 29})
+    try:
+        got = sandbox_code.tightened(ceiling, requested)
+    except sandbox_code.LimitError:
+        return
+    for key in sandbox_code.TIGHTENABLE:
+        assert 0 < getattr(got, key) <= getattr(ceiling, key), key
+        assert type(getattr(got, key)) is type(getattr(ceiling, key))
+    assert got.unsafe_no_sandbox is False
+
+
+@pytest.mark.parametrize(
+    "requested",
+    [
+        {"mem_bytes": -1},
+        {"wall_s": "ten"},
+        {"wall_s": float("nan")},
+        {"cpu_s": 0},
+        {"unsafe_no_sandbox": True},
+        "fast",
+        {"nproc": True},
+    ],
+)
+def test_a_bad_record_limit_is_that_records_error(requested, monkeypatch):
+    """Before: {"mem_bytes": -1} removed the memory limit, {"wall_s": "ten"} raised out of code_tests."""
+    ran = []
+    monkeypatch.setattr(sandbox, "execute", lambda *a, **k: ran.append(a))
+    meta = {**meta_with(["assert f(1) == 2"]), "sandbox": requested}
+    v = sandbox.code_tests("def f(x):\n    return 2 * x\n", meta)
+    assert not v.ok and v.score == 0.0 and "meta.sandbox" in v.error, v
+    assert ran == []
+
+
+@needs_bwrap
+def test_a_record_cannot_lift_the_operators_limits():
+    limits = DEFAULT_LIMITS.model_copy(update={"wall_s": 2.0, "cpu_s": 5, "mem_bytes": 1 << 30})
+    sleeper = "import time\ntime.sleep(25)\ndef f(x):\n    return 2 * x\n"
+    t0 = time.perf_counter()
+    v = sandbox.code_tests(
+        sleeper, {**meta_with(["assert f(1) == 2"]), "sandbox": {"wall_s": 1e9}}, limits=limits
+    )
+    assert v.score == 0.0 and "timeout" in v.error and time.perf_counter() - t0 < 6, v
+    hog = "x = bytearray(2 << 30)\ndef f(x):\n    return 2 * x\n"
+    v = sandbox.code_tests(
+        hog, {**meta_with(["assert f(1) == 2"]), "sandbox": {"mem_bytes": 8 << 30}}, limits=limits
+    )
+    assert v.score == 0.0 and "MemoryError" in v.error, v
+    # tightening holds: a record may ask for less
+    slow = "import time\ndef f(x):\n    time.sleep(1.5)\n    return 2 * x\n"
+    assert sandbox.code_tests(slow, meta_with(["assert f(1) == 2"]), limits=limits).score == 1.0
+    v = sandbox.code_tests(
+        slow, {**meta_with(["assert f(1) == 2"]), "sandbox": {"wall_s": 0.5}}, limits=limits
+    )
+    assert v.score == 0.0 and "timeout" in v.error, v

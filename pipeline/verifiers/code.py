@@ -715,6 +715,42 @@ def run_plan(program: str, meta: dict, execute: Executor, settings: SandboxSetti
     return {**base, "passed": passed, "errors": errors}
 
 
+TIGHTENABLE = ("wall_s", "cpu_s", "mem_bytes", "nproc", "fsize_bytes", "tmpfs_bytes", "output_bytes")
+
+
+class LimitError(ValueError):
+    pass
+
+
+def tightened(ceiling: SandboxSettings, requested: Any) -> SandboxSettings:
+    """The operator's limits are ceilings: a record's `meta.sandbox` may lower any of TIGHTENABLE, never raise
+    one or switch anything off; a value that is not a positive finite number (or a key not in the list) is
+    the record's error (LimitError), not the run's."""
+    if requested is None or requested == {}:
+        return ceiling
+    if not isinstance(requested, dict):
+        raise LimitError(f"meta.sandbox must be an object of limits, got {type(requested).__name__}")
+    update: dict[str, Any] = {}
+    for key, value in requested.items():
+        if key not in TIGHTENABLE:
+            raise LimitError(
+                f"meta.sandbox.{str(key)[:40]}: not a limit a record may set ({', '.join(TIGHTENABLE)})"
+            )
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise LimitError(f"meta.sandbox.{key}: {str(value)[:40]!r} is not a positive number")
+        current = getattr(ceiling, key)
+        wanted = value if isinstance(current, float) else int(value)
+        if wanted <= 0:
+            raise LimitError(f"meta.sandbox.{key}: {value!r} is below one")
+        update[key] = min(current, wanted)
+    return ceiling.model_copy(update=update)
+
+
 def code_tests_with(execute: Executor, settings: Callable[[], SandboxSettings]) -> Callable[..., Verdict]:
     """The `code_tests` verifier over an executor (trainer.sandbox registers it): fraction of tests passed."""
 
@@ -723,10 +759,10 @@ def code_tests_with(execute: Executor, settings: Callable[[], SandboxSettings]) 
             return Verdict(
                 0.0, "code_tests", ok=False, error="no tests in meta (tests or test + entry_point)"
             )
-        s = limits or settings()
-        cfg = meta.get("sandbox") or {}
-        if cfg:
-            s = s.model_copy(update={k: cfg[k] for k in ("wall_s", "cpu_s", "mem_bytes") if k in cfg})
+        try:
+            s = tightened(limits or settings(), meta.get("sandbox"))
+        except LimitError as exc:
+            return Verdict(0.0, "code_tests", ok=False, error=str(exc))
         res = run_plan(program_for(output, meta), meta, execute, s)
         if res.get("reference_error"):  # the tests themselves failed without the candidate: not its fault
             return Verdict(0.0, "code_tests", ok=False, error=res["reference_error"])
