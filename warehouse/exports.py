@@ -25,20 +25,24 @@ def write_export(
     prompt_length: int | None = None,
     pad_token_id: int = 0,
     with_version: bool = False,
+    max_len: int | None = None,
 ) -> int | tuple[int, str]:
     """Write the batch to `out` (temp file, then rename); returns the number of trajectories (and, with
     `with_version`, the lake version read: all tables are read as of one version taken first, and a flat
     file records it in its metadata as `creditflow.lake_version`; empty for a hive-Parquet lake).
-    `response_length` / `prompt_length` (verl): the run's padded lengths; `pad_token_id`: what pads."""
+    `response_length` (verl, skyrl) / `prompt_length` (verl) / `max_len` (openrlhf): the run's lengths, cut
+    as the framework cuts (`pipeline.layouts.to_padded`); `pad_token_id`: what pads."""
     import pyarrow.parquet as pq
 
     from pipeline.export import build_train_batch
-    from pipeline.layouts import LAYOUTS, to_padded
+    from pipeline.layouts import LAYOUTS, check_lengths, to_padded
 
     if layout not in LAYOUTS:
         raise ExportError(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
-    if layout != "verl" and (response_length is not None or prompt_length is not None):
-        raise ExportError("--response-length / --prompt-length apply to --layout verl only")
+    try:
+        check_lengths(layout, response_length=response_length, prompt_length=prompt_length, max_len=max_len)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
     suffix = Path(out).suffix.lower()
     if layout == "flat" and suffix == ".npz":
         raise ExportError(f"{out}: the flat layout is a Parquet file; name it .parquet (or choose --layout)")
@@ -67,7 +71,7 @@ def write_export(
     else:
         tmp = out.with_name(f".tmp-{out.stem}.npz")
         try:
-            arrays = to_padded(batch, layout, pad_token_id, response_length, prompt_length)
+            arrays = to_padded(batch, layout, pad_token_id, response_length, prompt_length, max_len)
         except ValueError as exc:  # a prompt longer than --prompt-length
             raise ExportError(str(exc)) from None
         save_padded(arrays, tmp)

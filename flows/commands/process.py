@@ -113,7 +113,13 @@ def register(app: typer.Typer) -> None:
             help="flat (Parquet, one row per trajectory) | verl | openrlhf | skyrl (padded NumPy .npz)",
         ),
         response_length: int | None = typer.Option(
-            None, "--response-length", help="verl: pad/cut responses to the run's data.max_response_length"
+            None,
+            "--response-length",
+            help="verl: pad/cut responses to the run's rollout.response_length; skyrl: cut them at its "
+            "generator.sampling_params.max_generate_length",
+        ),
+        max_len: int | None = typer.Option(
+            None, "--max-len", help="openrlhf: cut sequences at the run's --data.max_len"
         ),
         prompt_length: int | None = typer.Option(
             None, "--prompt-length", help="verl: left-pad prompts to the run's data.max_prompt_length"
@@ -132,4 +138,5 @@ def register(app: typer.Typer) -> None:
             response_length=response_length,
             prompt_length=prompt_length,
             pad_token_id=pad_token_id,
+            max_len=max_len,
         )
