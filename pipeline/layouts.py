@@ -15,11 +15,13 @@ SkyRL's multi-turn rollouts.
 - openrlhf (0.11, `Experience` after `concat_experiences`): sequences (whole sequence, right-padded),
   attention_mask, action_mask of shape (B, T-1) shifted by one (action_mask[:, j] says whether token j + 1 is
   trained; it lines up with the log-probs the actor's forward returns), rollout_log_probs, advantages, returns,
-  values (all (B, T-1)), rewards (B,), response_length, total_length, action_ranges ([start, end) per turn in
-  sequence positions, as OpenRLHF's agent returns them; -1 padded)
+  values (all (B, T-1)), rewards (B,), response_length, total_length (float32, as OpenRLHF's),
+  action_ranges ([start, end) per turn in sequence positions, as OpenRLHF's agent returns them; -1 padded);
+  `max_len` cuts whole sequences as OpenRLHF does at `--data.max_len`
 - skyrl (0.3, `convert_prompts_responses_to_batch_tensors`): sequences (whole sequence, left-padded),
   attention_mask, response_mask (int64) and the response tensors right-aligned in (B, max response length):
-  loss_mask (float32), rollout_logprobs, rewards, advantages, returns, values (float32)
+  loss_mask (float32), rollout_logprobs, rewards, advantages, returns, values (float32); `response_length` cuts
+  responses as SkyRL's generator does at `generator.sampling_params.max_generate_length`
 Every layout also carries traj_id, uid, key and logprobs_known ((B,) bool: the row's logprobs are the
 behaviour policy's; False: 0-filled, unknown). Arrays are C-contiguous NumPy, saved with `np.savez` layout
 (no pickle), so `torch.from_numpy(np.load(f)[k])` needs no copy.
@@ -126,22 +128,43 @@ def sample_keys(
     return np.asarray(out, dtype="U32")
 
 
+# the length options of `to_padded`: (export flag, the layouts it applies to, its least value)
+LENGTH_OPTIONS = {
+    "response_length": ("--response-length", ("verl", "skyrl"), 1),
+    "prompt_length": ("--prompt-length", ("verl",), 0),
+    "max_len": ("--max-len", ("openrlhf",), 1),
+}
+
+
+def check_lengths(layout: str, **values: int | None) -> None:
+    """ValueError (one line naming the export flag) for a length option the layout has no use for, or one
+    out of range."""
+    for name, value in values.items():
+        flag, layouts, least = LENGTH_OPTIONS[name]
+        if value is not None and layout not in layouts:
+            raise ValueError(f"{flag} applies to --layout {' / '.join(layouts)}, not {layout}")
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be at least {least}, not {value}")
+
+
 def to_padded(
     table: pa.Table,
     layout: str,
     pad_token_id: int = 0,
     response_length: int | None = None,
     prompt_length: int | None = None,
+    max_len: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """The batch in a framework's layout. `response_length` / `prompt_length` (verl only): pad (and, for
-    responses, cut) to the run's `data.max_response_length` / `data.max_prompt_length`."""
+    """The batch in a framework's layout, cut where the framework cuts a sample (`key` stays the whole
+    sample's). `response_length` (verl, skyrl): cut responses as verl's agent loop (`response_ids[:
+    rollout.response_length]`, and pad to it) and SkyRL's generator (`response[:max_generate_length]`) do;
+    `prompt_length` (verl): left-pad prompts to `data.max_prompt_length`; `max_len` (openrlhf): cut whole
+    sequences at `--data.max_len` as `SamplesGenerator._process_response_into_experience` does."""
     if layout not in LAYOUTS or layout == "flat":
         raise ValueError(f"unknown padded layout {layout!r}; one of {LAYOUTS[1:]}")
-    if layout != "verl" and (response_length is not None or prompt_length is not None):
-        raise ValueError("response_length / prompt_length apply to the verl layout only")
+    check_lengths(layout, response_length=response_length, prompt_length=prompt_length, max_len=max_len)
     lengths, starts, mask, prompt_len, local = _geometry(table)
     n = len(lengths)
-    resp_len = lengths - prompt_len
     ids = _flat(table, "input_ids", np.int64)
     has_returns = table.column("returns").null_count < table.num_rows
     has_values = table.column("values").null_count < table.num_rows
@@ -152,6 +175,7 @@ def to_padded(
         "values": _flat(table, "values", np.float32) if has_values else None,
     }
     reward = table.column("reward").to_numpy(zero_copy_only=False).astype(np.float32)
+    turn = _flat(table, "turn_ids", np.int32) if layout == "openrlhf" else np.zeros(0, np.int32)
     common = {
         "uid": np.asarray(table.column("group_id").to_pylist(), dtype=np.str_),
         "traj_id": np.asarray(table.column("traj_id").to_pylist(), dtype=np.str_),
@@ -160,9 +184,21 @@ def to_padded(
         # the policy's own for the old ones, `trainer.trl_credit`)
         "logprobs_known": _logprobs_known(table),
     }
-    if layout == "verl":
+    if layout == "verl":  # cuts its responses itself (it pads them to the same length)
         return _verl(ids, mask, floats, reward, common, lengths, prompt_len, local, pad_token_id,
                      response_length, prompt_length)  # fmt: skip
+    cap = max_len if layout == "openrlhf" else response_length
+    if cap is not None:
+        # the framework's cut: the first `keep` tokens of each row (whole sequence, or prompt + response cut)
+        keep = np.minimum(lengths, cap) if layout == "openrlhf" else np.minimum(lengths, prompt_len + cap)
+        kept = local < np.repeat(keep, lengths)
+        ids, mask, local = ids[kept], mask[kept], local[kept]
+        floats = {k: None if v is None else v[kept] for k, v in floats.items()}
+        turn = turn[kept] if layout == "openrlhf" else turn
+        lengths = keep.astype(np.int64)
+        starts = np.cumsum(lengths) - lengths
+        prompt_len = np.minimum(prompt_len, lengths)
+    resp_len = lengths - prompt_len
     if layout == "openrlhf":
         T = int(lengths.max()) if n else 0
         zero = np.zeros(n, dtype=np.int64)
@@ -194,8 +230,8 @@ def to_padded(
             "values": action(floats["values"]),
             "rewards": reward,
             "response_length": (last_on - first_on + 1).astype(np.int64),
-            "total_length": lengths.astype(np.int64),
-            "action_ranges": _action_ranges(table, starts, local, n),
+            "total_length": lengths.astype(np.float32),  # attention_mask.float().sum(), as OpenRLHF's
+            "action_ranges": _action_ranges(turn, starts, local, n),
             **common,
         }
     # skyrl: one left-padded block per row, the response tensors right-aligned in (B, max response)
@@ -282,13 +318,12 @@ def _verl(ids, mask, floats, reward, common, lengths, prompt_len, local, pad_tok
     }
 
 
-def _action_ranges(table: pa.Table, starts: np.ndarray, local: np.ndarray, n: int) -> np.ndarray:
+def _action_ranges(turn: np.ndarray, starts: np.ndarray, local: np.ndarray, n: int) -> np.ndarray:
     """Per row and turn k (1-based turn id), the [start, end) sequence positions of turn k's tokens: from the
     first to one past the last token of that turn, -1 where the row has no turn k (OpenRLHF's agent returns
     `action_ranges` in these coordinates). Computed on runs: a run is a stretch of consecutive tokens of one
     row with one turn id; per (row, turn) the min start / max end over its runs (a few per turn, not one update
-    per token)."""
-    turn = _flat(table, "turn_ids", np.int32)
+    per token). `turn`: the flat turn id of each token as laid out (cut rows: their kept tokens)."""
     pos = np.flatnonzero(turn > 0)  # trained tokens with a turn id, in (row, column) order
     t = turn[pos]
     max_turn = int(t.max()) if len(t) else 0

@@ -219,46 +219,314 @@ def test_verl_gae_on_the_export_equals_ours():
     assert np.allclose(ret.numpy()[m], a["returns"][m], atol=2e-5)
 
 
-def test_verl_live_fit_gets_our_advantages_with_fresh_uids_and_a_longer_response_length():
-    """As `RayPPOTrainer.fit` holds a batch: a DataProto with fresh uuid uids, responses padded to a larger
-    rollout.response_length, rows shuffled; verl's own compute_advantage (grpo) wrapped by
-    trainer.verl_credit.install puts our advantages on the same response tokens."""
+def _varying_export(seed=7):
+    """A gae round (advantages vary token by token within a row) as our flat table and its verl export."""
+    flat = _round_batch(seed=seed, methods=("gae",))["gae"]
+    rows = _rows(flat)
+    # the case verl's v1 GRPO path broke: a row whose trained tokens carry different advantages
+    assert any(len({a for a, m in zip(adv, mask, strict=True) if m}) > 1 for _, mask, adv, *_r in rows)
+    return flat, rows
+
+
+def _verl_config(estimator: str, response_length: int):
+    """verl 0.9.1's own full trainer config (trainer.use_v1: true, its default) for a run at `response_length`."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    verl = _need("verl")
+    cfg = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml")
+    assert cfg.trainer.use_v1 is True  # the default path
+    cfg.algorithm.adv_estimator = estimator
+    cfg.actor_rollout_ref.rollout.response_length = response_length
+    cfg.data.max_response_length = response_length
+    return cfg
+
+
+def _verl_legacy_step(flat, rows, cfg, response_length, seed=0):
+    """As `RayPPOTrainer.fit` (trainer.use_v1=false) holds a batch before its advantage step: responses cut
+    (verl's agent loop: response_ids[:response_length]) and padded to rollout.response_length, fresh uuid uids,
+    rows shuffled, critic values; then fit()'s own call of ray_trainer.compute_advantage. Returns the batch
+    and the shuffle."""
     torch = _need("torch")
     verl = _need("verl")
     ray_trainer = _need("verl.trainer.ppo.ray_trainer")
-    from verl.trainer.config import AlgoConfig
+    run = to_padded(flat, "verl", response_length=response_length)
+    order = np.random.default_rng(seed).permutation(len(flat))
+    names = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask", "values")
+    tensors = {k: torch.from_numpy(run[k][order]) for k in names}
+    tensors["token_level_rewards"] = torch.from_numpy(run["token_level_scores"][order])
+    uids = {g: str(uuid.uuid4()) for g in run["uid"]}
+    data = verl.DataProto.from_dict(
+        tensors=tensors, non_tensors={"uid": np.array([uids[g] for g in run["uid"][order]], dtype=object)}
+    )
+    data = ray_trainer.compute_advantage(  # as fit() calls it
+        data,
+        adv_estimator=cfg.algorithm.adv_estimator,
+        gamma=cfg.algorithm.gamma,
+        lam=cfg.algorithm.lam,
+        num_repeat=cfg.actor_rollout_ref.rollout.n,
+        norm_adv_by_std_in_grpo=cfg.algorithm.get("norm_adv_by_std_in_grpo", True),
+        config=cfg.algorithm,
+    )
+    return data, order
 
+
+def _per_token_mismatches(got_rows, rows, response_length):
+    """Rows whose response advantages differ from ours, token for token (ours cut at response_length, and
+    nothing but zeros after them)."""
+    bad = []
+    for r, (_ids, _, adv, _, _, p) in enumerate(rows):
+        want = np.float32(adv[p:][:response_length])
+        got = np.asarray(got_rows[r], dtype=np.float32)
+        if not (np.array_equal(got[: len(want)], want) and not got[len(want) :].any()):
+            bad.append(r)
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_verl_legacy_fit_step_keeps_every_tokens_advantage(estimator):
+    """trainer.use_v1=false: fit()'s compute_advantage on a batch with fresh uids, a longer response length and
+    shuffled rows; with install() every row has our per-token advantages, token for token (without it, verl's
+    own estimator's differ: the check can fail)."""
+    ray_trainer = _need("verl.trainer.ppo.ray_trainer")
     from trainer.verl_credit import CreditflowAdvantages, install
 
-    flat = _round_batch(seed=7, methods=("grpo",))["grpo"]
+    flat, rows = _varying_export()
     exported = to_padded(flat, "verl")
-    R = exported["responses"].shape[1]
-    run = to_padded(flat, "verl", response_length=R + 9, prompt_length=exported["prompts"].shape[1] + 4)
-    order = np.random.default_rng(0).permutation(len(flat))
-    tensors = {
-        k: torch.from_numpy(run[k][order])
-        for k in ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
-    }
-    tensors["token_level_rewards"] = torch.from_numpy(run["token_level_scores"][order])
-    data = verl.DataProto.from_dict(
-        tensors=tensors, non_tensors={"uid": np.array([str(uuid.uuid4()) for _ in order], dtype=object)}
-    )
+    R = exported["responses"].shape[1] + 9
+    cfg = _verl_config(estimator, R)
+    cfg.trainer.use_v1 = False
+    plain, order = _verl_legacy_step(flat, rows, cfg, R)
+    inverse = np.argsort(order)
+    assert _per_token_mismatches(plain.batch["advantages"].numpy()[inverse], rows, R)  # verl's are not ours
     original = ray_trainer.compute_advantage
-    wrapper = install(CreditflowAdvantages(exported), missing="error")
+    wrapper = install(CreditflowAdvantages(exported), missing="error", config=cfg)
     try:
-        data = ray_trainer.compute_advantage(data, adv_estimator="grpo", config=AlgoConfig())
+        data, order = _verl_legacy_step(flat, rows, cfg, R)
     finally:
         wrapper.uninstall()
     assert ray_trainer.compute_advantage is original
     assert wrapper.found == [len(flat)]
     got = data.batch["advantages"].numpy()
-    assert got.shape == (len(flat), R + 9)
-    for r, (ids, _, adv, _, _, p) in enumerate(_rows(flat)):
-        i = int(np.flatnonzero(order == r)[0])
-        n = len(ids) - p
-        assert data.batch["responses"][i, :n].tolist() == ids[p:]
-        assert np.array_equal(got[i, :n], np.float32(adv[p:]))  # token for token
-        assert not got[i, n:].any()
+    assert got.shape == (len(flat), R)
+    assert _per_token_mismatches(got[np.argsort(order)], rows, R) == []
+
+
+class _Queue:
+    """A stand-in for verl v1's transfer queue (`transfer_queue`, a separate install) with what
+    `PPOTrainer._compute_advantage` and the hook call: per key a dict of fields, as the agent loop puts them
+    (agent_loop_tq: unpadded 1-D tensors, the uid a string); kv_batch_get answers the selected fields the
+    rows have, per-token ones as jagged nested tensors (as TransferQueue returns them), kv_batch_put stores
+    each row's slice back."""
+
+    def __init__(self, rows: dict[str, dict]):
+        self.rows = rows
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        import torch
+        from tensordict import NonTensorStack, TensorDict
+
+        out = {}
+        for name in select_fields:
+            values = [self.rows[k][name] for k in keys if name in self.rows[k]]
+            if len(values) != len(keys):
+                continue
+            if isinstance(values[0], str):
+                out[name] = NonTensorStack(*values)
+            else:
+                out[name] = torch.nested.as_nested_tensor(values, layout=torch.jagged)
+        return TensorDict(out, batch_size=len(keys))
+
+    def kv_batch_put(self, keys, partition_id, fields, tags=None):
+        for name in fields.keys():
+            for key, row in zip(keys, fields[name].unbind(), strict=True):
+                self.rows[key][name] = row
+        return _Meta(keys, partition_id, tags or [{} for _ in keys])
+
+
+class _Meta:
+    """verl v1's KVBatchMeta as the trainer uses it: keys, partition, per-row tags."""
+
+    def __init__(self, keys, partition_id, tags):
+        self.keys, self.partition_id, self.tags, self.extra_info = list(keys), partition_id, list(tags), {}
+
+    def __len__(self):
+        return len(self.keys)
+
+
+@pytest.fixture(scope="module")
+def verl_v1():
+    """verl 0.9.1's v1 trainer module (verl.trainer.ppo.v1.trainer_base), imported with the two packages it
+    needs that are not installed here stubbed: transfer_queue (replaced by `_Queue` per test) and hydra."""
+    _need("verl")
+    _need("tensordict")
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+    from stubbed_import import _StubFinder
+
+    finder = _StubFinder(("transfer_queue", "hydra"), set())
+    sys.meta_path.insert(0, finder)
+    try:
+        return importlib.import_module("verl.trainer.ppo.v1.trainer_base")
+    finally:
+        sys.meta_path.remove(finder)
+
+
+def _v1_queue(flat, response_length, estimator, seed=0):
+    """The queue as verl v1 holds a step's samples before `_compute_advantage`: per sample the agent loop's
+    fields (responses cut at response_length), old_log_probs and, for gae, values; keys `{uid}_{session}_0`
+    with fresh uids, in shuffled order; plus one of verl's padding rows (tag is_padding)."""
+    torch = _need("torch")
+    run = to_padded(flat, "verl", response_length=response_length)
+    P = run["prompts"].shape[1]
+    uids = {g: uuid.uuid4().hex for g in run["uid"]}
+    rows, keys, session = {}, [], {}
+    for r in np.random.default_rng(seed).permutation(len(flat)):
+        real = run["attention_mask"][r] != 0
+        n_resp = int(real[P:].sum())
+        g = run["uid"][r]
+        session[g] = session.get(g, -1) + 1
+        key = f"{uids[g]}_{session[g]}_0"
+        resp = slice(0, n_resp)
+        rm_scores = np.zeros(n_resp, np.float32)
+        if n_resp:
+            rm_scores[-1] = flat.column("reward")[int(r)].as_py()  # agent loop: the reward on the last token
+        rows[key] = {
+            "uid": uids[g],
+            "prompts": torch.from_numpy(run["prompts"][r][real[:P]]),
+            "responses": torch.from_numpy(run["responses"][r][resp]),
+            "input_ids": torch.from_numpy(run["input_ids"][r][real]),
+            "response_mask": torch.from_numpy(run["response_mask"][r][resp]),
+            "rm_scores": torch.from_numpy(rm_scores),
+            "old_log_probs": torch.from_numpy(run["old_log_probs"][r][resp]),
+            **({"values": torch.from_numpy(run["values"][r][resp])} if estimator == "gae" else {}),
+        }
+        keys.append(key)
+    pad = "pad_0_0"  # verl's upsample_batch_to_divisible_size: eos tokens, response_mask 0
+    rows[pad] = {k: v.clone() if hasattr(v, "clone") else v for k, v in rows[keys[0]].items()}
+    rows[pad].update(
+        input_ids=torch.full((8,), 2), response_mask=torch.zeros(1, dtype=torch.int64),
+        rm_scores=torch.zeros(1), old_log_probs=torch.zeros(1), values=torch.zeros(1),
+        uid="pad",
+    )  # fmt: skip
+    if estimator != "gae":
+        rows[pad].pop("values")
+    tags = [{"status": "success"} for _ in keys] + [{"status": "success", "is_padding": True}]
+    return _Queue(rows), _Meta(keys + [pad], "train", tags), keys
+
+
+def _v1_step(verl_v1, monkeypatch, queue, meta, cfg):
+    """verl's own v1 `PPOTrainer._compute_advantage` (unmodified), on the stand-in queue."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(verl_v1, "tq", queue)
+    trainer = SimpleNamespace(config=cfg, kl_ctrl_in_reward=None)
+    return verl_v1.PPOTrainer._compute_advantage(trainer, meta, {})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_verl_v1_compute_advantage_keeps_every_tokens_advantage(verl_v1, monkeypatch, estimator):
+    """trainer.use_v1=true (verl 0.9.1's default): its own `_compute_advantage`, on a stand-in of its transfer
+    queue holding what its agent loop puts there, with verl's padding row. Without the hook verl's GRPO gives
+    every token of a row its first token's advantage (so the check can fail); with install() every sample in
+    the export has our advantages, token for token, and the padding row keeps verl's."""
+    from trainer.verl_credit import CreditflowAdvantages, install
+
+    flat, rows = _varying_export()
+    exported = to_padded(flat, "verl")
+    R = exported["responses"].shape[1] + 5
+    cfg = _verl_config(estimator, R)
+
+    def ours_in_queue(queue, keys):  # the queue's advantages in our row order
+        got = {}
+        for key in keys:
+            ids = queue.rows[key]["input_ids"].tolist()
+            r = next(i for i, (x, *_rest) in enumerate(rows) if x == ids)
+            got[r] = queue.rows[key]["advantages"].numpy()
+        return [got[r] for r in range(len(rows))]
+
+    queue, meta, keys = _v1_queue(flat, R, estimator)
+    _v1_step(verl_v1, monkeypatch, queue, meta, cfg)
+    if estimator == "grpo":
+        assert _per_token_mismatches(ours_in_queue(queue, keys), rows, R)  # verl's own: not ours
+    queue, meta, keys = _v1_queue(flat, R, estimator, seed=1)
+    pad_before = queue.rows["pad_0_0"]
+    wrapper = install(CreditflowAdvantages(exported), missing="error", config=cfg)
+    try:
+        _v1_step(verl_v1, monkeypatch, queue, meta, cfg)
+    finally:
+        wrapper.uninstall()
+    assert not hasattr(verl_v1.PPOTrainer._compute_advantage, "__wrapped_by_creditflow__")
+    assert wrapper.found == [len(flat)]
+    assert _per_token_mismatches(ours_in_queue(queue, keys), rows, R) == []
+    assert queue.rows["pad_0_0"]["advantages"].shape == (1,) and pad_before["uid"] == "pad"
+
+
+@pytest.mark.slow
+def test_verl_v1_and_legacy_at_a_shorter_response_length_get_the_cut_prefix(verl_v1, monkeypatch):
+    """An export made without --response-length, used in a run that cuts responses shorter (verl's agent loop:
+    response_ids[:response_length]): every cut sample is found as the prefix of the exported one and gets
+    its tokens' advantages, on both trainers."""
+    from trainer.verl_credit import CreditflowAdvantages, install
+
+    flat, rows = _varying_export()
+    exported = to_padded(flat, "verl")
+    R = max(exported["responses"].shape[1] - 6, 1)
+    assert any(len(ids) - p > R for ids, *_r, p in rows)  # some samples are cut
+    cfg = _verl_config("grpo", R)
+    queue, meta, keys = _v1_queue(flat, R, "grpo")
+    wrapper = install(CreditflowAdvantages(exported), missing="error", config=cfg)
+    try:
+        _v1_step(verl_v1, monkeypatch, queue, meta, cfg)
+        cfg.trainer.use_v1 = False
+        data, order = _verl_legacy_step(flat, rows, cfg, R)
+    finally:
+        wrapper.uninstall()
+    assert wrapper.found == [len(flat), len(flat)]
+    by_ids = {tuple(queue.rows[k]["input_ids"].tolist()): queue.rows[k]["advantages"].numpy() for k in keys}
+    cut = [(ids[: p + R], p) for ids, *_r, p in rows]
+    assert _per_token_mismatches([by_ids[tuple(c)] for c, _ in cut], rows, R) == []
+    assert _per_token_mismatches(data.batch["advantages"].numpy()[np.argsort(order)], rows, R) == []
+
+
+@pytest.mark.slow
+def test_verl_export_cut_shorter_than_the_run_stops_in_one_line(verl_v1, monkeypatch):
+    """An export cut at --response-length 4 used by a run at a longer response length: install refuses with
+    the run's config, and without it the first batch stops, each in one line naming both lengths and the
+    flag (verl 0.9.1, both trainers); a loss that averages each response's advantages is refused by name."""
+    from trainer.export_lookup import LengthMismatch
+    from trainer.verl_credit import CreditflowAdvantages, install
+
+    flat, rows = _varying_export()
+    full_R = to_padded(flat, "verl")["responses"].shape[1]
+    short = CreditflowAdvantages(to_padded(flat, "verl", response_length=4))
+    assert short.cut_at == 4
+    cfg = _verl_config("grpo", full_R)
+    with pytest.raises(LengthMismatch) as err:
+        install(short, config=cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and "--response-length 4" in msg and f"--response-length {full_R}" in msg
+    wrapper = install(short)  # no config: the batch says it
+    try:
+        queue, meta, _ = _v1_queue(flat, full_R, "grpo")
+        both = f"cut at --response-length 4, .*export again with --response-length {full_R}$"
+        with pytest.raises(LengthMismatch, match=both):  # v1 knows its config: the trainer's says it
+            _v1_step(verl_v1, monkeypatch, queue, meta, _verl_config("grpo", full_R))
+        legacy = _verl_config("grpo", full_R)
+        legacy.trainer.use_v1 = False
+        with pytest.raises(LengthMismatch, match=f"samples are longer than .*{both}"):  # legacy: the batch
+            _verl_legacy_step(flat, rows, legacy, full_R)
+    finally:
+        wrapper.uninstall()
+    geo = _verl_config("grpo", full_R)
+    geo.actor_rollout_ref.actor.policy_loss.loss_mode = "geo_mean"
+    with pytest.raises(ValueError, match="loss_mode=geo_mean cannot carry per-token advantages") as err:
+        install(CreditflowAdvantages(to_padded(flat, "verl")), config=geo)
+    assert "\n" not in str(err.value) and "loss_mode=vanilla" in str(err.value)
 
 
 def test_openrlhf_experience_building_matches_our_layout():

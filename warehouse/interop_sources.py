@@ -33,6 +33,15 @@ class PickleRefused(ValueError):
     """A pickle given without `allow_pickle`: one line for the user."""
 
 
+class MissingPackage(RuntimeError):
+    """A dump that needs a package this environment lacks (a pickled DataProto needs torch and tensordict):
+    one line for the user naming what to install."""
+
+
+# what provides a module a pickled DataProto loads (torch: creditflow's [torch] extra)
+INSTALL_HINT = {"torch": "pip install 'creditflow[torch]'", "tensordict": "pip install tensordict"}
+
+
 class _ArrayUnpickler(pickle.Unpickler):
     """Rebuilds NumPy arrays of plain Python objects and nothing else."""
 
@@ -128,7 +137,8 @@ def read_dataproto(path: Path) -> dict[str, np.ndarray]:
 
 def read_raw_source(path: Path, allow_pickle: bool = False) -> pa.Table | dict[str, np.ndarray] | Unreadable:
     """The file's columns, or `Unreadable` (a corrupt file, an array the safe unpickler refuses, ...).
-    Raises `PickleRefused` for a pickle without `allow_pickle`."""
+    Raises `PickleRefused` for a pickle without `allow_pickle`, `MissingPackage` where loading it needs a
+    package this environment lacks."""
     if _is_pickle(path) and not allow_pickle:
         raise PickleRefused(
             f"{path} is a pickle (verl DataProto.save_to_disk): loading a pickle can run any code it names; "
@@ -140,6 +150,12 @@ def read_raw_source(path: Path, allow_pickle: bool = False) -> pa.Table | dict[s
         if path.suffix == ".parquet":
             return pq.read_table(path)
         return read_dataproto(path)
+    except ModuleNotFoundError as exc:  # the dump is fine, this environment lacks what loads it
+        name = (exc.name or "").split(".")[0]
+        hint = INSTALL_HINT.get(name, f"pip install {name}")
+        raise MissingPackage(
+            f"{path}: a pickled verl DataProto needs the package {name!r} to load ({hint})"
+        ) from None
     except Exception as exc:  # noqa: BLE001 -- zipfile, pickle, Arrow and OS errors alike: this file only
         return unreadable(path, exc)
 

@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         """Ingest rollouts: validate, quarantine bad records with a reason, tokenize, write the round."""
         from flows.display import console, print_kv
         from pipeline.ingest import get_adapter, ingest
-        from warehouse.interop_sources import PickleRefused, read_raw_sources
+        from warehouse.interop_sources import MissingPackage, PickleRefused, read_raw_sources
         from warehouse.lake import Lake
         from warehouse.rounds import write_round
         from warehouse.sources import read_table_sources, read_text_sources
@@ -59,6 +59,9 @@ def register(app: typer.Typer) -> None:
                 inputs = read_table_sources(sources)
             else:
                 inputs = read_text_sources(sources, spec.extensions)
+        except MissingPackage as exc:  # one line naming what to install
+            typer.secho(str(exc), fg="red", err=True)
+            raise typer.Exit(1) from None
         except (FileNotFoundError, OSError, UnicodeDecodeError, PickleRefused) as exc:
             typer.secho(f"cannot read sources: {exc}", fg="red", err=True)
             raise typer.Exit(2) from exc
