@@ -529,79 +529,107 @@ def test_verl_export_cut_shorter_than_the_run_stops_in_one_line(verl_v1, monkeyp
     assert "\n" not in str(err.value) and "loss_mode=vanilla" in str(err.value)
 
 
-def test_openrlhf_experience_building_matches_our_layout():
+@pytest.mark.parametrize("cut", [False, True])
+def test_openrlhf_experience_building_matches_our_layout(cut):
     """OpenRLHF 0.11.2 builds each sample's Experience from the agent's observation tokens and action ranges
-    (SamplesGenerator._process_response_into_experience) and concatenates them (Experience.concat_experiences);
-    our export equals that batch, and our advantages sit on its action tokens."""
+    (SamplesGenerator._process_response_into_experience, which cuts every sequence at --data.max_len) and
+    concatenates them (Experience.concat_experiences); our export (with --max-len the same cut) equals that
+    batch, values and dtypes, and our per-token advantages sit on its action tokens; a live batch, shuffled and
+    cut by OpenRLHF, finds them in an uncut export; an export cut shorter than the run stops in one line."""
     torch = _need("torch")
     _need("openrlhf")
     with _stub_modules("vllm", "vllm.inputs", "vllm.utils"):
         sg = _need("openrlhf.trainer.ppo_utils.samples_generator")
     from openrlhf.trainer.ppo_utils.experience import Experience
 
-    flat = _round_batch(seed=11, methods=("grpo",))["grpo"]
-    a = to_padded(flat, "openrlhf", pad_token_id=7)
-    exps = []
-    for r, (ids, _, _, lp, reward, _) in enumerate(_rows(flat)):
-        ranges = [tuple(x) for x in a["action_ranges"][r].tolist() if x[0] >= 0]
-        response = {
-            "observation_tokens": ids,
-            "action_ranges": ranges,
-            "reward": reward,
-            "scores": reward,
-            "rollout_log_probs": lp,
-            "prompt": "",
-            "label": "",
-        }
-        exps.append(sg.SamplesGenerator._process_response_into_experience(None, response, max_len=10**6))
-    batch = Experience.concat_experiences(exps, pad_token_id=7)
-    # a live batch in another order finds our advantages by sample key (trainer.export_lookup)
-    from trainer.export_lookup import openrlhf_advantages
+    from trainer.export_lookup import ExportIndex, LengthMismatch, openrlhf_advantages
 
+    flat = _round_batch(seed=11, methods=("gae",))["gae"]
+    rows = _rows(flat)
+    full = to_padded(flat, "openrlhf", pad_token_id=7)
+    longest = max(len(ids) for ids, *_r in rows)
+    max_len = longest - 5 if cut else None
+    a = to_padded(flat, "openrlhf", pad_token_id=7, max_len=max_len)
+
+    def experiences(limit):
+        out = []
+        for r, (ids, _, _, lp, reward, _) in enumerate(rows):
+            ranges = [tuple(x) for x in full["action_ranges"][r].tolist() if x[0] >= 0]
+            response = {
+                "observation_tokens": ids,
+                "action_ranges": ranges,
+                "reward": reward,
+                "scores": reward,
+                "rollout_log_probs": lp,
+                "prompt": "",
+                "label": "",
+            }
+            out.append(sg.SamplesGenerator._process_response_into_experience(None, response, max_len=limit))
+        return out
+
+    exps = experiences(max_len or 10**6)
+    batch = Experience.concat_experiences(exps, pad_token_id=7)
+    assert (batch.attention_mask.sum(1) < torch.tensor([len(r[0]) for r in rows])).any() == cut
+    for name in ("sequences", "attention_mask", "rollout_log_probs", "response_length", "total_length"):
+        theirs, ours = getattr(batch, name), torch.from_numpy(a[name])
+        assert theirs.dtype == ours.dtype and torch.equal(theirs, ours), name
+    assert torch.equal(batch.action_mask.long(), torch.from_numpy(a["action_mask"]))
+    assert np.array_equal(batch.rewards.numpy().astype(np.float32), a["rewards"])
+    for r, (ids, _mask, adv, *_rest) in enumerate(rows):
+        n = min(len(ids), max_len or len(ids))
+        assert np.array_equal(a["advantages"][r, : n - 1], np.float32(adv[1:n]))  # token j + 1 at column j
+        assert batch.sequences[r, :n].tolist() == ids[:n]
+    # a live batch in another order, cut by OpenRLHF, finds our advantages in the uncut export by sample key
     perm = np.random.default_rng(1).permutation(len(exps))
     shuffled = Experience.concat_experiences([exps[i] for i in perm], pad_token_id=7)
-    got, found = openrlhf_advantages(a, shuffled.sequences, shuffled.attention_mask, shuffled.action_mask)
-    assert found.all() and np.array_equal(got.numpy(), a["advantages"][perm][:, : got.shape[1]])
-    assert torch.equal(batch.sequences, torch.from_numpy(a["sequences"]))
-    assert torch.equal(batch.attention_mask, torch.from_numpy(a["attention_mask"]))
-    assert torch.equal(batch.action_mask.long(), torch.from_numpy(a["action_mask"]))
-    assert torch.equal(batch.rollout_log_probs.float(), torch.from_numpy(a["rollout_log_probs"]))
-    assert torch.equal(batch.response_length, torch.from_numpy(a["response_length"]))
-    assert np.array_equal(batch.rewards.numpy().astype(np.float32), a["rewards"])
-    for r, (ids, mask, adv, *_rest) in enumerate(_rows(flat)):
-        on = batch.action_mask[r].bool().numpy()  # OpenRLHF's action positions of this row
-        assert np.array_equal(
-            a["advantages"][r][on], np.float32([x for x, m in zip(adv, mask, strict=True) if m][-on.sum() :])
+    for export in (full, a):
+        got, found = openrlhf_advantages(
+            ExportIndex(export), shuffled.sequences, shuffled.attention_mask, shuffled.action_mask, max_len
         )
-        assert (
-            batch.sequences[r, 1:][torch.from_numpy(on)].tolist()
-            == [t for t, m in zip(ids, mask, strict=True) if m][-on.sum() :]
-        )
+        assert found.all() and np.array_equal(got.numpy(), a["advantages"][perm][:, : got.shape[1]])
+    if cut:  # the cut export in a run that keeps whole sequences
+        whole = Experience.concat_experiences(experiences(10**6), pad_token_id=7)
+        with pytest.raises(LengthMismatch) as err:
+            openrlhf_advantages(a, whole.sequences, whole.attention_mask, whole.action_mask)
+        msg = str(err.value)
+        assert "\n" not in msg and f"cut at --max-len {max_len}," in msg
+        assert msg.endswith(f"export again with --max-len {longest}") and "--data.max_len" in msg
 
 
-def test_skyrl_convert_prompts_responses_matches_our_layout():
+@pytest.mark.parametrize("cut", [False, True])
+def test_skyrl_convert_prompts_responses_matches_our_layout(cut):
     """SkyRL 0.3.0's trainer turns generator output into tensors with convert_prompts_responses_to_batch_tensors;
-    our export equals its tensors (values and dtypes), and our advantages are right-aligned as they are."""
+    its generator cuts each response at generator.sampling_params.max_generate_length (response[:max_tokens]).
+    Our export (with --response-length the same cut) equals its tensors, values and dtypes, our per-token
+    advantages are right-aligned as they are, a shuffled cut batch finds them in an uncut export, and an export
+    cut shorter than the run stops in one line."""
     torch = _need("torch")
     pre = _need("skyrl.train.dataset.preprocess")
-    flat = _round_batch(seed=13, methods=("grpo",))["grpo"]
-    a = to_padded(flat, "skyrl", pad_token_id=5)
-    rows = [r for r in _rows(flat) if len(r[0]) > r[5]]  # SkyRL's generator never yields an empty response
-    keep = [i for i, r in enumerate(_rows(flat)) if len(r[0]) > r[5]]
-    a = to_padded(flat.take(keep), "skyrl", pad_token_id=5)
-    rewards = []
-    for ids, mask, _, _, reward, p in rows:
-        trained = [j for j, m in enumerate(mask) if m]
-        per_token = [0.0] * (len(ids) - p)
-        per_token[(trained[-1] if trained else len(ids) - 1) - p] = reward
-        rewards.append(per_token)
+    from trainer.export_lookup import LengthMismatch, skyrl_advantages
+
+    flat = _round_batch(seed=13, methods=("gae",))["gae"]
+    keep = [i for i, r in enumerate(_rows(flat)) if len(r[0]) > r[5]]  # SkyRL never yields an empty response
+    flat = flat.take(keep)
+    rows = _rows(flat)
+    longest = max(len(ids) - p for ids, *_r, p in rows)
+    M = longest - 4 if cut else None
+    a = to_padded(flat, "skyrl", pad_token_id=5, response_length=M)
+    full = to_padded(flat, "skyrl", pad_token_id=5)
+
+    def generator_output(limit):  # as SkyRL's generator holds it: responses cut at limit
+        out = []
+        for ids, mask, _, lp, reward, p in rows:
+            resp, rmask = ids[p:][:limit], mask[p:][:limit]
+            trained = [j for j, m in enumerate(rmask) if m]
+            per_token = [0.0] * len(resp)
+            per_token[trained[-1] if trained else len(resp) - 1] = reward
+            out.append((ids[:p], resp, per_token, rmask, lp[p:][:limit]))
+        return out
+
+    gen = generator_output(M or longest)
+    assert any(len(g[1]) < len(ids) - p for g, (ids, *_r, p) in zip(gen, rows, strict=True)) == cut
     seq, attn, resp_mask, rew, loss_mask, logprobs, _ = pre.convert_prompts_responses_to_batch_tensors(
-        types.SimpleNamespace(pad_token_id=5),
-        [ids[:p] for ids, *_, p in rows],
-        [ids[p:] for ids, *_, p in rows],
-        rewards,
-        [mask[p:] for _, mask, *_rest, p in rows],
-        [lp[p:] for _, _, _, lp, _, p in rows],
+        types.SimpleNamespace(pad_token_id=5), *map(list, zip(*gen, strict=True))
     )
     for name, theirs in [
         ("sequences", seq),
@@ -613,16 +641,21 @@ def test_skyrl_convert_prompts_responses_matches_our_layout():
     ]:
         ours = torch.from_numpy(a[name])
         assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
-    for r, (ids, _, adv, _, _, p) in enumerate(rows):
-        n = len(ids) - p
-        assert np.array_equal(a["advantages"][r, a["advantages"].shape[1] - n :], np.float32(adv[p:]))
-    from trainer.export_lookup import skyrl_advantages
-
+    W = a["advantages"].shape[1]
+    for r, (_ids, _, adv, _, _, p) in enumerate(rows):
+        n = len(gen[r][1])
+        assert np.array_equal(a["advantages"][r, W - n :], np.float32(adv[p:][:n]))
     perm = np.random.default_rng(2).permutation(len(rows))
-    got, found = skyrl_advantages(
-        a, [rows[i][0][: rows[i][5]] for i in perm], [rows[i][0][rows[i][5] :] for i in perm]
-    )
-    assert found.all() and np.array_equal(got.numpy(), a["advantages"][perm])
+    for export in (full, a):
+        got, found = skyrl_advantages(export, [gen[i][0] for i in perm], [gen[i][1] for i in perm], M)
+        assert found.all() and np.array_equal(got.numpy(), a["advantages"][perm])
+    if cut:  # the cut export in a run that keeps whole responses
+        whole = generator_output(None)
+        with pytest.raises(LengthMismatch) as err:
+            skyrl_advantages(a, [g[0] for g in whole], [g[1] for g in whole])
+        msg = str(err.value)
+        assert "\n" not in msg and f"cut at --response-length {M}," in msg
+        assert msg.endswith(f"export again with --response-length {longest}")
 
 
 def _tiny_causal_lm(vocab: int):
@@ -745,3 +778,34 @@ def test_text_source_exports_the_prompt_the_policy_was_given(real_data):
         assert tok._tok.decode(prompt, skip_special_tokens=False) == want
         whole = tok.apply_chat_template(messages, tools=tools)
         assert tok._tok.decode(prompt + response, skip_special_tokens=False) == whole
+
+
+class _Without:
+    """A meta path finder that makes the named top-level packages unimportable, as in a venv without them."""
+
+    def __init__(self, *names):
+        self.names = names
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in self.names:
+            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+        return None
+
+
+def test_ingest_of_a_dataproto_pickle_without_tensordict_is_one_line(tmp_path, monkeypatch):
+    """`ingest -f verl-batch --allow-pickle` of verl's own DataProto pickle (tests/fixtures/verl) where
+    tensordict is not installed: one line on stderr naming the package to install, exit 1, nothing written
+    (it was a quarantined `unreadable_file` with exit 0)."""
+    from pathlib import Path
+
+    pkl = Path(__file__).parent / "fixtures" / "verl" / "batch.dataproto.pkl"
+    for name in [m for m in sys.modules if m == "tensordict" or m.startswith("tensordict.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_Without("tensordict"), *sys.meta_path])
+    lake = tmp_path / "lake"
+    args = ["ingest", pkl, "-f", "verl-batch", "--allow-pickle", "--lake", lake, "--round", 0]
+    out = runner.invoke(app, [str(a) for a in [*args, "--tokenizer", "bytes"]])
+    assert out.exit_code == 1, out.output
+    lines = out.output.strip().splitlines()
+    assert len(lines) == 1 and "'tensordict'" in lines[0] and "pip install tensordict" in lines[0], out.output
+    assert not lake.exists()
