@@ -98,10 +98,44 @@ PASS_K = 8
 
 # ---- statistics ------------------------------------------------------------------------------------------
 def t975(df: int) -> float:
-    """Two-sided 95% quantile of Student's t (Cornish-Fisher expansion around the normal; exact table below 5)."""
-    table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776}
-    if df in table:
-        return table[df]
+    """Two-sided 95% quantile of Student's t: exact (tabulated) up to 30 degrees of freedom, beyond that the
+    Cornish-Fisher expansion around the normal quantile (error < 1e-4 there)."""
+    table = (
+        12.706,
+        4.303,
+        3.182,
+        2.776,
+        2.571,
+        2.447,
+        2.365,
+        2.306,
+        2.262,
+        2.228,
+        2.201,
+        2.179,
+        2.160,
+        2.145,
+        2.131,
+    )
+    table += (
+        2.120,
+        2.110,
+        2.101,
+        2.093,
+        2.086,
+        2.080,
+        2.074,
+        2.069,
+        2.064,
+        2.060,
+        2.056,
+        2.052,
+        2.048,
+        2.045,
+        2.042,
+    )
+    if 1 <= df <= 30:
+        return table[df - 1]
     z = 1.959963984540054
     return (
         z
@@ -258,13 +292,21 @@ class Values:
     def __init__(self, env, policy: Policy) -> None:
         self.env, self.policy = env, policy
         self.memo: dict = {}
+        self.pi: dict = {}  # key -> action probabilities (the policy is fixed while the values are taken)
+
+    def probs(self, task: dict, state) -> np.ndarray:
+        key = self.env.key(task, state)
+        p = self.pi.get(key)
+        if p is None:
+            p = self.pi[key] = self.policy.probs(self.policy.row(key))
+        return p
 
     def v(self, task: dict, state) -> float:
         key = (task["id"], state)
         got = self.memo.get(key)
         if got is not None:
             return got
-        p = self.policy.probs(self.policy.row(self.env.key(task, state)))
+        p = self.probs(task, state)
         q = self.q_all(task, state)
         out = float(p @ q)
         self.memo[key] = out
@@ -511,7 +553,7 @@ def env_bad_turns(env, b: Batch) -> np.ndarray:
         prev = np.where(b.turn == 1, 0.25, np.concatenate([[0.0], b.score[:-1]]))
         return (b.score < prev) | ((b.score == prev) & (b.score < 1.0))
     if env.name == "multihop":
-        return np.array(["(same results)" in o for o in b.obs])
+        return np.array([env.is_repeat(s, int(a)) for s, a in zip(b.states, b.action, strict=True)])
     return b.error.astype(bool)
 
 
@@ -854,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--diag-every", type=int, default=3, help="oracle diagnostics of non-oracle arms every N rounds"
     )
-    p.add_argument("--keep-turns", type=int, default=3, help="keep the per-turn advantages of this round")
+    p.add_argument("--keep-turns", type=int, default=5, help="keep the per-turn advantages of this round")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "bench" / "_learning_credit"))
     p.add_argument("--results", default=None)

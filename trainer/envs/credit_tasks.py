@@ -7,16 +7,17 @@ held-out tasks it never trained on. None of them goes through the text loop: the
 learner of bench/learning_credit.py, whose arms still take their credit from creditflow's estimators (the
 rollouts are laid out as trajectories/steps tables, one token per action).
 
-- `repair` (TCPO, code repair): 4 test categories, 3 of them failing at the start; each category has two
+- `repair` (TCPO, code repair): the policy sees which categories pass and, for the failing ones, which edit is
+  known to be right (a tried edit reveals it); 4 test categories, 3 of them failing at the start; each category has two
   candidate edits and one of them is right (hidden, drawn per task). The visible-test share is the per-turn
   verifier score. A wrong edit on a failing category fixes nothing and breaks another (hidden) category if it
   passes; a wrong edit on a passing category breaks it, including after success (edits after success can
-  corrupt it). Fixed budget K = 5 turns, every turn scored; reward = best-turn score, success = 1.0.
-- `multihop` (C3, multi-hop search): a chain question -> e1 -> ... -> eH (H in 2..4, shown) whose entities come
+  corrupt it). Fixed budget K = 5 turns (TCPO's code setting), every turn scored; reward = best-turn score, success = 1.0.
+- `multihop` (C3, multi-hop search): a chain question -> e1 -> ... -> eH (H in 2..3, shown) whose entities come
   back one search at a time; `next` searches the newest entity, `repeat` re-issues the previous query (an exact
   query loop, detected by C3's detector), `related` searches a background page of the newest entity (a wasted
   turn no detector flags), `answer` answers with the newest entity. Budget = the optimum plus one (H + 2).
-  The policy's prior likes repeating queries (logit +1.5), so loops appear in successful episodes (one costs
+  The policy's prior likes repeating queries (logit +1.0 on `repeat`, +0.5 on `related`), so loops appear in successful episodes (one costs
   nothing) and cost success elsewhere (two fail).
 - `toolchain` (IAPO): auth -> find_user -> get_order -> refund, each call needing the previous one's output;
   recoverable errors: a call without its input fails (`missing input`), the first call of some tools times
@@ -96,7 +97,7 @@ N_CAT = 4
 class RepairEnv(CreditEnv):
     """state = (turn, passing mask, known-right variant per category (-1 unknown), best level so far)."""
 
-    def __init__(self, turns: int = 6) -> None:
+    def __init__(self, turns: int = 5) -> None:
         super().__init__("repair", tuple(f"edit_c{c}_v{v}" for c in range(N_CAT) for v in (0, 1)))
         self.turns = turns
 
@@ -184,9 +185,17 @@ class MultiHopEnv(CreditEnv):
         turn, hops, kind, ent, answered = state
         names, H = task["names"], task["hops"]
         turn += 1
-        if a == REPEAT and kind >= 0:  # re-issue the previous query exactly: nothing new comes back
+        if a == REPEAT and kind >= 0:  # re-issue the previous query exactly: the same results, nothing new
             q = names[ent] + (" background" if kind == 1 else "")
-            text, obs = f"<search>{q}</search>", "<information> (same results) </information>"
+            text = f"<search>{q}</search>"
+            if kind == 1:
+                obs = "<information> (background) </information>"
+            else:
+                obs = (
+                    f"<information> {names[ent + 1]} </information>"
+                    if ent < H
+                    else "<information> (nothing new) </information>"
+                )
         elif a in (NEXT, REPEAT):  # a repeat before any query searches the question, like next
             kind, ent = 0, hops
             text = f"<search>{names[hops]}</search>"
@@ -207,6 +216,11 @@ class MultiHopEnv(CreditEnv):
         done = answered != 0 or turn >= self.max_turns(task)
         score = 1.0 if answered == 1 else 0.5 * hops / H
         return Step((turn, hops, kind, ent, answered), score, done, text, obs)
+
+    @staticmethod
+    def is_repeat(state: State, a: int) -> bool:
+        """The action re-issues the previous query (C3's exact query loop)."""
+        return a == REPEAT and state[2] >= 0
 
     def outcome(self, task: dict, state: State) -> float:
         return float(state[4] == 1)
