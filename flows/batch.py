@@ -62,6 +62,7 @@ def _finish(
     cache_key: str | None,
     notes: dict[str, float] | None = None,
     warnings: list[str] | None = None,
+    failures: dict[str, int] | None = None,
 ) -> dict:
     """A batch stage's summary (what its task returns), recorded in the lake's run log (`stage_runs`)."""
     summary = {
@@ -75,6 +76,8 @@ def _finish(
         "notes": dict(notes or {}),
         "warnings": list(warnings or []),
     }
+    if failures:  # an LLM stage's requests that failed for good, by cause (flows.run: the degradation check)
+        summary["failures"] = dict(failures)
     record_stage_run(
         lake,
         round_,
@@ -138,7 +141,20 @@ def run_stage(
             )
         lake.write_part(table, round_, result, part=part)
         rows[table] = rows.get(table, 0) + result.num_rows
-    return _finish(lake, round_, stage_name, batch, t0, traj, steps, rows, cache_key, out.notes, out.warnings)
+    return _finish(
+        lake,
+        round_,
+        stage_name,
+        batch,
+        t0,
+        traj,
+        steps,
+        rows,
+        cache_key,
+        out.notes,
+        out.warnings,
+        out.failures,
+    )
 
 
 def _with_methods(config: Config, methods: list[str]) -> Config:

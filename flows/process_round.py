@@ -325,5 +325,12 @@ class _Tally:
             r["batches"] += 1
             r["cached"] += int(cached)
             r["warnings"] += [f"{summary['batch']}: {w}" for w in summary.get("warnings", [])]
+            notes = summary.get("notes") or {}
+            if "llm_requests_total" in notes:  # an LLM stage: what it asked and what failed, by cause
+                r["llm_requests"] = r.get("llm_requests", 0) + int(notes["llm_requests_total"])
+                r["llm_failed"] = r.get("llm_failed", 0) + int(notes.get("llm_requests_failed", 0))
+                causes = r.setdefault("failures", {})
+                for cause, n in (summary.get("failures") or {}).items():
+                    causes[cause] = causes.get(cause, 0) + int(n)
             r["finished_after_s"] = round(time.perf_counter() - self.t0, 3)
             progress.report("batch", stage, batch=summary["batch"], cached=cached)

@@ -127,7 +127,26 @@ def run_process(
     from warehouse.catalog import query
 
     print_table(query(lake, credit_by_method_sql(round_)), title="credit by method")
+    over = over_failure_share(summary, cfg.flow.max_failed_share)
+    if over and not cfg.flow.allow_degraded:
+        raise SystemExit("; ".join(over) + " (--allow-degraded accepts the run)")
     return summary
+
+
+def over_failure_share(summary: dict, share: float) -> list[str]:
+    """One line per LLM stage of this run whose failed requests exceed `share` of its requests: the stage, the
+    count and the main cause."""
+    out = []
+    for stage, r in (summary.get("this_run") or {}).items():
+        failed, total = int(r.get("llm_failed", 0)), int(r.get("llm_requests", 0))
+        if total and failed / total > share:
+            causes = sorted((r.get("failures") or {}).items(), key=lambda kv: -kv[1])
+            cause = causes[0][0] if causes else "unknown"
+            out.append(
+                f"stage {stage} degraded: {failed} of {total} LLM requests failed ({cause}), over "
+                f"flow.max_failed_share {share:.0%}"
+            )
+    return out
 
 
 def say_waiting(line: str) -> None:

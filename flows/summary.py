@@ -60,6 +60,11 @@ def print_summary(summary: dict, title: str | None = None, console=None) -> None
     from flows.display import console as default_console
 
     console = console or default_console
+    fell_back = fallback_lines(summary)
+    if fell_back:  # first, above the tables: the credit below is partly made of these fallbacks
+        console.print("[bold yellow]degraded: what fell back[/bold yellow]")
+        for line in fell_back:
+            console.print(f"[yellow]  - {line}[/yellow]", soft_wrap=True)
     rows = summary.get("rows", {})
     notes = summary.get("notes", {})
     overview = {
@@ -105,8 +110,30 @@ def print_summary(summary: dict, title: str | None = None, console=None) -> None
             cells += [str(r.get("cached", "")), str(r.get("finished_after_s", ""))]
         table.add_row(*cells)
     console.print(table)
-    for warning in summary.get("warnings", [])[:10]:
-        console.print(f"[yellow]warning:[/yellow] {warning}")
+
+
+def fallback_lines(summary: dict, limit: int = 10) -> list[str]:
+    """What fell back in this run, one line per LLM stage whose requests failed (count, share and the main
+    cause) and then the stages' warnings (deduplicated over batches), at most `limit` lines."""
+    lines = []
+    for stage, r in (summary.get("this_run") or {}).items():
+        failed, total = int(r.get("llm_failed", 0)), int(r.get("llm_requests", 0))
+        if failed:
+            causes = sorted((r.get("failures") or {}).items(), key=lambda kv: -kv[1])
+            cause = f"; cause: {causes[0][0]}" if causes else ""
+            lines.append(
+                f"{stage}: {failed} of {total} LLM requests failed ({failed / max(total, 1):.0%}){cause}"
+            )
+    seen = set()
+    for warning in summary.get("warnings", []):
+        stage, _, rest = warning.partition(": ")
+        _, _, text = rest.partition(": ")
+        key = f"{stage}: {text or rest}"
+        if key not in seen:
+            seen.add(key)
+            n = sum(1 for w in summary["warnings"] if w.startswith(stage + ": ") and w.endswith(text or rest))
+            lines.append(key + (f" ({n} batches)" if n > 1 else ""))
+    return lines[:limit]
 
 
 def credit_by_method_sql(round_: int) -> str:

@@ -46,6 +46,17 @@ class FlowSettings(BaseModel):
     retry_delay_s: float = Field(2.0, ge=0, description="first retry delay; doubles on each retry (backoff)")
     export: bool = Field(True, description="write the train_batch table (per batch and method) after credit")
     progress: bool = Field(True, description="rich progress bars per stage on the terminal")
+    max_failed_share: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="an LLM stage whose failed requests (after retries and service restarts, or too long for "
+        "the context) exceed this share of its requests fails the run: `process` exits 1 with one line naming "
+        "the stage, the count and the cause (its fallbacks are written, and recomputed next run)",
+    )
+    allow_degraded: bool = Field(
+        False, description="accept a run above max_failed_share (`process --allow-degraded`): it only warns"
+    )
     lock_wait_s: float = Field(
         0.0,
         ge=0,

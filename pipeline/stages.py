@@ -24,6 +24,8 @@ class StageOutput:
     tables: dict[str, pa.Table]  # by table name; a per-method table by `method_key(table, method)`
     notes: dict[str, float] = field(default_factory=dict)  # counts for the run summary (llm calls, fallbacks)
     warnings: list[str] = field(default_factory=list)  # degraded but completed (endpoint down, ...)
+    # LLM stages (filled by `execute`): requests that failed for good, by cause ("too_long: prompt ...")
+    failures: dict[str, int] = field(default_factory=dict)
 
 
 def method_key(table: str, method: str) -> str:
@@ -84,12 +86,31 @@ class LLMExchange:
     parse: Callable[[LLMReply], StageOutput | LLMExchange]
 
 
+def failure_cause(error: Any) -> str:
+    """One short line for a failed request's cause, the same for requests that failed alike (`HTTP 400: ...`
+    without request ids, `too_long`, `connection: ...`)."""
+    import re
+
+    kind = getattr(error, "kind", type(error).__name__)
+    if kind == "too_long":
+        return "too_long: prompt + answer budget exceed the context"
+    msg = str(getattr(error, "message", error)).splitlines()[0] if str(error) else ""
+    msg = re.sub(r"(?<!HTTP )(?<!code: )\b(?:[0-9a-f]{8,}|\d{3,})\b", "N", msg)  # ids, sizes: per request
+    return f"{kind}: {msg}"[:160]
+
+
 def execute(work: StageOutput | LLMExchange, io: StageIO) -> StageOutput:
     """Run a stage's exchanges through the client of `io` until it returns its output (a stage without an LLM
-    returns its output at once)."""
+    returns its output at once). It counts what was asked: notes `llm_requests_total` (every request of
+    every exchange) and `llm_requests_failed`: those answered by an `LLMError` after the client's retries
+    and restarts, plus the requests the stage gave up on as too long for the context (its note
+    `llm_too_long`; a too_long answer the stage recovers from, by splitting the request, is no failure);
+    `failures`: the failed requests by cause."""
     import time
+    from collections import Counter
 
     client, settings = None, None
+    total, causes = 0, Counter[str]()
     while isinstance(work, LLMExchange):
         if client is None or work.settings != settings:  # a re-ask goes through the same client
             client, settings = io.client(work.settings), work.settings
@@ -97,7 +118,21 @@ def execute(work: StageOutput | LLMExchange, io: StageIO) -> StageOutput:
         t0 = time.perf_counter()
         results = client.run_batch(work.requests) if work.requests else []
         wall_s = time.perf_counter() - t0
+        total += len(work.requests)
+        for res in results:
+            if isinstance(res, Exception) and getattr(res, "kind", None) != "too_long":
+                causes[failure_cause(res)] += 1
         work = work.parse(LLMReply(list(results), client.records[seen:], wall_s))
+    if client is not None:
+        unfit = int(work.notes.get("llm_too_long", 0))
+        if unfit:
+            causes["too_long: prompt + answer budget exceed the context (not sent)"] += unfit
+        work.notes["llm_requests_total"] = float(total)
+        work.notes["llm_requests_failed"] = float(sum(causes.values()))
+        restarts = getattr(client, "restarts", 0)
+        if restarts:
+            work.notes["llm_service_restarts"] = float(restarts)
+        work.failures = dict(causes)
     return work
 
 

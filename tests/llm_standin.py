@@ -16,7 +16,11 @@ Pluggable behaviour:
 - `reject_json_schema`: answer 400 to a `response_format` of type json_schema (a server without
   constrained decoding);
 - logprobs (chat `logprobs/top_logprobs`, completions `logprobs`), `n` choices, `echo` with prompt
-  logprobs, vLLM's `prompt_logprobs` and `return_token_ids` extras.
+  logprobs, vLLM's `prompt_logprobs` and `return_token_ids` extras;
+- `max_model_len`: None (default) serves no /tokenize (404, like a server that is not vLLM); a number serves
+  vLLM's POST /tokenize (`count`, `max_model_len`, `tokens`, counted with the stand-in's tokens) and answers
+  400 "maximum context length" to a request whose prompt does not leave one token, as vLLM does;
+- `down`: True makes /health answer 503 and every generation request fail with 500 (an engine that died).
 
 Tokens are whitespace-delimited chunks (`\\S+\\s*`); a token's id is a stable hash, its logprob a function of
 the id (`token_logprob`). A prompt given as token ids is echoed as tokens "t<id>".
@@ -112,6 +116,9 @@ class StandIn:
         self.behaviour: Callable[[dict, str, int], str] = default_reply
         self.latency_s = 0.0
         self.reject_json_schema = False
+        self.max_model_len: int | None = None
+        self.tokenize_calls = 0
+        self.down = False
         self._failures: deque[str] = deque()
         self.retry_after_s = 0.0  # a 429 carries Retry-After: this many seconds (0: no header)
         self.requests: list[dict[str, Any]] = []
@@ -184,7 +191,17 @@ class StandIn:
 
         @app.get("/health")
         async def health():
-            return Response(status_code=200)
+            return Response(status_code=503 if standin.down else 200)
+
+        @app.post("/tokenize")
+        async def tokenize_route(request: Request):
+            body = await request.json()
+            with standin._lock:
+                standin.tokenize_calls += 1
+            if standin.max_model_len is None:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            _, ids = standin._prompt_tokens(body, "chat" if "messages" in body else "complete")
+            return {"count": len(ids), "max_model_len": standin.max_model_len, "tokens": ids}
 
         @app.get("/standin/stats")
         async def stats():
@@ -219,6 +236,19 @@ class StandIn:
             try:
                 if standin.latency_s:
                     await asyncio.sleep(standin.latency_s)
+                if failure is None and standin.down:
+                    failure = "500"
+                if failure is None and standin.max_model_len is not None:
+                    n_prompt = len(standin._prompt_tokens(body, kind)[1])
+                    if n_prompt + 1 > standin.max_model_len:
+                        msg = (
+                            f"This model's maximum context length is {standin.max_model_len} tokens. "
+                            f"However, your request has {n_prompt} input tokens."
+                        )
+                        return JSONResponse(
+                            {"object": "error", "message": msg, "type": "BadRequestError", "code": 400},
+                            status_code=400,
+                        )
                 if failure is None and standin.reject_json_schema:
                     rf = body.get("response_format") or {}
                     if rf.get("type") == "json_schema":

@@ -57,7 +57,9 @@ def register(app: typer.Typer) -> None:
             None, "--lake", help="also record the address in LAKE/_services/llm.json"
         ),
         venv: Path | None = typer.Option(None, "--venv", help="service venv"),
-        max_model_len: int = typer.Option(2048, "--max-model-len"),
+        max_model_len: int | None = typer.Option(
+            None, "--max-model-len", help="context in tokens (default: the model's own, SmolLM2-135M 8192)"
+        ),
         wait_s: float = typer.Option(300.0, "--wait", help="seconds to wait for /health"),
     ) -> None:
         """Start a vLLM server in the background, wait until it is healthy, print its address."""
@@ -65,7 +67,10 @@ def register(app: typer.Typer) -> None:
 
         current = service.read_state(lake)
         if current is not None and service.pid_alive(current.pid) and service.healthy(current.url):
-            typer.echo(f"already serving {current.model} at {current.url} (pid {current.pid})")
+            typer.echo(
+                f"already serving {current.model} at {current.url} (pid {current.pid}, context "
+                f"{current.max_model_len or 'unknown'})"
+            )
             typer.echo(current.url)
             return
         try:

@@ -64,6 +64,12 @@ def register(app: typer.Typer) -> None:
             "--force process prints its summary and starts nothing); its stages still come from the cache "
             "unless --no-cache",
         ),
+        allow_degraded: bool = typer.Option(
+            False,
+            "--allow-degraded",
+            help="finish with exit 0 even when more than flow.max_failed_share (10%) of an LLM stage's "
+            "requests failed (its fallbacks: uniform weights, hindsight); without it such a run exits 1",
+        ),
         skip_unmet: bool = typer.Option(
             False,
             "--skip-unmet",
@@ -77,6 +83,8 @@ def register(app: typer.Typer) -> None:
 
         if no_cache:
             sets = [*sets, "flow.cache=false"]
+        if allow_degraded:
+            sets = [*sets, "flow.allow_degraded=true"]
         if wait or wait_s is not None:
             sets = [*sets, f"flow.lock_wait_s={'inf' if wait_s is None else wait_s}"]
         cfg = load_config(

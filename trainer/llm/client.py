@@ -26,7 +26,17 @@ What it does for every request (libraries where they exist, our code where they 
 - a response cache (diskcache: SQLite, safe across threads and processes, size-bounded) keyed by
   sha256(model, kind, request content, sampling params, seed, response format): a re-run makes no call
   twice; identical requests in flight at once share one call (ours);
-- a `CallRecord` per request (endpoint, model, latency, tokens, cache hit, error, attempts, purpose tag).
+- a `CallRecord` per request (endpoint, model, latency, tokens, cache hit, error, attempts, purpose tag);
+- requests that fit (`count_tokens`): before a request is sent its prompt is counted by the server's own
+  tokenizer and chat template (vLLM's POST /tokenize, which also reports the served context); when prompt +
+  max_tokens exceeds the context (`context_tokens`, else the server's) it is not sent and fails with
+  `LLMError` kind `too_long` (prompt_tokens, context), which the stage reads (the IAPO annotator then splits
+  the trajectory into windows). An endpoint without /tokenize is remembered and not checked;
+- a service that heals (`heal`): when a request to the managed vLLM server (`creditflow llm serve`, or a
+  `healer` passed in) fails with a connection error, a 5xx or a timeout, its supervisor
+  (trainer.llm.service.Supervisor) checks /health and restarts a dead or unhealthy server (bounded by
+  `max_restarts`, logged); requests that failed meanwhile share that restart and are sent again at once,
+  spending none of their retries. Nothing from a dead endpoint is cached (only answers are).
 
 vLLM extras: with `vllm_extras` on (default) requests carry `return_token_ids` so vLLM returns the token
 ids of the completion (`Choice.token_ids`); completions may ask for `prompt_logprobs`. Servers that ignore
@@ -151,6 +161,9 @@ def _hash(obj: Any) -> str:
     ).hexdigest()
 
 
+_HEAL_KINDS = frozenset(
+    {"connection", "server", "timeout"}
+)  # failures after which a managed server is checked
 _POOL_SHARD = 16  # concurrent requests per HTTP connection pool (see LLMClient._client)
 
 
@@ -161,13 +174,14 @@ class _LoopState:
         self.turn = itertools.count()
         self.inflight: dict[str, asyncio.Future] = {}
         self.model_lock = asyncio.Lock()
+        self.http: Any = None  # httpx.AsyncClient for the server's own routes (/tokenize)
 
 
 class LLMClient:
     """See the module docstring. Safe to share between coroutines and between threads (each event loop
     gets its own HTTP clients and semaphore)."""
 
-    def __init__(self, settings: LLMSettings | None = None, **overrides: Any):
+    def __init__(self, settings: LLMSettings | None = None, *, healer: Any = None, **overrides: Any):
         if settings is None:
             settings = LLMSettings(**overrides)
         elif overrides:
@@ -187,6 +201,12 @@ class LLMClient:
         self._records: list[CallRecord] = []
         self._records_lock = threading.Lock()
         self.calls_made = 0  # HTTP requests actually sent (attempts), for tests and benchmarks
+        self.restarts = 0  # restarts of a managed server this client's requests asked for and got
+        self._healers: dict[str, Any] = {}
+        if healer is not None:
+            self._healers[normalize_endpoint(healer.url)] = healer
+        self._no_tokenize: set[str] = set()
+        self._counts: dict[tuple[str, str], tuple[int, int | None]] = {}  # (endpoint, body hash) -> count
 
     # ---- small helpers -------------------------------------------------------------------------------
     def _state(self) -> _LoopState:
@@ -249,6 +269,10 @@ class LLMClient:
                 with contextlib.suppress(Exception):
                     await c.close()
         st.clients.clear()
+        if st.http is not None:
+            with contextlib.suppress(Exception):
+                await st.http.aclose()
+            st.http = None
 
     async def model_name(self) -> str:
         """The configured model, or the first model the endpoints serve (asked once)."""
@@ -545,23 +569,34 @@ class LLMClient:
         n_ep = len(self.endpoints)
         ep_i = self._next_start()
         attempts = 0
+        heals = 0
 
         async def one_try() -> Any:
-            nonlocal ep_i, attempts
+            nonlocal ep_i, attempts, heals
             tried: set[int] = set()
             while True:
                 endpoint = self.endpoints[ep_i % n_ep]
                 tried.add(ep_i % n_ep)
                 ep_i += 1
                 attempts += 1
+                healer = self._healer(endpoint)
+                seen = healer.generation if healer is not None else None
                 try:
                     async with st.sem:
-                        self.calls_made += 1
                         return await self._call_once(
                             st, endpoint, kind, model, content, params, response_format, extra_body
                         )
                 except LLMError as exc:
                     exc.endpoint, exc.attempts, exc.request_hash = endpoint, attempts, key
+                    if healer is not None and exc.kind in _HEAL_KINDS and heals < s.max_restarts + 1:
+                        # the managed server may have died: restart it (or wait for the restart another
+                        # request started), then send again without spending a retry
+                        await asyncio.to_thread(healer.heal, seen)
+                        if healer.generation != seen:
+                            heals += 1
+                            self.restarts += 1
+                            tried.discard((ep_i - 1) % n_ep)
+                            continue
                     if exc.kind == "connection" and len(tried) < n_ep:
                         continue
                     raise
@@ -581,6 +616,86 @@ class LLMClient:
         )
         res = await retrying(one_try)
         return res, attempts
+
+    def _healer(self, endpoint: str) -> Any:
+        """The supervisor of the managed server at `endpoint` (None: not managed, or healing off)."""
+        if endpoint in self._healers:
+            return self._healers[endpoint]
+        sup = None
+        if self.settings.heal:
+            try:
+                from trainer.llm.service import supervisor
+
+                sup = supervisor(endpoint, max_restarts=self.settings.max_restarts)
+            except Exception:  # noqa: BLE001 - an unreadable state file: not managed
+                sup = None
+        self._healers[endpoint] = sup
+        return sup
+
+    async def count_prompt(
+        self, endpoint: str, model: str, content: dict[str, Any], tools: Any = None
+    ) -> tuple[int, int | None] | None:
+        """(prompt tokens, the served context) by the server's tokenizer and chat template (vLLM POST
+        /tokenize), or None when the endpoint has no such route. Raises LLMError when it cannot be reached."""
+        import httpx
+
+        if endpoint in self._no_tokenize:
+            return None
+        prompt = content.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return (len(prompt), self.settings.context_tokens) if self.settings.context_tokens else None
+        body: dict[str, Any] = {"model": model}
+        if "messages" in content:
+            body.update(messages=content["messages"], add_generation_prompt=True)
+            if tools:
+                body["tools"] = tools
+        else:
+            body["prompt"] = prompt if isinstance(prompt, str) else "".join(map(str, prompt or []))
+        key = (endpoint, _hash(body))
+        if key in self._counts:
+            return self._counts[key]
+        st = self._state()
+        if st.http is None:
+            st.http = httpx.AsyncClient(timeout=self.settings.timeout_s)
+        base = endpoint[: -len("/v1")] if endpoint.endswith("/v1") else endpoint
+        try:
+            resp = await st.http.post(
+                base + "/tokenize", json=body, headers={"Authorization": f"Bearer {self.settings.api_key}"}
+            )
+        except httpx.TimeoutException as exc:
+            raise LLMError("timeout", f"/tokenize: no answer within {self.settings.timeout_s}s") from exc
+        except httpx.HTTPError as exc:
+            raise LLMError("connection", f"/tokenize: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code in (404, 405, 501):
+            self._no_tokenize.add(endpoint)
+            return None
+        if resp.status_code >= 500:
+            raise LLMError("server", f"/tokenize: HTTP {resp.status_code}", status=resp.status_code)
+        if resp.status_code != 200:
+            return None  # a request /tokenize cannot read (it is sent unchecked; the server says why)
+        try:
+            data = resp.json()
+            out = (int(data["count"]), int(data["max_model_len"]) if data.get("max_model_len") else None)
+        except (ValueError, KeyError, TypeError):
+            self._no_tokenize.add(endpoint)
+            return None
+        self._counts[key] = out
+        return out
+
+    async def _check_fit(self, endpoint: str, model: str, content: dict, req: dict, body: dict) -> None:
+        """Raise `LLMError.too_long` when the prompt + max_tokens does not fit the endpoint's context."""
+        if not self.settings.count_tokens:
+            return
+        counted = await self.count_prompt(endpoint, model, content, tools=body.get("tools"))
+        if counted is None:
+            return
+        prompt_tokens, served = counted
+        context = self.settings.context_tokens or served
+        answer = int(req.get("max_tokens") or 0) or 1
+        if context and prompt_tokens + answer > context:
+            err = LLMError.too_long(prompt_tokens, answer, context)
+            err.endpoint = endpoint
+            raise err
 
     async def _call_once(
         self,
@@ -623,6 +738,8 @@ class LLMClient:
                     messages = [{"role": "system", "content": _schema_instruction(schema)}, *messages]
                     structured = "prompted"
                 try:
+                    await self._check_fit(endpoint, model, {"messages": messages}, req, body)
+                    self.calls_made += 1
                     raw = await client.chat.completions.create(
                         model=model, messages=messages, extra_body=body or None, **req
                     )
@@ -635,11 +752,15 @@ class LLMClient:
                     messages = [{"role": "system", "content": _schema_instruction(schema)}, *messages]
                     structured = "prompted"
                     del exc
+                    await self._check_fit(endpoint, model, {"messages": messages}, req, body)
+                    self.calls_made += 1
                     raw = await client.chat.completions.create(
                         model=model, messages=messages, extra_body=body or None, **req
                     )
                 res = _parse_chat(raw)
             else:
+                await self._check_fit(endpoint, model, {"prompt": content["prompt"]}, req, body)
+                self.calls_made += 1
                 raw = await client.completions.create(
                     model=model, prompt=content["prompt"], extra_body=body or None, **req
                 )

