@@ -18,6 +18,7 @@ SCHEMA = pa.schema(
         pa.field("severity", pa.float64(), nullable=False),
         pa.field("rule", pa.string(), nullable=False),
         pa.field("evidence", pa.string()),
+        pa.field("reason", pa.string()),
     ]
 )
 
@@ -34,6 +35,8 @@ DOCS = {
     "severity": "s in [0,1] (Table 5: 1.0, 1.0, 0.5)",
     "rule": "detector rule that fired, e.g. search_r1.malformed",
     "evidence": "what the rule saw (repeated query, earlier turn, error text)",
+    "reason": "one sentence: why this span is undesirable (for a repeat: what it repeats and that nothing it "
+    "depends on changed in between)",
 }
 
 SPEC = TableSpec("spans", SCHEMA, DOCS)

@@ -34,6 +34,14 @@ SOURCES = {
     ),
 }
 PER_SOURCE = {"query_loop": 20, "invalid_action": 15}
+
+
+def _issue_24_rules():
+    from pipeline.detect.registry import DetectSettings
+
+    return DetectSettings(loop_needs_no_change=False, free_text_min_words=10**6)
+
+
 BEHAVIOURS = ("invalid_action", "query_loop", "near_repetition")
 
 
@@ -135,7 +143,13 @@ def draw(real: Path = REAL) -> list[Item]:
     for source in SOURCES:
         views = _views(source, real)
         by_id = {v.traj_id: v for v in views}
-        hits = run_detectors(views, DetectSettings())
+        # the sample is drawn from what the issue-24 rules flagged (every repeat a loop, near repetition of
+        # query tools only), so the labels made then still apply; `flagged` is what the current rules flag
+        hits = run_detectors(views, _issue_24_rules())
+        now = {
+            (tid, h.step_idx, h.behavior)
+            for tid, h, _ in run_detectors(_views(source, real), DetectSettings())
+        }
         found: dict[str, list] = {b: [] for b in BEHAVIOURS}
         for tid, hit, _ in sorted(hits, key=lambda h: (h[0], h[1].step_idx, h[1].behavior, h[1].rule)):
             found[hit.behavior].append((tid, hit.step_idx, hit.rule, hit.evidence, True))
@@ -154,7 +168,7 @@ def draw(real: Path = REAL) -> list[Item]:
         ]
         for behavior, rows in chosen.items():
             seen = set()
-            for tid, idx, rule, ev, flagged in rows:
+            for tid, idx, rule, ev, _flagged in rows:
                 key = f"{source}|{tid}|{idx}|{behavior}"
                 if key in seen:
                     continue
@@ -167,7 +181,7 @@ def draw(real: Path = REAL) -> list[Item]:
                         idx,
                         behavior,
                         rule,
-                        flagged,
+                        (tid, idx, behavior) in now,
                         ev,
                         _context(by_id[tid], idx, behavior),
                     )

@@ -347,7 +347,7 @@ def test_tool_call_rules():
     assert content[row["char_start"] : row["char_end"]].endswith("</tool_call>")
 
 
-def test_tool_calls_exact_repeats_loop_for_every_tool_near_only_for_query_tools():
+def test_tool_calls_exact_repeats_loop_for_every_tool_near_for_free_text():
     calls = [
         [("get_details_by_id", '{"id": "L1001"}')],
         [("get_details_by_id", '{"id": "L1002"}')],  # another id: not a repetition
@@ -383,8 +383,10 @@ def test_tool_calls_exact_repeats_loop_for_every_tool_near_only_for_query_tools(
         ]
     )
     kb["meta"] = {"tools": [{"name": "kb_lookup", "parameters": tools}]}
-    assert spans_of([kb]).height == 0
-    assert spans_of([kb], query_tools=["kb_lookup"])["behavior"].to_list() == ["near_repetition"]
+    # any tool's free text (issue 34): a near repetition by the text rule; declared a query tool: the query rule
+    assert spans_of([kb]).select("behavior", "rule").rows() == [("near_repetition", "text.char_jaccard")]
+    got = spans_of([kb], query_tools=["kb_lookup"]).select("behavior", "rule").rows()
+    assert got == [("near_repetition", "query.char_jaccard")]
 
 
 def test_a_query_that_adds_a_word_refines_it():

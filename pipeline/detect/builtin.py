@@ -37,6 +37,12 @@ class Action:
     query: str | None = None  # the free-text query of a query action (search / lookup / a query tool)
     name: str = ""  # the action or tool name
     call: str | None = None  # a tool call's canonical arguments: its exact repeats are loops, any tool
+    call_id: str | None = None  # the tool call's id (links its result)
+    free: str | None = None  # a non-query tool call's free-text arguments (near repetition compares them)
+    fixed: str = ""  # that call's other arguments, canonical: a reworded repeat keeps them all
+    values: frozenset[str] = (
+        frozenset()
+    )  # its argument values (`argument_values`): what a state change touches
 
 
 @dataclass
@@ -71,19 +77,28 @@ _REACT_ACTION = re.compile(r"(search|lookup|finish)\[(.*)\]", re.S)
 
 
 def parse_react(text: str) -> Parsed:
+    """The turn's action is its first Action line: the one a ReAct harness runs (FireAct and ReAct execute the
+    first action of a generation). Later Action lines never ran: they are one invalid span
+    (`react.unexecuted_actions`, from the second Action line to the end of the last) and never queries."""
     lines = list(_REACT_LINE.finditer(text))
     if not lines:
         return Parsed([], [("react.no_action", None, None, "no Action line")])
     actions, invalid = [], []
-    for m in lines:
-        start, end = m.start(), m.end()
-        start += len(m.group(0)) - len(m.group(0).lstrip())
-        act = _REACT_ACTION.fullmatch(m.group(1))
-        if act is None:
-            invalid.append(("react.unparseable", start, end, m.group(1)[:200]))
-            continue
+    m = lines[0]
+    start, end = m.start(), m.end()
+    start += len(m.group(0)) - len(m.group(0).lstrip())
+    act = _REACT_ACTION.fullmatch(m.group(1))
+    if act is None:
+        invalid.append(("react.unparseable", start, end, m.group(1)[:200]))
+    else:
         query = act.group(2).strip() if act.group(1) in QUERY_ACTIONS else None
         actions.append(Action(start, end, query, act.group(1)))
+    if len(lines) > 1:
+        lo = lines[1].start() + len(lines[1].group(0)) - len(lines[1].group(0).lstrip())
+        extra = [x.group(1)[:80] for x in lines[1:]]
+        invalid.append(
+            ("react.unexecuted_actions", lo, lines[-1].end(), json.dumps(extra[:10], ensure_ascii=False))
+        )
     return Parsed(actions, invalid)
 
 
@@ -196,12 +211,35 @@ def parse_openai_tools(step: StepView, traj: TrajView, settings: DetectSettings)
             err = next(iter(_validator(json.dumps(schema, sort_keys=True)).iter_errors(args)), None)
             if err is not None:
                 invalid.append(("tool.schema", lo, hi, f"{name}: {err.message[:160]}"))
-        query = None
+        query, free, fixed = None, None, ""
         if name in QUERY_ACTIONS or name in settings.query_tools:
             texts = [v for _, v in sorted(args.items()) if isinstance(v, str)] if args else []
             query = " ".join(texts)
+        elif args:
+            free_keys = [
+                k
+                for k, v in sorted(args.items())
+                if isinstance(v, str) and len(v.split()) >= settings.free_text_min_words
+            ]
+            if free_keys:
+                free = " ".join(args[k] for k in free_keys)
+                rest = {k: v for k, v in args.items() if k not in free_keys}
+                fixed = unicodedata.normalize("NFKC", json.dumps(rest, sort_keys=True, ensure_ascii=False))
         canonical = unicodedata.normalize("NFKC", canonical_arguments(raw))
-        actions.append(Action(lo, hi, query, name, None if query is not None else canonical))
+        call_id = call.get("id")
+        actions.append(
+            Action(
+                lo,
+                hi,
+                query,
+                name,
+                None if query is not None else canonical,
+                call_id,
+                free,
+                fixed,
+                argument_values(args if args is not None else raw),
+            )
+        )
     return Parsed(actions, invalid)
 
 
@@ -276,78 +314,274 @@ def tool_error(traj: TrajView, settings: DetectSettings):
         yield Hit(producer.step_idx, lo, hi, "invalid_action", "tool.error_return", step.content[:200])
 
 
+_WORD = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
+_OBS_LABEL = re.compile(r"^\s*Observation(?:[ \t]*\d+)?[ \t]*:", re.I)
+
+
+def changes_state(name: str, settings: DetectSettings) -> bool:
+    """A call to `name` may change the environment's state: not a read-only tool (listed, or named with a
+    read verb first: `detect.read_only_prefixes`); `detect.state_changing_tools` always changes it."""
+    if name in settings.state_changing_tools:
+        return True
+    if name in settings.read_only_tools or name in QUERY_ACTIONS:
+        return False
+    words = _WORD.findall(name)
+    return not (words and words[0].lower() in settings.read_only_prefixes)
+
+
+def argument_values(arguments) -> frozenset[str]:
+    """The scalar values of a call's arguments (JSON text or object), lower-cased: what the call is about."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            return frozenset([arguments.strip().lower()]) if arguments.strip() else frozenset()
+    out: set[str] = set()
+    stack = [arguments]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+        elif x is not None and not isinstance(x, bool) and str(x).strip():
+            out.add(unicodedata.normalize("NFKC", str(x)).strip().lower())
+    return frozenset(out)
+
+
+def depends_on(changes: Sequence[frozenset[str]], values: frozenset[str]) -> bool:
+    """A call reading `values` may see another state after these state-changing calls: one of them shares an
+    argument value with it (make_payment(C1) before get_bills(C1)), or either has no arguments (device-wide
+    state: toggle_data() before check_status_bar())."""
+    return any(not ch or not values or (ch & values) for ch in changes)
+
+
+def _touched(
+    changes: list[frozenset[str]],
+    step_changes: list[frozenset[str]],
+    start: int,
+    n: int,
+    values: frozenset[str],
+) -> bool:
+    """A state-changing call from index `start` up to `n` (the message's own earlier calls counted after
+    `changes`) touches what `values` reads (`depends_on`)."""
+    cut = len(changes)
+    return depends_on(changes[start:], values) or depends_on(
+        step_changes[max(0, start - cut) : n - cut], values
+    )
+
+
+def _result_text(content: str) -> str:
+    """A tool result as the rules compare it: a ReAct `Observation N:` label dropped, whitespace collapsed."""
+    return " ".join(_OBS_LABEL.sub("", content, count=1).split())
+
+
+def action_results(traj: TrajView, settings: DetectSettings) -> dict[tuple[int, int], tuple[str, bool]]:
+    """(step_idx, action index) -> (result text, is_error) for every action whose result the trajectory
+    records: the step answering its call id, else (one action in the turn) the first observation after the
+    turn that answers no other call. Cached on the trajectory."""
+    if "results" in traj.cache:
+        return traj.cache["results"]
+    out: dict[tuple[int, int], tuple[str, bool]] = {}
+    for pos, step in enumerate(traj.steps):
+        if step.role != "assistant":
+            continue
+        parsed = parse_step(traj, step, settings)
+        if not parsed or not parsed.actions:
+            continue
+        calls = step.tool_calls or []
+        after: list[StepView] = []  # the steps after this turn up to the next assistant step
+        for st in traj.steps[pos + 1 :]:
+            if st.role == "assistant":
+                break
+            after.append(st)
+        for k, act in enumerate(parsed.actions):
+            cid = act.call_id
+            if cid is None and len(parsed.actions) == 1 and len(calls) == 1:
+                cid = calls[0].get("id")
+            # ids may repeat across a log (tau-bench v1 has reused ones): the answer is the first after the call
+            res = next((st for st in after if cid is not None and st.tool_call_id == cid), None)
+            if res is None and len(parsed.actions) == 1:
+                res = next((st for st in after if st.tool_call_id is None and not st.tool_calls), None)
+            if res is not None:
+                out[(step.step_idx, k)] = (_result_text(res.content), res.is_error)
+    traj.cache["results"] = out
+    return out
+
+
+@dataclass
+class _Seen:
+    turn: int
+    result: str | None  # None: not recorded
+    changes: int  # state-changing calls made once this action had run (an index into the list of them)
+    text: tuple | None = None  # near repetition: (normalised text, grams, identifiers, content words)
+
+
+def _word_overlap(a: frozenset, b: frozenset) -> float:
+    if not a or not b:
+        return 0.0
+    return len(a & b) / min(len(a), len(b))
+
+
 @detector("query_loop", default_severity=1.0)
 def query_loop(traj: TrajView, settings: DetectSettings):
-    """Exact repetition of an earlier turn's action: same call (name, canonical arguments) or same normalised
-    query of a query action (query_loop, 1.0); otherwise a query action's text with n-gram Jaccard >=
-    threshold against an earlier query of the same action, >= min_len chars and the same identifiers and
-    numbers (near_repetition, 0.5). See the module doc."""
-    earlier: dict[tuple[str, str], int] = {}  # (name, normalised query or canonical call) -> first turn
-    grams: dict[str, list[tuple]] = {}  # name -> (query, turn, grams, identifiers, content words)
-    for step in traj.assistant_steps():
+    """Repeats that mean waste: a repeat counts only when nothing it depends on changed in between (no
+    state-changing call by anyone since the latest earlier identical action, and, for an exact repeat, the same
+    result when both are recorded; `detect.loop_needs_no_change`).
+    query_loop (1.0): the same call (name, canonical arguments) or the same normalised query of a query action
+    as an earlier turn. near_repetition (0.5), when no exact repeat: a query action's text with n-gram Jaccard
+    >= threshold against an earlier query of the same action, >= min_len chars, the same identifiers and
+    numbers, adding no content word; or a call of any tool whose free-text arguments reword an earlier call's
+    with its other arguments the same (Jaccard >= threshold, or the same result and most content words
+    shared). See the module doc."""
+    strict = settings.loop_needs_no_change
+    results = action_results(traj, settings) if strict else {}
+    earlier: dict[tuple[str, str], _Seen] = {}  # latest earlier action per (name, query or call)
+    texts: dict[tuple[str, str], list[_Seen]] = {}  # (name, "" or fixed args) -> earlier texts
+    # state-changing calls so far (the agent's that did not fail, everyone else's): their argument values
+    changes: list[frozenset[str]] = []
+    for step in traj.steps:
+        if step.role != "assistant":
+            for call in step.tool_calls or ():  # another actor's calls (a user simulator's own tools)
+                if changes_state(str(call.get("name") or ""), settings):
+                    changes.append(argument_values(call.get("arguments")))
+            continue
         parsed = parse_step(traj, step, settings)
         if not parsed:
             continue
         turn = step.turn if step.turn is not None else step.step_idx
-        current: list[tuple[tuple[str, str], tuple | None]] = []
-        for act in parsed.actions:
+        current: list[tuple[tuple[str, str], _Seen, tuple[tuple[str, str], tuple] | None]] = []
+        step_changes: list[frozenset[str]] = []
+        for k, act in enumerate(parsed.actions):
+            res = results.get((step.step_idx, k))
+            result = res[0] if res is not None else None
+            n_before = len(changes) + len(step_changes)  # the calls of one message ran in order
+
+            if (
+                act.call is not None
+                and changes_state(act.name, settings)
+                and not (res is not None and res[1])
+            ):
+                step_changes.append(act.values)
             if act.query is not None:
                 q = normalize_query(act.query)
                 if not q:
                     continue  # nothing left to compare: never a loop
-                key = (act.name, q)
+                key, shown = (act.name, q), q
             elif act.call is not None:
-                q, key = f"{act.name} {act.call}", (act.name, act.call)
+                key, shown = (act.name, act.call), f"{act.name} {act.call}"
             else:
                 continue
-            if key in earlier:
-                yield Hit(
-                    step.step_idx,
-                    act.start,
-                    act.end,
-                    "query_loop",
-                    "query.exact",
-                    json.dumps({"query": q[:200], "earlier_turn": earlier[key]}, ensure_ascii=False),
-                )
-                current.append((key, None))
+            seen = _Seen(turn, result, len(changes) + len(step_changes))
+            prev = earlier.get(key)
+            if prev is not None:
+                same_result = prev.result is None or result is None or prev.result == result
+                unchanged = not _touched(changes, step_changes, prev.changes, n_before, act.values)
+                if not strict or (unchanged and same_result):
+                    why = (
+                        "nothing changed in between (no state-changing call"
+                        + (", the same result" if prev.result is not None and result is not None else "")
+                        + ")"
+                        if strict
+                        else "every repeat counts (detect.loop_needs_no_change=false)"
+                    )
+                    yield Hit(
+                        step.step_idx,
+                        act.start,
+                        act.end,
+                        "query_loop",
+                        "query.exact",
+                        json.dumps({"query": shown[:200], "earlier_turn": prev.turn}, ensure_ascii=False),
+                        reason=f"repeats turn {prev.turn}'s {act.name} with the same "
+                        f"{'query' if act.query is not None else 'arguments'}; {why}",
+                    )
+                    current.append((key, seen, None))
+                    continue
+            near = _near(act, seen, settings)
+            current.append((key, seen, near))
+            if near is None:
                 continue
-            if act.query is None:
-                current.append((key, None))
-                continue
-            g = ngrams(q, settings.ngram_n, settings.ngram_unit)
-            ids = identifiers(act.query)
-            words = content_words(q)
-            current.append((key, (q, g, ids, words)))
+            group, text = near
+            q, g, ids, words = text
             if len(q) < settings.min_len:
                 continue
-            best, best_q, best_t = -1.0, "", 0
-            for q2, t2, g2, ids2, words2 in grams.get(act.name, ()):
+            best_score: tuple[int, float] = (-1, 0.0)
+            best_prev, best = None, 0.0
+            for p in texts.get(group, ()):
+                assert p.text is not None
+                q2, g2, ids2, words2 = p.text
                 if ids2 != ids:
                     continue  # other identifiers or numbers: another question, however alike the letters
-                if not settings.near_refinements and not words <= words2:
+                if strict and _touched(changes, step_changes, p.changes, n_before, act.values):
+                    continue  # the state changed since: asking again is not waste
+                if act.query is not None and not settings.near_refinements and not words <= words2:
                     continue  # it adds a word: a refinement of the earlier query, not a repeat
                 j = jaccard(g, g2)
-                if j > best:
-                    best, best_q, best_t = j, q2, t2
-            if best >= settings.jaccard:
-                yield Hit(
-                    step.step_idx,
-                    act.start,
-                    act.end,
-                    "near_repetition",
-                    f"query.{settings.ngram_unit}_jaccard",
-                    json.dumps(
-                        {
-                            "query": q[:200],
-                            "earlier": best_q[:200],
-                            "earlier_turn": best_t,
-                            "jaccard": round(best, 4),
-                        },
-                        ensure_ascii=False,
-                    ),
+                if j >= settings.jaccard:
+                    score = (1, j)
+                elif (
+                    act.query is None
+                    and result is not None
+                    and p.result == result
+                    and _word_overlap(words, words2) >= settings.near_word_overlap
+                ):
+                    score = (0, j)  # a reworded call that did the same thing
+                else:
+                    continue
+                if score > best_score:
+                    best_score, best_prev, best = score, p, j
+            if best_prev is None or best_prev.text is None:
+                continue
+            rule = (
+                f"query.{settings.ngram_unit}_jaccard"
+                if act.query is not None
+                else (
+                    "text.same_result" if best < settings.jaccard else f"text.{settings.ngram_unit}_jaccard"
                 )
-        for key, text in current:  # visible to later turns only
-            if key not in earlier:
-                earlier[key] = turn
-                if text is not None:
-                    grams.setdefault(key[0], []).append((text[0], turn, *text[1:]))
+            )
+            what = "query" if act.query is not None else "free text"
+            because = (
+                f"{settings.ngram_unit} n-gram Jaccard {best:.2f} >= {settings.jaccard}"
+                if best >= settings.jaccard
+                else "the same result, most content words shared"
+            )
+            yield Hit(
+                step.step_idx,
+                act.start,
+                act.end,
+                "near_repetition",
+                rule,
+                json.dumps(
+                    {
+                        "query": q[:200],
+                        "earlier": best_prev.text[0][:200],
+                        "earlier_turn": best_prev.turn,
+                        "jaccard": round(best, 4),
+                    },
+                    ensure_ascii=False,
+                ),
+                reason=f"rewords turn {best_prev.turn}'s {act.name} {what} ({because}; the same identifiers"
+                + ("; nothing changed in between)" if strict else ")"),
+            )
+        changes += step_changes
+        for key, seen, near in current:  # visible to later turns only
+            earlier[key] = seen
+            if near is not None:
+                seen.text = near[1]
+                texts.setdefault(near[0], []).append(seen)
+
+
+def _near(act: Action, seen: _Seen, settings: DetectSettings) -> tuple[tuple[str, str], tuple] | None:
+    """(comparison group, (normalised text, n-grams, identifiers, content words)) of an action near repetition
+    compares: a query action's query (group: its name), a tool call's free text (group: name and its other
+    arguments); None otherwise."""
+    if act.query is not None:
+        raw, group = act.query, (act.name, "")
+    elif act.free is not None:
+        raw, group = act.free, (act.name, act.fixed)
+    else:
+        return None
+    q = normalize_query(raw)
+    if not q:
+        return None
+    return group, (q, ngrams(q, settings.ngram_n, settings.ngram_unit), identifiers(raw), content_words(q))

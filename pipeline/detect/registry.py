@@ -62,6 +62,56 @@ class DetectSettings(StageSettings):
         description="tool-calling agents: tools whose string arguments are a free-text query (near repetition "
         "compares them), besides search and lookup; an exact repeat of any tool call is a query loop",
     )
+    loop_needs_no_change: bool = Field(
+        True,
+        description="a repeat is a query loop (or near repetition) only when nothing it depends on changed in "
+        "between: no state-changing call (by the agent or anyone else, e.g. a user simulator) since the latest "
+        "earlier identical call, and (exact repeats) the same result when both results are recorded; false: "
+        "every repeat of an earlier turn's action counts (the rule before issue 34)",
+    )
+    read_only_prefixes: list[str] = Field(
+        default_factory=lambda: [
+            "get",
+            "check",
+            "search",
+            "lookup",
+            "find",
+            "list",
+            "calculate",
+            "think",
+            "fetch",
+            "read",
+            "view",
+            "show",
+            "query",
+            "retrieve",
+            "count",
+            "can",
+            "is",
+            "has",
+        ],
+        description="a tool whose name's first word (split at _ - . and camel case) is one of these only reads "
+        "state; a call to any other tool may change it (unless it returned an error)",
+    )
+    read_only_tools: list[str] = Field(
+        default_factory=list, description="tools that only read state, whatever their name"
+    )
+    state_changing_tools: list[str] = Field(
+        default_factory=list, description="tools that change state, whatever their name (beats read_only_*)"
+    )
+    free_text_min_words: int = Field(
+        3,
+        ge=1,
+        description="a string argument of a tool call with at least this many words is free text: near "
+        "repetition compares it for every tool, not only query tools",
+    )
+    near_word_overlap: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="free text of a non-query tool: a reworded repeat (near repetition) also when the call "
+        "returned the same result and this share of the shorter text's content words is in the other's",
+    )
     default_action_format: str | None = Field(
         None,
         description="action format for trajectories whose action_format is null (None: openai_tools when "
@@ -116,6 +166,9 @@ class Hit:
     rule: str
     evidence: str = ""
     severity: float | None = None  # None: from settings.severities / the detector default
+    reason: str = (
+        ""  # one sentence saying why the rule fired (spans.reason; empty: the rule's stock sentence)
+    )
 
 
 @dataclass(frozen=True)

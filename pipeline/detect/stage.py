@@ -15,6 +15,25 @@ from pipeline.detect.text import turn_range
 from pipeline.stages import NO_IO, StageIO, StageOutput, batch_stage
 from schemas.spans import SCHEMA as SPANS_SCHEMA
 
+# the stock sentence of a rule whose hits carry no reason of their own
+RULE_REASONS = {
+    "search_r1.no_action": "the turn has no complete <search> or <answer> block",
+    "search_r1.both_tags": "the turn has both a <search> and an <answer> block",
+    "search_r1.multiple": "the turn has more than one <search> or <answer> block",
+    "react.no_action": "the turn has no Action line",
+    "react.unparseable": "the executed Action is not one of search[..], lookup[..], finish[..]",
+    "react.unexecuted_actions": "Action lines after the first: the harness runs only the first, so these "
+    "never ran",
+    "webshop.malformed": "not <think>..</think><action>..</action>",
+    "webshop.cjk": "CJK characters in the turn",
+    "webshop.unparseable": "the action is neither search[..] nor click[..]",
+    "webshop.impermissible": "the action is not among the available actions",
+    "tool.unknown_name": "the called tool is not in the tool list",
+    "tool.invalid_json": "the call's arguments are not a JSON object",
+    "tool.schema": "the call's arguments break the tool's JSON schema",
+    "tool.error_return": "the tool returned an error for this call",
+}
+
 
 def _col(table: pa.Table, name: str, default=None) -> list:
     if name in table.column_names:
@@ -144,6 +163,7 @@ def spans_table(
             "severity": pa.array([s for _, _, s in hits], pa.float64()),
             "rule": pa.array([h.rule for _, h, _ in hits], pa.string()),
             "evidence": pa.array([h.evidence for _, h, _ in hits], pa.string()),
+            "reason": pa.array([h.reason or RULE_REASONS.get(h.rule) for _, h, _ in hits], pa.string()),
         },
         schema=SPANS_SCHEMA,
     )
