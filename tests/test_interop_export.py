@@ -120,6 +120,34 @@ def test_export_layouts_align_with_the_advantages_table(processed, tmp_path):
 
 
 @pytest.mark.slow
+def test_readme_export_lines_run(processed, tmp_path):
+    """The README's `./dev export` lines for verl, OpenRLHF and SkyRL, as written (lake and output moved here),
+    write what their sections say; a length flag a layout has no use for is one line, exit 1."""
+    import shlex
+
+    for marker in ("verl_export", "openrlhf_export", "skyrl_export"):
+        (line,) = [x for x in _readme(marker).splitlines() if x.startswith("./dev export")]
+        args = shlex.split(line)[1:]
+        args[args.index("--lake") + 1] = str(processed)
+        out = tmp_path / f"{marker}.npz"
+        args[args.index("--out") + 1] = str(out)
+        _ok(args)
+        a = np.load(out, allow_pickle=False)
+        if marker == "verl_export":
+            assert a["responses"].shape[1] == 2048 and a["prompts"].shape[1] == 1024
+        elif marker == "openrlhf_export":
+            assert a["total_length"].dtype == np.float32 and a["sequences"].shape[1] <= 2048
+        else:
+            assert a["loss_mask"].shape[1] <= 1024
+    bad = runner.invoke(
+        app,
+        ["export", "--lake", str(processed), "--round", "0", "--method", "grpo", "--layout", "verl",
+         "--max-len", "64", "--out", str(tmp_path / "x.npz")],
+    )  # fmt: skip
+    assert bad.exit_code == 1 and bad.output.strip() == "--max-len applies to --layout openrlhf, not verl"
+
+
+@pytest.mark.slow
 def test_verl_export_round_trips_through_ingest(processed, tmp_path):
     lake = processed
     ref = _per_traj(lake, 0)
@@ -150,6 +178,26 @@ def _need(module: str):
         return importlib.import_module(module)
     except ImportError as exc:
         pytest.skip(f"FRAMEWORK NOT INSTALLED: {module} ({exc}); run .ci/install-frameworks")
+
+
+def _readme(marker: str) -> str:
+    """The README's code block after `<!-- marker -->` (the lines a user copies; the tests run them)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return readme.split(f"<!-- {marker} -->\n```", 1)[1].split("\n", 1)[1].split("```", 1)[0]
+
+
+def _run_readme(marker: str, tmp_path, monkeypatch, export: dict, **names) -> dict:
+    """Run the README's python block `marker` in a folder holding `export` as adv.npz, with `names` defined
+    (what the trainer has there: its config, batch, ...); returns the block's names."""
+    from warehouse.exports import save_padded
+
+    save_padded(export, tmp_path / "adv.npz")
+    monkeypatch.chdir(tmp_path)
+    ns = dict(names)
+    exec(compile(_readme(marker), f"README.md:{marker}", "exec"), ns)
+    return ns
 
 
 @contextlib.contextmanager
@@ -286,13 +334,11 @@ def _per_token_mismatches(got_rows, rows, response_length):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
-def test_verl_legacy_fit_step_keeps_every_tokens_advantage(estimator):
+def test_verl_legacy_fit_step_keeps_every_tokens_advantage(estimator, tmp_path, monkeypatch):
     """trainer.use_v1=false: fit()'s compute_advantage on a batch with fresh uids, a longer response length and
     shuffled rows; with install() every row has our per-token advantages, token for token (without it, verl's
     own estimator's differ: the check can fail)."""
     ray_trainer = _need("verl.trainer.ppo.ray_trainer")
-    from trainer.verl_credit import CreditflowAdvantages, install
-
     flat, rows = _varying_export()
     exported = to_padded(flat, "verl")
     R = exported["responses"].shape[1] + 9
@@ -302,7 +348,7 @@ def test_verl_legacy_fit_step_keeps_every_tokens_advantage(estimator):
     inverse = np.argsort(order)
     assert _per_token_mismatches(plain.batch["advantages"].numpy()[inverse], rows, R)  # verl's are not ours
     original = ray_trainer.compute_advantage
-    wrapper = install(CreditflowAdvantages(exported), missing="error", config=cfg)
+    wrapper = _run_readme("verl_install", tmp_path, monkeypatch, exported, config=cfg)["credit"]
     try:
         data, order = _verl_legacy_step(flat, rows, cfg, R)
     finally:
@@ -429,13 +475,11 @@ def _v1_step(verl_v1, monkeypatch, queue, meta, cfg):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
-def test_verl_v1_compute_advantage_keeps_every_tokens_advantage(verl_v1, monkeypatch, estimator):
+def test_verl_v1_compute_advantage_keeps_every_tokens_advantage(verl_v1, monkeypatch, tmp_path, estimator):
     """trainer.use_v1=true (verl 0.9.1's default): its own `_compute_advantage`, on a stand-in of its transfer
     queue holding what its agent loop puts there, with verl's padding row. Without the hook verl's GRPO gives
     every token of a row its first token's advantage (so the check can fail); with install() every sample in
     the export has our advantages, token for token, and the padding row keeps verl's."""
-    from trainer.verl_credit import CreditflowAdvantages, install
-
     flat, rows = _varying_export()
     exported = to_padded(flat, "verl")
     R = exported["responses"].shape[1] + 5
@@ -455,7 +499,7 @@ def test_verl_v1_compute_advantage_keeps_every_tokens_advantage(verl_v1, monkeyp
         assert _per_token_mismatches(ours_in_queue(queue, keys), rows, R)  # verl's own: not ours
     queue, meta, keys = _v1_queue(flat, R, estimator, seed=1)
     pad_before = queue.rows["pad_0_0"]
-    wrapper = install(CreditflowAdvantages(exported), missing="error", config=cfg)
+    wrapper = _run_readme("verl_install", tmp_path, monkeypatch, exported, config=cfg)["credit"]
     try:
         _v1_step(verl_v1, monkeypatch, queue, meta, cfg)
     finally:
@@ -530,7 +574,7 @@ def test_verl_export_cut_shorter_than_the_run_stops_in_one_line(verl_v1, monkeyp
 
 
 @pytest.mark.parametrize("cut", [False, True])
-def test_openrlhf_experience_building_matches_our_layout(cut):
+def test_openrlhf_experience_building_matches_our_layout(cut, tmp_path, monkeypatch):
     """OpenRLHF 0.11.2 builds each sample's Experience from the agent's observation tokens and action ranges
     (SamplesGenerator._process_response_into_experience, which cuts every sequence at --data.max_len) and
     concatenates them (Experience.concat_experiences); our export (with --max-len the same cut) equals that
@@ -582,7 +626,13 @@ def test_openrlhf_experience_building_matches_our_layout(cut):
     # a live batch in another order, cut by OpenRLHF, finds our advantages in the uncut export by sample key
     perm = np.random.default_rng(1).permutation(len(exps))
     shuffled = Experience.concat_experiences([exps[i] for i in perm], pad_token_id=7)
-    for export in (full, a):
+    args = types.SimpleNamespace(data=types.SimpleNamespace(max_len=max_len or 10**6))
+    for export in (full, a):  # the README's lines, on the shuffled batch
+        ns = _run_readme(
+            "openrlhf_advantages", tmp_path, monkeypatch, export, experiences=[shuffled], args=args
+        )
+        got = shuffled.advantages
+        assert ns["found"].all() and np.array_equal(got.numpy(), a["advantages"][perm][:, : got.shape[1]])
         got, found = openrlhf_advantages(
             ExportIndex(export), shuffled.sequences, shuffled.attention_mask, shuffled.action_mask, max_len
         )
@@ -597,7 +647,7 @@ def test_openrlhf_experience_building_matches_our_layout(cut):
 
 
 @pytest.mark.parametrize("cut", [False, True])
-def test_skyrl_convert_prompts_responses_matches_our_layout(cut):
+def test_skyrl_convert_prompts_responses_matches_our_layout(cut, tmp_path, monkeypatch):
     """SkyRL 0.3.0's trainer turns generator output into tensors with convert_prompts_responses_to_batch_tensors;
     its generator cuts each response at generator.sampling_params.max_generate_length (response[:max_tokens]).
     Our export (with --response-length the same cut) equals its tensors, values and dtypes, our per-token
@@ -646,8 +696,21 @@ def test_skyrl_convert_prompts_responses_matches_our_layout(cut):
         n = len(gen[r][1])
         assert np.array_equal(a["advantages"][r, W - n :], np.float32(adv[p:][:n]))
     perm = np.random.default_rng(2).permutation(len(rows))
-    for export in (full, a):
-        got, found = skyrl_advantages(export, [gen[i][0] for i in perm], [gen[i][1] for i in perm], M)
+    cfg = types.SimpleNamespace(
+        generator=types.SimpleNamespace(
+            sampling_params=types.SimpleNamespace(max_generate_length=M or longest)
+        )
+    )
+    output = {"prompt_token_ids": [gen[i][0] for i in perm], "response_ids": [gen[i][1] for i in perm]}
+    for export in (full, a):  # the README's lines, on the shuffled generator output
+        training_input: dict = {}
+        ns = _run_readme(
+            "skyrl_advantages", tmp_path, monkeypatch, export,
+            cfg=cfg, generator_output=output, training_input=training_input,
+        )  # fmt: skip
+        got = training_input["advantages"]
+        assert ns["found"].all() and np.array_equal(got.numpy(), a["advantages"][perm])
+        got, found = skyrl_advantages(export, output["prompt_token_ids"], output["response_ids"], M)
         assert found.all() and np.array_equal(got.numpy(), a["advantages"][perm])
     if cut:  # the cut export in a run that keeps whole responses
         whole = generator_output(None)
