@@ -263,3 +263,25 @@ def test_verl_credit_says_when_rows_keep_verls_advantages(caplog):
     assert torch.equal(batch.batch["advantages"][1], verl_adv[1])
     assert np.array_equal(batch.batch["advantages"][0].numpy(), a["advantages"][0])
     assert "1 of 2 samples are not in the creditflow export" in caplog.text
+
+
+def test_export_index_refuses_what_is_not_an_export_in_one_line():
+    """Hostile or foreign .npz arrays given as an export: a ValueError of one line, never an IndexError."""
+    import pytest
+
+    from trainer.export_lookup import ExportIndex
+
+    table, _ = _batch([[(False, 2, 0), (True, 3, 1)], [(False, 2, 0), (True, 4, 1)]])
+    for layout in ("verl", "openrlhf", "skyrl"):
+        a = to_padded(table, layout)
+        assert ExportIndex(a).layout == layout
+        cases = [
+            {k: v for k, v in a.items() if k != "attention_mask"},
+            {**a, "advantages": a["advantages"][:1]},
+            {**a, "attention_mask": a["attention_mask"][:, :-1]},
+            {"key": a["key"]},
+        ]
+        for bad in cases:
+            with pytest.raises(ValueError, match="^not a creditflow") as err:
+                ExportIndex(bad)
+            assert "\n" not in str(err.value)

@@ -36,6 +36,14 @@ CUTS = {
 }
 
 
+# per layout: the array that tells it apart first, then every array the index reads
+LAYOUT_ARRAYS = {
+    "verl": ("prompts", "responses", "response_mask", "attention_mask", "advantages", "key"),
+    "openrlhf": ("action_mask", "sequences", "attention_mask", "advantages", "key"),
+    "skyrl": ("loss_mask", "sequences", "attention_mask", "advantages", "key"),
+}
+
+
 class LengthMismatch(ValueError):
     """The run holds samples with more tokens than the export kept: the export was cut shorter than the run
     cuts. The message is one line naming both lengths and the flag to export again with."""
@@ -53,34 +61,40 @@ class ExportIndex:
 
     def __init__(self, arrays: Mapping[str, np.ndarray]):
         names = set(arrays.keys()) if hasattr(arrays, "keys") else set(arrays.files)
-        if "key" not in names or "advantages" not in names:
-            raise ValueError("not a creditflow export: no 'key' / 'advantages' array")
+        layout = next((name for name, need in LAYOUT_ARRAYS.items() if need[0] in names), None)
+        if layout is None:
+            raise ValueError(
+                "not a creditflow verl / openrlhf / skyrl export (creditflow export --layout ...)"
+            )
+        lacking = [k for k in LAYOUT_ARRAYS[layout] if k not in names]
+        if lacking:
+            raise ValueError(f"not a creditflow {layout} export: no {', '.join(map(repr, lacking))} array")
         adv = np.asarray(arrays["advantages"], dtype=np.float32)
         attn = np.asarray(arrays["attention_mask"]) != 0
         B = len(attn)
-        if "prompts" in names:  # verl: [prompts | responses], the response right-padded
-            self.layout = "verl"
+        if adv.ndim != 2 or attn.ndim != 2 or len(adv) != B or len(np.asarray(arrays["key"])) != B:
+            raise ValueError(f"not a creditflow {layout} export: its arrays disagree on the number of rows")
+        self.layout = layout
+        if layout == "verl":  # [prompts | responses], the response right-padded
             seq = np.concatenate([np.asarray(arrays["prompts"]), np.asarray(arrays["responses"])], axis=1)
             P = seq.shape[1] - adv.shape[1]
             per_tok = np.concatenate([np.zeros((B, P), np.float32), adv], axis=1)
             trained = np.concatenate(
                 [np.zeros((B, P), bool), np.asarray(arrays["response_mask"]) != 0], axis=1
             )
-        elif "action_mask" in names:  # openrlhf: right-padded, column j of the action arrays is token j + 1
-            self.layout = "openrlhf"
+        elif layout == "openrlhf":  # right-padded, column j of the action arrays is token j + 1
             seq = np.asarray(arrays["sequences"])
             per_tok = np.concatenate([np.zeros((B, 1), np.float32), adv], axis=1)
             trained = np.concatenate([np.zeros((B, 1), bool), np.asarray(arrays["action_mask"]) != 0], axis=1)
-        elif "loss_mask" in names:  # skyrl: left-padded, the response tensors right-aligned
-            self.layout = "skyrl"
+        else:  # skyrl: left-padded, the response tensors right-aligned
             seq = np.asarray(arrays["sequences"])
             T, R = seq.shape[1], adv.shape[1]
             per_tok = np.concatenate([np.zeros((B, T - R), np.float32), adv], axis=1)
             trained = np.concatenate(
                 [np.zeros((B, T - R), bool), np.asarray(arrays["loss_mask"]) != 0], axis=1
             )
-        else:
-            raise ValueError("not a creditflow verl / openrlhf / skyrl export")
+        if not (seq.shape == per_tok.shape == trained.shape == attn.shape):
+            raise ValueError(f"not a creditflow {layout} export: its arrays' shapes disagree")
         self.kind, self.flag, self.setting = CUTS[self.layout]
         # the real tokens of a row are one contiguous block (left- or right-padded): row-major selection
         self.tokens = np.ascontiguousarray(seq[attn], dtype=np.int64)
