@@ -25,12 +25,12 @@ from hypothesis import strategies as st
 
 import pipeline.verifiers.code as sandbox_code
 from pipeline.ingest.ldb import visible_pass_fraction
-from pipeline.verifiers import verify
+from pipeline.verifiers import verify, wire
 from pipeline.verifiers.code import (
     DEFAULT_LIMITS,
+    candidate_surface,
     decode,
-    defined_names,
-    job_for,
+    jobs_for,
     plan_tests,
     safe_eval,
     score_plan,
@@ -44,10 +44,11 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = DEFAULT_LIMITS.model_copy(update={"wall_s": 5.0, "cpu_s": 5})
 
 
-def observe(program: str, limits=FAST):
-    """Run `program` in the sandbox and return the value of its `obs()` (what the program could see or do)."""
-    plan = plan_tests(["assert obs() == 0"], None, None, defined_names(program))
-    out = execute(job_for(plan, program, None), limits)
+def observe(program: str, limits=FAST, tests=("assert obs() == 0",), meta=None):
+    """Run `program` in the sandbox and return the value of the first hole of the first assert (by default its
+    `obs()`: what the program could see or do)."""
+    plan = plan_tests(list(tests), None)
+    out = execute(*jobs_for(plan, program, meta or {}), limits)
     assert out.status == "ok", out
     assert out.result["program_error"] is None, out.result
     ok, value = out.result["units"][0]["rec"]["0"][0][0]
@@ -83,17 +84,12 @@ def test_split_hand_computed():
     assert [ast.unparse(h) for h in holes] == ["candidate(1.5)"]
     assert safe_eval(skel, {"__cf_hole_0": 0.5}) is True and safe_eval(skel, {"__cf_hole_0": 0.4}) is False
     plan = plan_tests(
-        None,
-        "def check(candidate):\n    for x in range(3):\n        assert candidate(x) == str(x)\n",
-        "f",
-        set(),
+        None, "def check(candidate):\n    for x in range(3):\n        assert candidate(x) == str(x)\n"
     )
     (unit,) = plan.units
     (ap,) = unit.asserts.values()
-    assert [ast.unparse(h) for h in ap.holes] == ["candidate(x)", "x"] and ap.reference == [True, True]
-    assert plan.needs_reference and not unit.bare
-    # bare asserts on the candidate's calls need no reference run
-    assert not plan_tests(["assert f(1) == 2", "assert not f(3)"], None, None, {"f"}).needs_reference
+    assert [ast.unparse(h) for h in ap.holes] == ["candidate(x)", "x"] and not unit.bare
+    assert plan.bound == {"x"} and {"candidate", "range", "str", "x"} <= plan.used
 
 
 def test_the_caller_bounds_what_it_computes_on_returned_values():
@@ -107,9 +103,67 @@ def test_the_caller_bounds_what_it_computes_on_returned_values():
 
 
 def test_expected_values_never_reach_the_sandbox():
-    plan = plan_tests(["assert f(1) == 98765", "assert f(2) != 'secret-expected'"], None, None, {"f"})
-    job = json.dumps(job_for(plan, "def f(x):\n    return x\n", None))
-    assert "98765" not in job and "secret-expected" not in job and "f(1)" in job
+    plan = plan_tests(
+        [
+            "assert f(1) == 98765",
+            "assert f(2) != 'secret-expected'",
+            "for x, y in [(3, 55555)]:\n    assert f(x) == y",
+        ],
+        None,
+    )
+    cand, ref = jobs_for(plan, "def f(x):\n    return x\n", {"prompt": "secret-prompt"})
+    assert set(cand) == {"program", "seed"}  # the candidate's sandbox gets its program, nothing of the tests
+    # a literal expected value stays in the caller's skeleton; a loop's table goes to the reference alone
+    assert "98765" not in json.dumps(ref) and "55555" in json.dumps(ref) and ref["remote"] == ["f"]
+
+
+@pytest.mark.parametrize(
+    ("program", "tests", "meta", "remote", "imports"),
+    [
+        # the issue's forge: the expected side calls a builtin the program redefines
+        ("def f(x): return 0\ndef pow(*a): return 0\n", ["assert f(3) == pow(2, 3)"], {}, ["f"], []),
+        # a standard-library module the program imports (and may patch): the reference imports its own
+        (
+            "import math\nmath.comb = len\ndef f(x): return 0\n",
+            ["assert f(3) == math.comb(5, 2)"],
+            {},
+            ["f"],
+            ["import math"],
+        ),
+        (
+            "from math import comb as c, factorial\nimport os.path, numpy\ndef f(x): return 0\n",
+            ["assert f(c(5, 2)) == factorial(3)"],
+            {},
+            ["f"],
+            ["from math import comb as c, factorial"],
+        ),
+        # the tests' own variables and the prompt's helpers are never the candidate's
+        (
+            "expected = 0\ndef f(x): return 0\ndef poly(x): return 0\n",
+            ["expected = 1\nassert f(1) == expected"],
+            {},
+            ["f"],
+            [],
+        ),
+        (
+            "def poly(xs, x): return 0\ndef find_zero(xs): return 0\n",
+            None,
+            {
+                "entry_point": "find_zero",
+                "prompt": "def poly(xs, x):\n    return 1\n",
+                "test": "def check(candidate):\n    assert poly([1], candidate([1])) == 0\n",
+            },
+            ["find_zero"],
+            [],
+        ),
+    ],
+)
+def test_the_candidates_surface(program, tests, meta, remote, imports):
+    """Which names the reference asks the candidate's sandbox for: the program's names the tests read, never a
+    builtin, a standard-library name, a test variable or a name of the task's prompt."""
+    plan = plan_tests(tests, meta.get("test"))
+    ep = meta.get("entry_point")
+    assert candidate_surface(program, plan, ep, meta.get("prompt")) == (remote, imports)
 
 
 @pytest.mark.parametrize(
@@ -160,6 +214,134 @@ def test_forged_results_score_what_the_program_returns(forge):
     assert verify(good, "code", meta_with(tests)).score == 1.0
 
 
+# the forges of issue #33: the expected side of an assert evaluated by the candidate, loop tables read
+SNOOP = """
+import gc, sys
+def _seen():
+    out, fr = [], sys._getframe(1)
+    while fr is not None:
+        out.append(repr(fr.f_locals)[:200000])
+        fr = fr.f_back
+    for o in gc.get_objects():
+        if isinstance(o, (dict, list, tuple)):
+            try:
+                out.append(repr(o)[:20000])
+            except Exception:
+                pass
+    return "\\n".join(out)
+"""
+
+
+@needs_bwrap
+@pytest.mark.parametrize(
+    ("forge", "tests"),
+    [
+        # the issue's probe: a builtin the expected side calls, redefined by the program
+        ("def f(x):\n    return 0\ndef pow(*a):\n    return 0\n", ["assert f(3) == pow(2, 3)"]),
+        (
+            "def f(x):\n    return 0\ndef sorted(*a, **k):\n    return 0\n",
+            ["assert f(3) == sorted([3, 1])[0] + 1"],
+        ),
+        # a standard-library module the program imports, patched (as a module, or a name from it)
+        (
+            "import math\nmath.comb = lambda *a: 0\ndef f(x):\n    return 0\n",
+            ["assert f(3) == math.comb(5, 2)"],
+        ),
+        (
+            "import math as m\nm.factorial = lambda *a: 0\ndef f(x):\n    return 0\n",
+            ["assert f(3) == m.factorial(3)"],
+        ),
+        (
+            "from math import comb\ncomb = lambda *a: 0\ndef f(x):\n    return 0\n",
+            ["assert f(3) == comb(5, 2)"],
+        ),
+        (
+            "import sys\nsys.modules['math'].comb = lambda *a: 0\ndef f(x):\n    return 0\n",
+            ["import math\nassert f(3) == math.comb(5, 2)"],
+        ),
+        # the expected side through a helper the program also defines (the tests' variable, the helper)
+        (
+            "def f(x):\n    return 0\ndef g(x):\n    return 0\n",
+            ["def g(x):\n    return x * 2\nassert f(5) == g(5)"],
+        ),
+        # a loop's table of expected values, read from the frames or the heap of the candidate's process
+        (
+            SNOOP + "import re\ndef f(x):\n    m = re.search(r'\\(' + str(x) + r', (-?\\d+)\\)', _seen())\n"
+            "    return int(m.group(1)) if m else -1\n",
+            ["for x, want in [(1, 71), (2, 72), (3, 73)]:\n    assert f(x) == want"],
+        ),
+        (
+            "import sys\ndef f(x):\n    fr = sys._getframe(1)\n    while fr is not None:\n"
+            "        job = fr.f_locals.get('job')\n        if isinstance(job, dict) and 'units' in job:\n"
+            "            for u in job['units']:\n                if f'({x}, ' in u:\n"
+            "                    return int(u.split(f'({x}, ')[1].split(')')[0])\n        fr = fr.f_back\n"
+            "    return -1\n",
+            ["for x, want in [(1, 71), (2, 72), (3, 73)]:\n    assert f(x) == want"],
+        ),
+    ],
+)
+def test_the_expected_side_is_never_the_candidates(forge, tests):
+    v = verify(forge, "code", meta_with(tests))
+    assert v.ok and v.score == 0.0, v
+
+
+@needs_bwrap
+def test_a_table_lookup_program_sees_no_expected_value():
+    """What the candidate's process holds while its function runs: its arguments, never the tests."""
+    prog = SNOOP + "def f(x):\n    return _seen()\n"
+    seen = observe(
+        prog, tests=["for x, want in [(1, 987654), (2, 'secret-expected')]:\n    assert f(x) == want"]
+    )
+    assert "987654" not in seen and "secret-expected" not in seen and "f(x) == want" not in seen
+
+
+@needs_bwrap
+def test_humaneval_expected_values_from_the_prompts_helpers():
+    """HumanEval/32 checks `poly(coeffs, candidate(coeffs))`: `poly` is the prompt's, whatever the program
+    defines under that name (before: the program's own poly decided)."""
+    prompt = "import math\n\ndef poly(xs, x):\n    return sum(c * math.pow(x, i) for i, c in enumerate(xs))\n\n\ndef find_zero(xs):\n    pass\n"
+    test = "def check(candidate):\n    for xs in ([1, 2], [-6, 11, -6, 1]):\n        assert math.fabs(poly(xs, candidate(xs))) < 1e-4\n"
+    meta = {
+        "verifier": "code_tests",
+        "entry_point": "find_zero",
+        "prompt": prompt,
+        "test": "import math\n" + test,
+    }
+    forge = "def poly(xs, x):\n    return 0\ndef find_zero(xs):\n    return 12345.0\n"
+    assert verify(forge, "code", meta).score == 0.0
+    good = (
+        "def find_zero(xs):\n    lo, hi = -100.0, 100.0\n"
+        "    f = lambda x: sum(c * x**i for i, c in enumerate(xs))\n"
+        "    for _ in range(200):\n        mid = (lo + hi) / 2\n"
+        "        if (f(lo) < 0) == (f(mid) < 0):\n            lo = mid\n        else:\n            hi = mid\n"
+        "    return lo\n"
+    )
+    assert verify(good, "code", meta).score == 1.0
+
+
+@needs_bwrap
+def test_objects_methods_and_in_place_arguments_still_work():
+    """What crossed freely when tests ran beside the program: a returned object's methods, a generator, a
+    list the candidate sorts in place. An object is a handle in the candidate's sandbox: it equals nothing."""
+    prog = (
+        "class Solution:\n    def twice(self, x):\n        return 2 * x\n"
+        "def gen(n):\n    yield from range(n)\n"
+        "def sort_in_place(xs):\n    xs.sort()\n"
+        "def boom(x):\n    raise ValueError('no')\n"
+        "class Eq:\n    def __eq__(self, o):\n        return True\n"
+        "def eq():\n    return Eq()\n"
+    )
+    tests = [
+        "assert Solution().twice(4) == 8",
+        "assert [v for v in gen(3)] == [0, 1, 2]",  # (`list(gen(3))` is the caller's list of an opaque value)
+        "xs = [3, 1, 2]\nsort_in_place(xs)\nassert xs == [1, 2, 3]",
+        "try:\n    boom(1)\n    ok = False\nexcept ValueError:\n    ok = True\nassert ok",
+        "assert eq() == 1",
+    ]
+    res = run_tests(prog, tests=tests, limits=FAST)
+    assert res["passed"] == 4 and "eq() == 1" in res["errors"][0], res
+
+
 @needs_bwrap
 def test_a_program_cannot_rebind_the_tests_variables():
     """`expected` is the tests' variable: the candidate's global of that name (set from inside its function,
@@ -198,13 +380,9 @@ def test_the_json_strategy_validates_without_warnings():
 @given(cand=_json, ref=_json, units=st.lists(_json, max_size=4))
 def test_any_child_document_scores_in_range(cand, ref, units):
     """The child's document is untrusted: whatever it says, the score is in [0, 1] and nothing raises."""
-    plan = plan_tests(
-        ["assert f(1) == 2", "for x in range(2):\n    assert f(x) == y", "assert f(0)"], None, None, {"f"}
-    )
-    for doc in (cand, {"units": units}, {"units": [{"ok": 1, "rec": {"0": u}} for u in units]}):
-        passed, _ = score_plan(
-            plan, doc if isinstance(doc, dict) else None, ref if isinstance(ref, dict) else None
-        )
+    plan = plan_tests(["assert f(1) == 2", "for x in range(2):\n    assert f(x) == y", "assert f(0)"], None)
+    for doc in (cand, ref, {"units": units}, {"units": [{"ok": 1, "rec": {"0": u}} for u in units]}):
+        passed, _ = score_plan(plan, doc if isinstance(doc, dict) else None)
         assert 0 <= passed <= plan.total == 3
 
 
@@ -585,3 +763,76 @@ def test_a_record_cannot_lift_the_operators_limits():
         slow, {**meta_with(["assert f(1) == 2"]), "sandbox": {"wall_s": 0.5}}, limits=limits
     )
     assert v.score == 0.0 and "timeout" in v.error, v
+
+
+# ---- the caller cannot be stalled by what it decodes (issue #33: 80k colliding set elements, 42 s CPU) ------
+
+M61 = (1 << 61) - 1  # CPython hashes an int modulo this: 1 + k * M61 all hash to 1
+
+
+def _colliding(n):
+    return [{"i": hex(1 + k * M61)} for k in range(n)]
+
+
+def test_colliding_keys_are_refused_not_inserted():
+    with pytest.raises(sandbox_code.DecodeError, match="share one hash"):
+        decode({"s": _colliding(20_000)})
+    with pytest.raises(sandbox_code.DecodeError, match="share one hash"):
+        decode({"fs": _colliding(20_000)})
+    with pytest.raises(sandbox_code.DecodeError, match="share one hash"):
+        decode({"d": [[k, 0] for k in _colliding(20_000)]})
+    with pytest.raises(sandbox_code.DecodeError, match="share one hash"):  # inside a tuple: the same hashes
+        decode({"s": [{"t": [k]} for k in _colliding(20_000)]})
+    # the caller's own set() over a returned list is bounded the same way
+    skel, _ = split_expr(ast.parse("set(f(1)) == {1}", mode="eval").body)
+    with pytest.raises(ValueError, match="share one hash"):
+        safe_eval(skel, {"__cf_hole_0": [1 + k * M61 for k in range(20_000)]})
+    # duplicates and ordinary keys are not collisions
+    assert decode({"s": [7] * 100_000}) == {7}
+    assert len(decode({"s": list(range(100_000))})) == 100_000
+    assert decode({"s": _colliding(wire.MAX_COLLIDING)})  # a few collisions are fine
+
+
+_PLAIN = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.text(max_size=4)
+    | st.binary(max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.frozensets(st.integers() | st.text(max_size=3), max_size=4)
+        | st.dictionaries(st.integers() | st.text(max_size=3), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=_PLAIN)
+def test_plain_values_cross_unchanged(value):
+    assert decode(json.loads(json.dumps(wire.encode(value)))) == value
+
+
+@needs_bwrap
+def test_a_forged_colliding_answer_does_not_stall_anyone():
+    """The candidate writes its own answer line, a set of 80,000 colliding ints, on every descriptor."""
+    prog = (
+        "import os, json\n"
+        f"M = {M61}\n"
+        "def f(x):\n"
+        "    doc = {'ok': 1, 'value': {'s': [{'i': hex(1 + k * M)} for k in range(80000)]}, 'post': []}\n"
+        "    line = (json.dumps(doc) + '\\n').encode()\n"
+        "    for fd in range(1, 20):\n"
+        "        try: os.write(fd, line)\n"
+        "        except OSError: pass\n"
+        "    return {1}\n"
+    )
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_utime
+    t0 = time.perf_counter()
+    res = run_tests(prog, tests=["assert f(1) == {1}", "assert len(f(2)) == 1"], limits=FAST)
+    assert res["passed"] == 0, res
+    assert time.perf_counter() - t0 < FAST.wall_s + 2
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_utime - before < 2.0

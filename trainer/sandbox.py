@@ -1,6 +1,15 @@
 """The OS-level sandbox that runs candidate programs for the `code_tests` verifier (registered here).
 
-Each run is one `bwrap` (bubblewrap) process tree:
+A verification is two sandboxes and the caller between them (`execute(cand_job, ref_job)`):
+- the candidate's sandbox runs the program and answers calls of its functions, one line each;
+- the reference sandbox runs the tests (never candidate code); each call of a candidate name it sends as a
+  line, which this process passes to the candidate's sandbox, and passes the answer line back;
+- this process relays one call at a time (a line the candidate writes outside an answer is a crash), bounds
+  the bytes each side writes (`output_bytes`) and the wall time of the pair (`wall_s`), and decodes only the
+  reference's final document (bounded, see pipeline.verifiers.wire). Expected values live in the reference
+  sandbox and here; the candidate's sandbox gets its program and its call arguments, nothing else.
+
+Each sandbox is one `bwrap` (bubblewrap) process tree:
 - namespaces: new pid, network (no interfaces but a downed loopback), ipc, uts, cgroup; as root no user
   namespace (bubblewrap mounts with real privileges, the child then drops to `nobody`, so RLIMIT_NPROC is
   enforced and file permissions apply); as another user `--unshare-all` (user namespace included);
@@ -9,18 +18,20 @@ Each run is one `bwrap` (bubblewrap) process tree:
   the caller) and a minimal /dev; the working tree, the lake and /root are not there;
 - environment: --clearenv (PATH and LANG only); `python -I -S` (no site-packages: the standard library only);
 - rlimits in the child: address space, CPU, processes, file size, open files, no core files;
-- output: at most `output_bytes` read from stdout (16 KiB kept from stderr), then the tree is killed;
+- output: at most `output_bytes` read from each sandbox (16 KiB kept from stderr), then both trees are killed;
 - time: at `wall_s` bwrap's process group is killed; its pid-namespace init dies with it and the kernel kills
   every process in the namespace (a child that called setsid and kept the pipes open included).
 The pass/fail decision is not made here: see pipeline.verifiers.code (this module only executes).
 
 Without bubblewrap the verifier refuses to run candidate code (`SandboxUnavailable`) unless the setting
-`sandbox.unsafe_no_sandbox` (or the environment variable CREDITFLOW_UNSAFE_NO_SANDBOX=1) allows a plain
-subprocess with the same rlimits, output bound and wall limit (a process group only: no boundary).
+`sandbox.unsafe_no_sandbox` (or the environment variable CREDITFLOW_UNSAFE_NO_SANDBOX=1) allows plain
+subprocesses with the same rlimits, output bound and wall limit (process groups only: no boundary; a program
+running as the caller's user could then also reach the reference process).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import selectors
@@ -33,7 +44,7 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.verifiers import register_verifier
+from pipeline.verifiers import register_verifier, wire
 from pipeline.verifiers.code import (
     DEFAULT_LIMITS,
     Outcome,
@@ -135,8 +146,14 @@ def _unsafe_allowed(limits: SandboxSettings) -> bool:
     return bool(limits.unsafe_no_sandbox) or os.environ.get(UNSAFE_ENV, "") in ("1", "true", "yes")
 
 
-def execute(job: dict, limits: SandboxSettings | None = None) -> Outcome:
-    """Run one child job in the sandbox; the child's JSON document, or why there is none."""
+@functools.cache
+def _wire_source() -> str:
+    return Path(wire.__file__).read_text()
+
+
+def execute(cand_job: dict, ref_job: dict, limits: SandboxSettings | None = None) -> Outcome:
+    """Run the candidate's program and the tests, each in its own sandbox, and relay the calls between them
+    (see the module docstring); the reference's document, or why there is none."""
     limits = limits or _settings
     problem = sandbox_problem()
     lim = {
@@ -146,27 +163,42 @@ def execute(job: dict, limits: SandboxSettings | None = None) -> Outcome:
         "nproc": limits.nproc,
         "drop_root": problem is None,
     }
-    payload = json.dumps({**job, "limits": lim}).encode()
+    source = _wire_source()
+    payloads = [
+        json.dumps({**job, "role": role, "wire": source, "limits": lim}).encode() + b"\n"
+        for role, job in (("candidate", cand_job), ("reference", ref_job))
+    ]
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
     if problem is None:
-        return _run(bwrap_command(limits), payload, limits, env, cwd="/")
+        return _relay([bwrap_command(limits)] * 2, payloads, limits, env, ["/", "/"])
     if not _unsafe_allowed(limits):
         raise SandboxUnavailable(
             f"refusing to run candidate code: the bubblewrap sandbox is unavailable ({problem}); install it "
             "(apt-get install bubblewrap) or accept the risk with --set sandbox.unsafe_no_sandbox=true "
             f"or {UNSAFE_ENV}=1"
         )
-    with tempfile.TemporaryDirectory(prefix="cf-unsafe-") as work:
+    with (
+        tempfile.TemporaryDirectory(prefix="cf-unsafe-") as cand_dir,
+        tempfile.TemporaryDirectory(prefix="cf-unsafe-") as ref_dir,
+    ):
         cmd = [os.path.realpath(sys.executable), "-I", "-S", str(CHILD)]
-        return _run(cmd, payload, limits, env, cwd=work)
+        return _relay([cmd, cmd], payloads, limits, env, [cand_dir, ref_dir])
+
+
+def _exit_status(proc: subprocess.Popen) -> int | None:
+    """The exit status (negative: the signal) once the process has exited, without reaping it (its pid, the
+    group's id, is not reused yet); None while it runs."""
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return proc.returncode if proc.returncode is not None else -1
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 def _exited(proc: subprocess.Popen) -> bool:
-    """Whether the process has exited, without reaping it (so its pid, the group's id, is not reused yet)."""
-    try:
-        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
+    return _exit_status(proc) is not None
 
 
 def _finish(proc: subprocess.Popen, grace_s: float) -> None:
@@ -185,89 +217,165 @@ def _finish(proc: subprocess.Popen, grace_s: float) -> None:
         pass
 
 
-def _run(cmd: list[str], payload: bytes, limits: SandboxSettings, env: dict, cwd: str) -> Outcome:
-    """Feed the job, read bounded output until the child exits or the wall limit; kill the tree always."""
+class _Side:
+    """One sandbox of the pair: its process, what it wrote (bounded) and what waits to be written to it."""
+
+    def __init__(self, proc: subprocess.Popen, payload: bytes) -> None:
+        self.proc = proc
+        self.out, self.err, self.total = bytearray(), bytearray(), 0
+        self.pending = payload
+        self.stdout_eof = False
+        self.exited_at: float | None = None
+
+    def lines(self) -> list[bytes]:
+        *done, rest = bytes(self.out).split(b"\n")
+        self.out = bytearray(rest)
+        return done
+
+    def gone(self, now: float) -> bool:
+        """Exited, and its output drained (EOF, or 0.2 s of quiet: a descendant may hold the pipe)."""
+        if self.exited_at is None and _exited(self.proc):
+            self.exited_at = now
+        return self.exited_at is not None and (self.stdout_eof or now - self.exited_at > 0.2)
+
+    def why(self) -> str:
+        rc = _exit_status(self.proc)
+        killed = rc in (-signal.SIGXCPU, -signal.SIGKILL, 137, 152)
+        why = "killed by the CPU or memory limit" if killed else f"exit {rc}"
+        tail = self.err.decode(errors="replace").strip()[-300:]
+        return f"{why}: {tail}" if tail else why
+
+
+def _relay(
+    cmds: list[list[str]], payloads: list[bytes], limits: SandboxSettings, env: dict, cwds: list[str]
+) -> Outcome:
+    """Feed both jobs, pass each call of the reference to the candidate and each answer back (one at a time;
+    anything else the candidate writes is a crash), bound every byte and the wall time, kill both trees
+    always. The candidate's answers are forwarded as they are: the reference decodes them under its bounds."""
     deadline = time.monotonic() + float(limits.wall_s)
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        cwd=cwd,
-        start_new_session=True,
-    )
-    out, err, total = bytearray(), bytearray(), 0
-    status, detail = "ok", None
+    sides: list[_Side] = []
     sel = selectors.DefaultSelector()
+    outcome: Outcome | None = None
     try:
-        for f in (proc.stdin, proc.stdout, proc.stderr):
-            os.set_blocking(f.fileno(), False)
-        sel.register(proc.stdin, selectors.EVENT_WRITE)
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        sel.register(proc.stderr, selectors.EVENT_READ)
-        view, exited_at = memoryview(payload), None
-        while sel.get_map():
+        for cmd, payload, cwd in zip(cmds, payloads, cwds, strict=True):
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
+            side = _Side(proc, payload)
+            sides.append(side)
+            for f in (proc.stdin, proc.stdout, proc.stderr):
+                os.set_blocking(f.fileno(), False)
+            sel.register(proc.stdout, selectors.EVENT_READ, (side, "out"))
+            sel.register(proc.stderr, selectors.EVENT_READ, (side, "err"))
+        cand, ref = sides
+        hello = busy = False
+        queued: list[bytes] = []
+        while outcome is None:
             now = time.monotonic()
             if now >= deadline:
-                status = "timeout"
+                outcome = Outcome(None, "timeout", f"after {limits.wall_s}s")
                 break
-            if exited_at is None and _exited(proc):
-                exited_at = now
-            events = sel.select(timeout=min(0.05, deadline - now))
-            if not events and exited_at is not None and now - exited_at > 0.2:
-                break  # the child is gone and its output drained; a descendant holding the pipes is not waited for
-            for key, _ in events:
+            if cand.gone(now) and (not hello or busy or queued):
+                outcome = Outcome(None, "crash", cand.why())
+                break
+            if ref.gone(now):
+                outcome = Outcome(None, "reference_error", f"the reference run ended early ({ref.why()})")
+                break
+            if hello and not busy and queued:
+                cand.pending += queued.pop(0) + b"\n"
+                busy = True
+            for side in sides:  # a descriptor waits for writing only while there is something to write
+                registered = side.proc.stdin in sel.get_map()
+                if side.pending and not registered:
+                    sel.register(side.proc.stdin, selectors.EVENT_WRITE, (side, "in"))
+                elif not side.pending and registered:
+                    sel.unregister(side.proc.stdin)
+            for key, _ in sel.select(timeout=min(0.05, max(0.0, deadline - now))):
+                side, kind = key.data
                 f = key.fileobj
-                if f is proc.stdin:
+                if kind == "in":
+                    if not side.pending:
+                        continue
                     try:
-                        view = view[os.write(f.fileno(), view[: 1 << 16]) :]
+                        n = os.write(f.fileno(), side.pending[: 1 << 16])
                     except (BrokenPipeError, OSError):
-                        view = memoryview(b"")
-                    if not view:
-                        sel.unregister(f)
-                        f.close()
+                        n = len(side.pending)
+                    side.pending = side.pending[n:]
                     continue
                 chunk = os.read(f.fileno(), 1 << 16)
                 if not chunk:
                     sel.unregister(f)
+                    if kind == "out":
+                        side.stdout_eof = True
                     continue
-                if f is proc.stdout:
-                    out += chunk
-                elif len(err) < STDERR_KEEP:
-                    err += chunk[: STDERR_KEEP - len(err)]
-                total += len(chunk)
-                if total > limits.output_bytes:
-                    status, detail = "output_limit", f"more than {limits.output_bytes} bytes of output"
+                side.total += len(chunk)
+                if kind == "out":
+                    side.out += chunk
+                elif len(side.err) < STDERR_KEEP:
+                    side.err += chunk[: STDERR_KEEP - len(side.err)]
+                if side.total > limits.output_bytes:
+                    outcome = Outcome(
+                        None, "output_limit", f"more than {limits.output_bytes} bytes of output"
+                    )
                     break
-            if status != "ok":
+            if outcome is not None:
+                break
+            for line in cand.lines():
+                if not hello:
+                    try:
+                        first = json.loads(line)
+                    except (ValueError, RecursionError):
+                        first = None
+                    if not isinstance(first, dict) or "program_error" not in first:
+                        outcome = Outcome(None, "crash", "the candidate's process did not start its protocol")
+                    elif first["program_error"]:
+                        outcome = Outcome({"program_error": str(first["program_error"])[:500], "units": []})
+                    hello = True
+                elif busy:
+                    ref.pending += line + b"\n"
+                    busy = False
+                else:
+                    outcome = Outcome(None, "crash", "the candidate's process wrote outside an answer")
+                if outcome is not None:
+                    break
+            if outcome is not None:
+                break
+            for line in ref.lines():
+                if not line.startswith(b'{"done": '):
+                    queued.append(line)
+                    continue
+                try:
+                    doc = json.loads(line)["done"]
+                except (ValueError, RecursionError, KeyError, TypeError):
+                    doc = None
+                if not isinstance(doc, dict):
+                    outcome = Outcome(None, "reference_error", "the reference run sent no document")
+                elif doc.get("program_error"):
+                    outcome = Outcome(None, "reference_error", str(doc["program_error"])[:500])
+                else:
+                    outcome = Outcome(doc)
                 break
     finally:
         sel.close()
-        _finish(proc, 1.0 if status == "ok" else 0.0)
-        for f in (proc.stdin, proc.stdout, proc.stderr):
-            try:
-                f.close()
-            except OSError:
-                pass
-    if status == "timeout":
-        return Outcome(None, "timeout", f"after {limits.wall_s}s")
-    if status != "ok":
-        return Outcome(None, status, detail)
-    try:
-        doc = json.loads(out)
-    except (ValueError, RecursionError):  # not a document (the program wrote over it, or nested it to death)
-        rc = proc.returncode
-        why = (
-            "killed by the CPU limit" if rc in (-signal.SIGXCPU, -signal.SIGKILL, 137, 152) else f"exit {rc}"
-        )
-        tail = err.decode(errors="replace").strip()[-300:]
-        return Outcome(None, "crash", f"{why}: {tail}" if tail else why)
-    return Outcome(doc if isinstance(doc, dict) else None, "ok" if isinstance(doc, dict) else "crash")
+        for side in sides:
+            _finish(side.proc, 0.0 if outcome is None or outcome.status != "ok" or side is sides[0] else 1.0)
+            for f in (side.proc.stdin, side.proc.stdout, side.proc.stderr):
+                try:
+                    if f is not None:
+                        f.close()
+                except OSError:
+                    pass
+    return outcome if outcome is not None else Outcome(None, "crash", "no outcome")
 
 
-def _execute_checked(job: dict, limits: SandboxSettings) -> Outcome:
-    return execute(job, limits)
+def _execute_checked(cand_job: dict, ref_job: dict, limits: SandboxSettings) -> Outcome:
+    return execute(cand_job, ref_job, limits)
 
 
 code_tests = register_verifier("code_tests")(code_tests_with(_execute_checked, current_settings))

@@ -1,35 +1,39 @@
-"""Python code verifier, the pure half: program extraction, test splitting, value decoding and the score.
+"""Python code verifier, the pure half: program extraction, test splitting, the score.
 
-The half that runs candidate programs is `trainer.sandbox` (an OS-level sandbox, bubblewrap); it registers
-the `code_tests` verifier as `code_tests_with(its executor)`. The pass/fail decision is made here, in the
-caller's process, never in a process that ran candidate code:
+The half that runs programs is `trainer.sandbox` (an OS-level sandbox, bubblewrap); it registers the
+`code_tests` verifier as `code_tests_with(its executor)`. Three processes, and what each may see:
 
-- Tests come from the trajectory's meta: `tests` (assert statements, e.g. LDB's given_tests) or `test` +
-  `entry_point` (a HumanEval `check(candidate)`; each top-level statement of `check` that contains an
-  assert is one test, the others are setup run in order). score = passed tests / total tests, in [0, 1].
-- Each `assert E` is split (`split_expr`) into a *skeleton* evaluated here by a small safe evaluator
-  (literals, displays, arithmetic, comparisons, boolean logic, subscripts, a few pure builtins and `math`
-  functions) and *holes*: the sub-expressions it cannot evaluate (calls to the candidate, test variables).
-  The sandbox evaluates only the holes and returns their values serialized as plain data (exact builtin
-  types; anything else is an opaque value that equals nothing); the expected side of `assert f(1) == 2`
-  never leaves this process, so hidden tests stay hidden from the candidate.
-- A hole that mentions no name of the candidate (`expected`, `x` of a test loop) is evaluated again in a
-  *reference* run that never sees candidate code (the task's own prompt, then the tests with `candidate`
-  bound to a stub that raises); every value that run could compute wins over the candidate run's. A
-  reference run is needed only when some test has such a hole (or one naming a variable the tests bind)
-  or is more than a bare assert (loops, setup): then the number of times each assert ran
-  must also match the reference run's. `random` is seeded identically before every test unit in both runs.
-- Not splittable (documented limits): a test whose expected value is computed *from the candidate's output*
-  by helper code the program also defines (HumanEval/32 evaluates `poly(coeffs, candidate(...))` where
-  `poly` comes from the prompt the candidate completes) takes that helper's result from the candidate's
-  run; a test whose control flow depends on the candidate's values takes the assert count from that run.
+- the *candidate's* sandbox runs the program and nothing else: it is asked for calls of its own functions
+  (the arguments cross, nothing else: no test, no expected value) and answers with its return values;
+- the *reference* sandbox never runs candidate code: it runs the task's prompt, its own imports of the
+  standard-library modules the program imports, and the tests, with each name of the program the tests use
+  (`candidate`, the entry point, a function the tests call; never a builtin, a standard-library module, a
+  name the prompt or the tests bind) bound to a stub that sends the call to the candidate's sandbox and
+  decodes the answer as plain data (exact builtin types; anything else is an opaque value that equals
+  nothing). So an expected side `pow(2, 3)`, `math.comb(5, 2)` or `poly(xs, candidate(xs))` is computed with
+  the reference's own `pow`, `math` and `poly`, whatever the program defines or patches;
+- the *caller* (this module) decides: each `assert E` is split (`split_expr`) into a *skeleton* evaluated
+  here by a small safe evaluator (literals, displays, arithmetic, comparisons, boolean logic, subscripts, a
+  few pure builtins and `math` functions) and *holes* (calls, test variables) the reference run evaluates and
+  returns as plain data, decoded here under bounds (`wire`: size, depth, hash collisions).
+
+Tests come from the trajectory's meta: `tests` (assert statements, e.g. LDB's given_tests) or `test` +
+`entry_point` (a HumanEval `check(candidate)`; each top-level statement of `check` that contains an assert is
+one test, the others are setup run in order). score = passed tests / total tests, in [0, 1]. `random` is
+seeded identically before every test unit (in both sandboxes). Limits: arguments cross as plain data (an
+object built by the tests, e.g. a tree of a class the prompt defines, reaches the candidate as an opaque
+value); an object the candidate returns stays in its sandbox as a handle (its methods can be called, it can
+be iterated; it equals nothing); a test that compares two functions the program defines compares the
+candidate with itself.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +42,9 @@ from pydantic import Field
 
 from pipeline.config import StageSettings, register_settings
 from pipeline.verifiers import Verdict
+from pipeline.verifiers.wire import DecodeError, Opaque, check_hashes, decode
+
+__all__ = ["DecodeError", "Opaque", "decode"]  # re-exported: the values a sandbox returns
 
 _FENCE = re.compile(r"```(?:python|py|Python)?[^\n]*\n(.*?)```", re.DOTALL)
 RECORDER = "__cf_rec__"  # the child's hole recorder: __cf_rec__(assert_id, [lambda: hole, ...])
@@ -82,16 +89,34 @@ def program_for(output: str, meta: dict) -> str:
 
 # ---- splitting ------------------------------------------------------------------------------------------
 
+
+def _hashed(make: Callable[..., Any]) -> Callable[..., Any]:
+    """set / frozenset / dict over returned values: refused when many distinct keys share a hash (their
+    insertion is quadratic; see wire.check_hashes)."""
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        if len(args) != 1 or kwargs:
+            return make(*args, **kwargs)
+        items = list(args[0].items()) if isinstance(args[0], dict) else list(args[0])
+        if make is dict:
+            check_hashes([p[0] for p in items if isinstance(p, (list, tuple)) and len(p) == 2])
+        else:
+            check_hashes(items)
+        return make(items)
+
+    return build
+
+
 SAFE_FUNCS: dict[str, Callable[..., Any]] = {
     "abs": abs,
     "len": len,
     "round": round,
     "sorted": sorted,
-    "set": set,
-    "frozenset": frozenset,
+    "set": _hashed(set),
+    "frozenset": _hashed(frozenset),
     "list": list,
     "tuple": tuple,
-    "dict": dict,
+    "dict": _hashed(dict),
     "sum": sum,
     "min": min,
     "max": max,
@@ -212,7 +237,6 @@ def split_expr(expr: ast.expr) -> tuple[ast.Expression, list[ast.expr]]:
 class AssertPlan:
     skeleton: ast.Expression
     holes: list[ast.expr]
-    reference: list[bool]  # per hole: needs the reference run (no candidate name, or a name the tests bind)
     source: str  # for error messages
 
 
@@ -230,19 +254,12 @@ class TestPlan:
     setup: list[str]  # the test module's prelude (HumanEval: imports, METADATA), run before the units
     units: list[Unit]
     total: int
-
-    @property
-    def needs_reference(self) -> bool:
-        return any(
-            (u.is_test and not u.bare) or any(any(a.reference) for a in u.asserts.values())
-            for u in self.units
-        )
+    used: set[str] = field(default_factory=set)  # every name the tests read
+    bound: set[str] = field(default_factory=set)  # every name the tests bind
 
 
 class _AssertRewriter(ast.NodeTransformer):
-    def __init__(self, candidate_names: set[str], test_names: set[str], start: int) -> None:
-        self.names = candidate_names
-        self.test_names = test_names
+    def __init__(self, start: int) -> None:
         self.plans: dict[int, AssertPlan] = {}
         self.next = start
 
@@ -250,10 +267,7 @@ class _AssertRewriter(ast.NodeTransformer):
         skeleton, holes = split_expr(node.test)
         aid = self.next
         self.next += 1
-        # a hole needs the reference run unless it mentions a candidate name and no name the tests bind (a
-        # program that binds a test's variable must not turn that variable into a candidate value)
-        reference = [bool(_names(h) & self.test_names) or not (_names(h) & self.names) for h in holes]
-        self.plans[aid] = AssertPlan(skeleton, holes, reference, ast.unparse(node)[:200])
+        self.plans[aid] = AssertPlan(skeleton, holes, ast.unparse(node)[:200])
         call = ast.Call(
             ast.Name(RECORDER, ast.Load()),
             [ast.Constant(aid), ast.List([ast.Lambda(_no_args(), h) for h in holes], ast.Load())],
@@ -305,11 +319,8 @@ def _bound_names(nodes: list[Any]) -> set[str]:
     return out
 
 
-def plan_tests(
-    tests: list[str] | None, test_code: str | None, entry_point: str | None, candidate_names: set[str]
-) -> TestPlan:
+def plan_tests(tests: list[str] | None, test_code: str | None) -> TestPlan:
     """Split the tests into units (as the old runner counted them) and every assert into skeleton + holes."""
-    names = set(candidate_names) | {"candidate"} | ({entry_point} if entry_point else set())
     setup: list[str] = []
     stmts: list[ast.stmt | str] = []
     if tests:
@@ -328,7 +339,8 @@ def plan_tests(
         else:
             setup = [ast.unparse(n) for n in tree.body if n is not check]
             stmts = list(check.body)
-    test_names = _bound_names([ast.parse(s) for s in setup] + [s for s in stmts if not isinstance(s, str)])
+    trees = [ast.parse(s) for s in setup] + [s for s in stmts if not isinstance(s, str)]
+    used = set().union(*(_names(t) for t in trees)) if trees else set()
     units: list[Unit] = []
     aid = 0
     for st in stmts:
@@ -336,80 +348,53 @@ def plan_tests(
             units.append(Unit("", True, True, error=st))
             continue
         is_test = any(isinstance(x, ast.Assert) for x in ast.walk(st))
-        rw = _AssertRewriter(names, test_names, aid)
+        rw = _AssertRewriter(aid)
         new = rw.visit(st)
         aid = rw.next
         module = new if isinstance(new, ast.Module) else ast.Module([new], [])
         src = ast.unparse(ast.fix_missing_locations(module))
         units.append(Unit(src, is_test, isinstance(st, ast.Assert), rw.plans))
-    return TestPlan(setup, units, sum(u.is_test for u in units))
+    return TestPlan(setup, units, sum(u.is_test for u in units), used, _bound_names(trees))
 
 
-# ---- the values a sandbox returns --------------------------------------------------------------------------
+# standard-library modules the reference does not import for a program that does (they act on the desktop)
+NOT_REIMPORTED = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "webbrowser"}
 
 
-class Opaque:
-    """A value the sandbox could not serialize as plain data: it equals nothing and has no truth value."""
-
-    __slots__ = ("type_name",)
-
-    def __init__(self, type_name: str) -> None:
-        self.type_name = str(type_name)[:80]
-
-    def __eq__(self, other: object) -> bool:
-        return False
-
-    def __ne__(self, other: object) -> bool:
-        return True
-
-    def __hash__(self) -> int:
-        return hash(("opaque", self.type_name))
-
-    def __bool__(self) -> bool:
-        raise TypeError(f"a {self.type_name} object returned by the program is not plain data")
-
-    def __repr__(self) -> str:
-        return f"<{self.type_name}>"
+def _stdlib_root(name: str | None) -> bool:
+    root = (name or "").split(".")[0]
+    return root in sys.stdlib_module_names and root not in NOT_REIMPORTED
 
 
-class DecodeError(ValueError):
-    pass
+def candidate_surface(
+    program: str, plan: TestPlan, entry_point: str | None, prompt: str | None
+) -> tuple[list[str], list[str]]:
+    """(names the reference binds to the candidate's sandbox, the program's standard-library imports that the
+    reference runs itself). A name is the candidate's when the program binds it at top level, the tests read
+    it, and it is not a builtin, a module (or a name from one) the program imports from the standard library,
+    a name the tests bind or a name the task's prompt defines; the entry point always is."""
+    try:
+        tree = ast.parse(program)
+    except (SyntaxError, ValueError):
+        tree = ast.Module([], [])
+    imports, imported = [], set()
+    for node in tree.body:
+        if isinstance(node, ast.Import) and all(_stdlib_root(a.name) for a in node.names):
+            imports.append(ast.unparse(node))
+            imported |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and _stdlib_root(node.module):
+            imports.append(ast.unparse(node))
+            imported |= {a.asname or a.name for a in node.names}
+    theirs = defined_names(prompt or "") if entry_point else set()
+    names = defined_names(program) & plan.used
+    names -= set(dir(builtins)) | imported | plan.bound | theirs | {"candidate", RECORDER}
+    names -= {n for n in names if n.startswith(HOLE)}
+    if entry_point:
+        names.add(entry_point)
+    return sorted(names), imports
 
 
-def decode(v: Any, depth: int = 0) -> Any:
-    """Plain data from the child's tagged JSON: lists {"l"}, tuples {"t"}, sets {"s"}, frozensets {"fs"},
-    dicts {"d": pairs}, bytes {"b": hex}, complex {"c"}, big ints {"i": hex}, opaque {"o": type name}."""
-    if depth > 200:
-        raise DecodeError("value nested too deep")
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if not isinstance(v, dict) or len(v) != 1:
-        raise DecodeError("malformed value")
-    (tag, x), d = next(iter(v.items())), depth + 1
-    if tag == "l" and isinstance(x, list):
-        return [decode(e, d) for e in x]
-    if tag == "t" and isinstance(x, list):
-        return tuple(decode(e, d) for e in x)
-    if tag in ("s", "fs") and isinstance(x, list):
-        items = [decode(e, d) for e in x]
-        try:
-            return set(items) if tag == "s" else frozenset(items)
-        except TypeError as exc:
-            raise DecodeError("unhashable set element") from exc
-    if tag == "d" and isinstance(x, list):
-        try:
-            return {decode(p[0], d): decode(p[1], d) for p in x}
-        except (TypeError, IndexError, KeyError) as exc:
-            raise DecodeError("malformed dict") from exc
-    if tag == "b" and isinstance(x, str):
-        return bytes.fromhex(x)
-    if tag == "c" and isinstance(x, list) and len(x) == 2:
-        return complex(float(x[0]), float(x[1]))
-    if tag == "i" and isinstance(x, str):
-        return int(x, 16)
-    if tag == "o":
-        return Opaque(str(x))
-    raise DecodeError(f"unknown tag {tag!r}")
+# ---- the values a sandbox returns: pipeline.verifiers.wire (Opaque, decode, DecodeError) -------------------
 
 
 # ---- the safe evaluator -------------------------------------------------------------------------------------
@@ -565,7 +550,7 @@ class Outcome:
     """What a sandbox run returned: `result` is the child's JSON document, or None when it produced none."""
 
     result: dict | None
-    status: str = "ok"  # ok | timeout | output_limit | crash
+    status: str = "ok"  # ok | timeout | output_limit | crash | reference_error
     detail: str | None = None
 
 
@@ -593,18 +578,18 @@ def _hole_value(occ: Any, j: int) -> tuple[bool, Any]:
     if ok == 1:
         try:
             return True, decode(val)
-        except (DecodeError, ValueError, TypeError) as exc:
+        except (DecodeError, ValueError, TypeError, RecursionError) as exc:
             return False, f"undecodable value: {exc}"
     return False, str(val)[:300]
 
 
-def score_plan(plan: TestPlan, cand: dict | None, ref: dict | None) -> tuple[int, list[str]]:
-    """Tests passed (decided here, from the returned values alone) and the first errors."""
+def score_plan(plan: TestPlan, doc: dict | None) -> tuple[int, list[str]]:
+    """Tests passed (decided here, from the reference run's values alone) and the first errors."""
     passed, errors = 0, list[str]()
     for i, unit in enumerate(plan.units):
         if not unit.is_test:
             continue
-        err = unit.error or _unit_error(unit, i, cand, ref)
+        err = unit.error or _unit_error(unit, i, doc)
         if err is None:
             passed += 1
         elif len(errors) < 10:
@@ -612,27 +597,19 @@ def score_plan(plan: TestPlan, cand: dict | None, ref: dict | None) -> tuple[int
     return min(passed, plan.total), errors
 
 
-def _unit_error(unit: Unit, i: int, cand: dict | None, ref: dict | None) -> str | None:
-    ok, err, recs = _records(cand, i)
+def _unit_error(unit: Unit, i: int, doc: dict | None) -> str | None:
+    ok, err, recs = _records(doc, i)
     if not ok:
         return err or "test did not run"
-    ref_ok, _, ref_recs = _records(ref, i) if ref is not None else (False, None, {})
     ran = 0
     for aid, ap in unit.asserts.items():
         occs = recs.get(aid, [])
         if unit.bare and len(occs) != 1:
             return f"{ap.source}: ran {len(occs)} times"
-        ref_occs = ref_recs.get(aid, []) if ref_ok else None
-        if ref_occs is not None and len(ref_occs) != len(occs):
-            return f"{ap.source}: ran {len(occs)} times, the reference run {len(ref_occs)}"
-        for n, occ in enumerate(occs):
+        for occ in occs:
             env = {}
             for j in range(len(ap.holes)):
                 good, val = _hole_value(occ, j)
-                if ref is not None:  # whatever the reference run could evaluate is not the candidate's
-                    rgood, rval = _hole_value(_occ(ref_recs.get(aid), n), j)
-                    if rgood:
-                        good, val = True, rval
                 if not good:
                     return f"{ap.source}: {val}"
                 env[f"{HOLE}{j}"] = val
@@ -647,39 +624,38 @@ def _unit_error(unit: Unit, i: int, cand: dict | None, ref: dict | None) -> str 
     return None
 
 
-def _occ(occs: Any, n: int) -> Any:
-    return occs[n] if isinstance(occs, list) and n < len(occs) else None
-
-
 def _truthy(value: Any) -> bool:
     return bool(_plain(value))
 
 
-def job_for(
-    plan: TestPlan, program: str | None, entry_point: str | None, *, stubs: list[str] | None = None
-) -> dict:
-    """The child's job: the program (candidate run) or the trusted prompt (reference run, `stubs` raise)."""
-    return {
-        "program": program,
+def jobs_for(plan: TestPlan, program: str, meta: dict) -> tuple[dict, dict]:
+    """The two sandboxes' jobs: the candidate's holds the program alone; the reference's holds the tests,
+    the task's prompt, the program's standard-library imports and the names to ask the candidate for."""
+    entry_point = meta.get("entry_point")
+    prompt = meta.get("prompt") if entry_point else None
+    remote, imports = candidate_surface(program, plan, entry_point, prompt)
+    cand = {"program": program, "seed": 1234}
+    ref = {
+        "prompt": prompt,
+        "imports": imports,
+        "remote": remote,
         "entry_point": entry_point,
-        "stubs": stubs or [],
         "setup": plan.setup,
         "units": [u.src for u in plan.units],
         "seed": 1234,
     }
+    return cand, ref
 
 
-Executor = Callable[[dict, SandboxSettings], Outcome]
+Executor = Callable[[dict, dict, SandboxSettings], Outcome]
 
 
 def run_plan(program: str, meta: dict, execute: Executor, settings: SandboxSettings) -> dict:
-    """Run the tests of `meta` on `program` through `execute`; {"passed", "total", "errors", "timeout", "crash"}."""
+    """Run the tests of `meta` on `program` through `execute`; {"passed", "total", "errors", "timeout", "crash"}
+    (and "reference_error" when the tests failed without the candidate's fault)."""
     tests = meta.get("tests") or meta.get("given_tests")
-    entry_point = meta.get("entry_point")
     try:
-        plan = plan_tests(
-            list(tests) if tests else None, meta.get("test"), entry_point, defined_names(program)
-        )
+        plan = plan_tests(list(tests) if tests else None, meta.get("test"))
     except (SyntaxError, ValueError) as exc:
         return {
             "passed": 0,
@@ -689,29 +665,20 @@ def run_plan(program: str, meta: dict, execute: Executor, settings: SandboxSetti
             "crash": None,
         }
     base = {"passed": 0, "total": plan.total, "errors": [], "timeout": False, "crash": None}
-    cand = execute(job_for(plan, program, entry_point), settings)
-    if cand.status == "timeout":
+    out = execute(*jobs_for(plan, program, meta), settings)
+    if out.status == "timeout":
         return {**base, "timeout": True}
-    if cand.status != "ok" or cand.result is None:
-        return {**base, "crash": f"{cand.status}: {cand.detail or ''}".strip()}
-    perr = cand.result.get("program_error") if isinstance(cand.result, dict) else "malformed result"
+    if out.status == "reference_error":
+        return {
+            **base,
+            "reference_error": f"the reference run (no candidate code) failed: {out.detail}"[:500],
+        }
+    if out.status != "ok" or not isinstance(out.result, dict):
+        return {**base, "crash": f"{out.status}: {out.detail or ''}".strip()}
+    perr = out.result.get("program_error")
     if perr:
         return {**base, "errors": [f"program: {str(perr)[:500]}"]}
-    ref = None
-    if plan.needs_reference:
-        stubs = ["candidate"] + ([entry_point] if entry_point else [])
-        r = execute(
-            job_for(plan, meta.get("prompt") if entry_point else None, entry_point, stubs=stubs), settings
-        )
-        if r.status != "ok" or not isinstance(r.result, dict) or r.result.get("program_error"):
-            why = (
-                r.result.get("program_error")
-                if isinstance(r.result, dict)
-                else f"{r.status} {r.detail or ''}"
-            )
-            return {**base, "reference_error": f"the reference run (no candidate code) failed: {why}"[:500]}
-        ref = r.result
-    passed, errors = score_plan(plan, cand.result, ref)
+    passed, errors = score_plan(plan, out.result)
     return {**base, "passed": passed, "errors": errors}
 
 
