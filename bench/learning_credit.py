@@ -90,6 +90,18 @@ ENVS: dict[str, dict] = {
     },
 }
 
+# issue 27's environments as probes (trainer/envs/credit_tasks.ToyProbe): does the oracle beat GRPO there?
+for _toy in ("c3_search", "tcpo_refine", "iapo_service"):
+    ENVS[f"probe_{_toy}"] = {
+        "paper": "probe",
+        "arms": ["oracle", "grpo"],
+        "pairs": [],
+        "lr": 2.0,
+        "ent": 0.02,
+    }
+    ENVS[f"probe_{_toy}"]["quick_arms"] = ENVS[f"probe_{_toy}"]["arms"]
+MAIN_ENVS = ["repair", "multihop", "toolchain"]
+
 # method settings: MT-GRPO in its K-turn verifier reading (spec 2.3 [INF]); TCPO's counterfactual budget
 STAGES = {"mt_grpo": {"mode": "kturn"}, "tcpo": {"M": 4, "L": 5}}
 N_EVAL = 48
@@ -237,50 +249,64 @@ class Batch:
 
 
 def rollout(env, policy: Policy, tasks: list[dict], samples: int, rng: np.random.Generator) -> Batch:
-    cols: dict[str, list] = {k: [] for k in ("traj", "turn", "row", "action", "logp", "score", "error")}
-    cols.update(tool=[], binds=[], text=[], obs=[], states=[])
-    traj_tasks, group, reward, success = [], [], [], []
-    i = 0
-    for g, task in enumerate(tasks):
-        for _ in range(samples):
-            state, k, done = env.init(task), 0, False
-            while not done:
-                r = policy.row(env.key(task, state))
-                p = policy.probs(r)
-                a = int(rng.choice(len(p), p=p))
-                st = env.step(task, state, a)
-                k += 1
-                for name, v in (
-                    ("traj", i),
-                    ("turn", k),
-                    ("row", r),
-                    ("action", a),
-                    ("logp", math.log(p[a])),
-                    ("score", st.score),
-                    ("error", st.error),
-                    ("tool", st.tool),
-                    ("binds", st.binds),
-                    ("text", st.text),
-                    ("obs", st.obs),
-                    ("states", state),
-                ):
-                    cols[name].append(v)
-                state, done = st.state, st.done
-            traj_tasks.append(task)
-            group.append(g)
-            reward.append(env.outcome(task, state))
-            success.append(env.success(task, state))
-            i += 1
-    arr = {k: np.asarray(v) for k, v in cols.items() if k not in ("text", "obs", "states")}
+    """`samples` episodes of each task at temperature 1, all episodes stepped together: one probability lookup
+    and one inverse-CDF draw per turn for the whole batch; the turns come back trajectory-major."""
+    n = len(tasks) * samples
+    ep_task = [t for t in tasks for _ in range(samples)]
+    states = [env.init(t) for t in ep_task]
+    turn_of = np.zeros(n, dtype=np.int64)
+    rec: dict[str, list] = {
+        k: [] for k in ("traj", "row", "action", "logp", "score", "error", "tool", "binds")
+    }
+    rec.update(text=[], obs=[], states=[])
+    active = list(range(n))
+    while active:
+        rows = np.fromiter(
+            (policy.row(env.key(ep_task[i], states[i])) for i in active), np.int64, len(active)
+        )
+        P = policy.probs(rows)
+        acts = (rng.random((len(active), 1)) > P.cumsum(axis=1)).sum(axis=1).clip(max=P.shape[1] - 1)
+        logp = np.log(P[np.arange(len(active)), acts])
+        still = []
+        for j, i in enumerate(active):
+            st = env.step(ep_task[i], states[i], int(acts[j]))
+            turn_of[i] += 1
+            for name, v in (
+                ("traj", i),
+                ("row", rows[j]),
+                ("action", acts[j]),
+                ("logp", logp[j]),
+                ("score", st.score),
+                ("error", st.error),
+                ("tool", st.tool),
+                ("binds", st.binds),
+                ("text", st.text),
+                ("obs", st.obs),
+                ("states", states[i]),
+            ):
+                rec[name].append(v)
+            states[i] = st.state
+            if not st.done:
+                still.append(i)
+        active = still
+    traj = np.asarray(rec["traj"])
+    order = np.argsort(traj, kind="stable")  # turns of an episode were recorded in order
+    turn = np.empty(len(traj), dtype=np.int64)
+    turn[order] = np.concatenate([np.arange(1, k + 1) for k in turn_of]) if n else []
+    arr = {
+        k: np.asarray(rec[k])[order]
+        for k in ("traj", "row", "action", "logp", "score", "error", "tool", "binds")
+    }
     return Batch(
         **arr,
-        text=cols["text"],
-        obs=cols["obs"],
-        states=cols["states"],
-        tasks=traj_tasks,
-        group=np.asarray(group),
-        reward=np.asarray(reward, dtype=np.float64),
-        success=np.asarray(success),
+        turn=turn[order],
+        text=[rec["text"][j] for j in order],
+        obs=[rec["obs"][j] for j in order],
+        states=[rec["states"][j] for j in order],
+        tasks=ep_task,
+        group=np.repeat(np.arange(len(tasks)), samples),
+        reward=np.array([env.outcome(t, s) for t, s in zip(ep_task, states, strict=True)], dtype=np.float64),
+        success=np.array([env.success(t, s) for t, s in zip(ep_task, states, strict=True)]),
     )
 
 
@@ -600,6 +626,7 @@ def run_one(env_name: str, arm: str, seed: int, a: dict) -> dict:
                     "adv": np.round(adv, 4).tolist(),
                     "oracle": np.round(oracle, 4).tolist(),
                     "success": b.success[b.traj].tolist(),
+                    "bad": env_bad_turns(env, b).tolist(),
                 }
         # policy gradient: sum_k A_k grad log pi(a_k | key_k) / trajectories, + entropy bonus on visited keys
         n = len(b.reward)
@@ -853,7 +880,7 @@ def summarise(runs: list[dict], envs: list[str], a: dict) -> str:
             out.append(
                 f"\nPer-turn credit against the oracle's on the arm's own rollouts (every {a['diag_every']} rounds): "
                 "correlation, sign agreement where the oracle is clearly nonzero, and the mean credit on "
-                f"{BAD[env]} inside successful episodes (the arm's, then the oracle's Q − V, unnormalised):\n"
+                f"{BAD.get(env, 'turns the env marks bad (none for probes)')} inside successful episodes (the arm's, then the oracle's Q − V, unnormalised):\n"
             )
             out += _md_lines(
                 [
@@ -866,7 +893,49 @@ def summarise(runs: list[dict], envs: list[str], a: dict) -> str:
                 ],
                 drow,
             )
+        ex = example_turns(rs, env, arms)
+        if ex:
+            out.append(
+                f"\nPer-turn advantages from the run (round {a['keep_turns']}, the first seed with such an episode): "
+                f"a successful episode with {BAD.get(env, 'a bad turn')} marked *, each arm's credit on its own "
+                "rollout beside the oracle's Q − V of the same turns under that arm's policy:\n"
+            )
+            out += ex
     return "\n".join(out)
+
+
+def example_turns(rs: list[dict], env: str, arms: list[str]) -> list[str]:
+    """One successful trajectory with a bad turn per arm, from the kept round: actions, A, Q - V."""
+    from trainer.envs.credit_tasks import make_credit_env
+
+    names = make_credit_env(env).actions
+    rows = []
+    for arm in arms:
+        for r in sorted((r for r in rs if r["arm"] == arm), key=lambda r: r["seed"]):
+            kept = [d["turns"] for d in r["diag"] if "turns" in d and "bad" in d["turns"]]
+            if not kept:
+                continue
+            t = kept[0]
+            traj = np.asarray(t["traj"])
+            ok = np.asarray(t["success"]) & np.asarray(t["bad"])
+            if not ok.any():
+                continue
+            sel = np.flatnonzero(traj == traj[np.flatnonzero(ok)[0]])
+            rows.append(
+                [
+                    arm,
+                    r["seed"],
+                    " ".join(names[t["action"][j]] + ("*" if t["bad"][j] else "") for j in sel),
+                    " ".join(f"{t['adv'][j]:+.2f}" for j in sel),
+                    " ".join(f"{t['oracle'][j]:+.3f}" for j in sel),
+                ]
+            )
+            break
+    return (
+        _md_lines(["arm", "seed", "actions (turn 1..)", "A per turn", "oracle Q − V per turn"], rows)
+        if rows
+        else []
+    )
 
 
 BAD = {
@@ -879,7 +948,7 @@ BAD = {
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke: 1 seed, 3 rounds, 3 arms per env")
-    p.add_argument("--envs", nargs="+", default=list(ENVS), choices=list(ENVS))
+    p.add_argument("--envs", nargs="+", default=MAIN_ENVS, choices=list(ENVS))
     p.add_argument("--arms", nargs="+", default=None)
     p.add_argument("--seeds", type=int, default=None, help="main-run seeds (default: from the pilot's power)")
     p.add_argument("--seed0", type=int, default=100, help="first main-run seed (pilot seeds start at 0)")

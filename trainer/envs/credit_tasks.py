@@ -302,8 +302,62 @@ class ToolChainEnv(CreditEnv):
         return a - len(TOOLS) + 1 if a >= len(TOOLS) else a
 
 
+# ---- issue 27's environments as probes: the text envs, replayed from snapshots -----------------------------
+class ToyProbe(CreditEnv):
+    """One of issue 27's word envs (`c3_search`, `tcpo_refine`, `iapo_service`) as a tabular env: state = the
+    actions so far (replayed from cached snapshots), key = (task, state) (what the tiny model saw: the prompt
+    and the whole history). They have 8 tasks and no held-out split: every seed trains and evaluates on them."""
+
+    def __init__(self, toy_name: str) -> None:
+        from trainer.envs import make_env
+
+        self.toy = make_env(toy_name)
+        super().__init__(f"probe_{toy_name}", tuple(self.toy.actions), self.toy.action_format)
+        self.cache: dict = {}
+
+    def tasks(self, n: int, seed: int) -> list[dict]:
+        return [{**t, "id": t["task_id"]} for t in self.toy.tasks()]
+
+    def max_turns(self, task: dict) -> int:
+        return int(self.toy.default_turns)
+
+    def init(self, task: dict) -> State:
+        return ()
+
+    def key(self, task: dict, state: State) -> Key:
+        return (task["id"], state)
+
+    def _at(self, task: dict, state: State) -> tuple:
+        """(snapshot, score, done, reward) after the actions `state`."""
+        got = self.cache.get((task["id"], state))
+        if got is None:
+            if state:
+                snap = self._at(task, state[:-1])[0]
+                self.toy.restore(snap)
+                res = self.toy.step(self.actions[state[-1]])
+                got = (self.toy.snapshot(), res.score, res.done, self.toy.reward(), res.observation)
+            else:
+                self.toy.reset(task)
+                got = (self.toy.snapshot(), 0.0, False, 0.0, "")
+            self.cache[(task["id"], state)] = got
+        return got
+
+    def step(self, task: dict, state: State, a: int) -> Step:
+        nxt = (*state, a)
+        _, score, done, _, obs = self._at(task, nxt)
+        return Step(
+            nxt, float(score), bool(done), self.actions[a], obs, error=obs.strip().startswith("Error")
+        )
+
+    def outcome(self, task: dict, state: State) -> float:
+        return float(self._at(task, state)[3])
+
+
 CREDIT_ENVS = {"repair": RepairEnv, "multihop": MultiHopEnv, "toolchain": ToolChainEnv}
+PROBES = ("c3_search", "tcpo_refine", "iapo_service")
 
 
 def make_credit_env(name: str, **kwargs) -> CreditEnv:
+    if name.startswith("probe_"):
+        return ToyProbe(name.removeprefix("probe_"))
     return CREDIT_ENVS[name](**kwargs)
