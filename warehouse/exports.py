@@ -57,9 +57,8 @@ def write_export(
         raise ExportError(
             f"no advantages for method {method!r} in round {round_}; run `creditflow process` first"
         )
-    batch = build_train_batch(
-        lake.read("trajectories", round_, **as_of), lake.read("steps", round_, **as_of), adv
-    )
+    trajectories, steps = lake.read("trajectories", round_, **as_of), lake.read("steps", round_, **as_of)
+    batch = build_train_batch(trajectories, steps, adv)
     out.parent.mkdir(parents=True, exist_ok=True)
     if layout == "flat":
         tmp = out.with_name(f".tmp-{out.name}")
@@ -74,6 +73,10 @@ def write_export(
             arrays = to_padded(batch, layout, pad_token_id, response_length, prompt_length, max_len)
         except ValueError as exc:  # a prompt longer than --prompt-length
             raise ExportError(str(exc)) from None
+        if layout == "verl":  # what ingest -f verl-batch needs to get the trajectories back as they were
+            from pipeline import step_records
+
+            arrays[step_records.NAME] = step_records.encode(trajectories, steps, arrays["traj_id"])
         save_padded(arrays, tmp)
     tmp.replace(out)
     return (batch.num_rows, version) if with_version else batch.num_rows

@@ -20,6 +20,12 @@ is decoded on its own with the ingest tokenizer when it can decode (`tokenizer.d
 the placeholder `<id>`; a step's content is the concatenation of its token pieces, so its token offsets are
 exact (the pieces' start chars). The rows then go through the `parquet` adapter's schema checks.
 
+A file written by creditflow's own `export --layout verl` also holds `creditflow_steps` (`pipeline.step_records`:
+per row its steps' roles, turns, contents, tool calls, tool errors, offsets, scores and values, and the
+trajectory's fields): a row whose record matches its tokens (token counts, assistant steps = response_mask) gets
+its steps and trajectory back as they were (the round trip export -> ingest -> process is lossless); a row whose
+record does not match keeps the response_mask's steps, and its meta says why in one line (`creditflow_steps`).
+
 Quarantined: a file without a required key or with ragged rows (one record for the file), and per row: an empty
 uid, a non-finite reward, a response_mask value other than 0/1, a trained token on padding, a duplicate traj_id,
 a real prompt/response token id that is not an integer in [0, 2^31) (never wrapped to int32), and what the shared
@@ -35,6 +41,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline import step_records
 from pipeline.ingest.core import (
     INVALID_TOKENS,
     INVALID_VALUE,
@@ -124,7 +131,7 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
     )
     P = prompts.shape[1]
     rmask = a["response_mask"]
-    scores = a[reward_key].astype(np.float64).reshape(B, -1)
+    scores = a[reward_key].astype(np.float64).reshape(B, -1) if B else np.zeros((0, 1))
     lp_key = next((k for k in LOGPROB_KEYS if k in a), None)
     logprobs = a[lp_key].astype(np.float32) if lp_key else None
     if "attention_mask" in a:
@@ -249,10 +256,10 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
             "is_error": pa.array(np.zeros(n_seg, bool)),
             "token_ids": pa.ListArray.from_arrays(tok_off, pa.array(ids.astype(np.int32))),
             "token_offsets": pa.ListArray.from_arrays(tok_off, pa.array(offsets)),
-            "logprobs": pa.ListArray.from_arrays(
-                tok_off,
-                pa.array(lp_flat if lp_flat is not None else np.zeros(len(ids), np.float32)),
-                mask=pa.array(~lp_valid),
+            "logprobs": _lists_or_null(
+                np.append(seg_start, len(ids)),
+                lp_flat if lp_flat is not None else np.zeros(len(ids), np.float32),
+                lp_valid,
             ),
             "logprob_source": pa.array(
                 np.full(len(lp_valid), "rollout", dtype=object), pa.string(), mask=~np.asarray(lp_valid, bool)
@@ -261,6 +268,7 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
             "verifier_score": pa.nulls(n_seg, pa.float64()),
         }
     )
+    steps, records = _with_step_records(a, keep, kept_traj, steps, ids, mask, lp_flat, tok_row, stats)
     kept_uid = uid[keep]
     order_in_group = np.zeros(len(keep), np.int32)
     seen: dict[str, int] = {}
@@ -271,22 +279,140 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
         json.dumps({"uid": str(u), "row": int(r), "prompt_tokens": int(n)})
         for u, r, n in zip(kept_uid, keep, p_real[keep].sum(axis=1), strict=True)
     ]
+    kept_reward = reward[keep].copy()
+    n_real = p_real[keep].sum(axis=1) + r_real[keep].sum(axis=1)
+    components: list = [None] * len(keep)
+    action_format: list = [None] * len(keep)
+    policy_version: list = [None] * len(keep)
+    for i, got in records.items():
+        fields, note = got
+        if fields is None:  # the record could not be used: the row's steps come from its response_mask
+            meta[i] = json.dumps({**json.loads(meta[i]), "creditflow_steps": f"ignored: {note}"})
+            continue
+        # the exported reward is float32 (token_level_scores): the record's float64 when it is the same value,
+        # or when the row has no real token to hold it
+        if fields["reward"] is not None and (
+            np.float32(fields["reward"]) == np.float32(kept_reward[i]) or not n_real[i]
+        ):
+            kept_reward[i] = fields["reward"]
+        if fields["sample_idx"] is not None:
+            order_in_group[i] = fields["sample_idx"]
+        components[i] = fields["reward_components"]
+        action_format[i] = fields["action_format"]
+        policy_version[i] = fields["policy_version"]
+        original = _json_object(fields["meta"])
+        meta[i] = json.dumps(
+            {**original, "verl_batch": json.loads(meta[i]), "exported_source": fields["source"]}
+        )
     trajectories = pa.table(
         {
             "traj_id": pa.array(kept_traj, pa.string()),
             "group_id": pa.array(kept_uid, pa.string()),
             "sample_idx": pa.array(order_in_group),
-            "reward": pa.array(reward[keep]),
-            "reward_components": pa.nulls(
-                len(keep), trajectories_schema.SCHEMA.field("reward_components").type
+            "reward": pa.array(kept_reward),
+            "reward_components": pa.array(
+                components, trajectories_schema.SCHEMA.field("reward_components").type
             ),
             "source": pa.array([f"verl-batch:{source_file}"] * len(keep), pa.string()),
-            "action_format": pa.nulls(len(keep), pa.string()),
-            "policy_version": pa.nulls(len(keep), pa.string()),
+            "action_format": pa.array(action_format, pa.string()),
+            "policy_version": pa.array(policy_version, pa.string()),
             "meta": pa.array(meta, pa.string()),
         }
     )
     return trajectories, steps
+
+
+def _lists_or_null(offsets: np.ndarray, values: np.ndarray, valid: np.ndarray) -> pa.Array:
+    """list<float32> with list k = values[offsets[k]:offsets[k + 1]] where valid[k], else null; a null list holds
+    no values (a null backed by values is read differently by list_flatten and list_parent_indices)."""
+    counts = np.diff(np.asarray(offsets, np.int64)).astype(np.int64)
+    keep = np.repeat(np.asarray(valid, bool), counts.tolist())
+    kept = np.concatenate([[0], np.cumsum(np.where(valid, counts, 0))]).astype(np.int32)
+    return pa.ListArray.from_arrays(
+        pa.array(kept),
+        pa.array(np.asarray(values, np.float32)[keep]),
+        mask=pa.array(~np.asarray(valid, bool)),
+    )
+
+
+def _json_object(text) -> dict:
+    try:
+        got = json.loads(text) if isinstance(text, str) else {}
+    except ValueError:
+        return {"meta": text}
+    return got if isinstance(got, dict) else {"meta": got}
+
+
+def _with_step_records(a, keep, kept_traj, steps, ids, mask, lp_flat, tok_row, stats):
+    """The steps of the rows whose `creditflow_steps` record (`pipeline.step_records`, written by creditflow's
+    own verl export) matches their tokens: roles, turns, contents, tool calls and errors as they were, the token
+    ids and trained tokens' logprobs from the arrays; other rows keep the response_mask's steps (their meta says
+    why). Returns (steps, {kept row: (trajectory fields or None, note)})."""
+    if step_records.NAME not in a:
+        return steps, {}
+    raw = np.asarray(a[step_records.NAME])
+    if raw.shape[:1] != (len(a["responses"]),):
+        stats["creditflow_steps"] = {"ignored": "not one record per row"}
+        return steps, {}
+    bounds = np.searchsorted(tok_row, np.arange(len(keep) + 1))
+    records: dict[int, tuple] = {}
+    used: list[tuple[int, list[dict]]] = []
+    for i, r in enumerate(keep.tolist()):
+        s, e = int(bounds[i]), int(bounds[i + 1])
+        try:
+            fields, rec_steps = step_records.decode(raw[r], e - s, mask[s:e] == 1)
+        except step_records.StepRecordError as exc:
+            records[i] = (None, str(exc))
+            continue
+        records[i] = (fields, "")
+        used.append((i, rec_steps))
+    stats["creditflow_steps"] = {"used": len(used), "ignored": len(records) - len(used)}
+    if not used:
+        return steps, records
+    rows = np.asarray([i for i, _ in used], dtype=np.int64)
+    sel = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in rows.tolist()])
+    flat_steps = [st for _, sts in used for st in sts]
+    n = np.asarray([st["n"] for st in flat_steps], dtype=np.int64)
+    off = pa.array(np.concatenate([[0], np.cumsum(n)]).astype(np.int32))
+    lp = lp_flat[sel].astype(np.float32) if lp_flat is not None else np.zeros(len(sel), np.float32)
+    starts = np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int64)
+    lp_valid = np.zeros(len(flat_steps), bool)
+    for k, st in enumerate(flat_steps):
+        if st["role"] == "assistant":
+            lp_valid[k] = lp_flat is not None and st["has_logprobs"]
+        elif st["logprobs"] is not None:
+            lp[starts[k] : starts[k] + st["n"]] = st["logprobs"]
+            lp_valid[k] = True
+    traj_of = np.repeat(kept_traj[rows], [len(sts) for _, sts in used])
+    rec = pa.table(
+        {
+            "traj_id": pa.array(traj_of, pa.string()),
+            "step_idx": pa.array(
+                np.concatenate([np.arange(len(sts)) for _, sts in used]).astype(np.int32), pa.int32()
+            ),
+            "role": pa.array([st["role"] for st in flat_steps], pa.string()),
+            "turn": pa.array([st["turn"] for st in flat_steps], pa.int32()),
+            "content": pa.array([st["content"] for st in flat_steps], pa.string()),
+            "tool_calls": pa.array(
+                [st["tool_calls"] for st in flat_steps], steps_schema.SCHEMA.field("tool_calls").type
+            ),
+            "tool_call_id": pa.array([st["tool_call_id"] for st in flat_steps], pa.string()),
+            "is_error": pa.array([st["is_error"] for st in flat_steps], pa.bool_()),
+            "token_ids": pa.ListArray.from_arrays(off, pa.array(ids[sel].astype(np.int32))),
+            "token_offsets": pa.ListArray.from_arrays(
+                off, pa.array(np.asarray([o for st in flat_steps for o in st["offsets"]], np.int32))
+            ),
+            "logprobs": _lists_or_null(off.to_numpy(), lp, lp_valid),
+            "logprob_source": pa.array(
+                [st["logprob_source"] if lp_valid[k] else None for k, st in enumerate(flat_steps)],
+                pa.string(),
+            ),
+            "values": pa.array([st["values"] for st in flat_steps], pa.list_(pa.float32())),
+            "verifier_score": pa.array([st["verifier_score"] for st in flat_steps], pa.float64()),
+        }
+    )
+    keep_mask = ~np.isin(steps.column("traj_id").to_numpy(zero_copy_only=False), kept_traj[rows])
+    return pa.concat_tables([steps.filter(pa.array(keep_mask)), rec.cast(steps.schema)]), records
 
 
 def ingest_tables(sources, round_: int, tokenizer) -> IngestResult:
