@@ -4,7 +4,11 @@ import pyarrow as pa
 
 from schemas._base import TableSpec, check_in, check_same_length, check_unique
 
-ROLES = {"system", "user", "assistant", "tool"}
+# `user_tool`: a step the agent never saw: another actor's own tool call or its result (tau2's user simulator
+# calls its device tools; the orchestrator routes them user -> environment -> user). Kept in the lake, with no
+# turn and no tokens: not in the agent's context, the loss mask or the credit.
+UNSEEN_ROLES = {"user_tool"}
+ROLES = {"system", "user", "assistant", "tool"} | UNSEEN_ROLES
 
 TOOL_CALL = pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())])
 
@@ -32,8 +36,10 @@ DOCS = {
     "round": "round partition key",
     "traj_id": "trajectory this step belongs to",
     "step_idx": "0-based position of the message in the trajectory",
-    "role": "system | user | assistant | tool",
-    "turn": "1-based index k of the assistant action; for user/tool steps, the turn of the action they answer",
+    "role": "system | user | assistant | tool | user_tool (the user simulator's own tool call or its result: "
+    "never in the agent's context, no turn, no tokens)",
+    "turn": "1-based index k of the assistant action; for user/tool steps, the turn of the action they answer; "
+    "null for user_tool steps",
     "content": "message text as the model saw it (tool calls rendered into it for tokenisation)",
     "tool_calls": "OpenAI tool calls of an assistant message: id, name, arguments (JSON text)",
     "tool_call_id": "for a tool step, the id of the call it returns",

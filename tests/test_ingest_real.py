@@ -136,7 +136,7 @@ def test_tau2_bench(real_data):
     _check_common(res)
 
 
-def test_tau2_user_tool_calls_stay_on_user_step():
+def test_tau2_user_tool_calls_are_steps_the_agent_never_saw():
     sim = {
         "id": "s1",
         "task_id": "7",
@@ -175,10 +175,12 @@ def test_tau2_user_tool_calls_stay_on_user_step():
     text = json.dumps({"info": {}, "tasks": [{"id": "7"}], "simulations": [sim]})
     res = ingest("tau2-bench", [("r.json", text)], tokenizer=BYTES)
     steps = _rows(res.steps)
-    # the opener before every user message, with no generation recorded, is the harness's: context
-    assert [s["role"] for s in steps] == ["system", "user", "tool", "user", "assistant", "tool"]
+    # the opener before every user message, with no generation recorded, is the harness's: context; the user
+    # simulator's own call and its result (issue 34) are user_tool steps: no turn, no tokens
+    assert [s["role"] for s in steps] == ["system", "user_tool", "user_tool", "user", "assistant", "tool"]
     assert steps[1]["tool_calls"][0]["name"] == "toggle_airplane_mode" and steps[1]["content"] == ""
-    assert steps[1]["turn"] is None and steps[2]["tool_call_id"] == "u1"
+    assert steps[1]["turn"] is None and steps[2]["turn"] is None and steps[2]["tool_call_id"] == "u1"
+    assert steps[2]["token_ids"] == [] and steps[2]["content"] == "ok"
     assert "<tool_call>" in steps[4]["content"] and steps[4]["turn"] == 1
     assert [s["is_error"] for s in steps] == [False, False, False, False, False, True]
 

@@ -419,6 +419,8 @@ def finalize(draft: TrajectoryDraft) -> TrajectoryDraft:
         if step.role == "assistant":
             turn += 1
             step.turn = turn
+        elif step.role in steps_schema.UNSEEN_ROLES:
+            step.turn = None  # the agent never saw it: no turn (and no tokens: `build_tables`)
         else:
             step.turn = turn or None
         for call in step.tool_calls or ():
@@ -783,6 +785,34 @@ def _with_tokenization(meta, made: str) -> dict:
     return {**base, "tokenization": made}
 
 
+def _tokenize_seen_steps(drafts: list[TrajectoryDraft], tokenizer):
+    """`tokenize_steps` over what the agent saw: steps of an unseen role (`steps_schema.UNSEEN_ROLES`) are left
+    out of the rendering and get no tokens (empty ids and offsets, in their place)."""
+    import dataclasses
+
+    unseen = [[s.role in steps_schema.UNSEEN_ROLES for s in d.steps] for d in drafts]
+    if not any(any(u) for u in unseen):
+        return tokenize_steps(drafts, tokenizer)
+    seen = [
+        dataclasses.replace(d, steps=[s for s, u in zip(d.steps, us, strict=True) if not u])
+        for d, us in zip(drafts, unseen, strict=True)
+    ]
+    ids, offs, made = tokenize_steps(seen, tokenizer)
+    out_ids: list[list[int]] = []
+    out_offs: list[list[int]] = []
+    k = 0
+    for us in unseen:
+        for u in us:
+            if u:
+                out_ids.append([])
+                out_offs.append([])
+            else:
+                out_ids.append(ids[k])
+                out_offs.append(offs[k])
+                k += 1
+    return out_ids, out_offs, made
+
+
 def build_tables(
     items: list[tuple[SourceRecord, TrajectoryDraft]], round_: int, tokenizer
 ) -> tuple[pa.Table, pa.Table, list[Rejected], dict]:
@@ -791,7 +821,7 @@ def build_tables(
     flat = [(i, s) for i, (_, d) in enumerate(items) for s in d.steps]
     # text sources rendered with the tokenizer's chat template, cut back into messages (pipeline.chat_template);
     # `made`: how each trajectory's tokens were made, kept in its meta as "tokenization"
-    enc_ids, enc_offsets, made = tokenize_steps([d for _, d in items], tokenizer)
+    enc_ids, enc_offsets, made = _tokenize_seen_steps([d for _, d in items], tokenizer)
     stats.update(Counter(f"tokens {m.split(' (')[0]}" for m in made))
     decode = getattr(tokenizer, "decode", None)
 

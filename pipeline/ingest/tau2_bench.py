@@ -23,6 +23,7 @@ Results.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 from pipeline.ingest.chat_jsonl import message_step
@@ -72,6 +73,22 @@ def _generated(msg) -> bool:
     return isinstance(msg, dict) and (msg.get("usage") is not None or msg.get("raw_data") is not None)
 
 
+# what agent frameworks write in the agent's place when they stop it (LangGraph's recursion limit, a Python
+# traceback): an assistant message with this text and no recorded generation is the harness's, not a turn
+FRAMEWORK_ERROR = re.compile(
+    r"^\s*(?:Error:\s*)?(?:GraphRecursionError\b|Recursion limit of \d+ reached\b|"
+    r"Traceback \(most recent call last\))",
+    re.I,
+)
+
+
+def framework_error(msg) -> bool:
+    content = msg.get("content") if isinstance(msg, dict) else None
+    return (
+        isinstance(content, str) and not msg.get("tool_calls") and FRAMEWORK_ERROR.search(content) is not None
+    )
+
+
 def harness_injected(messages: list) -> set[int]:
     """Positions of the assistant messages the harness injected (see the module doc)."""
     assistant = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
@@ -79,7 +96,29 @@ def harness_injected(messages: list) -> set[int]:
     first_user = next(
         (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), len(messages)
     )
-    return {i for i in assistant if not _generated(messages[i]) and (records_generation or i < first_user)}
+    return {
+        i
+        for i in assistant
+        if not _generated(messages[i])
+        and (records_generation or i < first_user or framework_error(messages[i]))
+    }
+
+
+def unseen_by_agent(msg) -> bool:
+    """A message the agent never saw: the user simulator's own tool call (a user message whose calls the user
+    requested) or its result (a tool message with requestor "user"); tau2 routes them user -> environment ->
+    user."""
+    if not isinstance(msg, dict):
+        return False
+    if msg.get("role") == "tool":
+        return msg.get("requestor") == "user"
+    calls = msg.get("tool_calls")
+    return (
+        msg.get("role") == "user"
+        and isinstance(calls, list)
+        and bool(calls)
+        and all(isinstance(c, dict) and c.get("requestor", "user") == "user" for c in calls)
+    )
 
 
 def _steps(messages, where: str = "messages") -> tuple[list[StepDraft], list[dict], list[dict]]:
@@ -92,10 +131,19 @@ def _steps(messages, where: str = "messages") -> tuple[list[StepDraft], list[dic
         step, _ = message_step(msg, w)
         if i in injected:
             step.role = "system"
-            harness.append({"step_idx": i, "role": msg.get("role"), "turn_idx": msg.get("turn_idx")})
-        if step.role == "tool":
+            harness.append(
+                {
+                    "step_idx": i,
+                    "role": msg.get("role"),
+                    "turn_idx": msg.get("turn_idx"),
+                    **({"framework_error": True} if framework_error(msg) else {}),
+                }
+            )
+        if step.role == "tool" or (msg.get("role") == "tool" and unseen_by_agent(msg)):
             step.tool_call_id = str(require(msg, "id", w))
             step.is_error = bool(msg.get("error"))
+        if unseen_by_agent(msg):
+            step.role = "user_tool"
         if msg.get("errors"):
             rejected_attempts.append(
                 {"step_idx": i, "turn_idx": msg.get("turn_idx"), "errors": msg["errors"]}
@@ -127,6 +175,7 @@ def tau2_bench(record: SourceRecord) -> TrajectoryDraft:
         "reward_info": reward_info,
         "rejected_attempts": rejected_attempts,
         "harness_messages": harness,
+        "unseen_steps": sum(s.role == "user_tool" for s in steps),
         "domain": env.get("domain_name"),
         "policy": env.get("policy"),
         "tools": env.get("tool_defs"),

@@ -1,0 +1,186 @@
+"""Issue 34: only the agent's tokens are the agent's. tau2's user simulator calls its own tools (a user message
+with calls, then their results, routed user -> environment -> user): the agent never saw them, so they are
+`user_tool` steps, kept with no turn and no tokens; framework error messages are the harness's, not turns."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+from test_ingest_chat_template import ChatML
+
+import pipeline.ingest.tau2_bench  # noqa: F401  (registers the adapter)
+from pipeline.detect import DetectSettings, detect_spans
+from pipeline.ingest.core import ingest
+from pipeline.tokenize import ByteTokenizer
+
+TELECOM = "tau2_bench/gpt-4.1_telecom_default_1trial.json"
+
+
+def _sim(messages, sim_id="s1"):
+    return {"id": sim_id, "task_id": "7", "trial": 0, "reward_info": {"reward": 1.0}, "messages": messages}
+
+
+def _ingest(sims, tokenizer=None):
+    text = json.dumps({"info": {}, "tasks": [{"id": "7"}], "simulations": sims})
+    return ingest("tau2-bench", [("r.json", text)], tokenizer=tokenizer or ByteTokenizer())
+
+
+USAGE = {"prompt_tokens": 1, "completion_tokens": 1}
+USER_TOOL = [
+    {
+        "role": "user",
+        "content": "",
+        "tool_calls": [{"id": "u1", "name": "check_status_bar", "arguments": {}, "requestor": "user"}],
+    },
+    {"role": "tool", "id": "u1", "content": "SECRET STATUS BAR", "requestor": "user", "error": False},
+]
+
+
+@pytest.fixture(scope="module")
+def telecom(real_data):
+    path = real_data / TELECOM
+    if not path.exists():
+        pytest.skip(f"{TELECOM} not shipped")
+    raw = json.loads(path.read_text())
+    res = ingest("tau2-bench", [(path.name, path.read_text())], tokenizer=ByteTokenizer())
+    return raw, res
+
+
+def test_telecom_user_simulator_steps_are_kept_without_turn_or_tokens(telecom):
+    raw, res = telecom
+    assert res.quarantine.num_rows == 0 and res.trajectories.num_rows == len(raw["simulations"]) == 40
+    # counted from the raw JSON: user messages whose calls the user requested, and tool results for the user
+    unseen = sum(
+        (m["role"] == "user" and bool(m.get("tool_calls")))
+        or (m["role"] == "tool" and m.get("requestor") == "user")
+        for s in raw["simulations"]
+        for m in s["messages"]
+    )
+    generated = sum(
+        m["role"] == "assistant" and m.get("usage") is not None
+        for s in raw["simulations"]
+        for m in s["messages"]
+    )
+    steps = pl.from_arrow(
+        res.steps.select(["traj_id", "step_idx", "role", "turn", "token_ids", "tool_call_id"])
+    )
+    hidden = steps.filter(pl.col("role") == "user_tool")
+    assert hidden.height == unseen == 915
+    assert hidden["turn"].null_count() == unseen and hidden["token_ids"].list.len().sum() == 0
+    assert steps.filter(pl.col("role") == "assistant").height == generated == 620
+    # every result the user got is a user_tool step linked to the user's call
+    results = sum(
+        m["role"] == "tool" and m.get("requestor") == "user"
+        for s in raw["simulations"]
+        for m in s["messages"]
+    )
+    assert hidden.filter(pl.col("tool_call_id").is_not_null()).height == results == 482
+    metas = [json.loads(m) for m in res.trajectories.column("meta").to_pylist()]
+    assert sum(m["unseen_steps"] for m in metas) == unseen
+
+
+def test_solo_telecom_rechecks_after_a_fix_are_not_loops(real_data):
+    """tau2 telecom without a user (the agent runs the device tools itself): of its 16 exact repeats, 12 are
+    re-checks after a toggle or a refuel; the 4 left are run_speed_test again after only check_status_bar,
+    with the same "No Connection" result."""
+    path = real_data / SOLO
+    if not path.exists():
+        pytest.skip(f"{SOLO} not shipped")
+    res = ingest("tau2-bench", [(path.name, path.read_text())], tokenizer=ByteTokenizer())
+    now = pl.from_arrow(detect_spans(res.trajectories, res.steps)[0])
+    before = pl.from_arrow(
+        detect_spans(res.trajectories, res.steps, DetectSettings(loop_needs_no_change=False))[0]
+    )
+    assert before.filter(pl.col("behavior") == "query_loop").height == 16
+    loops = now.filter(pl.col("behavior") == "query_loop")
+    assert loops.height == 4
+    assert {json.loads(e)["query"] for e in loops["evidence"]} == {"run_speed_test {}"}
+    steps = pl.from_arrow(res.steps.select(["traj_id", "step_idx", "role", "content", "tool_calls"]))
+    for row in loops.iter_rows(named=True):
+        t = steps.filter(pl.col("traj_id") == row["traj_id"])
+        calls = [
+            (r["step_idx"], c["name"])
+            for r in t.iter_rows(named=True)
+            if r["role"] == "assistant"
+            for c in r["tool_calls"] or []
+        ]
+        k = [i for i, (idx, _) in enumerate(calls) if idx == row["step_idx"]][0]
+        prev = max(i for i in range(k) if calls[i][1] == "run_speed_test")
+        assert [n for _, n in calls[prev + 1 : k]] == ["check_status_bar"]  # only looked in between
+
+
+SOLO = "tau2_bench/gpt-4.1_telecom_no-user_4trials_5tasks.json"
+
+
+def test_unseen_steps_are_not_rendered_for_the_agent():
+    sim = _sim(
+        [
+            {"role": "assistant", "content": "Hi! How can I help you today?"},
+            {"role": "user", "content": "my data is slow"},
+            *USER_TOOL,
+            {"role": "user", "content": "it shows 2G"},
+            {"role": "assistant", "content": "Let me check.", "usage": USAGE},
+        ]
+    )
+    res = _ingest([sim], ChatML())
+    steps = pl.from_arrow(res.steps)
+    rendered = bytes(i for ids in steps["token_ids"] for i in ids).decode()
+    assert "SECRET STATUS BAR" not in rendered and "check_status_bar" not in rendered
+    assert rendered == ChatML().apply_chat_template(
+        [
+            {"role": "system", "content": "Hi! How can I help you today?"},
+            {"role": "user", "content": "my data is slow"},
+            {"role": "user", "content": "it shows 2G"},
+            {"role": "assistant", "content": "Let me check."},
+        ]
+    )
+    assert steps["role"].to_list() == ["system", "user", "user_tool", "user_tool", "user", "assistant"]
+    assert steps.filter(pl.col("role") == "user_tool")["token_ids"].to_list() == [[], []]
+    assert json.loads(res.trajectories.column("meta")[0].as_py())["tokenization"].startswith("chat template")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Recursion limit of 25 reached without hitting a stop condition. You can increase the limit by setting "
+        "the `recursion_limit` config key.",
+        "GraphRecursionError: Recursion limit of 50 reached",
+        "Traceback (most recent call last):\n  File ...",
+    ],
+)
+def test_framework_error_messages_are_harness_messages(text):
+    # a file that records no usage at all: only the opener and the framework's message are the harness's
+    sim = _sim(
+        [
+            {"role": "assistant", "content": "Hi! How can I help you today?"},
+            {"role": "user", "content": "change my flight"},
+            {"role": "assistant", "content": "Sure, which one?"},
+            {"role": "user", "content": "HAT001"},
+            {"role": "assistant", "content": text},
+        ]
+    )
+    res = _ingest([sim])
+    steps = pl.from_arrow(res.steps)
+    assert steps["role"].to_list() == ["system", "user", "assistant", "user", "system"]
+    assert steps["turn"].to_list()[2] == 1 and steps.filter(pl.col("role") == "assistant").height == 1
+    meta = json.loads(res.trajectories.column("meta")[0].as_py())
+    assert [h["step_idx"] for h in meta["harness_messages"]] == [0, 4]
+    assert meta["harness_messages"][1]["framework_error"] is True
+
+
+def test_an_agent_that_writes_about_recursion_is_still_the_agent():
+    said = "Recursion limit of 25 reached, so I will stop here."
+    sim = _sim(
+        [
+            {"role": "assistant", "content": "Hi!"},
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "The answer. " + said},  # not a message the framework wrote
+        ]
+    )
+    steps = pl.from_arrow(_ingest([sim]).steps)  # no usage recorded anywhere
+    assert steps["role"].to_list() == ["system", "user", "assistant"]
+    sim["messages"][2] = {"role": "assistant", "content": said, "usage": USAGE}  # a generation: the agent's
+    steps = pl.from_arrow(_ingest([sim]).steps)
+    assert steps["role"].to_list() == ["system", "user", "assistant"]
