@@ -606,6 +606,38 @@ def test_memory_limit():
     assert observe(prog) == "MemoryError"
 
 
+@needs_bwrap
+def test_memory_limit_holds_for_the_whole_sandbox():
+    """Issue #33: RLIMIT_AS is per process; 5 children x 900 MB took 3.96 GB with mem_bytes = 1 GiB. The
+    caller sums the resident memory of each sandbox's process tree and kills it past mem_bytes."""
+    limits = FAST.model_copy(update={"mem_bytes": 256 << 20})
+    prog = (
+        "import os, time\n"
+        "kids = []\n"
+        "for _ in range(5):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os.setsid()\n"
+        "        block = b'\\x01' * (120 << 20)\n"
+        "        time.sleep(20)\n"
+        "        os._exit(0)\n"
+        "    kids.append(pid)\n"
+        "time.sleep(2)\n"
+        "def f(x):\n    return 2 * x\n"
+    )
+    t0 = time.perf_counter()
+    res = run_tests(prog, tests=["assert f(1) == 2"], limits=limits)
+    assert res["passed"] == 0 and "resident" in (res["crash"] or ""), res
+    assert time.perf_counter() - t0 < 4
+    deadline = time.time() + 2
+    while nobody_processes() and time.time() < deadline:
+        time.sleep(0.05)
+    assert nobody_processes() == []
+    # one process within the limit is fine
+    one = "block = b'\\x01' * (120 << 20)\ndef f(x):\n    return 2 * x\n"
+    assert run_tests(one, tests=["assert f(1) == 2"], limits=limits)["passed"] == 1
+
+
 def test_refuses_without_the_sandbox_unless_told(monkeypatch):
     monkeypatch.setitem(sandbox._probe, "bwrap", "bwrap: not installed (test)")
     monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)

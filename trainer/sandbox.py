@@ -18,6 +18,10 @@ Each sandbox is one `bwrap` (bubblewrap) process tree:
   the caller) and a minimal /dev; the working tree, the lake and /root are not there;
 - environment: --clearenv (PATH and LANG only); `python -I -S` (no site-packages: the standard library only);
 - rlimits in the child: address space, CPU, processes, file size, open files, no core files;
+- memory of the whole tree: the caller sums the resident memory of every process of a sandbox every 50 ms
+  (/proc children; setsid children, and orphans, which reparent to the namespace's init, included) and kills
+  the tree past `mem_bytes`; RLIMIT_AS alone is per
+  process (a hard bound of mem_bytes x nproc);
 - output: at most `output_bytes` read from each sandbox (16 KiB kept from stderr), then both trees are killed;
 - time: at `wall_s` bwrap's process group is killed; its pid-namespace init dies with it and the kernel kills
   every process in the namespace (a child that called setsid and kept the pipes open included).
@@ -217,6 +221,30 @@ def _finish(proc: subprocess.Popen, grace_s: float) -> None:
         pass
 
 
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MEMORY_EVERY_S = 0.05
+
+
+def tree_rss(root: int, most: int = 4096) -> int:
+    """Resident bytes of a process and all its descendants (walked through /proc/<pid>/task/*/children, so a
+    child that called setsid or was orphaned to the namespace's init is still counted); 0 for what is gone."""
+    total, todo, seen = 0, [root], set()
+    while todo and len(seen) < most:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * PAGE
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo += [int(x) for x in f.read().split()]
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 class _Side:
     """One sandbox of the pair: its process, what it wrote (bounded) and what waits to be written to it."""
 
@@ -276,11 +304,21 @@ def _relay(
         cand, ref = sides
         hello = busy = False
         queued: list[bytes] = []
+        memory_at = 0.0
         while outcome is None:
             now = time.monotonic()
             if now >= deadline:
                 outcome = Outcome(None, "timeout", f"after {limits.wall_s}s")
                 break
+            if now >= memory_at:  # RLIMIT_AS bounds each process; this bounds a sandbox's processes together
+                memory_at = now + MEMORY_EVERY_S
+                if any(tree_rss(side.proc.pid) > limits.mem_bytes for side in sides):
+                    outcome = Outcome(
+                        None,
+                        "crash",
+                        f"more than {limits.mem_bytes} bytes resident in one sandbox's processes",
+                    )
+                    break
             if cand.gone(now) and (not hello or busy or queued):
                 outcome = Outcome(None, "crash", cand.why())
                 break

@@ -57,7 +57,12 @@ class SandboxSettings(StageSettings):
 
     wall_s: float = Field(10.0, gt=0, description="wall-clock limit per run; the whole process tree dies")
     cpu_s: int = Field(10, gt=0, description="RLIMIT_CPU seconds")
-    mem_bytes: int = Field(1 << 30, gt=0, description="RLIMIT_AS bytes")
+    mem_bytes: int = Field(
+        1 << 30,
+        gt=0,
+        description="RLIMIT_AS bytes of each process, and the resident bytes of one sandbox's processes together "
+        "(summed every 50 ms; the tree is killed past it)",
+    )
     nproc: int = Field(64, gt=0, description="RLIMIT_NPROC of the sandbox user (no fork bombs)")
     fsize_bytes: int = Field(16 << 20, gt=0, description="RLIMIT_FSIZE bytes (largest file written)")
     tmpfs_bytes: int = Field(64 << 20, gt=0, description="size of the private /tmp")
