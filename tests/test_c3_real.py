@@ -205,3 +205,52 @@ def test_c3_on_real_data_without_logprobs(fireact):
     assert np.all(b <= a) and np.array_equal(b[a <= 0], a[a <= 0])
     assert (b < a).sum() == notes["grpo+c3"]["c3.tokens_changed"] > 0
     assert set(np.round(b[b < a] / a[b < a], 6)) <= {0.0, 0.5}
+
+
+FIREACT_GPT = "fireact_hotpotqa/hotpotqa_dev_0_500_ft_gpt-3.5-turbo-0613_princeton-nlp__7woQRsdi_0.0_2023-09-21-16-19-51.json"
+
+
+def test_fireact_chat_runs_only_the_first_action_line(real_data):
+    """FireAct's gpt-3.5 run (chat-format traj): FireAct executes the first Action line of a message. The
+    messages with more (2 to 28) are invalid-action spans from their second Action line; the unexecuted lines
+    are never queries, so exact loops recounted here from first lines only (same normalised search query, the
+    same observation) match the detector's."""
+    path = real_data / FIREACT_GPT
+    if not path.exists():
+        pytest.skip(f"{FIREACT_GPT} not shipped")
+    raw = json.loads(path.read_text())
+    t, s = _ingest("react", path)
+    spans = pl.from_arrow(detect_spans(t, s)[0])
+    multi, loops = Counter(), Counter()
+    for key, rec in raw.items():
+        tid = f"{path.stem}:{key}"
+        seen, msgs = {}, rec["traj"]
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            actions = [x for x in m["content"].split("\n") if x.startswith("Action")]
+            multi[tid] += len(actions) > 1
+            first = actions[0].split(":", 1)[1].strip() if actions else ""
+            obs = msgs[i + 1]["content"] if i + 1 < len(msgs) and msgs[i + 1]["role"] == "user" else None
+            obs = " ".join(re.sub(r"^Observation( \d+)?:", "", obs).split()) if obs else None
+            if first.startswith("search[") and first.endswith("]"):
+                q = _norm(first[len("search[") : -1])
+                if q and q in seen and seen[q] == obs:
+                    loops[tid] += 1
+                if q:
+                    seen[q] = obs
+    multi = +multi
+    assert sum(multi.values()) == 12
+    assert _by_traj(spans, "react.unexecuted_actions") == multi
+    assert _by_traj(spans, "query.exact") == loops and sum(loops.values()) == 3
+    for r in spans.filter(pl.col("rule") == "react.unexecuted_actions").iter_rows(named=True):
+        content = s.filter(pc_eq(s, r)).column("content")[0].as_py()
+        assert content[r["char_start"] :].startswith("Action") and r["char_start"] > content.index("Action")
+
+
+def pc_eq(steps, row):
+    import pyarrow.compute as pc
+
+    return pc.and_(
+        pc.equal(steps.column("traj_id"), row["traj_id"]), pc.equal(steps.column("step_idx"), row["step_idx"])
+    )
