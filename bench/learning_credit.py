@@ -66,8 +66,17 @@ sys.path.insert(0, str(ROOT))
 ENVS: dict[str, dict] = {
     "repair": {
         "paper": "TCPO",
-        "arms": ["oracle", "grpo", "mt_grpo", "tcpo"],
-        "pairs": [("tcpo", "mt_grpo"), ("tcpo", "grpo"), ("mt_grpo", "grpo")],
+        # tcpo_retro (retrospective credit only) and tcpo_retro_hin (+ hindsight, no counterfactual): which part
+        # of TCPO's credit carries or loses the signal
+        "arms": ["oracle", "grpo", "mt_grpo", "tcpo", "tcpo_retro", "tcpo_retro_hin"],
+        "pairs": [
+            ("tcpo", "mt_grpo"),
+            ("tcpo", "grpo"),
+            ("mt_grpo", "grpo"),
+            ("tcpo_retro", "grpo"),
+            ("tcpo_retro_hin", "tcpo_retro"),
+            ("tcpo", "tcpo_retro_hin"),
+        ],
         "quick_arms": ["oracle", "grpo", "tcpo"],
         "lr": 2.0,
         "ent": 0.02,
@@ -953,6 +962,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=None, help="main-run seeds (default: from the pilot's power)")
     p.add_argument("--seed0", type=int, default=100, help="first main-run seed (pilot seeds start at 0)")
     p.add_argument("--pilot", type=int, default=0, help="pilot seeds for the power computation")
+    p.add_argument("--pilot-from", default=None, help="the pilot's runs from an earlier run's pilot.jsonl")
     p.add_argument("--max-seeds", type=int, default=40)
     p.add_argument("--min-seeds", type=int, default=10)
     p.add_argument("--rounds", type=int, default=15)
@@ -965,7 +975,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--diag-every", type=int, default=3, help="oracle diagnostics of non-oracle arms every N rounds"
     )
-    p.add_argument("--keep-turns", type=int, default=5, help="keep the per-turn advantages of this round")
+    p.add_argument("--keep-turns", type=int, default=6, help="keep the per-turn advantages of this round")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "bench" / "_learning_credit"))
     p.add_argument("--results", default=None)
@@ -1015,10 +1025,15 @@ def main(argv: list[str] | None = None) -> int:
                 power_lines, n_seeds = power_table(pilot, a.envs, a.max_seeds)
             n_seeds = len({r["seed"] for r in runs})
     else:
-        if a.pilot:
+        if a.pilot_from:
+            pilot = [json.loads(x) for x in Path(a.pilot_from).read_text().splitlines()]
+            a.pilot = len({r["seed"] for r in pilot})
+            (out / "pilot.jsonl").write_text(Path(a.pilot_from).read_text())
+        elif a.pilot:
             jobs = [(env, arm, s, cfg) for s in range(a.pilot) for env in a.envs for arm in arms_of(env)]
             print(f"[credit] pilot: {len(jobs)} runs", flush=True)
             pilot = run_jobs(jobs, a.jobs, out / "pilot.jsonl")
+        if pilot:
             power_lines, n_seeds = power_table(pilot, a.envs, a.max_seeds)
             n_seeds = max(n_seeds, a.min_seeds)
             print("\n".join(power_lines), f"\n[credit] main run: {n_seeds} seeds", flush=True)
