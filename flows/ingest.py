@@ -32,7 +32,8 @@ def _unreadable(path: Path, exc: Exception, round_: int) -> dict:
         "location": "file",
         "record_id": None,
         "field": None,
-        "reason": f"{UNREADABLE}: {type(exc).__name__}: {exc}"[:2000],
+        "reason": UNREADABLE,
+        "detail": f"{type(exc).__name__}: {exc}"[:2000],
         "raw": raw,
         "stage": "ingest_flow",
     }

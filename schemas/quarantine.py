@@ -12,6 +12,7 @@ SCHEMA = pa.schema(
         pa.field("record_id", pa.string()),
         pa.field("field", pa.string()),
         pa.field("reason", pa.string(), nullable=False),
+        pa.field("detail", pa.string()),
         pa.field("raw", pa.string(), nullable=False),
         pa.field("stage", pa.string(), nullable=False),
     ]
@@ -23,7 +24,10 @@ DOCS = {
     "location": "line number (JSONL) or index path (JSON) of the record",
     "record_id": "record id when one could be read",
     "field": "the offending field",
-    "reason": "why it was rejected",
+    "reason": "why it was rejected: a stable category (malformed_json, missing_field, invalid_value, "
+    "length_mismatch, non_finite_reward, duplicate_traj_id, unknown_role, unmatched_tool_result, "
+    "schema_violation, adapter_error, invalid_tokens, invalid_utf8, unreadable_file), for GROUP BY",
+    "detail": "what exactly, in words, for this record (the value, the position, the file read first)",
     "raw": "the record verbatim",
     "stage": "ingest adapter or pipeline stage that rejected it",
 }

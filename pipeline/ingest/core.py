@@ -59,6 +59,10 @@ INVALID_TOKENS = "invalid_tokens"  # token ids / logprobs / offsets that cannot 
 INVALID_UTF8 = "invalid_utf8"  # bytes that are not UTF-8 (or lone surrogates) in the record's text
 UNREADABLE_FILE = "unreadable_file"  # a source file that could not be read or parsed at all
 
+# file stems that say nothing of the run inside (the folders do): `SourceRecord.run`
+GENERIC_STEMS = frozenset(
+    {"results", "result", "output", "outputs", "trajs", "trajectories", "data", "rollouts"}
+)
 TOKEN_ID_LIMIT = 2**31  # ids are stored as int32: every id must be < 2^31 (and < the vocabulary size)
 LOGPROB_TOLERANCE = 1e-4  # a logprob above this is not a log probability (rounding may give tiny positives)
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -101,6 +105,19 @@ class SourceRecord:
 
         return PurePath(self.source_file).stem
 
+    @property
+    def run(self) -> str:
+        """The run the file holds, for trajectory ids: its stem, or for a stem that names no run
+        (`GENERIC_STEMS`: LLMDebugger's `<dataset>/<model>/results.jsonl`) its two parent folders
+        (`humaneval/codellama`), so several files of one layout ingested together keep distinct ids."""
+        from pathlib import PurePath
+
+        path = PurePath(self.source_file)
+        folders = [p for p in path.parent.parts if p not in ("", ".", "/")]
+        if path.stem.lower() in GENERIC_STEMS and folders:
+            return "/".join(folders[-2:])
+        return path.stem
+
 
 @dataclass
 class StepDraft:
@@ -137,6 +154,7 @@ class IngestResult:
     stats: dict = field(default_factory=dict)
 
     def quarantined_by_reason(self) -> dict[str, int]:
+        # the category (rows written before `detail` existed held "code: detail" in reason)
         codes = [r.split(":", 1)[0] for r in self.quarantine.column("reason").to_pylist()]
         return dict(Counter(codes).most_common())
 
@@ -749,7 +767,8 @@ def quarantine_table(rejected: list[Rejected], round_: int, stage: str) -> pa.Ta
         "location": [printable(r.record.location) for r in rejected],
         "record_id": [printable(r.record_id) for r in rejected],
         "field": [printable(r.reject.field) for r in rejected],
-        "reason": [printable(r.reject.reason) for r in rejected],
+        "reason": [r.reject.code for r in rejected],
+        "detail": [printable(r.reject.detail) or None for r in rejected],
         "raw": [printable(r.record.raw) for r in rejected],
         "stage": [f"ingest:{stage}"] * len(rejected),
     }
@@ -973,7 +992,7 @@ def ingest_records(records: list[SourceRecord], spec, round_: int, tokenizer) ->
     """Convert, check and tokenize the records of one or more files of one format."""
     rejected: list[Rejected] = []
     items: list[tuple[SourceRecord, TrajectoryDraft]] = []
-    seen: set[str] = set()
+    seen: dict[str, str] = {}  # traj_id -> the file it was first read from
     for record in records:
         if record.error is not None:
             rejected.append(Rejected(record, record.error))
@@ -995,15 +1014,19 @@ def ingest_records(records: list[SourceRecord], spec, round_: int, tokenizer) ->
             rejected.append(Rejected(record, odd, _record_id(record)))
             continue
         if draft.traj_id in seen:
+            first = seen[draft.traj_id]
+            where = "" if first == record.source_file else f" from {first}"
             rejected.append(
                 Rejected(
                     record,
-                    Reject(DUPLICATE_TRAJ_ID, f"traj_id {draft.traj_id!r} was already read", "traj_id"),
+                    Reject(
+                        DUPLICATE_TRAJ_ID, f"traj_id {draft.traj_id!r} was already read{where}", "traj_id"
+                    ),
                     draft.traj_id,
                 )
             )
             continue
-        seen.add(draft.traj_id)
+        seen[draft.traj_id] = record.source_file
         items.append((record, draft))
     _assign_sample_idx([d for _, d in items])
     trajectories, steps, bad, stats = build_tables(items, round_, tokenizer)

@@ -9,6 +9,8 @@ exactly when `is_passing`, and every failing line is one of `given_tests`.
 Steps: the prompt as a user step; then per iteration an assistant step (the program, verbatim) and a user
 step with that iteration's feedback (the failing visible tests verbatim, or a line saying all passed).
 verifier_score of iteration i = (visible tests - failing tests) / visible tests. reward = float(is_solved).
+traj_id = `<run>:<task_id>`, the run being the file's stem, or for LLMDebugger's own layout
+(`<dataset>/<model>/results.jsonl`) its two folders (`SourceRecord.run`): models ingested together stay apart.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def ldb(record: SourceRecord) -> TrajectoryDraft:
         }
     )
     return TrajectoryDraft(
-        traj_id=f"{record.stem}:{task_id}",
+        traj_id=f"{record.run}:{task_id}",
         group_id=task_id,
         sample_idx=0,
         reward=float(bool(is_solved)) if isinstance(is_solved, bool) else is_solved,

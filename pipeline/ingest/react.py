@@ -201,7 +201,7 @@ def react(record: SourceRecord) -> TrajectoryDraft:
     else:
         raise Reject(INVALID_VALUE, "traj is neither a string nor a list of chat messages", "traj")
     return TrajectoryDraft(
-        traj_id=f"{record.stem}:{key}",
+        traj_id=f"{record.run}:{key}",
         group_id=str(key),
         sample_idx=0,
         reward=em,

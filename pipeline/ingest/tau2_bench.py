@@ -186,7 +186,7 @@ def tau2_bench(record: SourceRecord) -> TrajectoryDraft:
         if key in sim:
             meta[key] = sim[key]
     return TrajectoryDraft(
-        traj_id=str(sim["id"]) if sim.get("id") else f"{record.stem}:{task_id}:{trial}",
+        traj_id=str(sim["id"]) if sim.get("id") else f"{record.run}:{task_id}:{trial}",
         group_id=task_id,
         sample_idx=trial,
         reward=reward,
