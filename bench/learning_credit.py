@@ -592,7 +592,7 @@ def env_bad_turns(env, b: Batch) -> np.ndarray:
     return b.error.astype(bool)
 
 
-def run_one(env_name: str, arm: str, seed: int, a: dict) -> dict:
+def run_one(env_name: str, arm: str, seed: int, a: dict, keep: list | None = None) -> dict:
     """One (env, arm, seed) run; every random stream is derived from the seed alone, so arms are paired."""
     from trainer.envs.credit_tasks import make_credit_env
 
@@ -655,6 +655,8 @@ def run_one(env_name: str, arm: str, seed: int, a: dict) -> dict:
             np.add.at(dv, b.row, tgt - policy.value[b.row])
             np.add.at(cnt, b.row, 1.0)
             policy.value += a["critic_lr"] * dv / np.maximum(cnt, 1.0)
+    if keep is not None:
+        keep.append(policy)
     g = curves["greedy"]
     peak = max(g[1:]) if len(g) > 1 else g[0]
     collapsed = bool(len(g) > 2 and peak - g[-1] >= 0.3)
@@ -947,6 +949,86 @@ def example_turns(rs: list[dict], env: str, arms: list[str]) -> list[str]:
     )
 
 
+def explain_tcpo(seed: int, rounds: int, cfg: dict) -> list[str]:
+    """Which part of TCPO's credit loses the signal on `repair`: a policy trained by GRPO for `rounds` rounds
+    (mid-training), one round of its rollouts, TCPO's components per kind of turn beside the other arms'
+    credit and the oracle's Q - V on the same turns."""
+    from pipeline.config import Config
+    from pipeline.credit.context import CreditContext
+    from pipeline.credit.registry import run_methods
+    from trainer.envs.credit_tasks import make_credit_env
+
+    env = make_credit_env("repair")
+    kept: list = []
+    run_one("repair", "grpo", seed, {**cfg, "rounds": rounds, "diag_every": 0}, keep=kept)
+    policy = kept[0]
+    rng = np.random.default_rng([seed, 99])
+    b = rollout(env, policy, env.tasks(8, seed=30_000 + seed), 16, rng)
+    traj, steps = tables(env, b, policy, 0)
+    methods = ["tcpo", "mt_grpo", "grpo"]
+    ann = annotations(env, "tcpo", b, policy, traj, steps, rng, 0)
+    ctx = CreditContext.from_arrow(
+        traj, steps, config=Config(methods=methods, stages=STAGES), annotations=ann
+    )
+    res = run_methods(ctx, methods)
+    asst = ctx.steps["is_assistant"].to_numpy()
+    comp = {k: np.asarray(v)[asst] for k, v in res["tcpo"].components.items()}
+    adv = {m: np.asarray(res[m].token_adv)[ctx.tok_mask] for m in methods}
+    oracle = Values(env, policy).advantages(b)
+    prev = np.where(b.turn == 1, 0.25, np.concatenate([[0.0], b.score[:-1]]))
+    best_before = np.array(
+        [max([0.25] + [b.score[i] for i in range(j - int(b.turn[j]) + 1, j)]) for j in range(len(b.turn))]
+    )
+    kinds = {
+        "fix (score rises)": b.score > prev,
+        "no change, before success": (b.score == prev) & (best_before < 1.0),
+        "breaks a part, before success": (b.score < prev) & (best_before < 1.0),
+        "after success": best_before >= 1.0,
+    }
+    rows = []
+    for name, m in kinds.items():
+        if not m.any():
+            continue
+        later = np.array([b.success[b.traj[j]] for j in np.flatnonzero(m)])
+
+        def mean(x, m=m):
+            v = np.asarray(x, dtype=np.float64)[m]
+            v = v[np.isfinite(v)]
+            return f"{v.mean():+.3f}" if len(v) else "n/a"
+
+        rows.append(
+            [
+                name,
+                int(m.sum()),
+                f"{later.mean():.2f}",
+                mean(comp.get("c_ret", np.full(len(m), np.nan))),
+                mean(comp.get("c_hin", np.full(len(m), np.nan))),
+                mean(comp.get("c_del", np.full(len(m), np.nan))),
+                mean(comp.get("phi_norm", np.full(len(m), np.nan))),
+                mean(adv["tcpo"]),
+                mean(adv["mt_grpo"]),
+                mean(adv["grpo"]),
+                mean(oracle),
+            ]
+        )
+    return _md_lines(
+        [
+            "turn kind",
+            "turns",
+            "episode succeeds",
+            "c_ret",
+            "c_hin",
+            "c_del",
+            "Norm(phi)",
+            "A tcpo",
+            "A mt_grpo",
+            "A grpo",
+            "oracle Q − V",
+        ],
+        rows,
+    )
+
+
 BAD = {
     "repair": "edits that did not raise the score",
     "multihop": "repeated queries",
@@ -980,6 +1062,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "_learning_credit"))
     p.add_argument("--results", default=None)
     p.add_argument("--report-only", action="store_true", help="summarise --out/runs.json")
+    p.add_argument(
+        "--explain-tcpo",
+        type=int,
+        default=None,
+        metavar="ROUNDS",
+        help="print TCPO's credit components per kind of turn under a policy GRPO trained for ROUNDS rounds",
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.rounds, a.pilot, a.seeds, a.diag_every = 3, 0, 1, 1
@@ -997,6 +1086,11 @@ def main(argv: list[str] | None = None) -> int:
             "keep_turns",
         )
     }
+    if a.explain_tcpo is not None:
+        for seed in range(a.seed0, a.seed0 + (a.seeds or 1)):
+            print(f"\nseed {seed}, policy after {a.explain_tcpo} GRPO rounds:\n")
+            print("\n".join(explain_tcpo(seed, a.explain_tcpo, cfg)))
+        return 0
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if not a.report_only:
