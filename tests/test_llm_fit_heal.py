@@ -285,7 +285,7 @@ def test_supervisor_restarts_a_dead_server_with_its_arguments(monkeypatch, tmp_p
     monkeypatch.setattr(service, "serve", fake_serve)
     monkeypatch.setattr(service, "healthy", lambda url, timeout=2.0: sup.info.pid in healthy_pids)
     lines: list[str] = []
-    sup = service.Supervisor(info, max_restarts=1, log=lines.append)
+    sup = service.Supervisor(info, max_restarts=1, log=lines.append, health_pause_s=0.0)
     try:
         assert not sup.alive()  # unhealthy (alive but /health fails): restarted too
         assert sup.heal(0) is True and sup.generation == 1
@@ -426,3 +426,39 @@ def test_process_exits_with_one_line_when_a_stage_degrades(tmp_path, prefect_har
     allowed = cfg_for(lake, methods=["grpo+iapo"], sets=[*sets, "flow.allow_degraded=true"], annotator="llm")
     summary = run_process(allowed, 0)
     assert summary["this_run"]["annotate"]["llm_failed"] == n  # degraded batches are computed again
+
+
+def test_a_recorded_server_stopped_on_purpose_or_restarted_elsewhere_is_not_restarted(monkeypatch, tmp_path):
+    """A recorded server (`creditflow llm serve`) is shared by every process: after `creditflow llm stop` no
+    supervisor starts it again, and one restarted by another process is adopted, not restarted twice."""
+    monkeypatch.setenv("CREDITFLOW_CACHE", str(tmp_path))
+    first = _sleeper()
+    info = service.ServiceInfo(
+        url="http://127.0.0.1:9/v1",
+        host="127.0.0.1",
+        port=9,
+        pid=first.pid,
+        model="m",
+        model_dir="/m",
+        venv="/venv",
+        log=str(tmp_path / "vllm.log"),
+        started_at=0.0,
+    )
+    service._write_state(info, None)
+    monkeypatch.setattr(service, "serve", lambda *a, **k: pytest.fail("must not start a server"))
+    monkeypatch.setattr(service, "healthy", lambda url, timeout=2.0: False)
+    lines: list[str] = []
+    sup = service.Supervisor(
+        service.ServiceInfo(**info.__dict__), record=True, log=lines.append, health_pause_s=0.0
+    )
+    other = _sleeper()
+    try:
+        service._write_state(service.ServiceInfo(**{**info.__dict__, "pid": other.pid, "restarts": 1}), None)
+        assert sup.heal(0) is True and sup.generation == 1 and sup.info.pid == other.pid  # adopted
+        service.stop()  # on purpose: the state is gone (and the server with it)
+        assert other.wait(timeout=20) is not None
+        assert sup.heal(1) is False and "no longer recorded" in lines[-1]
+    finally:
+        for p in (first, other):
+            p.kill()
+            p.wait()

@@ -434,7 +434,9 @@ def serve(
     cmd = serve_command(py, model_dir, served_name, host, port, max_model_len, list(extra_args or []), gpu)
     env = dict(os.environ)
     if not gpu:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        # GiB of KV cache: SmolLM2-135M holds 23 KB per token, so 4 GiB keep ~180k tokens, 16 requests of a
+        # whole 8192 context each plus their answers (2 GiB made long prompts preempt and recompute each other)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     env.pop("VIRTUAL_ENV", None)
     log(f"[llm serve] starting vLLM on {host}:{port}, context {max_model_len or 'default'} (log {log_path})")
     with open(log_path, "ab") as fh:
@@ -499,8 +501,10 @@ class Supervisor:
         max_restarts: int = 2,
         wait_s: float = 600.0,
         log: Log = _stderr,
+        health_pause_s: float = 5.0,
     ) -> None:
         self.info, self.lake, self.record = info, lake, record
+        self.health_pause_s = health_pause_s
         self.max_restarts, self.wait_s, self.log = max_restarts, wait_s, log
         self.generation = 0
         self.history: list[dict] = []  # one entry per restart: why, old/new pid, seconds
@@ -510,15 +514,55 @@ class Supervisor:
     def url(self) -> str:
         return self.info.url
 
-    def alive(self) -> bool:
-        return pid_alive(self.info.pid) and healthy(self.info.url, timeout=5.0)
+    def alive(self, tries: int = 3) -> bool:
+        """The process lives and /health answers 200 (asked up to `tries` times, `health_pause_s` apart: a busy
+        CPU server may answer late, and a live server must not be restarted for that)."""
+        pause_s = self.health_pause_s
+        for k in range(tries):
+            if not pid_alive(self.info.pid):
+                return False
+            if healthy(self.info.url, timeout=10.0):
+                return True
+            if k + 1 < tries:
+                time.sleep(pause_s)
+        return False
+
+    @contextlib.contextmanager
+    def _across_processes(self):
+        """A recorded server is shared by every process of the machine: one restart at a time (flock)."""
+        if not self.record:
+            yield
+            return
+        import fcntl
+
+        path = cache_root() / "services" / f"restart-{self.info.port}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
 
     def heal(self, seen: int | None = None) -> bool:
         """True when the caller should send its request again: the server was restarted (by this call or
-        another since generation `seen`), or it is healthy. False: it is down and may not be restarted."""
-        with self._lock:
+        another since generation `seen`, in this process or another), or it is healthy. False: it is down and
+        may not be restarted (bounded, or stopped on purpose: no longer recorded)."""
+        with self._lock, self._across_processes():
             if seen is not None and seen < self.generation:
                 return True
+            if self.record:
+                current = read_state(self.lake)
+                if current is None or current.url != self.info.url:
+                    self.log(
+                        f"[llm] {self.info.url} is no longer recorded (`creditflow llm stop`): not restarted"
+                    )
+                    return False
+                if current.pid != self.info.pid:  # another process restarted it: use that one
+                    self.info.pid, self.info.started_at = current.pid, current.started_at
+                    self.info.restarts = current.restarts
+                    self.generation += 1
+                    return True
             if self.alive():
                 return True
             why = "its process exited" if not pid_alive(self.info.pid) else "/health does not answer 200"
