@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.config import Config
 from pipeline.credit.context import CreditContext, CreditResult
@@ -90,6 +91,65 @@ def annotation_names(methods: list[str]) -> set[str]:
     return out
 
 
+SAFE_MAGNITUDE = (
+    1e30  # past this (or not finite) a reward could overflow float32 advantages or a group's sums
+)
+
+
+def overflow_groups(trajectories: pa.Table) -> list[str]:
+    """Groups with a reward or reward component that is not finite or past SAFE_MAGNITUDE: their statistics
+    would overflow (1e308 and -1e308 in one group made every group-relative method of the round fail)."""
+    if trajectories.num_rows == 0 or "reward" not in trajectories.column_names:
+        return []
+    reward = trajectories.column("reward").combine_chunks()
+    r = np.asarray(reward.fill_null(0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
+    bad = ~np.isfinite(r) | (np.abs(r) > SAFE_MAGNITUDE)
+    if "reward_components" in trajectories.column_names:
+        values = _component_values(trajectories.column("reward_components").combine_chunks())
+        if values is not None:
+            v, parent = values
+            hit = ~np.isfinite(v) | (np.abs(v) > SAFE_MAGNITUDE)
+            bad[parent[hit]] = True
+    if not bad.any():
+        return []
+    groups = trajectories.column("group_id").to_pylist()
+    return sorted({str(groups[i]) for i in np.flatnonzero(bad)})
+
+
+def _component_values(comps: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
+    """(values, row of each) of a map<name, value> or list<struct<name, value>> column; None for other types.
+    (Rows from the offsets: pyarrow's list_parent_indices aborts the process on a map array.)"""
+    if pa.types.is_map(comps.type):
+        child = comps.items
+    elif pa.types.is_list(comps.type) and pa.types.is_struct(comps.type.value_type):
+        fields = comps.type.value_type
+        numeric = [
+            i for i, f in enumerate(fields) if pa.types.is_floating(f.type) or pa.types.is_integer(f.type)
+        ]
+        if not numeric:
+            return None
+        child = comps.values.field(numeric[-1])
+    else:
+        return None
+    offsets = comps.offsets.to_numpy()
+    if len(offsets) < 2 or offsets[-1] == offsets[0]:
+        return None
+    flat = child.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    v = np.asarray(flat.fill_null(0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
+    return v, np.repeat(np.arange(len(comps)), np.diff(offsets))
+
+
+def _without_groups(trajectories: pa.Table, steps: pa.Table, groups: list[str]) -> tuple[pa.Table, pa.Table]:
+    keep = pc.invert(
+        pc.is_in(
+            trajectories.column("group_id"), pa.array(groups, trajectories.schema.field("group_id").type)
+        )
+    )
+    trajectories = trajectories.filter(keep)
+    steps = steps.filter(pc.is_in(steps.column("traj_id"), trajectories.column("traj_id")))
+    return trajectories, steps
+
+
 def process_batch(
     trajectories: pa.Table,
     steps: pa.Table,
@@ -100,13 +160,18 @@ def process_batch(
     round_stats: dict[str, Moments] | None = None,
 ) -> tuple[dict[str, pa.Table], dict[str, dict[str, float]]]:
     """All methods on one batch: {method: advantages table}, {method: summary notes}. `round_stats`: the merged
-    statistics of the round (None: this batch is the whole round)."""
+    statistics of the round (None: this batch is the whole round). A group whose rewards could overflow is
+    left out (no advantages; the note `quarantined_groups` counts them): one bad group never fails the round."""
+    quarantined = overflow_groups(trajectories)
+    if quarantined:
+        trajectories, steps = _without_groups(trajectories, steps, quarantined)
     ctx = CreditContext.from_arrow(
         trajectories, steps, config=config, annotations=annotations, round_=round_, round_stats=round_stats
     )
     results = run_methods(ctx, methods)
     tables = {m: advantages_table(ctx, m, r) for m, r in results.items()}
-    return tables, {m: r.notes for m, r in results.items()}
+    extra = {"quarantined_groups": float(len(quarantined))} if quarantined else {}
+    return tables, {m: {**r.notes, **extra} for m, r in results.items()}
 
 
 def batch_statistics(
@@ -124,6 +189,9 @@ def batch_statistics(
     stages = round_statistics_methods(methods, config)
     if not stages:
         return {}
+    quarantined = overflow_groups(trajectories)
+    if quarantined:  # the same groups as process_batch leaves out
+        trajectories, steps = _without_groups(trajectories, steps, quarantined)
     ctx = CreditContext.from_arrow(trajectories, steps, config=config, annotations=annotations, round_=round_)
     ctx.collect = {stage.name: Moments() for stage in stages}
     for stage in stages:
