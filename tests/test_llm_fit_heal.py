@@ -253,24 +253,20 @@ def _sleeper() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
 
 
+def _info(tmp_path, pid: int, **kw) -> service.ServiceInfo:
+    """A recorded server at port 9 (nothing listens there) of the given pid."""
+    base = {"url": "http://127.0.0.1:9/v1", "host": "127.0.0.1", "port": 9, "model": "m", "model_dir": "/m"}
+    return service.ServiceInfo(
+        **{**base, **kw}, pid=pid, venv="/venv", log=str(tmp_path / "vllm.log"), started_at=0.0
+    )
+
+
 def test_supervisor_restarts_a_dead_server_with_its_arguments(monkeypatch, tmp_path):
     """Supervisor.heal with `serve` and `/health` stubbed: the process group of the dead server is stopped, the
     new one gets the old arguments and port, concurrent callers share a restart, restarts are bounded and
     each is one logged line."""
     old = _sleeper()
-    info = service.ServiceInfo(
-        url="http://127.0.0.1:9/v1",
-        host="127.0.0.1",
-        port=9,
-        pid=old.pid,
-        model="m",
-        model_dir="/models/m",
-        venv="/venv",
-        log=str(tmp_path / "vllm.log"),
-        started_at=0.0,
-        max_model_len=8192,
-        extra_args=["--seed", "1"],
-    )
+    info = _info(tmp_path, old.pid, model_dir="/models/m", max_model_len=8192, extra_args=["--seed", "1"])
     started: list[dict] = []
     procs: list[subprocess.Popen] = [old]
     healthy_pids: set[int] = set()
@@ -433,17 +429,7 @@ def test_a_recorded_server_stopped_on_purpose_or_restarted_elsewhere_is_not_rest
     supervisor starts it again, and one restarted by another process is adopted, not restarted twice."""
     monkeypatch.setenv("CREDITFLOW_CACHE", str(tmp_path))
     first = _sleeper()
-    info = service.ServiceInfo(
-        url="http://127.0.0.1:9/v1",
-        host="127.0.0.1",
-        port=9,
-        pid=first.pid,
-        model="m",
-        model_dir="/m",
-        venv="/venv",
-        log=str(tmp_path / "vllm.log"),
-        started_at=0.0,
-    )
+    info = _info(tmp_path, first.pid)
     service._write_state(info, None)
     monkeypatch.setattr(service, "serve", lambda *a, **k: pytest.fail("must not start a server"))
     monkeypatch.setattr(service, "healthy", lambda url, timeout=2.0: False)
