@@ -179,8 +179,10 @@ def check_config(config, table: ExportIndex | None = None) -> int | None:
 def _v1_trainer(config):
     """verl's v1 trainer class, or None where it does not import (its transfer_queue is not installed: then
     no v1 run can happen in this process); a config asking for v1 makes that an error."""
+    import importlib
+
     try:
-        from verl.trainer.ppo.v1 import trainer_base
+        trainer_base = importlib.import_module("verl.trainer.ppo.v1.trainer_base")
     except ImportError as exc:
         if config is not None and _get(config, "trainer.use_v1"):
             raise ImportError(
