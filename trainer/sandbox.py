@@ -20,8 +20,7 @@ Each sandbox is one `bwrap` (bubblewrap) process tree:
 - rlimits in the child: address space, CPU, processes, file size, open files, no core files;
 - memory of the whole tree: the caller sums the resident memory of every process of a sandbox every 50 ms
   (/proc children; setsid children, and orphans, which reparent to the namespace's init, included) and kills
-  the tree past `mem_bytes`; RLIMIT_AS alone is per
-  process (a hard bound of mem_bytes x nproc);
+  the tree past `mem_bytes`; RLIMIT_AS alone is per process (a hard bound of mem_bytes x nproc);
 - output: at most `output_bytes` read from each sandbox (16 KiB kept from stderr), then both trees are killed;
 - time: at `wall_s` bwrap's process group is killed; its pid-namespace init dies with it and the kernel kills
   every process in the namespace (a child that called setsid and kept the pipes open included).
@@ -255,6 +254,19 @@ class _Side:
         self.stdout_eof = False
         self.exited_at: float | None = None
 
+    def send(self, data: bytes) -> None:
+        """Queue `data` for the process's stdin and write what the pipe takes now (the rest when it drains)."""
+        self.pending += data
+        if self.proc.stdin is None or len(self.pending) != len(data):
+            return
+        try:
+            n = os.write(self.proc.stdin.fileno(), self.pending[: 1 << 16])
+        except BlockingIOError:
+            n = 0
+        except OSError:  # the process is gone: what it missed does not matter
+            n = len(self.pending)
+        self.pending = self.pending[n:]
+
     def lines(self) -> list[bytes]:
         *done, rest = bytes(self.out).split(b"\n")
         self.out = bytearray(rest)
@@ -326,7 +338,7 @@ def _relay(
                 outcome = Outcome(None, "reference_error", f"the reference run ended early ({ref.why()})")
                 break
             if hello and not busy and queued:
-                cand.pending += queued.pop(0) + b"\n"
+                cand.send(queued.pop(0) + b"\n")
                 busy = True
             for side in sides:  # a descriptor waits for writing only while there is something to write
                 registered = side.proc.stdin in sel.get_map()
@@ -376,7 +388,7 @@ def _relay(
                         outcome = Outcome({"program_error": str(first["program_error"])[:500], "units": []})
                     hello = True
                 elif busy:
-                    ref.pending += line + b"\n"
+                    ref.send(line + b"\n")
                     busy = False
                 else:
                     outcome = Outcome(None, "crash", "the candidate's process wrote outside an answer")
@@ -386,7 +398,11 @@ def _relay(
                 break
             for line in ref.lines():
                 if not line.startswith(b'{"done": '):
-                    queued.append(line)
+                    if hello and not busy and not queued:
+                        cand.send(line + b"\n")
+                        busy = True
+                    else:
+                        queued.append(line)
                     continue
                 try:
                     doc = json.loads(line)["done"]
