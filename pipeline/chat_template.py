@@ -2,28 +2,31 @@
 and cut back into its messages (pure: the tokenizer object is handed in, loaded by `warehouse.tokenizers`).
 
 A tokenizer with a chat template has `chat_template` (the Jinja source) and `apply_chat_template(messages,
-tools=..., tokenize=False, add_generation_prompt=...)` (transformers' method). The rendering of a conversation
-is cut at message boundaries found by rendering its prefixes: message k starts where the rendering of
-messages[:k] ends, and an assistant message where the rendering of messages[:k] with the generation prompt
-ends, so the `<|im_start|>assistant\\n` header the policy was given belongs to the context before it and the
-assistant step holds exactly what the policy wrote (its content, end-of-turn token and the template's newline
-after it). Every token of the rendering belongs to one step (the one its first char is in); the loss mask,
-built from step roles downstream, is therefore 1 on assistant tokens only. A template whose prefix renderings
-are not prefixes of the whole (one that rewrites earlier turns) falls back to plain per-message tokens.
+tools=..., tokenize=False, add_generation_prompt=...)` (transformers' method). The rendering is exactly the
+template's `apply_chat_template(messages, tools=tools)` of the source's messages (`chat_messages`: OpenAI-style,
+assistant tool calls as `tool_calls` with JSON-object arguments, a null content as ""), nothing added: a template
+that renders no tools or no tool calls (SmolLM2's) shows the policy none, and the trajectory's
+`meta.tokenization` says so (`... (the template renders no tool calls (3 not in the tokens))`).
 
-Tools: passed to the template as `tools=` (OpenAI specs from the trajectory's `meta.tools`) and tool calls as
-`message.tool_calls`. A template that renders neither (SmolLM2's) gets them the Hermes way, as most tool-tuned
-chat models write them: the tool specs in a `<tools>` block of the system message, each call as the
-`<tool_call>{json}</tool_call>` text ingest already put in the assistant's content; the record then says
-`+ hermes tools`.
+It is cut at message boundaries found by rendering prefixes: message k starts where the rendering of
+messages[:k] stops agreeing with the whole (a template may close a run of tool messages differently when the
+run goes on), and an assistant message where the rendering of messages[:k] with the generation prompt ends, so
+the `<|im_start|>assistant\\n` header the policy was given belongs to the context before it. Only what the policy
+sampled is in an assistant step: its content and the end-of-turn token (the tokenizer's `eos_token`); the
+template's text after that token (ChatML's newline) is context of the next step, and after the last message it
+is not part of the trajectory at all (the policy stopped at its end-of-turn token). Every other token of the
+rendering belongs to one step (the one its first char is in); the loss mask, built from step roles downstream,
+is therefore 1 on sampled tokens only. Two assistant messages in a row (the template's text between them would
+be trained) and templates whose prefix renderings rewrite earlier turns fall back to plain per-message tokens.
 
 Per-step token offsets stay relative to the step's content (tokens of the template's markup before it count
 as char 0, after it as its length), so spans found in the content still map to tokens.
 
 How each trajectory's tokens were made: `source ids` (the source carried token ids: kept as they are),
 `chat template <name>`, or `plain` (message by message, no template: the byte tokenizer, a tokenizer without
-a template, or a template that failed on this conversation, or text a framework already rendered (meta `rendered_by`); the
-reason follows in parentheses)."""
+a template, or a template that failed on this conversation, or text a framework already rendered (meta
+`rendered_by`); the reason follows in parentheses). Where the source says how many tokens it had (meta
+`source_token_counts`, e.g. AReaL's `prompt_len` / `seqlen`), a different count is added to that line."""
 
 from __future__ import annotations
 
@@ -32,13 +35,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.render import tool_call_spans
+from pipeline.render import render_assistant
 
 SOURCE_IDS = "source ids"
 PLAIN = "plain"
 # meta key of a draft whose text is already the rendering the policy saw (AReaL's and verl's dumps decode the
 # token ids): it is tokenized as it is, `plain (rendered by <its value>)`, never templated a second time
 RENDERED_BY = "rendered_by"
+# meta key of a draft whose source says how many tokens each step had (AReaL's prompt_len, seqlen - prompt_len):
+# a tokenization that gives other counts says so
+SOURCE_TOKEN_COUNTS = "source_token_counts"
 
 
 class NotRenderable(ValueError):
@@ -58,24 +64,33 @@ def _arguments(text):
         return text
 
 
-def chat_messages(steps, tools: list | None, template_source: str) -> tuple[list[dict], list | None, bool]:
-    """OpenAI-style messages for a template from step drafts (role, content, tool_calls, tool_call_id); returns
-    (messages, tools to pass, whether the Hermes fallback was used). One message per step, in order.
+def _own_text(content: str, calls: list[dict]) -> str | None:
+    """The text the assistant wrote before its calls when `content` is that text with the calls rendered after
+    it by ingest (`pipeline.render.render_assistant`); None when the content is the policy's own as it is."""
+    rendered, _ = render_assistant("", calls)
+    if not rendered or not content.endswith(rendered):
+        return None
+    head = content[: len(content) - len(rendered)]
+    return head[:-1] if head.endswith("\n") else head
 
-    The content is what the policy wrote: chat-shaped adapters keep an assistant's calls rendered into it
-    (`pipeline.render`, the Hermes `<tool_call>` text), ReAct ones the `Action: ...` text. A template that
-    renders `tool_calls` itself gets a chat-shaped content without the rendered calls and the calls as
-    structured `tool_calls`; otherwise the content goes as it is (the calls in it, once)."""
-    native_calls = "tool_calls" in template_source
-    native_tools = "tools" in template_source.replace("tool_calls", "")
-    hermes = False
+
+def chat_messages(steps, tools: list | None, template_source: str) -> tuple[list[dict], list | None, str]:
+    """The source's messages for `apply_chat_template` from step drafts (role, content, tool_calls,
+    tool_call_id), one per step, in order; returns (messages, tools, what the template leaves out: "" or a
+    note). An assistant step's calls go as structured `tool_calls` (arguments as JSON objects, as templates
+    expect them) and its content is the text it wrote before them (ingest renders the calls into the stored
+    content; a content that does not end with that rendering is the policy's own text and goes as it is)."""
+    renders_calls = "tool_calls" in template_source
+    renders_tools = "tools" in template_source.replace("tool_calls", "")
     messages = []
+    n_calls = 0
     for step in steps:
-        content = step.content
-        msg: dict = {"role": step.role, "content": content}
-        spans = tool_call_spans(content) if step.tool_calls and step.role == "assistant" else []
-        if spans and native_calls:
-            msg["content"] = content[: spans[0][0]].rstrip("\n")
+        msg: dict = {"role": step.role, "content": step.content or ""}
+        if step.role == "assistant" and step.tool_calls:
+            own = _own_text(step.content or "", step.tool_calls)
+            if own is not None:
+                msg["content"] = own
+                n_calls += len(step.tool_calls)
             msg["tool_calls"] = [
                 {
                     "id": c.get("id"),
@@ -84,25 +99,39 @@ def chat_messages(steps, tools: list | None, template_source: str) -> tuple[list
                 }
                 for c in step.tool_calls
             ]
-        elif spans:
-            hermes = True
         if step.role == "tool" and step.tool_call_id is not None:
             msg["tool_call_id"] = step.tool_call_id
         messages.append(msg)
-    if tools and not native_tools and messages and messages[0]["role"] == "system":
-        hermes = True
-        block = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        messages[0] = {
-            **messages[0],
-            "content": f"{messages[0]['content']}\n\n# Tools\n<tools>\n{block}\n</tools>",
-        }
-        tools = None
-    return messages, (tools if native_tools else None), hermes
+    left_out = []
+    if tools and not renders_tools:
+        left_out.append("no tools")
+    if n_calls and not renders_calls:
+        left_out.append(f"no tool calls ({n_calls} not in the tokens)")
+    note = f"the template renders {', '.join(left_out)}" if left_out else ""
+    return messages, (tools or None), note
 
 
-def render(tokenizer, messages: list[dict], tools: list | None = None) -> tuple[str, np.ndarray]:
-    """The whole rendering and the char start of each message in it (plus its end): bounds[k] .. bounds[k+1]
-    is message k's span. NotRenderable when a prefix rendering is not a prefix of the whole."""
+def _agree(a: str, b: str) -> int:
+    """Length of the common prefix of two strings."""
+    n = min(len(a), len(b))
+    lo, hi = 0, n
+    while lo < hi:  # binary search on prefix equality (C-speed slices)
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def render(
+    tokenizer, messages: list[dict], tools: list | None = None, eos: str | None = None
+) -> tuple[str, np.ndarray]:
+    """The rendering up to where the policy stopped, and the char start of each message in it (plus its end):
+    bounds[k] .. bounds[k+1] is message k's span. With `eos` (the end-of-turn token), an assistant message's span
+    ends right after its end-of-turn token: the template's text after it goes to the next message, or, after
+    the last message, is left out. NotRenderable when a prefix rendering rewrites the whole, or two assistant
+    messages are adjacent."""
     apply = tokenizer.apply_chat_template
     kw = {"tokenize": False} | ({"tools": tools} if tools else {})
     if messages and messages[0]["role"] == "assistant":
@@ -112,19 +141,50 @@ def render(tokenizer, messages: list[dict], tools: list | None = None) -> tuple[
     try:
         full = apply(messages, **kw)
         bounds = [0]
+        relaxed = False
         for k in range(1, len(messages)):
-            prefix = apply(messages[:k], add_generation_prompt=messages[k]["role"] == "assistant", **kw)
-            if not full.startswith(prefix):
+            asst = messages[k]["role"] == "assistant"
+            prefix = apply(messages[:k], add_generation_prompt=asst, **kw)
+            if full.startswith(prefix):
+                bounds.append(len(prefix))
+                continue
+            # a template may close a message differently when more of its kind follow (a run of tool returns in
+            # one turn): the boundary is where the two renderings part, if all of message k-1 is before it
+            at = _agree(prefix, full)
+            prev = messages[k - 1]["content"] or ""
+            if asst or at <= bounds[-1] or (prev and prev not in full[bounds[-1] : at]):
                 raise NotRenderable(f"the rendering of the first {k} messages is not a prefix of the whole")
-            bounds.append(len(prefix))
+            bounds.append(at)
+            relaxed = True
     except NotRenderable:
         raise
     except Exception as exc:  # noqa: BLE001 -- a template raising on this conversation (its own checks)
         raise NotRenderable(f"the template raised {type(exc).__name__}: {exc}") from None
     bounds.append(len(full))
+    if eos:
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            content = m["content"] or ""
+            start = full.find(content, bounds[k], bounds[k + 1]) if content else bounds[k]
+            j = full.find(eos, max(start, bounds[k]) + len(content), bounds[k + 1])
+            if j < 0 or j + len(eos) == bounds[k + 1]:
+                continue
+            if k + 1 < len(messages) and messages[k + 1]["role"] == "assistant":
+                raise NotRenderable(
+                    "two assistant messages in a row: the template's text between them would be trained"
+                )
+            bounds[k + 1] = j + len(eos)
+            if k + 1 == len(messages):
+                full = full[: bounds[k + 1]]
     b = np.asarray(bounds, dtype=np.int64)
     if (np.diff(b) < 0).any():
         raise NotRenderable("message boundaries are not in order")
+    for k, m in enumerate(
+        messages if relaxed else ()
+    ):  # a boundary where renderings part: each message inside
+        if m["content"] and m["content"] not in full[b[k] : b[k + 1]]:
+            raise NotRenderable(f"message {k} is not inside its span of the rendering")
     return full, b
 
 
@@ -161,8 +221,10 @@ def tokenize_steps(drafts, tokenizer) -> tuple[list[list[int]], list[list[int]],
     name = getattr(tokenizer, "name", "tokenizer")
     templated = has_chat_template(tokenizer)
     source = (getattr(tokenizer, "chat_template", "") or "") if templated else ""
+    eos = getattr(tokenizer, "eos_token", None) if templated else None
+    eos = eos if isinstance(eos, str) and eos else None
     made: list[str] = []
-    rendered: dict[int, tuple[str, np.ndarray, bool, list[dict]]] = {}
+    rendered: dict[int, tuple[str, np.ndarray, str, list[dict]]] = {}
     for i, d in enumerate(drafts):
         if any(s.token_ids is not None for s in d.steps):
             made.append(SOURCE_IDS)
@@ -178,13 +240,13 @@ def tokenize_steps(drafts, tokenizer) -> tuple[list[list[int]], list[list[int]],
             made.append(f"{PLAIN} (logprobs without token ids are per message)")
             continue
         tools = (d.meta or {}).get("tools") if isinstance(d.meta, dict) else None
-        messages, tools, hermes = chat_messages(d.steps, tools if isinstance(tools, list) else None, source)
+        messages, tools, left_out = chat_messages(d.steps, tools if isinstance(tools, list) else None, source)
         try:
-            rendered[i] = (*render(tokenizer, messages, tools), hermes, messages)
+            rendered[i] = (*render(tokenizer, messages, tools, eos), left_out, messages)
         except NotRenderable as exc:
             made.append(f"{PLAIN} (chat template {name}: {exc})")
             continue
-        made.append(f"chat template {name}" + (" + hermes tools" if hermes else ""))
+        made.append(f"chat template {name}" + (f" ({left_out})" if left_out else ""))
     # one batched tokenizer call: whole renderings for the rendered drafts, step contents for the rest
     texts: list[str] = []
     where: list[tuple[int, int | None]] = []
@@ -206,6 +268,14 @@ def tokenize_steps(drafts, tokenizer) -> tuple[list[list[int]], list[list[int]],
             per_draft[i] = cut(ids, offs, text, bounds, lookup, [len(s.content) for s in steps])
         else:
             per_draft.setdefault(i, []).append((list(ids), list(offs)))
+    for i, d in enumerate(drafts):  # the source's own token counts, where it says them
+        want = d.meta.get(SOURCE_TOKEN_COUNTS) if isinstance(d.meta, dict) else None
+        got = [len(ids) for ids, _ in per_draft.get(i, [])]
+        if made[i] != SOURCE_IDS and isinstance(want, list) and len(want) == len(got) and want != got:
+            made[i] += (
+                f"; {sum(got)} tokens ({'/'.join(map(str, got))}) where the source counted {sum(want)} "
+                f"({'/'.join(map(str, want))}): not the policy's tokenizer?"
+            )
     all_ids = [ids for i in range(len(drafts)) for ids, _ in per_draft.get(i, [])]
     all_offs = [offs for i in range(len(drafts)) for _, offs in per_draft.get(i, [])]
     return all_ids, all_offs, made

