@@ -448,3 +448,14 @@ def test_a_recorded_server_stopped_on_purpose_or_restarted_elsewhere_is_not_rest
         for p in (first, other):
             p.kill()
             p.wait()
+
+
+def test_a_token_id_prompt_is_counted_by_its_length(llm_standin, tmp_path):
+    llm_standin.max_model_len = 10
+    client = _client(llm_standin.url, tmp_path)
+    fits = asyncio.run(client.complete([1, 2, 3], max_tokens=2))
+    assert fits.choices and llm_standin.calls == 1
+    with pytest.raises(LLMError) as err:
+        asyncio.run(client.complete(list(range(9)), max_tokens=2))
+    assert err.value.kind == "too_long" and err.value.prompt_tokens == 9 and err.value.context == 10
+    assert llm_standin.calls == 1 and llm_standin.tokenize_calls == 1  # the context asked once

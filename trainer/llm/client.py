@@ -642,9 +642,11 @@ class LLMClient:
         if endpoint in self._no_tokenize:
             return None
         prompt = content.get("prompt")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return (len(prompt), self.settings.context_tokens) if self.settings.context_tokens else None
         body: dict[str, Any] = {"model": model}
+        ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+        if ids:  # token ids count themselves; the server is asked only for its context (once)
+            known = await self.count_prompt(endpoint, model, {"prompt": ""})
+            return None if known is None else (len(prompt), known[1])
         if "messages" in content:
             body.update(messages=content["messages"], add_generation_prompt=True)
             if tools:
