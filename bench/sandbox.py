@@ -168,7 +168,8 @@ def main() -> None:
             for k in ("hidden", "visible")
             if per_kind["old runner"][k]
         )
-        + " (hidden tests with loops or setup run twice: the candidate run and the reference run).",
+        + " (every program runs in two sandboxes at once, the reference running the tests and the candidate's"
+        " answering its calls, one relay round trip per call).",
         "",
         f"Target <= 2x: {'met' if ratio_med <= 2.0 else 'NOT met'} ({ratio_med:.2f}x median).",
         "",
