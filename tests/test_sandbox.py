@@ -286,6 +286,25 @@ def test_the_expected_side_is_never_the_candidates(forge, tests):
 
 
 @needs_bwrap
+@needs_bwrap
+@pytest.mark.parametrize(
+    "program",
+    [
+        "from os import _exit as f\n",
+        "from time import sleep as f\n",
+        "from signal import raise_signal as f\n",
+    ],
+)
+def test_a_program_cannot_hand_the_reference_a_process_call(program):
+    """A name the program imports from the standard library is the reference's own, except from modules that
+    control the process: `from os import _exit as f` would end the reference run (a verifier failure)."""
+    v = sandbox.code_tests(
+        program, meta_with(["assert f(9) == 2"]), limits=FAST.model_copy(update={"wall_s": 3.0})
+    )
+    assert v.ok and v.score == 0.0, v
+
+
+@needs_bwrap
 def test_a_table_lookup_program_sees_no_expected_value():
     """What the candidate's process holds while its function runs: its arguments, never the tests."""
     prog = SNOOP + "def f(x):\n    return _seen()\n"

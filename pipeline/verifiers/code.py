@@ -366,6 +366,30 @@ def plan_tests(tests: list[str] | None, test_code: str | None) -> TestPlan:
 NOT_REIMPORTED = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "webbrowser"}
 
 
+# modules whose names a program may not hand to the reference (`from os import _exit as f` would end the
+# reference run, a verifier failure): such a name stays the candidate's, called in its own sandbox
+PROCESS_MODULES = {
+    "os",
+    "posix",
+    "sys",
+    "signal",
+    "subprocess",
+    "_thread",
+    "threading",
+    "multiprocessing",
+    "ctypes",
+    "resource",
+    "faulthandler",
+    "atexit",
+    "pty",
+    "_posixsubprocess",
+    "gc",
+    "builtins",
+    "importlib",
+    "time",
+}
+
+
 def _stdlib_root(name: str | None) -> bool:
     root = (name or "").split(".")[0]
     return root in sys.stdlib_module_names and root not in NOT_REIMPORTED
@@ -387,7 +411,12 @@ def candidate_surface(
         if isinstance(node, ast.Import) and all(_stdlib_root(a.name) for a in node.names):
             imports.append(ast.unparse(node))
             imported |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and _stdlib_root(node.module):
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and _stdlib_root(node.module)
+            and (node.module or "").split(".")[0] not in PROCESS_MODULES
+        ):
             imports.append(ast.unparse(node))
             imported |= {a.asname or a.name for a in node.names}
     theirs = defined_names(prompt or "") if entry_point else set()
