@@ -13,6 +13,7 @@ import pytest
 from credit_rounds import random_round
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_interop_export import processed  # noqa: F401  (the fixture: a synth round processed with grpo)
 
 from pipeline.config import Config
 from pipeline.credit.process import process_batch
@@ -215,3 +216,45 @@ def test_rows_without_a_prompt_are_left_out_in_one_line(tmp_path):
     bad["attention_mask"][:, :P] = 0
     with pytest.raises(ValueError, match=r"^5 of 5 rows have no prompt token [^\n]*nothing to train on"):
         _step(bad, tmp_path / "b")
+
+
+# ---- the README's "from a TRL run" blocks, as written ----------------------------------------------------------
+
+
+def test_readme_trl_train_block_runs_on_policy(tmp_path, monkeypatch):
+    """The README's trainer block on a text source's export: one step, the old log-probabilities the policy's own."""
+    from test_interop_export import _run_readme
+
+    from trainer import trl_credit
+
+    a = _text_export()
+    calls = []
+    own = trl_credit.CreditflowGRPOTrainer._logps
+    monkeypatch.setattr(
+        trl_credit.CreditflowGRPOTrainer,
+        "_logps",
+        lambda self, model, out: calls.append(1) or own(self, model, out),
+    )
+    torch = _need("torch")
+    torch.manual_seed(0)
+    model, tok = _tiny_model()
+    ns = _run_readme("trl_train", tmp_path, monkeypatch, a, model=model, tokenizer=tok)
+    assert ns["trainer"].state.global_step == 1 and calls  # trained, on the policy's own log-probabilities
+
+
+@pytest.mark.slow
+def test_readme_trl_export_line_runs(processed, tmp_path):  # noqa: F811 (the imported fixture)
+    """The README's `./dev export` line for TRL, as written (lake and output moved here): a verl-layout export
+    that says which rows carry behaviour logprobs and holds the steps for the round trip."""
+    import shlex
+
+    from test_interop_export import _ok, _readme
+
+    (line,) = [x for x in _readme("trl_export").splitlines() if x.startswith("./dev export")]
+    args = shlex.split(line)[1:]
+    args[args.index("--lake") + 1] = str(processed)
+    args[args.index("--out") + 1] = str(tmp_path / "adv.npz")
+    _ok(args)
+    a = np.load(tmp_path / "adv.npz", allow_pickle=False)
+    assert {"prompts", "responses", "advantages", "logprobs_known", "creditflow_steps"} <= set(a.files)
+    assert a["logprobs_known"].dtype == bool and len(a["logprobs_known"]) == len(a["prompts"])
