@@ -70,7 +70,8 @@ class SandboxSettings(StageSettings):
     unsafe_no_sandbox: bool = Field(
         False,
         description="run candidate programs WITHOUT the OS sandbox when bubblewrap is unavailable "
-        "(rlimits and a process group only; the score stays unforgeable, the host is not protected)",
+        "(rlimits and process groups only: the host is not protected, and a program running as the caller's "
+        "user can reach the reference process, so neither is the score)",
     )
 
 
@@ -581,7 +582,8 @@ def safe_eval(node: ast.AST, env: dict[str, Any]) -> Any:
 
 @dataclass
 class Outcome:
-    """What a sandbox run returned: `result` is the child's JSON document, or None when it produced none."""
+    """What a verification's sandboxes returned: `result` is the reference's document ({"program_error",
+    "units"}; only "program_error" when the candidate's program failed), or None when there is none."""
 
     result: dict | None
     status: str = "ok"  # ok | timeout | output_limit | crash | reference_error
