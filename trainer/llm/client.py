@@ -201,7 +201,7 @@ class LLMClient:
         self._records: list[CallRecord] = []
         self._records_lock = threading.Lock()
         self.calls_made = 0  # HTTP requests actually sent (attempts), for tests and benchmarks
-        self.restarts = 0  # restarts of a managed server this client's requests asked for and got
+        self._restarts_seen: set[tuple[int, int]] = set()  # (healer, generation) this client's requests met
         self._healers: dict[str, Any] = {}
         if healer is not None:
             self._healers[normalize_endpoint(healer.url)] = healer
@@ -594,7 +594,7 @@ class LLMClient:
                         await asyncio.to_thread(healer.heal, seen)
                         if healer.generation != seen:
                             heals += 1
-                            self.restarts += 1
+                            self._restarts_seen.add((id(healer), healer.generation))
                             tried.discard((ep_i - 1) % n_ep)
                             continue
                     if exc.kind == "connection" and len(tried) < n_ep:
@@ -616,6 +616,11 @@ class LLMClient:
         )
         res = await retrying(one_try)
         return res, attempts
+
+    @property
+    def restarts(self) -> int:
+        """Restarts of a managed server that this client's failed requests waited for (each counted once)."""
+        return len(self._restarts_seen)
 
     def _healer(self, endpoint: str) -> Any:
         """The supervisor of the managed server at `endpoint` (None: not managed, or healing off)."""
