@@ -63,6 +63,20 @@ def test_an_export_without_the_flag_counts_0_filled_rows_as_unknown():
     assert np.array_equal(logprobs_known(old), a["logprobs_known"] & a["response_mask"].any(axis=1))
 
 
+@pytest.mark.parametrize("bad", [lambda n: np.ones(n + 1, bool), lambda n: np.ones((n, 1), bool), np.ones])
+def test_a_malformed_logprobs_known_is_one_line(bad):
+    from trainer.trl_credit import logprobs_known
+
+    a = to_padded(_flat(3, logprobs=True)[0], "verl")
+    n = len(a["prompts"])
+    a["logprobs_known"] = bad(n)
+    with pytest.raises(
+        ValueError,
+        match=rf"^not a creditflow verl export: logprobs_known is \w+\[[\d, ]+\], expected bool\[{n}\]$",
+    ):
+        logprobs_known(a)
+
+
 # ---- a real TRL step ----------------------------------------------------------------------------------------
 
 

@@ -43,7 +43,13 @@ def logprobs_known(arrays: dict[str, np.ndarray]) -> np.ndarray:
     """(B,) which rows' `old_log_probs` are the behaviour policy's: the export's `logprobs_known`, or, in an
     export written before that array, the rows whose trained tokens are not all 0 (0-filled rows are unknown)."""
     if "logprobs_known" in arrays:
-        return np.asarray(arrays["logprobs_known"], dtype=bool)
+        known = np.asarray(arrays["logprobs_known"])
+        if known.shape != (len(arrays["prompts"]),) or known.dtype != bool:
+            raise ValueError(
+                f"not a creditflow verl export: logprobs_known is {known.dtype}{list(known.shape)}, "
+                f"expected bool[{len(arrays['prompts'])}]"
+            )
+        return known
     if "old_log_probs" not in arrays:
         return np.zeros(len(arrays["prompts"]), dtype=bool)
     trained = np.asarray(arrays["response_mask"]) != 0
