@@ -107,31 +107,11 @@ def previous_near(view) -> list[tuple[int, str]]:
 
 
 def _context(view, step_idx: int, behavior: str) -> str:
-    """What a labeller reads: the reward, the earlier actions of the trajectory (briefly), the flagged step
-    and the observation after it."""
+    """What a labeller reads (`c3_sample34._context`): the reward, the steps before, the flagged step and the
+    observation after it."""
+    from c3_sample34 import _context as context
 
-    def brief(s, n):
-        s = " ".join(s.split())
-        return s if len(s) <= n else s[: n - 3] + "..."
-
-    lines = [f"reward={view.reward}"]
-    steps = view.steps
-    pos = next(i for i, s in enumerate(steps) if s.step_idx == step_idx)
-    for s in steps[max(0, pos - (12 if behavior != "invalid_action" else 3)) : pos]:
-        text = (
-            "; ".join(f"{c['name']}({c.get('arguments')})" for c in s.tool_calls)
-            if s.role == "assistant" and s.tool_calls
-            else s.content
-        )
-        lines.append(f"  [{s.step_idx} {s.role}] {brief(text, 160)}")
-    s = steps[pos]
-    text = (
-        "; ".join(f"{c['name']}({c.get('arguments')})" for c in s.tool_calls) if s.tool_calls else s.content
-    )
-    lines.append(f">>[{s.step_idx} {s.role}] {brief(text, 400)}")
-    for s in steps[pos + 1 : pos + 3]:
-        lines.append(f"  [{s.step_idx} {s.role}] {brief(s.content, 200)}")
-    return "\n".join(lines)
+    return context(view, step_idx, behavior)
 
 
 def draw(real: Path = REAL) -> list[Item]:
@@ -191,20 +171,9 @@ def draw(real: Path = REAL) -> list[Item]:
 
 def scores(items: list[Item], labels: dict[str, list[str]]) -> dict[str, dict]:
     """Per behaviour: flagged, real among flagged (precision), real in the labelled union (recall)."""
-    out = {}
-    for b in BEHAVIOURS:
-        rows = [(i, labels[i.id][0] == "real") for i in items if i.behavior == b]
-        flagged = [real for i, real in rows if i.flagged]
-        real_all = [i.flagged for i, real in rows if real]
-        out[b] = {
-            "labelled": len(rows),
-            "flagged": len(flagged),
-            "true_positive": sum(flagged),
-            "precision": sum(flagged) / len(flagged) if flagged else float("nan"),
-            "real": len(real_all),
-            "recall": sum(real_all) / len(real_all) if real_all else float("nan"),
-        }
-    return out
+    from c3_sample34 import scores as scores_of
+
+    return scores_of(items, labels, "flagged")  # type: ignore[arg-type]
 
 
 def main(argv: list[str]) -> None:

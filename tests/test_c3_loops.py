@@ -104,6 +104,34 @@ def test_user_simulator_actions_and_results_decide_too():
     assert loops(df) == [(3, "query_loop")]
 
 
+def test_a_change_counts_only_for_calls_it_touches():
+    """A state-changing call matters to a repeat when they share an argument value, or the repeat has no
+    arguments (it reads device-wide state)."""
+    search = (
+        "agent",
+        "search_direct_flight",
+        {"origin": "JFK", "destination": "ATL", "date": "05-24"},
+        "[HAT057]",
+    )
+    bills = ("agent", "get_bills", {"customer": "C1"}, "due 50")
+    run = [
+        search,
+        bills,
+        ("agent", "cancel_reservation", {"reservation_id": "S61CZX"}, "cancelled"),  # touches neither
+        search,  # a loop: the same flights, and the cancellation is about something else
+        ("agent", "make_payment", {"customer": "C1", "amount": 50}, "Error: card declined", True),
+        bills,  # a loop: the payment failed, nothing changed
+        ("agent", "make_payment", {"customer": "C1", "amount": 50}, "paid"),
+        bills,  # the payment went through: checking the bill is not a loop, whatever it shows
+    ]
+    assert loops(spans_of([tool_run(run)])) == [(4, "query_loop"), (6, "query_loop")]
+    # a change without arguments (the phone's airplane mode) touches device-wide reads only, not a named record
+    line = ("agent", "get_details_by_id", {"id": "L1002"}, '{"status": "Active"}')
+    status = ("agent", "check_status_bar", {}, "Airplane Mode")
+    run = [line, status, ("user", "toggle_airplane_mode", "Airplane Mode is now OFF"), line, status]
+    assert loops(spans_of([tool_run(run)])) == [(3, "query_loop")]
+
+
 def test_a_failed_write_changes_nothing():
     get = ("agent", "get_line", {"id": "L1"}, "suspended")
     df = spans_of([tool_run([get, ("agent", "resume_line", {"id": "L1"}, "Error: not allowed", True), get])])

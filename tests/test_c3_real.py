@@ -118,7 +118,7 @@ def _leaves(x) -> set:
 def wasted_repeats(messages, call_of) -> int:
     """Independent recount of issue 34's rule on raw messages: a call repeating the latest identical earlier
     call (name, sorted-key arguments) with the same result, no successful call of a writing tool between the
-    two that shares an argument value with it (or has none)."""
+    two that shares an argument value with it (any one, when the call has no arguments)."""
     n, last, writes = 0, {}, []
     for i, m in enumerate(messages):
         made = {}  # this message's calls: compared with later messages only
@@ -136,7 +136,7 @@ def wasted_repeats(messages, call_of) -> int:
             if key in last:
                 at, before = last[key]
                 vals = _leaves(args)
-                touched = any(not w or not vals or w & vals for w in writes[at:])
+                touched = bool(writes[at:]) and (not vals or any(w & vals for w in writes[at:]))
                 n += before == text and not touched
             failed = res.get("error") or text.startswith("Error:")
             if not name.startswith(READS) and not failed:

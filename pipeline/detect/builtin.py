@@ -351,9 +351,11 @@ def argument_values(arguments) -> frozenset[str]:
 
 def depends_on(changes: Sequence[frozenset[str]], values: frozenset[str]) -> bool:
     """A call reading `values` may see another state after these state-changing calls: one of them shares an
-    argument value with it (make_payment(C1) before get_bills(C1)), or either has no arguments (device-wide
-    state: toggle_data() before check_status_bar())."""
-    return any(not ch or not values or (ch & values) for ch in changes)
+    argument value with it (make_payment(C1) before get_bills(C1)), or it has no arguments itself (it reads
+    device-wide state: toggle_data() before check_status_bar()). A change without arguments does not touch a
+    read about something named (toggle_airplane_mode() before get_details_by_id(L1002)): whether it did shows
+    in the result, which an exact repeat must match too."""
+    return bool(changes) and (not values or any(ch & values for ch in changes))
 
 
 def _touched(
