@@ -60,15 +60,22 @@ class StepRecordError(ValueError):
 
 def encode(trajectories: pa.Table, steps: pa.Table, traj_order) -> np.ndarray:
     """(B,) UTF-8 JSON bytes, one per trajectory of `traj_order` (the export's row order)."""
-    cols = [c for c in _STEP_COLUMNS if c in steps.column_names]
-    srt = steps.select(cols).sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
+    import pyarrow.compute as pc
+
+    srt = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
+    n_tok = pc.list_value_length(srt.column("token_ids")).to_numpy(zero_copy_only=False)
+    has_lp = srt.column("logprobs").is_valid().to_numpy(zero_copy_only=False)
+    own_lp = has_lp & (pc.not_equal(srt.column("role"), "assistant").to_numpy(zero_copy_only=False))
+    cols = [c for c in _STEP_COLUMNS if c in srt.column_names and c not in ("token_ids", "logprobs")]
     by_traj: dict[str, list[dict]] = {}
-    for s in srt.to_pylist():
-        n = len(s["token_ids"] or [])
+    lp_col = srt.column("logprobs")
+    for k, s in enumerate(
+        srt.select(cols).to_pylist()
+    ):  # one dict per step (the token ids stay in the arrays)
         rec = {
             "role": s["role"],
             "turn": s["turn"],
-            "n": n,
+            "n": int(n_tok[k]),
             "is_error": bool(s["is_error"]),
             "tool_call_id": s["tool_call_id"],
             "tool_calls": s.get("tool_calls"),
@@ -77,10 +84,10 @@ def encode(trajectories: pa.Table, steps: pa.Table, traj_order) -> np.ndarray:
             "verifier_score": s.get("verifier_score"),
             "values": s.get("values"),
             "logprob_source": s.get("logprob_source"),
-            "has_logprobs": s.get("logprobs") is not None,
+            "has_logprobs": bool(has_lp[k]),
         }
-        if s["role"] != "assistant" and s.get("logprobs") is not None:
-            rec["logprobs"] = s["logprobs"]
+        if own_lp[k]:  # a non-assistant step's logprobs: not in the arrays (they hold the trained tokens')
+            rec["logprobs"] = lp_col[k].as_py()
         by_traj.setdefault(s["traj_id"], []).append(rec)
     meta_of = {
         t["traj_id"]: {k: t.get(k) for k in _TRAJ_FIELDS}
