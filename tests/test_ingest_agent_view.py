@@ -187,3 +187,63 @@ def test_an_agent_that_writes_about_recursion_is_still_the_agent():
     sim["messages"][2] = {"role": "assistant", "content": said, "usage": USAGE}  # a generation: the agent's
     steps = pl.from_arrow(_ingest([sim]).steps)
     assert steps["role"].to_list() == ["system", "user", "assistant"]
+
+
+def test_solo_runs_open_with_the_agents_system_prompt(real_data):
+    """A solo (no-user) run starts with the agent's own message, which no template can cut (no step before it
+    holds the generation prompt): it was tokenized plain. Its agent was told the policy and the ticket: they
+    are a system step now, and the run renders through the chat template."""
+    path = real_data / SOLO
+    if not path.exists():
+        pytest.skip(f"{SOLO} not shipped")
+    raw = json.loads(path.read_text())
+    res = ingest("tau2-bench", [(path.name, path.read_text())], tokenizer=ChatML())
+    assert res.quarantine.num_rows == 0
+    steps = pl.from_arrow(res.steps.select(["traj_id", "step_idx", "role", "turn", "content"]))
+    first = steps.filter(pl.col("step_idx") == 0)
+    assert set(first["role"]) == {"system"} and first["turn"].null_count() == first.height == 20
+    tasks = {t["id"]: t for t in raw["tasks"]}
+    sim = raw["simulations"][0]
+    prompt = first.filter(pl.col("traj_id") == sim["id"])["content"][0]
+    policy = raw["info"]["environment_info"]["policy"].strip()
+    assert (
+        prompt
+        == f"<policy>\n{policy}\n</policy>\n<ticket>\n{tasks[sim['task_id']]['ticket'].strip()}\n</ticket>"
+    )
+    # the agent's messages keep their turns: the first is turn 1, right after the prompt
+    second = steps.filter(pl.col("step_idx") == 1)
+    assert set(second["role"]) == {"assistant"} and set(second["turn"]) == {1}
+    made = {json.loads(m)["tokenization"] for m in res.trajectories.column("meta").to_pylist()}
+    assert all(m.startswith("chat template chatml") for m in made), made
+
+
+def test_runs_with_a_user_get_no_system_prompt():
+    sim = _sim(
+        [
+            {"role": "assistant", "content": "Hi! How can I help you today?"},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "Sure.", "usage": USAGE},
+        ]
+    )
+    text = json.dumps(
+        {
+            "info": {"environment_info": {"policy": "P"}},
+            "tasks": [{"id": "7", "ticket": "T"}],
+            "simulations": [sim],
+        }
+    )
+    res = ingest("tau2-bench", [("r.json", text)], tokenizer=ByteTokenizer())
+    assert res.steps.column("role").to_pylist() == ["system", "user", "assistant"]
+    assert res.steps.column("content")[0].as_py() == "Hi! How can I help you today?"
+    # the same run without its user (a solo run) opens with the policy and the ticket
+    sim["messages"] = [sim["messages"][2]]
+    solo = json.dumps(
+        {
+            "info": {"environment_info": {"policy": "P"}},
+            "tasks": [{"id": "7", "ticket": "T"}],
+            "simulations": [sim],
+        }
+    )
+    res = ingest("tau2-bench", [("r.json", solo)], tokenizer=ByteTokenizer())
+    assert res.steps.column("role").to_pylist() == ["system", "assistant"]
+    assert res.steps.column("content")[0].as_py() == "<policy>\nP\n</policy>\n<ticket>\nT\n</ticket>"

@@ -104,6 +104,27 @@ def harness_injected(messages: list) -> set[int]:
     }
 
 
+def solo_system_prompt(sim: dict, agent: dict, env: dict, task) -> str | None:
+    """The system prompt of a solo (no-user) run, from what the run records: tau2's solo agent is told its
+    domain policy and the task's ticket (its fixed instruction text is not in the Results file, so it is not
+    rendered). None for a run with a user (its agent's prompt is the policy alone, kept in `meta.policy`), or
+    when the run records no policy. A run is solo when its agent is a `*_solo` implementation, or when no
+    message of the simulation is the user's."""
+    raw = sim.get("messages")
+    messages: list = raw if isinstance(raw, list) else []
+    solo = str(agent.get("implementation") or "").endswith("_solo") or not any(
+        isinstance(m, dict) and m.get("role") == "user" for m in messages
+    )
+    policy = env.get("policy")
+    if not solo or not isinstance(policy, str) or not policy.strip():
+        return None
+    ticket = task.get("ticket") if isinstance(task, dict) else None
+    parts = [f"<policy>\n{policy.strip()}\n</policy>"]
+    if isinstance(ticket, str) and ticket.strip():
+        parts.append(f"<ticket>\n{ticket.strip()}\n</ticket>")
+    return "\n".join(parts)
+
+
 def unseen_by_agent(msg) -> bool:
     """A message the agent never saw: the user simulator's own tool call (a user message whose calls the user
     requested) or its result (a tool message with requestor "user"); tau2 routes them user -> environment ->
@@ -163,15 +184,22 @@ def tau2_bench(record: SourceRecord) -> TrajectoryDraft:
     reward_info = require(sim, "reward_info")
     reward = require(reward_info, "reward", "reward_info")
     steps, rejected_attempts, harness = _steps(require(sim, "messages"))
-    breakdown = reward_info.get("reward_breakdown")
     info = record.context.get("info", {})
     agent = info.get("agent_info") if isinstance(info.get("agent_info"), dict) else {}
-    user = info.get("user_info") if isinstance(info.get("user_info"), dict) else {}
     env = info.get("environment_info") if isinstance(info.get("environment_info"), dict) else {}
+    task = record.context.get("tasks", {}).get(task_id)
+    prompt = solo_system_prompt(sim, agent, env, task)
+    if prompt is not None:  # the agent's context opened with it: a system step before every message
+        steps.insert(0, StepDraft(role="system", content=prompt))
+        for entry in (*harness, *rejected_attempts):
+            entry["step_idx"] += 1
+    breakdown = reward_info.get("reward_breakdown")
+    user = info.get("user_info") if isinstance(info.get("user_info"), dict) else {}
     meta = {
         "task_id": task_id,
         "trial": trial,
-        "task": record.context.get("tasks", {}).get(task_id),
+        "task": task,
+        "system_prompt": "rendered from the policy and the ticket" if prompt is not None else None,
         "reward_info": reward_info,
         "rejected_attempts": rejected_attempts,
         "harness_messages": harness,
