@@ -1,5 +1,6 @@
 """How structured actions become text. Assistant tool calls are rendered into the step's `content` (the
-Hermes/SmolLM2 `<tool_call>` convention) so that every action has a char range, hence a token range."""
+Hermes/SmolLM2 `<tool_call>` convention) so that every action has a char range, and a token range where the chat
+template renders the calls (`pipeline.chat_template`: SmolLM2's does not, and then the calls are not in the tokens)."""
 
 from __future__ import annotations
 
