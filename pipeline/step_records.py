@@ -3,7 +3,8 @@ trajectory back as it was (issue 31.5): per row, one JSON text (UTF-8 bytes, `cr
 pickle) with the trajectory's fields and, per step in order, its role, turn, token count, tool calls, tool call
 id, error flag, content, token offsets, verifier score, values and logprob source. Token ids and the logprobs of
 trained tokens stay in the arrays (the reader takes them from there); a row's steps cut its real tokens (the
-prompt's, then the response's) by their token counts.
+prompt's, then the response's) by their token counts; a row the export cut (verl's response_length) keeps the
+steps up to the cut.
 
     {"v": 1, "trajectory": {"sample_idx", "reward", "reward_components", "policy_version", "action_format",
      "source", "meta"}, "steps": [{"role", "turn", "n", "is_error", "tool_call_id", "tool_calls", "content",
@@ -196,7 +197,10 @@ def decode(raw: Any, n_tokens: int, trained: np.ndarray) -> tuple[dict, list[dic
             }
         )
         total += n
-    _need(total == n_tokens, f"its steps hold {total} tokens, the row {n_tokens} (cut at another length?)")
+    _need(total >= n_tokens, f"its steps hold {total} tokens, the row more ({n_tokens})")
+    cut = None
+    if total > n_tokens:  # the export cut the response (verl's response_length): the steps up to the cut
+        out, cut = _cut(out, n_tokens), (n_tokens, total)
     want = np.repeat([s["role"] == "assistant" for s in out], [s["n"] for s in out]).astype(bool)
     _need(
         np.array_equal(want, np.asarray(trained, dtype=bool)),
@@ -213,8 +217,30 @@ def decode(raw: Any, n_tokens: int, trained: np.ndarray) -> tuple[dict, list[dic
         "source": traj.get("source") if isinstance(traj.get("source"), str) else None,
         "meta": traj.get("meta") if isinstance(traj.get("meta"), str) else None,
         "reward_components": _components(traj.get("reward_components")),
+        "cut": cut,
     }
     return fields, out
+
+
+def _cut(steps: list[dict], n_tokens: int) -> list[dict]:
+    """The steps holding the first `n_tokens` tokens: the one the cut falls in shortened (its offsets, values
+    and logprobs with it), the ones after it left out."""
+    out, left = [], n_tokens
+    for s in steps:
+        if left <= 0 and s["n"]:
+            break
+        keep = min(s["n"], left)
+        if keep < s["n"]:
+            s = {
+                **s,
+                "n": keep,
+                "offsets": s["offsets"][:keep],
+                "values": None if s["values"] is None else s["values"][:keep],
+                "logprobs": None if s["logprobs"] is None else s["logprobs"][:keep],
+            }
+        out.append(s)
+        left -= keep
+    return out
 
 
 def _components(v: Any) -> list[tuple[str, float]] | None:

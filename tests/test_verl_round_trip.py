@@ -237,3 +237,39 @@ def test_any_bytes_as_a_record_never_break_ingest(raw):
     res = _ingest(_with_record(a, 1, raw))
     assert res.quarantine.num_rows == 0 and res.trajectories.num_rows == len(a["traj_id"])
     assert _note(res, str(a["traj_id"][1])).startswith("ignored: ")
+
+
+def test_a_row_the_export_cut_keeps_its_steps_up_to_the_cut():
+    """An export at a response_length shorter than some responses (verl cuts them the same way): those rows'
+    steps up to the cut (the last one shortened), said in their meta; the other rows as they were."""
+    traj, steps, _ = _every_method_batch()
+    adv = run_round(traj, steps, ["grpo"])["grpo"]
+    flat = TrainLayout(traj, steps).table(adv)
+    full = to_padded(flat, "verl")
+    R = full["responses"].shape[1]
+    a = to_padded(flat, "verl", response_length=R - 2)
+    a[step_records.NAME] = step_records.encode(traj, steps, a["traj_id"])
+    res = _ingest(a)
+    assert res.quarantine.num_rows == 0
+    orig = _by_step(steps, STEP_FIELDS)
+    back = _by_step(res.steps, STEP_FIELDS)
+    n_resp = full["attention_mask"][:, full["prompts"].shape[1] :].sum(axis=1)
+    cut_rows = 0
+    for r, traj_id in enumerate(a["traj_id"].tolist()):
+        mine = sorted(k for k in orig if k[0] == traj_id)
+        got = sorted(k for k in back if k[0] == traj_id)
+        note = _note(res, traj_id)
+        if n_resp[r] <= R - 2:
+            assert got == mine and all(back[k] == orig[k] for k in mine) and note is None
+            continue
+        cut_rows += 1
+        total = sum(len(orig[k][STEP_FIELDS.index("token_ids")]) for k in mine)
+        kept = total - (n_resp[r] - (R - 2))
+        assert note == f"cut at {kept} of {total} tokens (the export's response length)"
+        ids = [i for k in got for i in back[k][STEP_FIELDS.index("token_ids")]]
+        assert ids == [i for k in mine for i in orig[k][STEP_FIELDS.index("token_ids")]][:kept]
+        *whole, last = got
+        assert all(back[k] == orig[k] for k in whole)  # every step before the cut as it was
+        i_role = STEP_FIELDS.index("role")
+        assert back[last][i_role] == orig[last][i_role] and back[last][2:6] == orig[last][2:6]
+    assert cut_rows

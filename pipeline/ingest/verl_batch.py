@@ -301,9 +301,12 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
         action_format[i] = fields["action_format"]
         policy_version[i] = fields["policy_version"]
         original = _json_object(fields["meta"])
-        meta[i] = json.dumps(
-            {**original, "verl_batch": json.loads(meta[i]), "exported_source": fields["source"]}
-        )
+        row_meta = {**original, "verl_batch": json.loads(meta[i]), "exported_source": fields["source"]}
+        if fields["cut"] is not None:  # the steps up to where the export cut the response
+            row_meta["creditflow_steps"] = "cut at {} of {} tokens (the export's response length)".format(
+                *fields["cut"]
+            )
+        meta[i] = json.dumps(row_meta)
     trajectories = pa.table(
         {
             "traj_id": pa.array(kept_traj, pa.string()),
