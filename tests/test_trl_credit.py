@@ -272,3 +272,30 @@ def test_readme_trl_export_line_runs(processed, tmp_path):  # noqa: F811 (the im
     a = np.load(tmp_path / "adv.npz", allow_pickle=False)
     assert {"prompts", "responses", "advantages", "logprobs_known", "creditflow_steps"} <= set(a.files)
     assert a["logprobs_known"].dtype == bool and len(a["logprobs_known"]) == len(a["prompts"])
+
+
+def test_the_own_trainer_takes_the_exports_flag(tmp_path):
+    """trainer.train.load_batch: a row whose logprobs are only partly known (some steps 0-filled) is recomputed,
+    not taken for the behaviour policy's (the 0s would be old logprobs)."""
+    import pyarrow.parquet as pq
+
+    from trainer.train import load_batch
+
+    for seed in range(40):
+        flat, _ = _flat(seed, logprobs=True)
+        known = flat.column("logprobs_known").to_pylist()
+        partly = [
+            not k and any(m and lp != 0 for m, lp in zip(mask, lps, strict=True))
+            for k, mask, lps in zip(
+                known,
+                flat.column("loss_mask").to_pylist(),
+                flat.column("old_logprobs").to_pylist(),
+                strict=True,
+            )
+        ]
+        if any(partly):
+            break
+    assert any(partly)  # the case a "some logprob is not 0" test got wrong
+    pq.write_table(flat, tmp_path / "b.parquet")
+    seqs, _ = load_batch(tmp_path / "b.parquet", 10_000)
+    assert [q.has_logprobs for q in seqs] == known

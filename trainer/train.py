@@ -70,6 +70,9 @@ def load_batch(path: str | Path, max_seq_len: int) -> tuple[list[Sequence], dict
     if missing:
         raise ValueError(f"{path}: not a creditflow export batch, missing columns {sorted(missing)}")
     cols = {c: table.column(c).to_pylist() for c in table.column_names if c in needed | {"values", "returns"}}
+    # the export says which rows carry the behaviour policy's logprobs (a row with some steps' logprobs 0-filled
+    # is not one); a batch written before the column: rows whose trained tokens are not all 0
+    known = table.column("logprobs_known").to_pylist() if "logprobs_known" in table.column_names else None
     seqs = []
     for i in range(table.num_rows):
         mask = np.asarray(cols["loss_mask"][i][:max_seq_len], dtype=np.float32)
@@ -84,7 +87,9 @@ def load_batch(path: str | Path, max_seq_len: int) -> tuple[list[Sequence], dict
                 advantages=np.asarray(cols["advantages"][i][:max_seq_len], dtype=np.float32),
                 values=None if vals is None else np.asarray(vals[:max_seq_len], dtype=np.float32),
                 returns=None if rets is None else np.asarray(rets[:max_seq_len], dtype=np.float32),
-                has_logprobs=bool(np.any(old[mask > 0] != 0)) if mask.any() else False,
+                has_logprobs=bool(known[i])
+                if known is not None and known[i] is not None
+                else (bool(np.any(old[mask > 0] != 0)) if mask.any() else False),
             )
         )
     info = {
