@@ -21,6 +21,10 @@ episode).
 
 Results: markdown to --results (bench/results/learning.md by default; --quick writes nothing there unless
 given), the raw curves as JSON next to the runs (--out). The GPU form is bench/learning_gpu.sh.
+
+Issue 32 found that these three environments have almost no credit problem (an oracle with the true turn values
+barely beats GRPO there): they stay as probes. The environments with a credit problem, the oracle arm, each
+paper's own baseline, held-out evaluation and the power computation are bench/learning_credit.py.
 """
 
 from __future__ import annotations
