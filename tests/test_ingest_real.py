@@ -209,10 +209,15 @@ def test_react_fireact(real_data):
     n_calls = sum(
         len(c) for c in res.steps.filter(pc.equal(res.steps["role"], "assistant"))["tool_calls"].to_pylist()
     )
-    assert n_calls == parsed == 1751  # 1778 actions - 26 `reflect[...]` - 1 unclosed bracket
-    assert res.steps.filter(pc.is_valid(res.steps["tool_call_id"])).num_rows == parsed
+    # every executed action is a call (issue 34: the 26 `reflect[...]` and the unclosed bracket too, named by
+    # their verb), and every Observation links to the action it answers
+    assert parsed == 1751 and n_calls == actions == 1778
+    names = Counter(c["name"] for cs in res.steps["tool_calls"].to_pylist() if cs for c in cs)
+    assert names["reflect"] == 26 and sum(names[n] for n in ("search", "lookup", "finish")) == parsed + 1
+    assert res.steps.filter(pc.is_valid(res.steps["tool_call_id"])).num_rows == observations
     assert res.steps.filter(res.steps["is_error"]).num_rows == errors == 26
     assert set(res.trajectories["action_format"].to_pylist()) == {"react"}
+    assert set(res.trajectories["policy_version"].to_pylist()) == {path.stem}  # the run's model and settings
     assert res.trajectories["reward"].to_pylist().count(1.0) == sum(1 for r in raw.values() if r["em"])
     # contents are verbatim: joined with newlines they give back the trajectory string
     by_traj = {}
@@ -245,7 +250,11 @@ def test_react_parse_rules():
     ]
     assert steps[1]["tool_calls"] == [{"id": "react-1", "name": "search", "arguments": '{"query": "x y"}'}]
     assert steps[2]["tool_call_id"] == "react-1" and not steps[2]["is_error"]
-    assert steps[3]["tool_calls"] == [] and steps[4]["tool_call_id"] is None and steps[4]["is_error"]
+    # a malformed action ran too: a call named by its verb, which its Observation (an error) answers
+    assert steps[3]["tool_calls"] == [
+        {"id": "react-2", "name": "reflect", "arguments": '{"action": "reflect[hmm]"}'}
+    ]
+    assert steps[4]["tool_call_id"] == "react-2" and steps[4]["is_error"]
     assert json.loads(steps[5]["tool_calls"][0]["arguments"]) == {"answer": "z"}
     assert res.trajectories["reward"].to_pylist() == [1.0]
 

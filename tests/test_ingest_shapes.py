@@ -157,12 +157,12 @@ def test_react_one_observation_per_action():
         ("user", None),
         ("assistant", 1),
         ("assistant", 2),
-        ("tool", 2),
+        ("tool", 1),  # issue 34: the Observation carries the turn of the action it answers (reflect's)
         ("assistant", 3),
         ("tool", 3),
     ]
-    assert steps[1]["tool_calls"] == [] and steps[2]["tool_calls"][0]["id"] == "react-2"
-    assert steps[3]["tool_call_id"] is None and steps[3]["is_error"]  # reflect's error, not search's
+    assert steps[1]["tool_calls"][0]["name"] == "reflect" and steps[2]["tool_calls"][0]["id"] == "react-2"
+    assert steps[3]["tool_call_id"] == "react-1" and steps[3]["is_error"]  # reflect's error, not search's
     assert steps[5]["tool_call_id"] == "react-3"
     # numbered lines: Observation 2 answers Action 2
     steps = _react(

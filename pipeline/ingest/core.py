@@ -431,6 +431,7 @@ def finalize(draft: TrajectoryDraft) -> TrajectoryDraft:
         raise Reject(MISSING_FIELD, "trajectory has no steps", "messages")
     turn = 0
     call_ids: set[str] = set()
+    call_turn: dict[str, int] = {}  # call id -> the turn that made it
     for i, step in enumerate(draft.steps):
         if step.role not in ROLES:
             raise Reject(UNKNOWN_ROLE, f"step {i} has role {step.role!r}", f"steps[{i}].role")
@@ -457,6 +458,10 @@ def finalize(draft: TrajectoryDraft) -> TrajectoryDraft:
                 f"tool step {i} answers call {step.tool_call_id!r}, which no earlier step made",
                 f"steps[{i}].tool_call_id",
             )
+        if step.role == "tool" and step.tool_call_id in call_turn:
+            step.turn = call_turn[step.tool_call_id]  # the turn of the action it answers, not the latest turn
+        if step.role == "assistant":
+            call_turn.update((c["id"], turn) for c in step.tool_calls or ())
         if (
             step.token_ids is not None
             and step.logprobs is not None

@@ -18,8 +18,9 @@ else the first Action since the previous Observation (the one FireAct and ReAct 
 Observation answers gets none. An Action `search[q]`, `lookup[q]` or `finish[a]` becomes a tool call in the
 assistant step's `tool_calls` (id `react-<turn>`, arguments `{"query": q}` / `{"answer": a}`) and the Observation
 answering it links to it. Other actions (unknown tool names such as `reflect[...]`, unclosed brackets) are
-real, malformed behaviour: the assistant step keeps empty `tool_calls` and their Observation has no
-`tool_call_id`. An Observation that reports an exception ("generated an exception", "Invalid action") gets
+real, malformed behaviour the harness still ran (it answered with an error): a call named by the verb (`reflect`,
+else `unparsed`), arguments `{"action": <the line's text>}`, that their Observation links to; C3 flags them
+from the content. An Observation that reports an exception ("generated an exception", "Invalid action") gets
 `is_error`. reward = float(em); group = the record's id (one sample per question).
 """
 
@@ -168,11 +169,23 @@ def chat_react(messages: list) -> list[StepDraft]:
     return steps
 
 
-def _attach_action(step: StepDraft, line: str, turn: int) -> str | None:
+_VERB = re.compile(r"^Action(?: \d+)?:\s*(?P<name>[A-Za-z_]\w*)")
+
+
+def _attach_action(step: StepDraft, line: str, turn: int) -> str:
+    """The turn's executed action as a tool call: `search` / `lookup` / `finish` with their argument; any other
+    action line ran too (the harness answered it, usually with an error), so it is a call named by its verb
+    (`reflect`; `unparsed` when it has none) with the line's text as `{"action": ...}`: its Observation links to
+    it. C3 reads the content, not these calls, so such an action stays an invalid action."""
     parsed = parse_action(line)
-    if parsed is None:
-        return None
     call_id = f"react-{turn}"
+    if parsed is None:
+        verb = _VERB.match(line)
+        text = line.split(":", 1)[1].strip() if ":" in line else line
+        parsed = (
+            verb.group("name") if verb else "unparsed",
+            json.dumps({"action": text}, ensure_ascii=False),
+        )
     step.tool_calls = [{"id": call_id, "name": parsed[0], "arguments": parsed[1]}]
     return call_id
 
@@ -205,6 +218,7 @@ def react(record: SourceRecord) -> TrajectoryDraft:
         group_id=str(key),
         sample_idx=0,
         reward=em,
+        policy_version=record.run,  # FireAct names a run's file by its model and sampling settings
         meta=meta,
         steps=steps,
     )
