@@ -299,3 +299,23 @@ def test_the_own_trainer_takes_the_exports_flag(tmp_path):
     pq.write_table(flat, tmp_path / "b.parquet")
     seqs, _ = load_batch(tmp_path / "b.parquet", 10_000)
     assert [q.has_logprobs for q in seqs] == known
+
+
+def test_readme_trl_ingest_line_runs(tmp_path):
+    """The README's `./dev ingest` line for TRL completions, as written (TRL's folder: the fixture TRL 1.16.0's
+    GRPOTrainer.log wrote; the lake moved here): 16 records -> 16 trajectories, 0 quarantined."""
+    import shlex
+    from pathlib import Path
+
+    from test_interop_export import _ok, _readme
+
+    from warehouse.lake import Lake
+
+    (line,) = [x for x in _readme("trl_ingest").splitlines() if x.startswith("./dev ingest")]
+    args = shlex.split(line.split("#")[0])[1:]
+    args[args.index("out/completions")] = str(Path(__file__).parent / "fixtures" / "trl" / "completions")
+    args[args.index("--lake") + 1] = str(tmp_path / "lake")
+    assert "# 16 records -> 16 trajectories, 0 quarantined" in line
+    _ok(args)
+    lake = Lake(tmp_path / "lake")
+    assert lake.read("trajectories", 0).num_rows == 16 and lake.read("quarantine", 0).num_rows == 0
