@@ -459,3 +459,23 @@ def test_a_token_id_prompt_is_counted_by_its_length(llm_standin, tmp_path):
         asyncio.run(client.complete(list(range(9)), max_tokens=2))
     assert err.value.kind == "too_long" and err.value.prompt_tokens == 9 and err.value.context == 10
     assert llm_standin.calls == 1 and llm_standin.tokenize_calls == 1  # the context asked once
+
+
+def test_a_reask_that_outgrows_the_context_is_not_split(llm_standin, real_data, tmp_path):
+    """A window fits, its answer is not JSON, and the re-ask (window + answer + note) no longer fits: the
+    window stays one parse failure; it is not split into more windows."""
+    from llm_standin import StandIn
+
+    from pipeline.annotate.llm import _split_trajectories, build_messages, build_transcript
+    from pipeline.annotate.settings import LLMAnnotatorSettings
+
+    _, steps = _tau_steps(real_data)
+    ((_, rows),) = _split_trajectories(steps)
+    items, _ = build_transcript(rows, LLMAnnotatorSettings())
+    whole = len(StandIn._prompt_tokens({"messages": build_messages(items)}, "chat")[1])
+    llm_standin.max_model_len = whole + 64 + 5  # the trajectory fits whole, a re-ask with an answer does not
+    llm_standin.behaviour = lambda body, kind, i: "not json " * 40
+    out = _annotate(llm_standin.url, tmp_path, steps)
+    assert llm_standin.calls == 1 and out.notes["reasks_too_long"] == 1 and "windows" not in out.notes
+    assert all(out.tables["nodes"].column("parse_failed").to_pylist())
+    assert any("not the JSON schema" in w for w in out.warnings)

@@ -387,6 +387,11 @@ class _Annotation:
         retry: list[tuple] = []
         for job, res in zip(self.pending, reply.results, strict=True):
             if isinstance(res, LLMError):
+                if res.kind == "too_long" and self.asked[job]:
+                    # the re-ask (the request plus its invalid answer) outgrew the context: the request itself
+                    # fit, so it is not split again; its malformed answer stands (a parse failure)
+                    notes["reasks_too_long"] += 1
+                    continue
                 if res.kind == "too_long":
                     retry += self.split(job, res)
                     continue
