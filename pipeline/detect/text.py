@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import string
 import unicodedata
+from functools import lru_cache
 
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -30,6 +31,7 @@ _TOKEN = re.compile(r"[^\s,;()\[\]{}\"'`]+")
 _EDGE = re.compile(r"^[^\w]+|[^\w]+$")
 
 
+@lru_cache(maxsize=1 << 16)  # pure; logs repeat their texts (a query tool's arguments, a tool's note)
 def identifiers(s: str) -> frozenset[str]:
     """Identifier and number tokens of a text (NFKC, lower-cased): tokens with a digit (L1002, 2024-05-20,
     1914), with an underscore (user ids), or codes in capitals (JFK, EHGLP). Two queries whose sets differ ask
@@ -64,6 +66,7 @@ def content_words(normalised: str) -> frozenset[str]:
     )
 
 
+@lru_cache(maxsize=1 << 16)
 def ngrams(s: str, n: int = 3, unit: str = "char") -> frozenset:
     """Character (or word) n-grams of a normalised string; a string shorter than n is its own single gram."""
     items = list(s) if unit == "char" else s.split()
