@@ -157,6 +157,46 @@ def draw(real: Path = REAL) -> list[Item]:
     return items
 
 
+RECALL = Path(__file__).resolve().parent / "data" / "c3_recall_34.json"
+
+
+def recall_sample(real: Path = REAL, per_source: int = 4) -> list[tuple[str, str, str]]:
+    """Recall's side: up to `per_source` successful trajectories per source on which the current rules flag
+    nothing (seed 3434), each as (source, traj_id, its actions in order with a short result) for reading:
+    a wasted repeat or an invalid action in one of them is a miss."""
+    from pipeline.detect import run_detectors, traj_views
+    from pipeline.detect.builtin import action_results
+    from pipeline.detect.registry import DetectSettings
+
+    rng = random.Random(3434)
+    settings = DetectSettings()
+    out = []
+    for source in SOURCES:
+        t, s = _batch(source, real)
+        views = {v.traj_id: v for v in traj_views(t, s)}
+        flagged = {tid for tid, _, _ in run_detectors(list(views.values()), settings)}
+        clean = sorted(tid for tid, v in views.items() if v.reward > 0 and tid not in flagged)
+        for tid in rng.sample(clean, min(per_source, len(clean))):
+            v = views[tid]
+            res = action_results(v, settings)
+            seq = []
+            for x in v.steps:
+                if x.role == "assistant" and v.action_format == "react":
+                    act = next(
+                        (line for line in x.content.split("\n") if line.startswith("Action")), "no Action"
+                    )
+                    r = res.get((x.step_idx, 0))
+                    seq.append(f"{act[7:80]} = {r[0][:40] if r else '?'}")
+                elif x.role == "assistant":
+                    for k, c in enumerate(x.tool_calls or []):
+                        r = res.get((x.step_idx, k))
+                        seq.append(f"{c['name']}({c['arguments'][:40]}) = {r[0][:40] if r else '?'}")
+                elif x.tool_calls:
+                    seq.append(f"[{x.role}] {x.tool_calls[0]['name']}")
+            out.append((source, tid, " | ".join(seq)))
+    return out
+
+
 def scores(
     items: list[Item], labels: dict[str, list[str]], rules: str = "now", by=lambda i: i.behavior
 ) -> dict:
@@ -187,6 +227,10 @@ def main(argv: list[str]) -> None:
                 print(" ", b, s)
             for k, s in scores(items, labels, rules, by=lambda i: (i.source, i.behavior)).items():
                 print("   ", k, s)
+        return
+    if "--recall" in argv:
+        for source, tid, seq in recall_sample():
+            print(f"## {source} {tid}\n   {seq}")
         return
     for it in items:
         print(f"### {it.id} now={it.now} before={it.before}\n{it.evidence[:300]}\n{it.context}\n")

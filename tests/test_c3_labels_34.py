@@ -44,3 +44,17 @@ def test_precision_now_and_before(sample):
     assert all(
         s["precision"] >= 0.95 for (src, b), s in per_source.items() if b == "query_loop" and s["flagged"]
     )
+
+
+def test_recall_on_successful_trajectories_without_spans(real_data):
+    """Recall's side: 27 successful trajectories on which nothing is flagged (up to 4 per source, seed 3434),
+    each read whole (tests/data/c3_recall_34.json: "clean" or "missed", one line of reason): no wasted repeat
+    or invalid action was missed in them. Repeats in them are re-checks after a fix or a toggle undone."""
+    for _, rel in c3_sample34.SOURCES.values():
+        if not (real_data / rel).exists():
+            pytest.skip(f"{rel} not shipped")
+    drawn = c3_sample34.recall_sample(real_data)
+    labels = json.loads(c3_sample34.RECALL.read_text())
+    assert {f"{src}|{tid}" for src, tid, _ in drawn} == set(labels) and len(labels) == 27
+    assert all(lab in ("clean", "missed") and len(reason) > 20 for lab, reason in labels.values())
+    assert [k for k, (lab, _) in labels.items() if lab == "missed"] == []
