@@ -95,3 +95,28 @@ def test_quarantine_reason_is_a_category_and_detail_the_words(ldb_layout):
         zip(res.quarantine["location"].to_pylist(), res.quarantine["detail"].to_pylist(), strict=True)
     )
     assert details["line 5"] == "'prompt' is missing" and "was already read" in details["line 7"]
+
+
+def test_llmdebugger_mbpp_runs_of_two_models(real_data, tmp_path):
+    """The issue's case on LLMDebugger's own files (results/ldb/mbpp/<model>/results.jsonl, shipped gzipped):
+    both models' 500 MBPP runs ingest together; by file stem alone all 500 ids of the second would collide."""
+    import gzip
+    import json
+
+    models = ("gpt-3.5-turbo-0613", "codellama")
+    for model in models:
+        src = real_data / "ldb_code_repair" / "mbpp" / model / "results.jsonl.gz"
+        if not src.exists():
+            pytest.skip(f"{src} not shipped")
+        folder = tmp_path / "results" / "ldb" / "mbpp" / model
+        folder.mkdir(parents=True)
+        (folder / "results.jsonl").write_bytes(gzip.decompress(src.read_bytes()))
+    sources = read_text_sources([str(tmp_path / "results")], (".jsonl",))
+    tasks = [
+        {json.loads(line)["task_id"] for line in text.splitlines() if line.strip()} for _, text in sources
+    ]
+    assert len(tasks[0] & tasks[1]) == 500  # the same 500 tasks: `results:<task>` would collide on every one
+    res = ingest("ldb", sources, tokenizer=ByteTokenizer())
+    assert res.quarantine.num_rows == 0 and res.trajectories.num_rows == 1000
+    runs = {tid.split(":", 1)[0] for tid in res.trajectories.column("traj_id").to_pylist()}
+    assert runs == {f"mbpp/{m}" for m in models}
