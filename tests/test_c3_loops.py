@@ -24,8 +24,8 @@ def spans_of(trajs, **kw) -> pl.DataFrame:
 
 
 def tool_run(events, traj_id="t0"):
-    """events: ("agent", name, args, result[, is_error]) | ("user", name, result) (a user simulator's own call
-    and its result, steps the agent never saw) | ("say", text) (a user message)."""
+    """events: ("agent", name, args, result[, is_error]) | ("user", name, result[, is_error]) (a user
+    simulator's own call and its result, steps the agent never saw) | ("say", text) (a user message)."""
     steps = [{"role": "user", "content": "hi"}]
     for n, ev in enumerate(events):
         if ev[0] == "agent":
@@ -37,7 +37,8 @@ def tool_run(events, traj_id="t0"):
         elif ev[0] == "user":
             call = {"id": f"u{n}", "name": ev[1], "arguments": "{}"}
             steps.append({"role": "user_tool", "content": "", "tool_calls": [call]})
-            steps.append({"role": "user_tool", "content": ev[2], "tool_call_id": f"u{n}"})
+            err = len(ev) > 3 and ev[3]
+            steps.append({"role": "user_tool", "content": ev[2], "tool_call_id": f"u{n}", "is_error": err})
         else:
             steps.append({"role": "user", "content": ev[1]})
     return {"traj_id": traj_id, "action_format": "openai_tools", "steps": steps}
@@ -97,11 +98,13 @@ def test_user_simulator_actions_and_results_decide_too():
                     ("say", "anything else?"),  # a message changes nothing
                     ("agent", "check_data", {}, "data on"),  # a loop
                     ("agent", "check_data", {}, "data flaky"),  # another result: something changed
+                    ("user", "toggle_wifi", "Error: no wifi hardware", True),  # the user's change failed
+                    ("agent", "check_data", {}, "data flaky"),  # a loop
                 ]
             )
         ]
     )
-    assert loops(df) == [(3, "query_loop")]
+    assert loops(df) == [(3, "query_loop"), (5, "query_loop")]
 
 
 def test_a_change_counts_only_for_calls_it_touches():

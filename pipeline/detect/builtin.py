@@ -442,10 +442,11 @@ def query_loop(traj: TrajView, settings: DetectSettings):
     texts: dict[tuple[str, str], list[_Seen]] = {}  # (name, "" or fixed args) -> earlier texts
     # state-changing calls so far (the agent's that did not fail, everyone else's): their argument values
     changes: list[frozenset[str]] = []
+    failed = {st.tool_call_id for st in traj.steps if st.is_error and st.tool_call_id is not None}
     for step in traj.steps:
         if step.role != "assistant":
             for call in step.tool_calls or ():  # another actor's calls (a user simulator's own tools)
-                if changes_state(str(call.get("name") or ""), settings):
+                if changes_state(str(call.get("name") or ""), settings) and call.get("id") not in failed:
                     changes.append(argument_values(call.get("arguments")))
             continue
         parsed = parse_step(traj, step, settings)
