@@ -328,6 +328,8 @@ def test_the_cpu_service_serves_the_models_context_without_chunked_prefill(tmp_p
         service.Path("py"), tmp_path, "m", "h", 1, 4096, ["--enable-chunked-prefill"], gpu=False
     )
     assert "--no-enable-chunked-prefill" not in mine  # the user's choice stands
+    so = json.loads(cpu[cpu.index("--structured-outputs-config") + 1])
+    assert so == {"backend": "xgrammar", "disable_any_whitespace": True}  # JSON answers without free whitespace
 
 
 # ---- degradation is loud --------------------------------------------------------------------------------------

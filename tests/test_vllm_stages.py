@@ -136,6 +136,7 @@ def test_llm_annotator_on_the_longest_tau_bench_trajectory_never_gets_a_400(vllm
     cfg = _config(vllm_server.url, tmp_path)
     io = stage_io(cfg)
     out = annotate_llm(res.steps, cfg, io=io)
+    print("annotator on the longest tau-bench trajectory:", out.notes, out.warnings)  # figures (pytest -s)
     assert not any("400" in cause for cause in out.failures), out.failures
     assert out.notes["llm_requests_failed"] == out.notes.get("llm_too_long", 0), out.failures
     parsed = not any(out.tables["nodes"].column("parse_failed").to_pylist())
@@ -162,6 +163,7 @@ def test_counterfactuals_at_defaults_on_multi_turn_ldb_runs_leave_the_service_al
     io = stage_io(cfg)
     out = execute(counterfactual(res.trajectories, res.steps, cfg, {}, io=io), io)
     cf = out.tables["counterfactuals"]
+    print("counterfactuals at defaults:", out.notes, out.warnings)  # figures (pytest -s)
     assert out.notes["selected_turns"] == 5 and cf.num_rows == 5 * 8
     assert out.notes["llm_requests_failed"] == 0, out.failures
     ok = cf.filter(pc.equal(cf.column("status"), "ok"))
@@ -196,6 +198,7 @@ def test_a_killed_service_is_restarted_and_the_stage_completes(vllm_server, real
     os.killpg(old, signal.SIGKILL)
     io = StageIO(llm=lambda s: LLMClient(s, healer=sup), map=stage_io(cfg).map)
     out = execute(counterfactual(res.trajectories, res.steps, cfg, {}, io=io), io)
+    print("killed service:", lines, sup.history, out.notes)  # figures (pytest -s)
     assert sup.generation == 1 and vllm_server.pid != old, lines
     assert len(lines) == 1 and "restarted as pid" in lines[0]
     assert out.notes["llm_requests_failed"] == 0 and out.notes["llm_service_restarts"] >= 1, out.notes

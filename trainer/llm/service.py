@@ -386,6 +386,10 @@ def serve_command(
     ]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
+    if not any(a.startswith("--structured-outputs-config") for a in extra_args):
+        # JSON answers without free whitespace: a small model under a JSON schema otherwise spends its whole
+        # answer budget on newlines and spaces (seen: SmolLM2 answers to the IAPO annotator cut at 2048 tokens)
+        cmd += ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
     if not gpu:
         cmd += ["--dtype", "bfloat16"]
         if not any(
