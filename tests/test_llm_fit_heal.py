@@ -329,7 +329,8 @@ def test_the_cpu_service_serves_the_models_context_without_chunked_prefill(tmp_p
     )
     assert "--no-enable-chunked-prefill" not in mine  # the user's choice stands
     so = json.loads(cpu[cpu.index("--structured-outputs-config") + 1])
-    assert so == {"backend": "xgrammar", "disable_any_whitespace": True}  # JSON answers without free whitespace
+    # JSON answers without free whitespace
+    assert so == {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
 # ---- degradation is loud --------------------------------------------------------------------------------------
