@@ -176,6 +176,9 @@ def test_reworded_repeats_of_any_free_text_tool():
         ("agent", "transfer_to_human_agents", {"summary": summaries[1]}, "Transfer successful"),
     ]
     assert spans_of([tool_run(run2)]).height == 0
+    # an empty result (a `think` tool) shows nothing: only Table 5's Jaccard rule applies to its free text
+    thoughts = [("agent", "think", {"thought": t}, "") for t in summaries[:3]]
+    assert spans_of([tool_run(thoughts)]).height == 0
     # other structured arguments: never a repeat of the free text
     notes = [
         (

@@ -526,6 +526,7 @@ def query_loop(traj: TrajView, settings: DetectSettings):
                     act.query is None
                     and result is not None
                     and p.result == result
+                    and bool(result)  # an empty result (think) says nothing of what the call did
                     and _word_overlap(words, words2) >= settings.near_word_overlap
                 ):
                     score = (0, j)  # a reworded call that did the same thing

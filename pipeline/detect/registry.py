@@ -110,7 +110,7 @@ class DetectSettings(StageSettings):
         ge=0.0,
         le=1.0,
         description="free text of a non-query tool: a reworded repeat (near repetition) also when the call "
-        "returned the same result and this share of the shorter text's content words is in the other's",
+        "returned the same non-empty result and this share of the shorter text's content words is in the other's",
     )
     default_action_format: str | None = Field(
         None,
