@@ -981,12 +981,16 @@ def explain_tcpo(seed: int, rounds: int, cfg: dict) -> list[str]:
     best_before = np.array(
         [max([0.25] + [b.score[i] for i in range(j - int(b.turn[j]) + 1, j)]) for j in range(len(b.turn))]
     )
-    kinds = {
-        "fix (score rises)": b.score > prev,
-        "no change, before success": (b.score == prev) & (best_before < 1.0),
-        "breaks a part, before success": (b.score < prev) & (best_before < 1.0),
-        "after success": best_before >= 1.0,
-    }
+    won = b.success[b.traj]
+    kinds = {}
+    for name, m in (
+        ("fix (score rises)", b.score > prev),
+        ("no change, before success", (b.score == prev) & (best_before < 1.0)),
+        ("breaks a part, before success", (b.score < prev) & (best_before < 1.0)),
+        ("after success", best_before >= 1.0),
+    ):
+        kinds[f"{name}, episode fails"] = m & ~won
+        kinds[f"{name}, episode succeeds"] = m & won
     rows = []
     for name, m in kinds.items():
         if not m.any():
