@@ -54,7 +54,6 @@ def round_summary(lake: Lake, round_: int) -> dict:
 
 def print_summary(summary: dict, title: str | None = None, console=None) -> None:
     """The summary as two rich tables: the round at a glance, then one row per stage."""
-    from rich import box
     from rich.table import Table
 
     from flows.display import console as default_console
@@ -87,17 +86,15 @@ def print_summary(summary: dict, title: str | None = None, console=None) -> None
         overview["wall seconds"] = summary["wall_seconds"]
         overview["task runner"] = summary.get("task_runner")
     overview.update({f"out: {t}": p for t, p in summary.get("outputs", {}).items()})
-    head = Table(title=title or f"round {summary.get('round')}", show_header=False, box=box.SIMPLE)
-    head.add_column("what", style="bold", no_wrap=True)
+    head = Table(title=title or f"round {summary.get('round')}", show_header=False)
+    head.add_column("what", style="bold")
     head.add_column("value", overflow="fold")
     for k, v in overview.items():
         head.add_row(str(k), "" if v is None else str(v))
     console.print(head)
 
     this_run = summary.get("this_run", {})
-    table = Table(
-        title="stages (seconds: summed over batches; done at: this run's wall clock)", box=box.SIMPLE_HEAD
-    )
+    table = Table(title="stages (seconds: summed over batches; done at: this run's clock)")
     for col in ("stage", "batches", "seconds", "warnings"):
         table.add_column(col, justify="left" if col == "stage" else "right", no_wrap=True)
     if this_run:
