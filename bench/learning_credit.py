@@ -1,7 +1,7 @@
 """Does the credit help where credit matters? An oracle arm that proves it, then each paper's method against its
 own baseline and GRPO, on environments built like the papers' settings (issue 32).
 
-    nice .venv/bin/python bench/learning_credit.py --pilot 8 --max-seeds 40 --jobs 2     # pilot, power, main run
+    nice .venv/bin/python bench/learning_credit.py --pilot 6 --max-seeds 30 --jobs 2     # pilot, power, main run
     .venv/bin/python bench/learning_credit.py --quick                                    # smoke (CI): seconds
     .venv/bin/python bench/learning_credit.py --seeds 20 --envs multihop --rounds 20     # fixed seeds
 
@@ -35,8 +35,10 @@ ends there (last round).
 
 Power: `--pilot N` runs N pilot seeds (separate from the main seeds), takes each comparison's paired
 SD of ΔAUC and mean, and sets the main run's seeds to the most any comparison needs for 80% power at a
-two-sided 0.05 (t-based, iterated), capped by --max-seeds. Results to bench/results/learning-credit.md
-(--results), the raw runs as JSON to --out.
+two-sided 0.05 (t-based, iterated), capped by --max-seeds. The tables go to stdout and --results (a markdown
+file; the committed figures and their reading are in bench/results/learning.md), the raw runs as JSON lines to
+--out (pilot.jsonl, runs.jsonl as they finish; runs.json at the end; --report-only summarises either).
+`--explain-tcpo ROUNDS` prints TCPO's credit components per kind of turn (bench/results/learning.md, findings).
 """
 
 from __future__ import annotations
