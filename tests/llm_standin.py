@@ -20,7 +20,8 @@ Pluggable behaviour:
 - `max_model_len`: None (default) serves no /tokenize (404, like a server that is not vLLM); a number serves
   vLLM's POST /tokenize (`count`, `max_model_len`, `tokens`, counted with the stand-in's tokens) and answers
   400 "maximum context length" to a request whose prompt does not leave one token, as vLLM does;
-- `down`: True makes /health answer 503 and every generation request fail with 500 (an engine that died).
+- `down`: True makes /health and /v1/models answer 503 and every generation request fail with 500 (an
+  engine that died).
 
 Tokens are whitespace-delimited chunks (`\\S+\\s*`); a token's id is a stable hash, its logprob a function of
 the id (`token_logprob`). A prompt given as token ids is echoed as tokens "t<id>".
@@ -219,6 +220,10 @@ class StandIn:
 
         @app.get("/v1/models")
         async def models():
+            if standin.down:
+                return JSONResponse(
+                    {"object": "error", "message": "engine dead", "code": 503}, status_code=503
+                )
             return {
                 "object": "list",
                 "data": [{"id": standin.model, "object": "model", "created": 0, "owned_by": "standin"}],

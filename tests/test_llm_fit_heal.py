@@ -241,7 +241,9 @@ def test_restarts_are_bounded(llm_standin, tmp_path):
     llm_standin.down = True
     sup = FakeSupervisor(llm_standin, restarts=0)
     client = LLMClient(
-        LLMSettings(endpoints=[llm_standin.url], cache_dir=str(tmp_path / "c"), max_retries=1, backoff_s=0.0),
+        LLMSettings(
+            endpoints=[llm_standin.url], model="standin-model", cache_dir=str(tmp_path / "c"), max_retries=1
+        ),
         healer=sup,
     )
     (res,) = client.run_batch([LLMRequest.chat([{"role": "user", "content": "q"}], max_tokens=4)])
@@ -482,3 +484,16 @@ def test_a_reask_that_outgrows_the_context_is_not_split(llm_standin, real_data, 
     assert llm_standin.calls == 1 and out.notes["reasks_too_long"] == 1 and "windows" not in out.notes
     assert all(out.tables["nodes"].column("parse_failed").to_pylist())
     assert any("not the JSON schema" in w for w in out.warnings)
+
+
+def test_a_dead_server_is_healed_when_the_model_name_is_asked(llm_standin, tmp_path):
+    """With no model configured the client first lists the served models: a dead managed server is restarted
+    there too, and the request then goes to the restarted server."""
+    llm_standin.down = True  # /v1/models answers 503 too
+    sup = FakeSupervisor(llm_standin)
+    client = LLMClient(
+        LLMSettings(endpoints=[llm_standin.url], cache_dir=str(tmp_path / "c"), max_retries=0), healer=sup
+    )
+    (res,) = client.run_batch([LLMRequest.chat([{"role": "user", "content": "q"}], max_tokens=4)])
+    assert not isinstance(res, LLMError), res
+    assert sup.generation == 1 and client.restarts == 1 and llm_standin.calls == 1

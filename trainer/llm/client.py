@@ -284,14 +284,24 @@ class LLMClient:
                 return self._model
             last: Exception | None = None
             for ep in self.endpoints:
-                try:
-                    page = await self._client(st, ep).models.list()
-                    ids = [m.id for m in page.data]
-                    if ids:
-                        self._model = ids[0]
-                        return self._model
-                except Exception as exc:  # noqa: BLE001 - try the next endpoint
-                    last = exc
+                healer = self._healer(ep)
+                for _ in range(2):  # a managed server that does not answer is healed once, then asked again
+                    seen = healer.generation if healer is not None else None
+                    try:
+                        page = await self._client(st, ep).models.list()
+                        ids = [m.id for m in page.data]
+                        if ids:
+                            self._model = ids[0]
+                            return self._model
+                        break
+                    except Exception as exc:  # noqa: BLE001 - try the next endpoint
+                        last = exc
+                        if healer is None:
+                            break
+                        await asyncio.to_thread(healer.heal, seen)
+                        if healer.generation == seen:
+                            break
+                        self._restarts_seen.add((id(healer), healer.generation))
             raise LLMError("config", f"no model configured and none listed by {self.endpoints}: {last}")
 
     # ---- cache (diskcache: SQLite-backed, safe across threads and processes) ------------------------------
