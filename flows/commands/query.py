@@ -58,6 +58,14 @@ def register(app: typer.Typer) -> None:
         from warehouse.catalog import query
         from warehouse.lake import LakeError
 
+        if fmt is Format.table and out is not None:  # --out without --format: the file's suffix says which
+            suffixes = {f".{f.value}": f for f in Format if f is not Format.table}
+            if out.suffix.lower() not in suffixes:
+                typer.secho(
+                    f"--out {out}: name a .csv, .json or .parquet file, or give --format", fg="red", err=True
+                )
+                raise typer.Exit(2)
+            fmt = suffixes[out.suffix.lower()]
         require_lake(lake)  # a mistyped --lake is an error, not a new empty lake
         try:
             result = query(str(lake), sql, as_of=as_of)
