@@ -39,9 +39,11 @@ def source_files(paths: Iterable[str | Path], extensions: Iterable[str]) -> list
 
 def read_text_sources(paths: Iterable[str | Path], extensions: Iterable[str]) -> list[tuple[str, str]]:
     """(file name, text) of every source file, read as UTF-8. Bytes that are not UTF-8 are kept as lone
-    surrogates (`surrogateescape`): ingest quarantines the records holding them, not the whole file."""
+    surrogates (`surrogateescape`): ingest quarantines the records holding them, not the whole file. A leading
+    byte-order mark (editors on Windows write one) is dropped: it is no part of the first record."""
     return [
-        (str(p), p.read_bytes().decode("utf-8", "surrogateescape")) for p in source_files(paths, extensions)
+        (str(p), p.read_bytes().removeprefix(b"\xef\xbb\xbf").decode("utf-8", "surrogateescape"))
+        for p in source_files(paths, extensions)
     ]
 
 
