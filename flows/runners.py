@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from flows.runtime import reap_with_parent
 from pipeline.config import Config, ConfigError
 
 RUNNERS = ("threads", "processes", "ray", "dask")
@@ -137,9 +138,29 @@ def worker_api(config: Config) -> Iterator[str | None]:
     if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" not in os.environ:
         updates[timeout] = max(timeout.value(), 120)
     updates.update(_own_api_settings())
+    reap_api_server_with_us()
     with settings_scope(updates):
         with _worker_api(config) as url:
             yield url
+
+
+def reap_api_server_with_us() -> None:
+    """Every Prefect API server this process starts (Prefect's ephemeral one: a uvicorn subprocess, started by
+    whichever thread first needs a client) is stopped when this process dies, a kill -9 included
+    (`flows.runtime.reap_with_parent`). Wraps the one method that starts it; once per process."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    start = SubprocessASGIServer._run_uvicorn_command
+    if getattr(start, "creditflow_reaped", False):
+        return
+
+    def run_uvicorn_command(self):
+        proc = start(self)
+        reap_with_parent(proc.pid)
+        return proc
+
+    run_uvicorn_command.creditflow_reaped = True  # type: ignore[attr-defined]
+    SubprocessASGIServer._run_uvicorn_command = run_uvicorn_command  # type: ignore[method-assign]
 
 
 def _own_api_settings() -> dict:

@@ -97,3 +97,58 @@ def start_worker(parent_pid: int) -> None:
         os._exit(1)  # the parent died before this worker started
     exit_with_parent()
     tune_allocator()
+
+
+# the reaper: a small process (no imports beyond the standard library's os/sys/time/signal) that waits for the
+# process that started it to die and then stops the child it names, unless that child has gone or was replaced
+# (its start time in /proc/<pid>/stat no longer the one recorded)
+_REAPER = """
+import os, signal, sys, time
+parent, child = int(sys.argv[1]), int(sys.argv[2])
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the parent handles it
+def stat(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in "ZX" else fields[19]
+born = stat(child)
+while born is not None and stat(child) == born:
+    if os.getppid() != parent:
+        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
+            if stat(child) != born:
+                break
+            os.kill(child, sig)
+            end = time.monotonic() + wait
+            while time.monotonic() < end and stat(child) == born:
+                time.sleep(0.1)
+        break
+    time.sleep(0.5)
+"""
+
+
+def reap_with_parent(child_pid: int) -> bool:
+    """Stop `child_pid` (SIGTERM, SIGKILL after 5 s) once this process has died, however it died: for a child
+    started by code this project does not own (Prefect's ephemeral API server, a uvicorn subprocess), where no
+    `die_with_parent` can run in the child, and which may be started from any thread (the kernel's parent-death
+    signal follows the thread). A `creditflow process` killed with -9 then leaves no API server behind (issue 33).
+    True when the reaper started (Linux only: it reads /proc)."""
+    import subprocess
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        reaper = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _REAPER, str(os.getpid()), str(child_pid)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    except OSError:
+        return False
+    _reapers.append(reaper)  # held: a Popen object collected while its process runs warns
+    return True
+
+
+_reapers: list = []

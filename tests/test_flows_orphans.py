@@ -82,6 +82,16 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def kill_and_survivors(proc: subprocess.Popen, pids: set[int], wait_s: float = 10) -> list[int]:
+    """SIGKILL `proc`, then wait up to `wait_s` for `pids` to end; the ones still alive."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
 @pytest.mark.parametrize("driver", ["forkserver", "processes"])
 def test_workers_die_with_a_killed_parent(tmp_path, driver):
     code = DRIVER if driver == "forkserver" else PROCESSES_DRIVER
@@ -99,12 +109,7 @@ def test_workers_die_with_a_killed_parent(tmp_path, driver):
         assert worker_pids <= tree and proc.pid not in worker_pids  # the driver's worker processes
         if driver == "processes":  # Prefect's own API server (a child too) is Prefect's to stop: the workers
             tree = worker_pids
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(p) for p in tree):
-            time.sleep(0.1)
-        assert not [p for p in tree if _alive(p)], "processes outlived their killed parent"
+        assert not kill_and_survivors(proc, tree), "processes outlived their killed parent"
     finally:
         if proc.poll() is None:
             proc.kill()
