@@ -12,7 +12,8 @@ The guard of `query` (what `creditflow query` runs), in two layers:
   CREATE/INSERT/DROP, EXPORT, ... are refused before DuckDB executes anything (`QueryRefused`);
 - the connection itself (in memory) has `enable_external_access=false`, file access limited to the lake's
   table folders (none on a Delta lake) (`allowed_directories`), extension autoinstall/autoload and community
-  extensions off, and `lock_configuration=true` (no SET can undo any of it).
+  extensions off, DuckDB's temp folder (which SQL may read) a private one per query or none, and
+  `lock_configuration=true` (no SET can undo any of it). `query` also takes a time and a memory limit.
 DuckDB cannot make a directory read-only but readable, so the statement check is what stops a write inside
 the lake; the connection settings stop reads and writes everywhere else, and any extension."""
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
+import threading
 from pathlib import Path
 
 import duckdb
@@ -144,10 +147,18 @@ def lock_down(con: duckdb.DuckDBPyConnection, lake: Lake) -> None:
     con.execute("SET lock_configuration = true")
 
 
-def connect(lake: Lake | str, read_only: bool = True, as_of=None) -> duckdb.DuckDBPyConnection:
+def connect(
+    lake: Lake | str,
+    read_only: bool = True,
+    as_of=None,
+    temp_directory: str = "",
+    memory_limit: str | None = None,
+) -> duckdb.DuckDBPyConnection:
     """A connection with every table and view defined, built for this connection from the lake as it is now
     (or as of a lake version, Delta only): no catalog file, no stored path. Read-only (and locked down) by
-    default."""
+    default; then DuckDB spills to `temp_directory` only (SQL may read the folder DuckDB spills to, so it is a
+    private one or none: "" spills nothing, where DuckDB's default is `.tmp` under the working directory) and
+    holds at most `memory_limit` (DuckDB's size syntax, e.g. "4GB"; None: DuckDB's default)."""
     lake = lake if isinstance(lake, Lake) else Lake(lake)
     if not read_only:
         con = duckdb.connect()
@@ -155,6 +166,9 @@ def connect(lake: Lake | str, read_only: bool = True, as_of=None) -> duckdb.Duck
         return con
     con = duckdb.connect(":memory:", config=dict(_SAFE_CONFIG))
     try:
+        con.execute(f"SET temp_directory = {_quote(temp_directory)}")
+        if memory_limit is not None:
+            con.execute(f"SET memory_limit = {_quote(memory_limit)}")
         build_catalog(lake, con, as_of)
         lock_down(con, lake)
     except BaseException:
@@ -197,13 +211,41 @@ def check_read_only(sql: str) -> None:
         )
 
 
-def query(lake: Lake | str, sql: str, as_of=None):
+class QueryTimeout(duckdb.InterruptException):
+    """A query stopped at its time limit (one line, naming the limit)."""
+
+
+def query(
+    lake: Lake | str,
+    sql: str,
+    as_of=None,
+    timeout_s: float | None = None,
+    memory_limit: str | None = None,
+):
     """Run read-only SQL (SELECT only, on a locked-down connection); returns a pyarrow Table.
     Raises `QueryRefused` (a `duckdb.Error`) for any other statement, before anything runs.
-    `as_of`: a lake version (`Lake.version()` token or ISO timestamp) to read instead of the latest (Delta)."""
+    `as_of`: a lake version (`Lake.version()` token or ISO timestamp) to read instead of the latest (Delta).
+    `timeout_s`: the query is interrupted after this long (`QueryTimeout`); `memory_limit`: DuckDB holds at most
+    this much (e.g. "4GB"), spilling the rest to a private temporary folder removed afterwards, and a query that
+    needs more raises `duckdb.OutOfMemoryException` with one line naming the limit."""
     check_read_only(sql)
-    con = connect(lake, read_only=True, as_of=as_of)
-    try:
-        return con.sql(sql).to_arrow_table()
-    finally:
-        con.close()
+    with tempfile.TemporaryDirectory(prefix="creditflow-query-") as spill:
+        con = connect(lake, read_only=True, as_of=as_of, temp_directory=spill, memory_limit=memory_limit)
+        timer = threading.Timer(timeout_s, con.interrupt) if timeout_s else None
+        try:
+            if timer is not None:
+                timer.daemon = True
+                timer.start()
+            return con.sql(sql).to_arrow_table()
+        except duckdb.InterruptException:
+            if timer is not None and timer.finished.is_set():
+                raise QueryTimeout(f"query stopped at its time limit ({timeout_s:g} s)") from None
+            raise
+        except duckdb.OutOfMemoryException as exc:
+            first = str(exc).strip().splitlines()[0]
+            limit = memory_limit or "DuckDB's default"
+            raise duckdb.OutOfMemoryException(f"{first} (memory limit {limit})") from None
+        finally:
+            if timer is not None:
+                timer.cancel()
+            con.close()

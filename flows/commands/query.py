@@ -1,5 +1,6 @@
 """`creditflow query`: SQL over the lake on a read-only DuckDB connection (SELECT only; no file access outside
-the lake's tables, no extensions: see `warehouse.catalog`)."""
+the lake's tables, no extensions: see `warehouse.catalog`), stopped after `--timeout` seconds and holding at
+most `--memory-limit`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from enum import StrEnum
 from pathlib import Path
 
 import typer
+
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_MEMORY_LIMIT = "4GB"
 
 
 class Format(StrEnum):
@@ -48,6 +52,14 @@ def register(app: typer.Typer) -> None:
             "--as-of",
             help="read the lake as of this version (the token `export` prints, table=v,...) or ISO time (Delta lakes)",
         ),
+        timeout: float = typer.Option(
+            DEFAULT_TIMEOUT_S, "--timeout", min=0, help="stop the query after this many seconds (0: no limit)"
+        ),
+        memory_limit: str = typer.Option(
+            DEFAULT_MEMORY_LIMIT,
+            "--memory-limit",
+            help="memory DuckDB may hold (e.g. 512MB, 8GB); beyond it a query spills to a private temp folder",
+        ),
     ) -> None:
         """Run SQL over the lake and print (or save) the result."""
         import duckdb
@@ -55,7 +67,7 @@ def register(app: typer.Typer) -> None:
         import pyarrow.parquet as pq
 
         from flows.run import require_lake
-        from warehouse.catalog import query
+        from warehouse.catalog import QueryTimeout, query
         from warehouse.lake import LakeError
 
         if fmt is Format.table and out is not None:  # --out without --format: the file's suffix says which
@@ -68,9 +80,12 @@ def register(app: typer.Typer) -> None:
             fmt = suffixes[out.suffix.lower()]
         require_lake(lake)  # a mistyped --lake is an error, not a new empty lake
         try:
-            result = query(str(lake), sql, as_of=as_of)
+            result = query(str(lake), sql, as_of=as_of, timeout_s=timeout or None, memory_limit=memory_limit)
         except LakeError as exc:
             typer.secho(f"query failed: {exc}", fg="red", err=True)
+            raise typer.Exit(2) from exc
+        except QueryTimeout as exc:
+            typer.secho(f"query failed: {exc}; raise --timeout to let it run longer", fg="red", err=True)
             raise typer.Exit(2) from exc
         except duckdb.Error as exc:  # refused by the read-only guard, or a SQL error: one line
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
