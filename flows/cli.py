@@ -27,6 +27,7 @@ import typer
 import flows.commands as _commands
 
 PACKAGES = ("pipeline", "warehouse", "flows", "trainer")
+STAGE_NOTE = "creditflow stage: "  # flows.process_round.STAGE_NOTE (not imported: it imports Prefect)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _state = {"debug": bool(os.environ.get("CREDITFLOW_DEBUG"))}
 
@@ -50,7 +51,15 @@ def error_line(exc: BaseException) -> str:
         msg = f"query failed: {msg}"
     elif not isinstance(exc, _USER_ERRORS):
         msg = f"{type(exc).__name__}: {msg}"
+    stage = next((n for n in getattr(exc, "__notes__", ()) if n.startswith(STAGE_NOTE)), None)
+    if stage is not None:  # a batch stage's error, out of its Prefect task (flows.process_round.stage_note)
+        msg = f"stage {stage.removeprefix(STAGE_NOTE)} failed: {msg}"
     return f"error: {msg} (--debug shows the traceback)"
+
+
+def debugging() -> bool:
+    """Whether this invocation shows tracebacks (--debug or CREDITFLOW_DEBUG=1)."""
+    return _state["debug"]
 
 
 class _App(typer.Typer):

@@ -67,14 +67,26 @@ def batch_stage_task(
     `round_stats` (credit: the round's merged statistics) is part of the cache key."""
     key = _cache_key(lake_root, round_, batch, stage, config, round_stats) if config.flow.cache else None
     args = (lake_root, round_, batch, stage, config, key, round_stats)
-    if workers.use_processes(config) and not stage_calls_llm(stage, config):
-        summary = workers.run(config.max_workers, run_stage_task, *args)  # off the flow's GIL
-    elif config.task_runner == "threads":
-        summary = workers.run_here(config.max_workers, run_stage_task, *args)
-    else:  # processes, Ray, Dask: this is a worker process already
-        summary = run_stage_task(*args)
+    try:
+        if workers.use_processes(config) and not stage_calls_llm(stage, config):
+            summary = workers.run(config.max_workers, run_stage_task, *args)  # off the flow's GIL
+        elif config.task_runner == "threads":
+            summary = workers.run_here(config.max_workers, run_stage_task, *args)
+        else:  # processes, Ray, Dask: this is a worker process already
+            summary = run_stage_task(*args)
+    except Exception as exc:  # the command's one error line names the stage (flows.cli.error_line)
+        exc.add_note(stage_note(stage, batch))
+        raise
     _log_batch(summary)
     return summary
+
+
+STAGE_NOTE = "creditflow stage: "
+
+
+def stage_note(stage: str, batch: str) -> str:
+    """The note a stage's error carries out of its task: which stage failed, on which batch."""
+    return f"{STAGE_NOTE}{stage} on batch {batch}"
 
 
 def _log_batch(summary: dict) -> None:

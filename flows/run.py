@@ -156,6 +156,31 @@ def say_waiting(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+class _RunFailuresOnce(logging.Filter):
+    """Keeps a failed task run's or flow run's ERROR records (each with its traceback, 161 lines for one failed
+    stage) off the terminal: the command's one error line names the stage and its error (flows.cli.error_line);
+    the Prefect UI still gets them (its API handler is not filtered), and `--debug` shows them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from flows.cli import debugging
+
+        if record.levelno < logging.ERROR or debugging():
+            return True
+        return not record.name.startswith(("prefect.task_runs", "prefect.flow_runs"))
+
+
+def quiet_run_failures() -> None:
+    """Filter Prefect's terminal handlers (`_RunFailuresOnce`, a no-op under --debug); call after Prefect
+    configured its logging (importing `prefect.flow` does)."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(
+            isinstance(f, _RunFailuresOnce) for f in handler.filters
+        ):
+            handler.addFilter(_RunFailuresOnce())
+
+
 def process_checked_round(cfg: Config, lake, round_: int, skipped=(), progress: bool = False) -> dict:
     """`process_round_flow` on the configured task runner for a round `check_preconditions` passed (`skipped`:
     its lines for the methods it dropped), under the round's lock; returns the flow's summary with its state,
@@ -170,6 +195,7 @@ def process_checked_round(cfg: Config, lake, round_: int, skipped=(), progress: 
     t0 = time.perf_counter()
     # one run per (lake, round): another run of the round stops here with one line, or (flow.lock_wait_s,
     # `process --wait`) waits for it, saying so, and then finds its work cached (warehouse/locks.py)
+    quiet_run_failures()
     with round_lock(lake, round_, wait_s=cfg.flow.lock_wait_s, on_wait=say_waiting), worker_api(cfg):
         flow_ = process_round_flow.with_options(task_runner=make_task_runner(cfg))
         with rich_progress(console) if progress else nullcontext():

@@ -8,6 +8,7 @@ own ephemeral API (and leave it running), so `worker_api` gives every worker one
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -147,7 +148,8 @@ def worker_api(config: Config) -> Iterator[str | None]:
 def reap_api_server_with_us() -> None:
     """Every Prefect API server this process starts (Prefect's ephemeral one: a uvicorn subprocess, started by
     whichever thread first needs a client) is stopped when this process dies, a kill -9 included
-    (`flows.runtime.reap_with_parent`). Wraps the one method that starts it; once per process."""
+    (`flows.runtime.reap_with_parent`), and logs to the terminal only what is critical unless --debug. Wraps
+    the one method that starts it; once per process."""
     from prefect.server.api.server import SubprocessASGIServer
 
     start = SubprocessASGIServer._run_uvicorn_command
@@ -155,7 +157,17 @@ def reap_api_server_with_us() -> None:
         return
 
     def run_uvicorn_command(self):
-        proc = start(self)
+        # a command's terminal shows the server's own errors (e.g. events it could not flush while a failed run
+        # stops it: a traceback) only with --debug; the server inherits the environment when it starts
+        cli = sys.modules.get("flows.cli")
+        quiet = cli is not None and not cli.debugging() and "PREFECT_SERVER_LOGGING_LEVEL" not in os.environ
+        if quiet:
+            os.environ["PREFECT_SERVER_LOGGING_LEVEL"] = "CRITICAL"
+        try:
+            proc = start(self)
+        finally:
+            if quiet:
+                os.environ.pop("PREFECT_SERVER_LOGGING_LEVEL", None)
         reap_with_parent(proc.pid)
         return proc
 

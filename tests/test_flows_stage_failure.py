@@ -1,0 +1,77 @@
+"""A stage that fails in `creditflow process` is one line on stderr naming the stage, its batch and the error
+(issue 33 item 11: it was Prefect's tracebacks, 161 lines); `--debug` shows the tracebacks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# a round whose credit stage raises, processed by the CLI in a process of its own (Prefect's terminal logging as
+# `creditflow` sets it up)
+DRIVER = """
+import sys
+from flows.cli import app
+sys.path.insert(0, "tests")
+from test_flows_process import make_round
+import flows.process_round as pr
+from warehouse.lake import Lake
+
+make_round(Lake(sys.argv[1]), round_=0, groups=4, batch_groups=2)
+real = pr.run_stage_task
+
+def failing(lake_root, round_, batch, stage, *rest):
+    if stage == "credit":
+        raise RuntimeError("boom in the credit stage")
+    return real(lake_root, round_, batch, stage, *rest)
+
+pr.run_stage_task = failing  # the thread runner's stages run in this process (flow.processes=false)
+app([*sys.argv[2:], "process", "--lake", sys.argv[1], "--round", "0", "--methods", "grpo",
+     "--set", "flow.processes=false"])
+"""
+PLUGIN_RACE = "Failed to initialize plugins"  # Prefect's plugin import race, another item of issue 33
+
+
+def _process(tmp_path: Path, *cli_args: str) -> tuple[int, list[str]]:
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(CREDITFLOW_NO_SERVER="1", PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL="WARNING")
+    env.pop("CREDITFLOW_DEBUG", None)
+    res = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(tmp_path / "lake"), *cli_args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return res.returncode, [
+        ln for ln in res.stderr.splitlines() if ln.strip() and not ln.startswith(PLUGIN_RACE)
+    ]
+
+
+@pytest.mark.slow
+def test_a_failing_stage_is_one_line_naming_it(tmp_path):
+    code, lines = _process(tmp_path)
+    assert code == 1
+    assert len(lines) == 1, "\n".join(lines)
+    assert lines[0].startswith("error: stage credit on batch b0000")
+    assert "RuntimeError: boom in the credit stage" in lines[0]
+
+
+@pytest.mark.slow
+def test_debug_shows_the_stages_traceback(tmp_path):
+    code, lines = _process(tmp_path, "--debug")
+    assert code == 1
+    assert any(ln.startswith("Traceback") for ln in lines)
+    assert any("boom in the credit stage" in ln for ln in lines)
+
+
+def test_the_clis_stage_note_is_the_flows():
+    from flows.cli import STAGE_NOTE
+    from flows.process_round import STAGE_NOTE as FLOW_STAGE_NOTE
+
+    assert STAGE_NOTE == FLOW_STAGE_NOTE
