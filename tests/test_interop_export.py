@@ -846,7 +846,9 @@ def test_text_source_exports_the_prompt_the_policy_was_given(real_data):
         want = tok.apply_chat_template(messages[:first], tools=tools, add_generation_prompt=True)
         assert tok._tok.decode(prompt, skip_special_tokens=False) == want
         whole = tok.apply_chat_template(messages, tools=tools)
-        tail = "\n" if messages[-1]["role"] == "assistant" else ""  # after the last end-of-turn: never sampled
+        tail = (
+            "\n" if messages[-1]["role"] == "assistant" else ""
+        )  # after the last end-of-turn: never sampled
         assert tok._tok.decode(prompt + response, skip_special_tokens=False) + tail == whole
 
 
