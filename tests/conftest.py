@@ -15,6 +15,11 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("CREDITFLOW_CACHE", os.path.expanduser("~/.cache/creditflow"))
 # a developer's `creditflow server start` is not used by the tests (tests/test_flows_server.py starts its own)
 os.environ["CREDITFLOW_NO_SERVER"] = "1"
+# nor a recorded vLLM service: the services a test records (and the client finds, and heals) are this
+# session's and this worker's alone (a demo test once found another worker's killed server and restarted it)
+_SERVICES = tempfile.mkdtemp(prefix="creditflow-services-")
+atexit.register(shutil.rmtree, _SERVICES, ignore_errors=True)
+os.environ["CREDITFLOW_SERVICES_DIR"] = _SERVICES
 
 from pathlib import Path  # noqa: E402
 

@@ -433,6 +433,7 @@ def test_a_recorded_server_stopped_on_purpose_or_restarted_elsewhere_is_not_rest
     """A recorded server (`creditflow llm serve`) is shared by every process: after `creditflow llm stop` no
     supervisor starts it again, and one restarted by another process is adopted, not restarted twice."""
     monkeypatch.setenv("CREDITFLOW_CACHE", str(tmp_path))
+    monkeypatch.setenv("CREDITFLOW_SERVICES_DIR", str(tmp_path / "services"))
     first = _sleeper()
     info = _info(tmp_path, first.pid)
     service._write_state(info, None)

@@ -52,6 +52,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("CREDITFLOW_CACHE", Path.home() / ".cache" / "creditflow"))
 
 
+def services_dir() -> Path:
+    """Where the running services are recorded (state files, logs, restart locks): `$CREDITFLOW_SERVICES_DIR`,
+    default `$CREDITFLOW_CACHE/services`. The test suite points it at a folder of its own, so a service a
+    developer runs (or a test records) is never found by another session."""
+    return Path(os.environ.get("CREDITFLOW_SERVICES_DIR", cache_root() / "services"))
+
+
 def default_venv() -> Path:
     return Path(os.environ.get("CREDITFLOW_VLLM_VENV", cache_root() / "vllm-venv"))
 
@@ -287,7 +294,7 @@ def state_paths(lake: str | Path | None = None) -> list[Path]:
     paths = []
     if lake:
         paths.append(Path(lake).expanduser() / "_services" / "llm.json")
-    paths.append(cache_root() / "services" / "llm.json")
+    paths.append(services_dir() / "llm.json")
     return paths
 
 
@@ -432,7 +439,7 @@ def serve(
         served_name = served_name or model_dir.name
     max_model_len = max_model_len or model_context(model_dir)
     port = port or free_port()
-    log_path = cache_root() / "services" / f"vllm-{port}.log"
+    log_path = services_dir() / f"vllm-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     gpu = has_gpu()
     cmd = serve_command(py, model_dir, served_name, host, port, max_model_len, list(extra_args or []), gpu)
@@ -539,7 +546,7 @@ class Supervisor:
             return
         import fcntl
 
-        path = cache_root() / "services" / f"restart-{self.info.port}.lock"
+        path = services_dir() / f"restart-{self.info.port}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
