@@ -89,14 +89,7 @@ def vllm_server():
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `sandbox` run candidate code in bubblewrap: where it cannot run here they skip, naming why
-    (`./dev test` installs Debian's bubblewrap when it runs as root).
-
-    Under pytest-xdist (`./dev test` runs `-n 2 --dist loadgroup`) a file's tests stay on one worker (its
-    module fixtures are built once) and every `vllm` test runs on the same worker (one vLLM server, ~3 GB, per
-    session instead of one per worker)."""
-    for item in items:
-        group = "vllm" if item.get_closest_marker("vllm") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+    (`./dev test` installs Debian's bubblewrap when it runs as root)."""
     marked = [item for item in items if item.get_closest_marker("sandbox")]
     if not marked:
         return
