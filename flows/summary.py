@@ -85,13 +85,15 @@ def print_summary(summary: dict, title: str | None = None, console=None) -> None
     if "wall_seconds" in summary:
         overview["wall seconds"] = summary["wall_seconds"]
         overview["task runner"] = summary.get("task_runner")
-    overview.update({f"out: {t}": p for t, p in summary.get("outputs", {}).items()})
     head = Table(title=title or f"round {summary.get('round')}", show_header=False)
     head.add_column("what", style="bold")
     head.add_column("value", overflow="fold")
     for k, v in overview.items():
         head.add_row(str(k), "" if v is None else str(v))
     console.print(head)
+    # output paths whole, on lines of their own (a table cell folds them, and they are there to be copied)
+    for t, p in summary.get("outputs", {}).items():
+        console.print(f"[bold]out: {t}[/bold] {p}", soft_wrap=True, highlight=False)
 
     this_run = summary.get("this_run", {})
     table = Table(title="stages (seconds: summed over batches; done at: this run's clock)")
