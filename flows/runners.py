@@ -161,13 +161,17 @@ def reap_api_server_with_us() -> None:
         # stops it: a traceback) only with --debug; the server inherits the environment when it starts
         cli = sys.modules.get("flows.cli")
         quiet = cli is not None and not cli.debugging() and "PREFECT_SERVER_LOGGING_LEVEL" not in os.environ
-        if quiet:
-            os.environ["PREFECT_SERVER_LOGGING_LEVEL"] = "CRITICAL"
+        # the root logger too: SQLAlchemy's pool logs a cancelled connection reset (a 20-line traceback) there
+        # when a failed run stops the server
+        levels = ("PREFECT_SERVER_LOGGING_LEVEL", "PREFECT_LOGGING_ROOT_LEVEL")
+        set_here = [k for k in levels if k not in os.environ] if quiet else []
+        for k in set_here:
+            os.environ[k] = "CRITICAL"
         try:
             proc = start(self)
         finally:
-            if quiet:
-                os.environ.pop("PREFECT_SERVER_LOGGING_LEVEL", None)
+            for k in set_here:
+                os.environ.pop(k, None)
         reap_with_parent(proc.pid)
         return proc
 

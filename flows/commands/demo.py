@@ -90,11 +90,31 @@ def register(app: typer.Typer) -> None:
         )
 
         console.print("[bold]3/4[/bold] detect, annotate and compute credit")
+        from trainer.llm.service import recorded_endpoints
+
+        if not recorded_endpoints():
+            console.print(
+                "[yellow]no LLM service is running (`creditflow llm setup` + `creditflow llm serve`): TCPO's "
+                "counterfactual turns fall back to hindsight credit",
+                soft_wrap=True,
+            )
         for round_ in (0, 1):
             # tau-bench has no per-turn verifier scores and no critic values: the methods that need them
             # (their own declared requirements) are skipped there and named in the summary
             methods = demo_methods(set())
-            run("process", "--lake", lake, "--round", round_, "--methods", ",".join(methods), "--skip-unmet")
+            # without an LLM service TCPO's counterfactual alternatives cannot be sampled: the demo accepts the
+            # stage's hindsight fallback (said once, here) instead of stopping as `process` does by default
+            run(
+                "process",
+                "--lake",
+                lake,
+                "--round",
+                round_,
+                "--methods",
+                ",".join(methods),
+                "--skip-unmet",
+                "--allow-degraded",
+            )
 
         outputs = {"lake": str(lake.resolve()), "advantages": str((lake / "advantages").resolve())}
         console.print("[bold]4/4[/bold] HTML report")
