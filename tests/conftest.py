@@ -20,6 +20,9 @@ os.environ["CREDITFLOW_NO_SERVER"] = "1"
 _SERVICES = tempfile.mkdtemp(prefix="creditflow-services-")
 atexit.register(shutil.rmtree, _SERVICES, ignore_errors=True)
 os.environ["CREDITFLOW_SERVICES_DIR"] = _SERVICES
+# the vllm tests run two CPU servers at once (the session's and the loop's policy server): 2 GiB of KV cache
+# each, not the service's 4 GiB default, on a 2-core 24 GiB machine
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 from pathlib import Path  # noqa: E402
 
