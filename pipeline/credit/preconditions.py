@@ -38,13 +38,13 @@ class Unmet:
 
 
 def grouped_lines(problems: list[Unmet]) -> list[str]:
-    """One short line per missing input (the methods that need it, how many trajectories lack it, one example),
-    for a summary where `Unmet.line` per method would repeat the same trajectories for every method."""
+    """One short line per missing input (the methods that need it, how many trajectories lack it), for a
+    summary where `Unmet.line` per method would repeat the same trajectories for every method."""
     groups: dict[tuple[str, str, tuple[str, ...], int], list[str]] = {}
     for p in problems:
-        groups.setdefault((p.column, p.what, p.trajectories, p.total), [])
-        if p.method not in groups[(p.column, p.what, p.trajectories, p.total)]:
-            groups[(p.column, p.what, p.trajectories, p.total)].append(p.method)
+        methods = groups.setdefault((p.column, p.what, p.trajectories, p.total), [])
+        if p.method not in methods:
+            methods.append(p.method)
     return [
         f"{', '.join(methods)}: need {what} (steps.{column}), missing on {len(trajs)} of {total} trajectories"
         for (column, what, trajs, total), methods in groups.items()
