@@ -102,6 +102,8 @@ def test_loop_on_vllm_reloads_each_new_policy(tmp_path, prefect_harness):
     assert rows[1]["policy"] == "ckpt-round0"
     served = [line for line in logs if line.startswith("[loop] serving ")]
     assert len(served) == 2 and "ckpt-round0" in served[1]  # restarted on the new policy
+    started = [line for line in logs if line.startswith("[llm serve] starting vLLM")]
+    assert len(started) == 2 and all("context 8192" in line for line in started)  # SmolLM2's own context
     lake = Lake(cfg.lake)
     assert set(lake.read("trajectories", 1).column("policy_version").to_pylist()) == {"ckpt-round0"}
     steps = lake.read("steps", 1).to_pylist()

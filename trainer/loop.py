@@ -65,7 +65,12 @@ class LoopSettings(StageSettings):
         description="an external OpenAI-compatible server for the vllm backend "
         "(not restarted between rounds); None: a managed server",
     )
-    serve_max_model_len: int = Field(2048, ge=64, description="--max-model-len of the managed vLLM server")
+    serve_max_model_len: int | None = Field(
+        None,
+        ge=64,
+        description="--max-model-len of the managed vLLM server; None: the policy's own context "
+        "(max_position_embeddings of its config.json: the tiny model 4096, SmolLM2-135M 8192)",
+    )
     serve_wait_s: float = Field(
         600.0, gt=0, description="seconds to wait for the managed server to be healthy"
     )
