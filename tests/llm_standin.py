@@ -20,6 +20,8 @@ Pluggable behaviour:
 - `max_model_len`: None (default) serves no /tokenize (404, like a server that is not vLLM); a number serves
   vLLM's POST /tokenize (`count`, `max_model_len`, `tokens`, counted with the stand-in's tokens) and answers
   400 "maximum context length" to a request whose prompt does not leave one token, as vLLM does;
+  `tokenize_route = False` keeps that limit but serves no /tokenize (an OpenAI-compatible server that is not
+  vLLM: it only refuses);
 - `down`: True makes /health and /v1/models answer 503 and every generation request fail with 500 (an
   engine that died).
 
@@ -118,6 +120,7 @@ class StandIn:
         self.latency_s = 0.0
         self.reject_json_schema = False
         self.max_model_len: int | None = None
+        self.tokenize_route = True
         self.tokenize_calls = 0
         self.down = False
         self._failures: deque[str] = deque()
@@ -199,7 +202,7 @@ class StandIn:
             body = await request.json()
             with standin._lock:
                 standin.tokenize_calls += 1
-            if standin.max_model_len is None:
+            if standin.max_model_len is None or not standin.tokenize_route:
                 return JSONResponse({"detail": "Not Found"}, status_code=404)
             _, ids = standin._prompt_tokens(body, "chat" if "messages" in body else "complete")
             return {"count": len(ids), "max_model_len": standin.max_model_len, "tokens": ids}

@@ -183,7 +183,8 @@ def test_compare_command_end_to_end(real_data, tmp_path, llm_standin):
                     }
                     for p, a in zip(acts, acts[1:], strict=False)
                 ]
-            }
+            },
+            separators=(",", ":"),  # one stand-in token: within any answer budget
         )
 
     llm_standin.behaviour = chain
@@ -209,8 +210,46 @@ def test_compare_command_end_to_end(real_data, tmp_path, llm_standin):
     out = json.loads(r.output.strip().splitlines()[-1])
     assert out["annotator_b"] == "llm:standin-model"
     assert 0 < out["edge_f1"] < 1 and out["parse_failed_b"] == 0
+    first_llm = out
+
+    # any OpenAI-compatible endpoint the user points at (--endpoint, its model named as llm=MODEL): here one
+    # without vLLM's /tokenize whose context holds the instructions and about half a trajectory, which it only
+    # enforces by refusing (HTTP 400 "maximum context length"); the long trajectories go in windows, none fails
+    llm_standin.tokenize_route, llm_standin.max_model_len = False, 1400
+    llm_standin.requests.clear()
+    r = runner.invoke(
+        app,
+        [
+            "annotators",
+            "compare",
+            "rules",
+            "llm=standin-model",
+            "--lake",
+            str(lake.root),
+            "--round",
+            "0",
+            "--endpoint",
+            llm_standin.url.removesuffix("/v1"),
+            "--id-b",
+            "llm-elsewhere",
+            "--set",
+            "annotate_llm.max_tokens=128",
+            "--set",
+            f"llm.cache_dir={tmp_path}/c2",
+            "--json",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output.strip().splitlines()[-1])
+    assert out["annotator_b"] == "llm-elsewhere" and out["parse_failed_b"] == 0
+    assert {b["model"] for b in llm_standin.requests} == {"standin-model"}
+    windows = [b for b in llm_standin.requests if "of a longer trajectory" in b["messages"][1]["content"]]
+    assert windows and len(windows) < len(llm_standin.requests), len(windows)
+    # windows change what the model sees (an excerpt's first action cites nothing), not the kind of answer
+    assert 0 < out["edge_f1"] < 1 and out["edges_b"] < first_llm["edges_b"]
+
     # both annotators' rows coexist in the lake, keyed by annotator
     from warehouse.catalog import query
 
     ids = query(lake, "SELECT DISTINCT annotator FROM edges ORDER BY 1").column(0).to_pylist()
-    assert ids == ["llm:standin-model", "rules", "rules-args-only", "rules-copy"]
+    assert ids == ["llm-elsewhere", "llm:standin-model", "rules", "rules-args-only", "rules-copy"]

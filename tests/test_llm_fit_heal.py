@@ -52,12 +52,67 @@ def test_a_request_too_long_for_the_context_is_counted_and_not_sent(llm_standin,
 
 
 def test_without_counting_the_server_answers_400(llm_standin, tmp_path):
-    """The check is what prevents the 400: with count_tokens off the same request reaches the server."""
+    """The check is what prevents the 400: with count_tokens off the same request reaches the server, whose
+    refusal ("maximum context length is 20 tokens ... your request has 30 input tokens") becomes a too_long
+    error with the server's figures; it is no sign that the server lacks constrained decoding."""
     llm_standin.max_model_len = 20
     client = _client(llm_standin.url, tmp_path, count_tokens=False)
-    (res,) = client.run_batch([LLMRequest.chat([{"role": "user", "content": "word " * 30}], max_tokens=4)])
+    long_ = [{"role": "user", "content": "word " * 30}]
+    (res,) = client.run_batch([LLMRequest.chat(long_, max_tokens=4, response_format={"type": "json_object"})])
     assert isinstance(res, LLMError) and res.status == 400 and "maximum context length" in res.message
-    assert llm_standin.tokenize_calls == 0
+    assert res.kind == "too_long" and (res.prompt_tokens, res.context) == (30, 20) and not res.retryable
+    assert llm_standin.tokenize_calls == 0 and llm_standin.calls == 1
+    llm_standin.behaviour = lambda body, kind, i: "{}"
+    (ok,) = client.run_batch(
+        [
+            LLMRequest.chat(
+                [{"role": "user", "content": "hi"}], max_tokens=4, response_format={"type": "json_object"}
+            )
+        ]
+    )
+    assert not isinstance(ok, LLMError) and llm_standin.requests[-1]["response_format"] == {
+        "type": "json_object"
+    }
+
+
+@pytest.mark.parametrize(
+    ("message", "prompt", "context"),
+    [
+        # vLLM 0.32 (serving engine's _validate_input) and OpenAI's wording
+        (
+            "This model's maximum context length is 8192 tokens. However, your request has 9001 input tokens. "
+            "Please reduce the length of the input messages.",
+            9001,
+            8192,
+        ),
+        (
+            "'max_tokens' or 'max_completion_tokens' is too large: 2048. This model's maximum context length is "
+            "8192 tokens and your request has 7000 input tokens (2048 > 8192 - 7000).",
+            7000,
+            8192,
+        ),
+        (
+            "This model's maximum context length is 4097 tokens. However, you requested 5000 tokens (4500 in the "
+            "messages, 500 in the completion). Please reduce the length of the messages or completion.",
+            4500,
+            4097,
+        ),
+        ("This model's maximum context length is 2048 tokens.", 2048, 2048),  # no count: the whole context
+    ],
+)
+def test_a_servers_context_refusal_is_read_as_too_long(message, prompt, context):
+    from trainer.llm.client import _context_exceeded
+
+    class Refusal(Exception):
+        def __init__(self, message):
+            super().__init__(message)
+            self.message = message
+
+    err = _context_exceeded(Refusal(message))
+    assert (
+        err is not None and err.kind == "too_long" and (err.prompt_tokens, err.context) == (prompt, context)
+    )
+    assert _context_exceeded(Refusal("Error code: 400 - unknown field 'foo'")) is None
 
 
 def test_an_endpoint_without_tokenize_is_asked_once(llm_standin, tmp_path):
@@ -128,17 +183,26 @@ def _annotate(url, tmp_path, steps, **annotate_llm):
     return run(steps, cfg, io=stage_io(cfg))
 
 
-def test_a_trajectory_longer_than_the_context_is_labelled_in_merged_windows(llm_standin, real_data, tmp_path):
+def _longest_and_its_size(real_data):
+    """The longest shipped tau-bench trajectory's steps, its transcript index, and the stand-in's token counts
+    of its whole request and of the request's fixed part (instructions without a transcript)."""
     from llm_standin import StandIn
 
     from pipeline.annotate.llm import _split_trajectories, build_messages, build_transcript
     from pipeline.annotate.settings import LLMAnnotatorSettings
 
-    traj, steps = _tau_steps(real_data, longest=True)
-    ((tid, rows),) = _split_trajectories(steps)
+    _, steps = _tau_steps(real_data, longest=True)
+    ((_, rows),) = _split_trajectories(steps)
     items, idx = build_transcript(rows, LLMAnnotatorSettings())
     whole = len(StandIn._prompt_tokens({"messages": build_messages(items)}, "chat")[1])
     fixed = len(StandIn._prompt_tokens({"messages": build_messages([])}, "chat")[1])
+    return steps, idx, whole, fixed
+
+
+def test_a_trajectory_longer_than_the_context_is_labelled_in_merged_windows(llm_standin, real_data, tmp_path):
+    from llm_standin import StandIn
+
+    steps, idx, whole, fixed = _longest_and_its_size(real_data)
     llm_standin.behaviour = chain_answer
     # the instructions and a quarter of the transcript fit (with the answer budget): several windows
     llm_standin.max_model_len = fixed + (whole - fixed) // 4 + 64
@@ -165,6 +229,28 @@ def test_a_trajectory_longer_than_the_context_is_labelled_in_merged_windows(llm_
     before = {b: a for a, b in zip(actions, actions[1:], strict=False)}
     assert all(before[j] == i for i, j in pairs), pairs
     assert len(pairs) >= len(actions) - 1 - (out.notes["windows"] - 1)
+
+
+def test_an_endpoint_that_only_refuses_gets_windows_too(llm_standin, real_data, tmp_path):
+    """An OpenAI-compatible server without vLLM's /tokenize: nothing is counted before sending, the server
+    refuses the whole trajectory (HTTP 400 "maximum context length"), and the annotator splits it into
+    windows from the figures of that refusal, as it does for a request the client counted."""
+    from llm_standin import StandIn
+
+    steps, idx, whole, fixed = _longest_and_its_size(real_data)
+    llm_standin.behaviour = chain_answer
+    llm_standin.tokenize_route = False
+    llm_standin.max_model_len = fixed + (whole - fixed) // 3 + 64
+
+    out = _annotate(llm_standin.url, tmp_path, steps)
+    assert out.notes["windows"] >= 2 and out.notes["trajectories_windowed"] == 1, out.notes
+    assert not any(out.tables["nodes"].column("parse_failed").to_pylist())
+    assert out.notes["llm_requests_failed"] == 0 and not out.warnings, (out.notes, out.warnings)
+    sizes = [len(StandIn._prompt_tokens(b, "chat")[1]) for b in llm_standin.requests]
+    refused = [n for n in sizes if n + 1 > llm_standin.max_model_len]
+    assert sizes[0] == whole and refused[0] == whole  # the whole trajectory was sent once and refused
+    assert len(sizes) - len(refused) == out.notes["windows"]  # every window was answered
+    assert {r["turn"] for r in out.tables["nodes"].to_pylist() if r["error"]} == {max(idx.actions)}
 
 
 def test_what_fits_whole_is_one_request(llm_standin, real_data, tmp_path):

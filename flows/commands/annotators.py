@@ -103,6 +103,17 @@ def compare_in_lake(
     return {"annotator_a": ida, "annotator_b": idb, **res}
 
 
+ENDPOINT_HELP = (
+    "an OpenAI-compatible base URL for the llm annotator (repeatable; = --set llm.endpoints=[...]); default: "
+    "the service of `creditflow llm serve`. Name its model as llm=MODEL unless it serves one; an API key: "
+    "--set llm.api_key=KEY"
+)
+
+
+def _endpoint_sets(endpoints: list[str]) -> list[str]:
+    return [f"llm.endpoints=[{','.join(endpoints)}]"] if endpoints else []
+
+
 def register(app: typer.Typer) -> None:
     @annotators_app.command("run")
     def run_cmd(
@@ -113,8 +124,10 @@ def register(app: typer.Typer) -> None:
         config: Path | None = typer.Option(None, "--config", help="YAML config file"),
         sets: list[str] = typer.Option([], "--set", help="override: stage.key=value (repeatable)"),
         force: bool = typer.Option(False, "--force", help="re-annotate parts that exist"),
+        endpoint: list[str] = typer.Option([], "--endpoint", help=ENDPOINT_HELP),
     ) -> None:
         """Annotate a round with one annotator into parts `<batch>.ann-<id>`."""
+        sets = [*sets, *_endpoint_sets(endpoint)]
         ann = annotate_into_lake(lake, round_, annotator, config, sets, annotator_id, force)
         typer.echo(f"annotated round {round_} as {ann!r}")
 
@@ -133,9 +146,11 @@ def register(app: typer.Typer) -> None:
         sets_b: list[str] = typer.Option([], "--set-b", help="override for annotator B only (repeatable)"),
         as_json: bool = typer.Option(False, "--json", help="print JSON"),
         force: bool = typer.Option(False, "--force", help="re-annotate parts that exist"),
+        endpoint: list[str] = typer.Option([], "--endpoint", help=ENDPOINT_HELP),
     ) -> None:
         """Annotate a round with two annotators and print their agreement (edge F1, source Jaccard, Cohen's
         kappa on errors, Spearman of m+ and m-, sign agreement of routed advantages)."""
+        sets = [*sets, *_endpoint_sets(endpoint)]
         res = compare_in_lake(lake, round_, a, b, config, sets, id_a, id_b, force, sets_b)
         if as_json:
             typer.echo(json.dumps(res))

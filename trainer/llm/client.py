@@ -31,7 +31,9 @@ What it does for every request (libraries where they exist, our code where they 
   tokenizer and chat template (vLLM's POST /tokenize, which also reports the served context); when prompt +
   max_tokens exceeds the context (`context_tokens`, else the server's) it is not sent and fails with
   `LLMError` kind `too_long` (prompt_tokens, context), which the stage reads (the IAPO annotator then splits
-  the trajectory into windows). An endpoint without /tokenize is remembered and not checked;
+  the trajectory into windows). An endpoint without /tokenize is remembered and not checked; its own refusal
+  of a prompt over its context (HTTP 400 "maximum context length is N tokens", vLLM's and OpenAI's wording)
+  becomes the same `too_long` error, with the figures the server gave;
 - a service that heals (`heal`): when a request to the managed vLLM server (`creditflow llm serve`, or a
   `healer` passed in) fails with a connection error, a 5xx or a timeout, its supervisor
   (trainer.llm.service.Supervisor) checks /health and restarts a dead or unhealthy server (bounded by
@@ -53,6 +55,7 @@ import functools
 import hashlib
 import itertools
 import json
+import re
 import threading
 import time
 import uuid
@@ -761,8 +764,12 @@ class LLMClient:
                         model=model, messages=messages, extra_body=body or None, **req
                     )
                 except (openai.BadRequestError, openai.UnprocessableEntityError) as exc:
-                    if structured != "json_schema" or self.settings.structured_output != "auto":
-                        raise
+                    if (
+                        structured != "json_schema"
+                        or self.settings.structured_output != "auto"
+                        or _context_exceeded(exc) is not None
+                    ):
+                        raise  # a request over the context is no sign that json_schema is unsupported
                     # the server cannot do constrained decoding: remember, fall back to a prompted request
                     self._no_json_schema.add(endpoint)
                     req.pop("response_format", None)
@@ -791,6 +798,10 @@ class LLMClient:
             err.retry_after = _retry_after(exc)
             raise err from exc
         except openai.APIStatusError as exc:
+            too_long = _context_exceeded(exc) if exc.status_code in (400, 413, 422) else None
+            if too_long is not None:  # a server without /tokenize refused the prompt as too long
+                too_long.status = exc.status_code
+                raise too_long from exc
             kind_ = "server" if exc.status_code >= 500 else "client"
             raise LLMError(kind_, _status_message(exc), status=exc.status_code) from exc
         except (openai.APIResponseValidationError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -812,6 +823,33 @@ def _retry_after(exc: Any) -> float | None:
         return float(headers.get("retry-after"))
     except (TypeError, ValueError):
         return None
+
+
+_CONTEXT_IS = re.compile(r"maximum context length is (\d+)", re.IGNORECASE)
+_PROMPT_IS = re.compile(
+    r"(?:request has|resulted in|you requested) (\d+) (?:input )?tokens|(\d+) (?:input tokens|in the messages)",
+    re.IGNORECASE,
+)
+
+
+def _context_exceeded(exc: Any) -> LLMError | None:
+    """A server's answer that the request exceeds its context (vLLM and OpenAI: "This model's maximum context
+    length is N tokens. However, your request has M input tokens" or "... you requested T tokens (M in the
+    messages, K in the completion)") as a `too_long` error with the server's figures, so that a stage splits
+    its request as it does for one the client counted itself (an endpoint without /tokenize). With no prompt
+    count in the message, the prompt is taken as the whole context (it does not fit; a lower bound). None:
+    another 4xx."""
+    msg = getattr(exc, "message", None) or str(exc)
+    found = _CONTEXT_IS.search(msg)
+    if found is None:
+        return None
+    context = int(found.group(1))
+    counts = [int(g) for m in _PROMPT_IS.finditer(msg) for g in m.groups() if g]
+    in_messages = re.search(r"(\d+) in the messages", msg)
+    prompt = int(in_messages.group(1)) if in_messages else (counts[0] if counts else context)
+    err = LLMError("too_long", f"the server refused it: {msg[:300]}")
+    err.prompt_tokens, err.context = prompt, context
+    return err
 
 
 def _status_message(exc: Any) -> str:
