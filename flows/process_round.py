@@ -190,9 +190,10 @@ def process_round_flow(round_: int, config: Config | dict):
     config = as_config(config)
     _tag_run(config)
     tune_allocator()  # per-batch arrays stay on the heap (flows/runtime.py)
+    lake = Lake(config.lake)
+    config = workers.for_round(config, len(lake.parts("trajectories", round_)))
     if workers.use_processes(config):
         workers.warm(config.max_workers)  # the worker processes start while the round is prepared
-    lake = Lake(config.lake)
     # one run per (lake, round): a second one stops with one line naming the holder, or waits for it
     # (flow.lock_wait_s) and finds its work cached (warehouse/locks.py); cleanup removes only the leftovers of
     # writers that are gone, never a live run's temporary files
@@ -219,6 +220,11 @@ def process_round_flow(round_: int, config: Config | dict):
         summary = round_stats_task(lake.uri, round_)
     summary["this_run"] = run
     summary["wall_seconds"] = round(time.perf_counter() - t0, 3)
+    # the round's fixed cost: its wall time less the stages' own work (orchestration, cache keys, the API's
+    # calls, the lake's cleanup, the round's stats); what a new small round pays besides its work
+    work = sum(r.get("work_s", 0.0) for r in run.values())
+    summary["fixed_cost_seconds"] = round(max(summary["wall_seconds"] - work, 0.0), 3)
+    summary["task_runs"] = sum(r["batches"] for r in run.values()) + 1  # the stats task
     summary["task_runner"] = config.task_runner
     summary["api_idle_during_stages"] = idle_api is not None
     warnings = [f"{s}: {w}" for s, r in run.items() for w in r["warnings"]]
@@ -252,6 +258,14 @@ def _log_round(round_: int, summary: dict, run: dict[str, dict]) -> None:
         (summary.get("rows") or {}).get("advantages"),
         summary.get("quarantined"),
         summary["wall_seconds"],
+    )
+    logger.info(
+        "round %s: fixed cost %.2f s of %.2f s (wall less the stages' work: %d task runs, cache keys, the API, "
+        "the lake's cleanup and the round's stats)",
+        round_,
+        summary["fixed_cost_seconds"],
+        summary["wall_seconds"],
+        summary["task_runs"],
     )
     for warning in summary["warnings"]:
         logger.warning("round %s degraded: %s", round_, warning)
@@ -336,6 +350,7 @@ class _Tally:
             r = self.run[stage]
             r["batches"] += 1
             r["cached"] += int(cached)
+            r["work_s"] = r.get("work_s", 0.0) + (0.0 if cached else float(summary.get("seconds") or 0.0))
             r["warnings"] += [f"{summary['batch']}: {w}" for w in summary.get("warnings", [])]
             notes = summary.get("notes") or {}
             if "llm_requests_total" in notes:  # an LLM stage: what it asked and what failed, by cause

@@ -18,13 +18,14 @@ log = logging.getLogger(__name__)
 ROUND_IMPORTS = ("flows.process_round", "warehouse.catalog")
 
 
-def prepare(cfg: Config) -> threading.Thread:
-    """What `creditflow process` starts before the round, to overlap the ephemeral API's start-up (seconds):
-    the worker processes (flow.processes) and the imports the round needs. Returns the import thread (join it
-    to wait for them)."""
+def prepare(cfg: Config, lake=None, round_: int | None = None) -> threading.Thread:
+    """What `creditflow process` starts before the round, to overlap the API's start-up: the worker processes
+    (flow.processes; none for a round of one batch) and the imports the round needs. Returns the import thread
+    (join it to wait for them)."""
     from flows.workers import warm_in_background
 
-    warm_in_background(cfg)
+    batches = len(lake.parts("trajectories", round_)) if lake is not None and round_ is not None else None
+    warm_in_background(cfg, batches)
 
     def _imports() -> None:
         for name in ROUND_IMPORTS:
@@ -86,7 +87,7 @@ def run_process(
     round summary and the credit statistics. `fast` (the CLI's default): a round already processed with the
     same inputs, settings and code is not run again: its summary comes from the lake, Prefect never starts
     (flows/uptodate.py)."""
-    from flows.server import use_running_server
+    from flows.server import shared_api, use_running_server
     from warehouse.lake import Lake
 
     lake = Lake(cfg.lake)
@@ -107,8 +108,20 @@ def run_process(
                 print_round(summary, lake, title=f"creditflow process: round {round_}")
                 console.print(UP_TO_DATE.format(round=round_), soft_wrap=True)
             return summary
-    server_url = use_running_server()  # `creditflow server start`: no ephemeral API to start
-    prepare(cfg)  # worker processes and imports while the API (ephemeral: seconds) comes up
+    # `creditflow server start` or the API an earlier command left running; else one started now for this
+    # command and the next ones (flows/server.py), coming up while the round is prepared
+    server_url = use_running_server()
+    api = None if server_url else shared_api()
+    prepare(cfg, lake, round_)  # worker processes and imports while the API comes up
+    if api is not None:
+        server_url = api.url()
+        if api.started_here and not quiet:
+            console.print(
+                f"started a Prefect API at {server_url} for this and later commands "
+                "(`creditflow server stop` ends it; CREDITFLOW_SHARED_API=0: one per command)",
+                soft_wrap=True,
+                highlight=False,
+            )
     from prefect.settings import PREFECT_API_URL
 
     from flows.process_round import WARNING_STATE

@@ -139,7 +139,10 @@ def worker_api(config: Config) -> Iterator[str | None]:
     if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" not in os.environ:
         updates[timeout] = max(timeout.value(), 120)
     updates.update(_own_api_settings())
-    reap_api_server_with_us()
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():  # Prefect's ephemeral API will start (the patch imports its server: 3 s)
+        reap_api_server_with_us()
     with settings_scope(updates):
         with _worker_api(config) as url:
             yield url

@@ -1,14 +1,24 @@
-"""The managed Prefect server: `creditflow server start|stop|status`.
+"""The managed Prefect server: `creditflow server start|stop|status`, and the API a command shares with the next.
 
-Without a server every `creditflow process` starts Prefect's ephemeral API (a uvicorn subprocess, database
-migrations, seconds of CPU) and stops it again. A server started once with `creditflow server start` keeps
-running in the background (its own session, its log under $CREDITFLOW_CACHE/services/), its URL is recorded in
-$CREDITFLOW_CACHE/services/prefect.json, and every later command uses it automatically when PREFECT_API_URL is
-not set and the recorded server answers its health check: flow runs, task runs and logs then show in its UI.
+Prefect's ephemeral API is a uvicorn subprocess that imports Prefect's server, checks the database's migrations
+and starts its services: 4-6 s of CPU, paid by every command that started its own and stopped it again (issue
+36: 9.5-14.4 s wall for a small new round on 2 cores, 4.0 s with a server up). So the API runs once per machine:
+
+- `creditflow server start` starts Prefect's server with its UI in the background (its own session, its log
+  under $CREDITFLOW_CACHE/services/);
+- otherwise the first command that runs a flow starts the same API without the UI (`shared_api`: the command
+  Prefect's ephemeral server runs, in a session of its own) and leaves it running for the next one; it says so
+  in one line. CREDITFLOW_NO_SERVER=1 (the test suite), or `CREDITFLOW_SHARED_API=0`, keeps Prefect's
+  ephemeral API per command instead.
+
+Either is recorded in $CREDITFLOW_CACHE/services/prefect.json; every later command uses it when PREFECT_API_URL
+is not set and it answers its health check: flow runs, task runs and logs then show in one place.
 `creditflow server stop` ends it (its whole process group)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
@@ -28,6 +38,7 @@ class ServerInfo:
     url: str  # the API URL, http://127.0.0.1:PORT/api
     log: str
     started: float
+    ui: bool = True  # False: the API alone, started by a command (`shared_api`)
 
 
 def state_path() -> Path:
@@ -58,40 +69,115 @@ def running() -> ServerInfo | None:
     return info
 
 
-def start(port: int | None = None, timeout_s: float = 120.0) -> tuple[ServerInfo, bool]:
-    """Start the server in the background unless one is running; returns (info, started_now)."""
-    info = running()
-    if info is not None:
-        return info, False
+API_APP = "prefect.server.api.server:create_app"  # what Prefect's ephemeral API server runs (uvicorn)
+# the API's task-run recorder writes task runs in batches (up to 100 events, flushed every second) instead of
+# one database transaction per state event: a round's task runs send three events each
+API_ENV = {
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+}
+
+
+def _server_command(port: int, ui: bool) -> list[str]:
+    if ui:
+        return [
+            sys.executable,
+            "-m",
+            "prefect",
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
+    import importlib.util
+
+    spec = importlib.util.find_spec("prefect")  # its folder, without importing Prefect (a second of CPU)
+    app_dir = Path(next(iter(spec.submodule_search_locations or []))).parent if spec else Path(".")
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        str(app_dir),
+        "--factory",
+        API_APP,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "on",
+    ]
+
+
+@contextlib.contextmanager
+def _start_lock():
+    """One command at a time starts a server (two `process` started together share one)."""
+    path = state_path().with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:  # closing it releases the lock
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def launch(port: int | None = None, ui: bool = True) -> tuple[subprocess.Popen, str, Path]:
+    """Start a server process in the background (its own session: it outlives this command, stopped as a
+    group); returns (process, API URL, log). `wait_started` waits for it and records it."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}/api"
     log = state_path().with_name("prefect-server.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    env["PREFECT_UI_ENABLED"] = env.get("PREFECT_UI_ENABLED", "true")
+    if ui:
+        env["PREFECT_UI_ENABLED"] = env.get("PREFECT_UI_ENABLED", "true")
+    else:
+        env.update({"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1"})
+        env.update({k: v for k, v in API_ENV.items() if k not in os.environ})
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            _server_command(port, ui),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
-            start_new_session=True,  # its own process group: outlives this command, stopped as a group
+            start_new_session=True,
         )
+    return proc, url, log
+
+
+def wait_started(
+    proc: subprocess.Popen, url: str, log: Path, ui: bool = True, timeout_s: float = 120.0
+) -> ServerInfo:
+    """Wait until the launched server answers, record it (prefect.json) and return it; stop it and raise
+    RuntimeError when it exits or does not answer within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the Prefect server exited with status {proc.returncode}; see {log}")
         if healthy(url):
-            info = ServerInfo(pid=proc.pid, url=url, log=str(log), started=time.time())
+            info = ServerInfo(pid=proc.pid, url=url, log=str(log), started=time.time(), ui=ui)
             tmp = state_path().with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(asdict(info)))
             tmp.replace(state_path())
-            return info, True
-        time.sleep(0.25)
+            return info
+        time.sleep(0.1)
     kill(proc.pid, grace_s=5)
     raise RuntimeError(f"the Prefect server did not answer within {timeout_s:.0f} s; see {log}")
+
+
+def start(port: int | None = None, timeout_s: float = 120.0, ui: bool = True) -> tuple[ServerInfo, bool]:
+    """Start the server in the background unless one is running; returns (info, started_now)."""
+    with _start_lock():
+        info = running()
+        if info is not None:
+            return info, False
+        proc, url, log = launch(port, ui)
+        return wait_started(proc, url, log, ui, timeout_s), True
 
 
 def _is_prefect_server(pid: int) -> bool:
@@ -100,7 +186,7 @@ def _is_prefect_server(pid: int) -> bool:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"prefect" in args and b"server" in args
+    return (b"prefect" in args and b"server" in args) or API_APP.encode() in args
 
 
 def stop() -> ServerInfo | None:
@@ -126,3 +212,47 @@ def use_running_server() -> str | None:
         return None
     os.environ["PREFECT_API_URL"] = info.url
     return info.url
+
+
+def shares_api() -> bool:
+    """Whether a command that runs a flow starts an API for the next ones when none runs (`shared_api`)."""
+    return (
+        not os.environ.get("PREFECT_API_URL")
+        and os.environ.get("CREDITFLOW_NO_SERVER") != "1"
+        and os.environ.get("CREDITFLOW_SHARED_API", "1") != "0"
+    )
+
+
+class SharedAPI:
+    """The API a command starts for itself and the commands after it (module docstring): launched at once,
+    waited for with `url()` (the command prepares its round meanwhile)."""
+
+    def __init__(self) -> None:
+        self._lock = _start_lock()
+        self._lock.__enter__()  # released once the server answers (or failed): a second command then finds it
+        self.info = running()
+        self._proc = None
+        if self.info is None:
+            self._proc, self._url, self._log = launch(ui=False)
+        else:
+            self._lock.__exit__(None, None, None)
+
+    @property
+    def started_here(self) -> bool:
+        return self._proc is not None
+
+    def url(self) -> str:
+        """Its URL once it answers; this process's flows report to it (PREFECT_API_URL)."""
+        if self.info is None:
+            try:
+                self.info = wait_started(self._proc, self._url, self._log, ui=False)
+            finally:
+                self._lock.__exit__(None, None, None)
+        os.environ["PREFECT_API_URL"] = self.info.url
+        return self.info.url
+
+
+def shared_api() -> SharedAPI | None:
+    """The recorded server when it answers, else one started now and left running for the next command; None
+    when this process has an API named (PREFECT_API_URL) or keeps Prefect's ephemeral one (`shares_api`)."""
+    return SharedAPI() if shares_api() else None

@@ -84,6 +84,8 @@ def print_summary(summary: dict, title: str | None = None, console=None) -> None
     overview.update({k: (int(v) if float(v).is_integer() else v) for k, v in llm.items()})
     if "wall_seconds" in summary:
         overview["wall seconds"] = summary["wall_seconds"]
+        if "fixed_cost_seconds" in summary:  # the flow's own cost besides the stages' work
+            overview["fixed cost seconds"] = summary["fixed_cost_seconds"]
         overview["task runner"] = summary.get("task_runner")
     head = Table(title=title or f"round {summary.get('round')}", show_header=False)
     head.add_column("what", style="bold")

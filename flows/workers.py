@@ -16,7 +16,7 @@ The thread runner gets two threads per worker (`dispatch_slots`): while one comp
 bookkeeping of the next task, and at most `max_workers` compute at once (the pool's size, or `run_here`'s
 semaphore for work in the flow's process).
 
-    flow.processes: auto   # on for the thread runner (default), whatever max_workers
+    flow.processes: auto   # on for the thread runner (default) in a round of 2+ batches, whatever max_workers
     flow.processes: true   # the same (Ray and Dask workers are processes already)
     flow.processes: false  # threads only: the stages run in the flow's process
 
@@ -58,11 +58,20 @@ _lock = threading.Lock()
 _pools: dict[int, ProcessPoolExecutor] = {}
 
 
-def use_processes(config: Config) -> bool:
-    """Whether batch stages run in worker processes under this config."""
-    return (
-        config.flow.processes is not False and config.task_runner == "threads"
-    )  # Ray / Dask: processes already
+def use_processes(config: Config, batches: int | None = None) -> bool:
+    """Whether batch stages run in worker processes under this config (for a round of `batches` batches: `auto`
+    runs a round of one batch in the flow's process, where the worker's start and imports, ~1.5 s of CPU, would
+    cost more than the GIL it frees)."""
+    if config.flow.processes is False or config.task_runner != "threads":  # Ray / Dask: processes already
+        return False
+    return config.flow.processes is True or batches is None or batches > 1
+
+
+def for_round(config: Config, batches: int) -> Config:
+    """The config a round of `batches` batches runs with: `flow.processes` decided (`use_processes`)."""
+    if config.flow.processes != "auto" or use_processes(config, batches):
+        return config
+    return config.model_copy(update={"flow": config.flow.model_copy(update={"processes": False})})
 
 
 def dispatch_slots(config: Config) -> int:
@@ -106,11 +115,11 @@ def warm(size: int) -> None:
         pool.submit(int)
 
 
-def warm_in_background(config: Config) -> None:
+def warm_in_background(config: Config, batches: int | None = None) -> None:
     """When this config runs stages in worker processes, start them from a thread now: `creditflow process` calls
     it first, so the forkserver's imports (~0.5 s) overlap the start-up of Prefect's ephemeral API server instead
     of delaying the round's first task."""
-    if not use_processes(config):
+    if not use_processes(config, batches):
         return
 
     def _warm() -> None:

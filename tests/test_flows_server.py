@@ -97,3 +97,64 @@ def test_stop_leaves_a_process_that_reused_a_stale_pid(tmp_path, monkeypatch):
     finally:
         other.kill()
         other.wait()
+
+
+def test_process_starts_a_shared_api_for_the_next_command(tmp_path):
+    """No server up: the first `process` starts Prefect's API without the UI in the background, says so in one
+    line and leaves it recorded for the next command, which starts none; `server stop` ends it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "CREDITFLOW_NO_SERVER")}
+    env.update(CREDITFLOW_CACHE=str(tmp_path / "cache"), PREFECT_HOME=str(tmp_path / "prefect-home"))
+    state_file = tmp_path / "cache" / "services" / "prefect.json"
+    lakes = [tmp_path / "lake-a", tmp_path / "lake-b"]
+    for lake in lakes:
+        synth = _cli(
+            [
+                "synth",
+                "--groups",
+                "4",
+                "--samples",
+                "2",
+                "--turns",
+                "2",
+                "--tokens",
+                "40",
+                "--out",
+                str(lake),
+            ],
+            env,
+        )
+        assert synth.returncode == 0, synth.stderr
+    try:
+        first = _cli(["process", "--lake", str(lakes[0]), "--round", "0", "--methods", "grpo"], env)
+        assert first.returncode == 0, first.stderr[-2000:]
+        state = json.loads(state_file.read_text())
+        assert "started a Prefect API at " + state["url"] in " ".join(first.stdout.split())
+        assert state["ui"] is False
+        second = _cli(["process", "--lake", str(lakes[1]), "--round", "0", "--methods", "grpo"], env)
+        assert second.returncode == 0, second.stderr[-2000:]
+        assert "started a Prefect API" not in second.stdout
+        assert json.loads(state_file.read_text())["pid"] == state["pid"]  # the same server, still up
+        assert _cli(["server", "status"], env).returncode == 0
+    finally:
+        stopped = _cli(["server", "stop"], env)
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout
+    assert not state_file.exists()
+    from trainer.llm.service import pid_alive
+
+    assert not pid_alive(state["pid"])
+
+
+def test_no_server_keeps_an_api_per_command(monkeypatch):
+    """CREDITFLOW_NO_SERVER=1 (the test suite) or CREDITFLOW_SHARED_API=0: no shared API is started."""
+    from flows import server
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("CREDITFLOW_NO_SERVER", "1")
+    assert server.shared_api() is None
+    monkeypatch.delenv("CREDITFLOW_NO_SERVER")
+    monkeypatch.setenv("CREDITFLOW_SHARED_API", "0")
+    assert server.shared_api() is None
+    monkeypatch.delenv("CREDITFLOW_SHARED_API")
+    assert server.shares_api()
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    assert not server.shares_api()
