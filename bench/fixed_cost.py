@@ -3,7 +3,12 @@ for this tree and for a baseline commit, in the same run (interleaved repetition
 
 Per tree, each repetition times the real CLI in a fresh process:
 - import:   `import <cli module>` (python -X importtime, the project's own modules and everything they pull);
-- first:    process of a small synthetic round (every stage computes);
+- first:    process of a small synthetic round (every stage computes), Prefect's ephemeral API per command
+            (CREDITFLOW_NO_SERVER=1);
+- shared first: the same with no API up and none disabled: a tree that shares one API per machine starts it
+            here (the first command on a machine), the baseline its ephemeral one;
+- new round, API up: process of another new small round with a server up (`creditflow server start`; what
+            a tree that shares its API gives every command after the first): issue 36's <= 2 s;
 - noop:     the same command again on the processed round: what a user waits for (a tree with the up-to-date
             check answers from the lake without starting Prefect);
 - force:    (a tree with `process --force`) the no-op through the flow anyway, every batch stage cached: the
@@ -41,6 +46,20 @@ def cli_module(tree: Path) -> str:
 
 def has_force(tree: Path) -> bool:
     return '"--force"' in (tree / "flows" / "commands" / "process.py").read_text(encoding="utf-8")
+
+
+CPU: dict[tuple[str, str], list[float]] = {}
+
+
+def timed(key: tuple[str, str], times: dict, tree: Path, args: list[str], env: dict[str, str]) -> None:
+    """Wall and CPU (user + sys of the command and the children it waited for) of one CLI run."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    times.setdefault(key, []).append(run_cli(tree, args, env))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    CPU.setdefault(key, []).append(cpu)
 
 
 def run_cli(tree: Path, args: list[str], env: dict[str, str]) -> float:
@@ -148,6 +167,7 @@ def main() -> None:
     )
     times: dict[tuple[str, str], list[float]] = {}
     big_tokens = 0
+    load0 = f"{os.getloadavg()[0]:.1f}"
     try:
         for rep in range(args.reps):
             order = list(trees) if rep % 2 == 0 else list(reversed(trees))
@@ -159,33 +179,39 @@ def main() -> None:
                 synth(tree, small, args.small, e)
                 synth(tree, big, args.big, e)
                 big_tokens = tokens_of(big)
+                small2, small3 = work / f"{name}-{rep}-small2", work / f"{name}-{rep}-small3"
+                synth(tree, small2, args.small, e)
+                synth(tree, small3, args.small, e)
                 proc = ["process", "--round", "0", "--methods", METHODS]
                 times.setdefault((name, "import"), []).append(import_time(tree, e))
-                times.setdefault((name, "first"), []).append(run_cli(tree, [*proc, "--lake", str(small)], e))
-                times.setdefault((name, "noop"), []).append(run_cli(tree, [*proc, "--lake", str(small)], e))
+                timed((name, "first"), times, tree, [*proc, "--lake", str(small)], e)
+                timed((name, "noop"), times, tree, [*proc, "--lake", str(small)], e)
                 force = ["--force"] if has_force(tree) else []
                 if force:
                     times.setdefault((name, "force"), []).append(
                         run_cli(tree, [*proc, "--lake", str(small), *force], e)
                     )
                 times.setdefault((name, "big"), []).append(run_cli(tree, [*proc, "--lake", str(big)], e))
-                es = {**e}
+                es = {**e, "CREDITFLOW_CACHE": str(work / f"cache-{name}-{rep}")}  # no server recorded
                 es.pop("CREDITFLOW_NO_SERVER")
+                try:
+                    timed((name, "shared first"), times, tree, [*proc, "--lake", str(small2)], es)
+                finally:
+                    run_cli(tree, ["server", "stop"], es)  # the API the command left (a tree that shares one)
                 run_cli(tree, ["server", "start"], es)
                 try:
+                    timed((name, "server new"), times, tree, [*proc, "--lake", str(small3)], es)
                     # the server's first sight of this lake (a flow run: its flow and task records)
                     run_cli(tree, [*proc, "--lake", str(small), *force], es)
-                    times.setdefault((name, "server"), []).append(
-                        run_cli(tree, [*proc, "--lake", str(small)], es)
-                    )
+                    timed((name, "server"), times, tree, [*proc, "--lake", str(small)], es)
                     if force:
                         times.setdefault((name, "server force"), []).append(
                             run_cli(tree, [*proc, "--lake", str(small), *force], es)
                         )
                 finally:
                     run_cli(tree, ["server", "stop"], es)
-                shutil.rmtree(small, ignore_errors=True)
-                shutil.rmtree(big, ignore_errors=True)
+                for lake in (small, small2, small3, big):
+                    shutil.rmtree(lake, ignore_errors=True)
                 print(
                     f"rep {rep + 1} {name}: "
                     + ", ".join(f"{k[1]} {v[-1]:.2f}s" for k, v in times.items() if k[0] == name),
@@ -200,8 +226,11 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     def cell(name: str, what: str) -> str:
-        v = times.get((name, what))
-        return f"{min(v):.2f} / {statistics.median(v):.2f}" if v else "-"
+        v, c = times.get((name, what)), CPU.get((name, what))
+        if not v:
+            return "-"
+        cpu = f" (CPU {min(c):.2f} / {statistics.median(c):.2f})" if c else ""
+        return f"{min(v):.2f} / {statistics.median(v):.2f}{cpu}"
 
     lines = [
         "# Fixed cost of `creditflow process` (bench/fixed_cost.py)",
@@ -209,15 +238,18 @@ def main() -> None:
         f"`python bench/fixed_cost.py --baseline {args.baseline} --reps {args.reps} --format {args.format}`; "
         f"methods {METHODS}; {args.format} lakes; "
         f"small round {args.small} groups, large round {args.big} groups ({big_tokens:,} tokens); "
-        f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs. Seconds, min / median of "
-        f"{args.reps} interleaved repetitions (order reversed every other one), each a fresh CLI process.",
+        f"load average at the start {load0} and at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs. "
+        f"Seconds, wall min / median of {args.reps} interleaved repetitions (order reversed every other one), "
+        "each a fresh CLI process; CPU: user + sys of the command and its children.",
         "",
         f"| | baseline ({shown['baseline']}) | this tree ({shown['this']}) |",
         "|---|---|---|",
     ]
     for what, label in [
         ("import", "import of the CLI module"),
-        ("first", "process, small round (computes)"),
+        ("first", "process, new small round, ephemeral API per command (CREDITFLOW_NO_SERVER=1)"),
+        ("shared first", "process, new small round, no API up (a sharing tree starts it: once per machine)"),
+        ("server new", "process, new small round, an API up: **issue 36's <= 2 s**"),
         ("noop", "process again (round unchanged): **what a no-op costs**, no server"),
         ("server", "process again, `creditflow server start` up"),
         ("force", "process again through the flow (`--force`, all cached), ephemeral API"),

@@ -87,7 +87,7 @@ def run_process(
     round summary and the credit statistics. `fast` (the CLI's default): a round already processed with the
     same inputs, settings and code is not run again: its summary comes from the lake, Prefect never starts
     (flows/uptodate.py)."""
-    from flows.server import shared_api, use_running_server
+    from flows.server import STARTED, shared_api, use_running_server
     from warehouse.lake import Lake
 
     lake = Lake(cfg.lake)
@@ -116,12 +116,7 @@ def run_process(
     if api is not None:
         server_url = api.url()
         if api.started_here and not quiet:
-            console.print(
-                f"started a Prefect API at {server_url} for this and later commands "
-                "(`creditflow server stop` ends it; CREDITFLOW_SHARED_API=0: one per command)",
-                soft_wrap=True,
-                highlight=False,
-            )
+            console.print(STARTED.format(url=server_url), soft_wrap=True, highlight=False)
     from prefect.settings import PREFECT_API_URL
 
     from flows.process_round import WARNING_STATE

@@ -256,3 +256,22 @@ def shared_api() -> SharedAPI | None:
     """The recorded server when it answers, else one started now and left running for the next command; None
     when this process has an API named (PREFECT_API_URL) or keeps Prefect's ephemeral one (`shares_api`)."""
     return SharedAPI() if shares_api() else None
+
+
+def api_url(say=None) -> str | None:
+    """The API this process's flows report to: the recorded server, else a shared one started now (`say`
+    gets the one line telling so); None: Prefect's own choice (PREFECT_API_URL, or its ephemeral API)."""
+    url = use_running_server()
+    api = None if url else shared_api()
+    if api is None:
+        return url
+    url = api.url()
+    if api.started_here and say is not None:
+        say(STARTED.format(url=url))
+    return url
+
+
+STARTED = (
+    "started a Prefect API at {url} for this and later commands "
+    "(`creditflow server stop` ends it; CREDITFLOW_SHARED_API=0: one per command)"
+)
