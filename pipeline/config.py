@@ -4,30 +4,14 @@ defaults); `--set stage.key=value` on the command line overrides any of them."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-SETTINGS_MODELS: dict[str, type[BaseModel]] = {}
+from pipeline.settings import SETTINGS_MODELS, StageSettings, register_settings
 
-M = TypeVar("M", bound=type[BaseModel])
-
-
-def register_settings(stage: str):
-    """Class decorator: `@register_settings("tcpo") class TCPOSettings(BaseModel): ...`."""
-
-    def deco(cls: M) -> M:
-        SETTINGS_MODELS[stage] = cls
-        return cls
-
-    return deco
-
-
-class StageSettings(BaseModel):
-    """Base for stage settings: unknown keys are errors, so a typo never silently falls back."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+__all__ = ["SETTINGS_MODELS", "Config", "ConfigError", "StageSettings", "build_config", "register_settings"]
 
 
 class ConfigError(ValueError):
@@ -147,7 +131,8 @@ class Config(BaseModel):
 
     def stage(self, name: str) -> Any:  # the registered model of `name` (callers annotate its class)
         """The validated settings model of one stage (defaults where the config is silent)."""
-        _load_stage_modules()
+        if name not in SETTINGS_MODELS:  # the stage modules register their models when imported
+            _load_stage_modules()
         model = SETTINGS_MODELS.get(name)
         if model is None:
             raise ConfigError(f"unknown stage '{name}'; known: {sorted(SETTINGS_MODELS)}")

@@ -2,6 +2,7 @@
 on hand-made step flags, and `check_preconditions` (what `creditflow process` runs first) on a lake holding the
 real FireAct round, which has no verifier scores and no critic values."""
 
+import numpy as np
 import pytest
 
 from pipeline.config import Config
@@ -83,9 +84,33 @@ def test_registration_is_loud():
         estimator("grpo")(grpo)
     with pytest.raises(ValueError, match="COMPONENT_FIELDS"):
         estimator("brand_new", components=("a_hat", "not_a_component"))(grpo)
+    with pytest.raises(ValueError, match="declares no components"):  # components= is mandatory
+        estimator("brand_new")(grpo)
     assert (
         "brand_new" not in ESTIMATORS and ESTIMATORS["grpo"].fn.__module__ == "pipeline.credit.methods.grpo"
     )
+
+
+def test_a_component_the_estimator_does_not_declare_is_an_error():
+    """A result's components are those its chain declares: one it does not declare fails the batch, naming
+    it (a schema that lacked it dropped it silently before)."""
+    from credit_rounds import random_round
+
+    from pipeline.credit.context import CreditContext, CreditResult
+    from pipeline.credit.registry import ESTIMATORS, MethodError, estimator, run_methods
+
+    def undeclared(ctx, settings):
+        return CreditResult.per_step(
+            ctx, np.zeros(ctx.n_steps), {"a_hat": np.zeros(ctx.n_steps), "w": np.zeros(ctx.n_steps)}
+        )
+
+    estimator("test_undeclared", components=("a_hat",))(undeclared)
+    try:
+        ctx = CreditContext.from_arrow(*random_round(1, max_groups=2, max_group_size=2, max_steps=3))
+        with pytest.raises(MethodError, match=r"components \['w'\] it does not declare"):
+            run_methods(ctx, ["test_undeclared"])
+    finally:
+        ESTIMATORS.pop("test_undeclared")
 
 
 @pytest.fixture

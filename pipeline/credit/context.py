@@ -9,15 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.config import Config
 from pipeline.credit.ops import Moments
+from pipeline.settings import default_settings
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 
 def _flat_list_floats(col: pa.ChunkedArray, starts: np.ndarray, n_tokens: int) -> np.ndarray:
@@ -142,14 +145,13 @@ class CreditContext:
     # float64 behaviour logprob / critic value, NaN where unknown; built from the steps' list columns on first use
     tok_logprob: np.ndarray = _LazyArray()  # type: ignore[assignment]
     tok_value: np.ndarray = _LazyArray()  # type: ignore[assignment]
-    config: Config = field(default_factory=Config)
+    config: Config | None = None  # the run's settings (None: every stage's defaults)
     annotations: dict[str, pl.DataFrame] = field(default_factory=dict)
     round: int = 0
     # batch-level statistics (whitening) by key: the round's moments, merged over every batch by the statistics
-    # pass and given to the credit pass (None: this batch is the whole round). The statistics pass sets `collect`
-    # instead, where each method records its batch's own moments (`moments`)
+    # pass (each estimator's declared `RoundStatistics.fn`) and given to the credit pass (None: this batch is
+    # the whole round)
     round_stats: dict[str, Moments] | None = None
-    collect: dict[str, Moments] | None = None
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -224,7 +226,7 @@ class CreditContext:
             tok_mask=tok_mask,
             tok_logprob=tok_logprob,
             tok_value=tok_value,
-            config=config or Config(),
+            config=config,
             annotations=anns,
             round=round_,
             round_stats=round_stats,
@@ -264,21 +266,18 @@ class CreditContext:
         return self.trajectories["reward"].to_numpy().astype(np.float64)
 
     def stage(self, name: str):
-        return self.config.stage(name)
+        """The settings model of stage `name`: the run's, or its defaults when the batch has no config."""
+        return self.config.stage(name) if self.config is not None else default_settings(name)
 
     def moments(
         self, key: str, values: np.ndarray, weights: np.ndarray | None = None, scope: str = "round"
     ) -> Moments:
         """The moments a batch-level statistic `key` (a method's whitening) is taken over: the round's when
         `scope="round"` (this batch's own when no round statistics were given: the batch is the round), this
-        batch's when `scope="batch"`. In a statistics pass, records this batch's moments under `key`."""
-        if scope == "batch" or (self.round_stats is None and self.collect is None):
+        batch's when `scope="batch"`. The round's are the merged moments of the estimator's declared statistics
+        function (registry.RoundStatistics) over every batch."""
+        if scope == "batch" or self.round_stats is None:
             return Moments.of(values, weights)
-        if self.collect is not None:
-            own = Moments.of(values, weights)
-            self.collect[key] = self.collect[key].merge(own) if key in self.collect else own
-            return own
-        assert self.round_stats is not None
         if key not in self.round_stats:
             raise ValueError(
                 f"round statistics lack {key!r} (have {sorted(self.round_stats)}): run the statistics pass "
@@ -331,15 +330,10 @@ class CreditContext:
 
     def names(self, key: str, names: list[str], scope: str = "round") -> list[str]:
         """The names a method finds in its batch (GDPO's reward components), or those of the whole round
-        (`scope="round"` with round statistics: recorded by the statistics pass as keys `key:name`)."""
-        if scope == "batch" or (self.round_stats is None and self.collect is None):
+        (`scope="round"` with round statistics: recorded by its statistics function as keys `key:name`)."""
+        if scope == "batch" or self.round_stats is None:
             return list(names)
         prefix = f"{key}:"
-        if self.collect is not None:
-            for name in names:
-                self.collect[prefix + name] = self.collect.get(prefix + name, Moments()).merge(Moments(1.0))
-            return list(names)
-        assert self.round_stats is not None
         return sorted(k[len(prefix) :] for k in self.round_stats if k.startswith(prefix))
 
     def annotation(self, name: str) -> pl.DataFrame | None:

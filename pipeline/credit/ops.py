@@ -123,14 +123,20 @@ class Moments:
         values = np.asarray(values, dtype=np.float64)
         if len(values) == 0:
             return cls()
-        w = np.ones(len(values)) if weights is None else np.asarray(weights, dtype=np.float64)
-        n = float(w.sum())
-        if n == 0.0:
-            return cls()
         ref = float(values[0])  # shifted: a constant sample has mean == its value exactly
-        mean = ref + float(np.dot(w, values - ref)) / n
-        dev = values - mean
-        return cls(n, mean, float(np.dot(w, dev * dev)))
+        dev = values - ref
+        if weights is None:  # three whole-array passes: the shift, the sum, the squares (a BLAS dot)
+            n = float(len(values))
+            shift = float(dev.sum()) / n
+        else:
+            w = np.asarray(weights, dtype=np.float64)
+            n = float(w.sum())
+            if n == 0.0:
+                return cls()
+            shift = float(np.dot(w, dev)) / n
+        mean = ref + shift
+        dev -= shift  # values - mean, in place (the shift is exact for a constant sample: 0)
+        return cls(n, mean, float(np.dot(dev, dev) if weights is None else np.dot(w, dev * dev)))
 
     def merge(self, other: Moments) -> Moments:
         if other.n == 0.0:
@@ -168,7 +174,9 @@ def whiten(
     m = Moments.of(values, weights) if moments is None else moments
     if m.n == 0.0 or m.n < min_count:
         return values.copy()
-    return (values - m.mean) / (np.sqrt(m.var() + var_eps) + std_eps)
+    out = values - m.mean
+    out /= np.sqrt(m.var() + var_eps) + std_eps
+    return out
 
 
 def segment_discounted_cumsum(values: np.ndarray, segments: np.ndarray, discount: float) -> np.ndarray:

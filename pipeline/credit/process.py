@@ -22,6 +22,7 @@ from pipeline.credit.registry import (
     method_step_columns,
     round_statistics_methods,
     run_methods,
+    statistics_step_columns,
 )
 from pipeline.stages import NO_IO, StageIO, StageOutput, batch_stage, method_key
 from schemas.advantages import COMPONENT_FIELDS, COMPONENTS
@@ -184,7 +185,8 @@ def batch_statistics(
 ) -> dict[str, Moments]:
     """The statistics pass on one batch: {estimator: its batch-level statistic's moments on this batch} for each
     estimator of `methods` that takes one over the round (empty moments when it takes none under its settings,
-    e.g. `whiten=false`). Runs those estimators only; what they return is dropped."""
+    e.g. `whiten=false`): each estimator's declared statistics function (registry.RoundStatistics), no
+    estimate, no advantages."""
     config = config or Config()
     stages = round_statistics_methods(methods, config)
     if not stages:
@@ -193,10 +195,13 @@ def batch_statistics(
     if quarantined:  # the same groups as process_batch leaves out
         trajectories, steps = _without_groups(trajectories, steps, quarantined)
     ctx = CreditContext.from_arrow(trajectories, steps, config=config, annotations=annotations, round_=round_)
-    ctx.collect = {stage.name: Moments() for stage in stages}
+    out = {stage.name: Moments() for stage in stages}
     for stage in stages:
-        stage.fn(ctx, ctx.stage(stage.settings) if stage.settings else None)
-    return dict(ctx.collect)
+        assert stage.statistics is not None  # round_statistics_methods: the estimators that declare one
+        own = stage.statistics.fn(ctx, ctx.stage(stage.settings) if stage.settings else None)
+        for key, moments in own.items():
+            out[key] = out[key].merge(moments) if key in out else moments
+    return out
 
 
 def statistics_table(stats: dict[str, Moments], round_: int = 0, source: str | None = None) -> pa.Table:
@@ -251,7 +256,7 @@ def _round_of(trajectories: pa.Table) -> int:
     order=40,
     produces=(STATS,),
     needs=lambda config: sorted(annotation_names(statistics_methods(config))),
-    step_columns=lambda config: method_step_columns(statistics_methods(config)),
+    step_columns=lambda config: statistics_step_columns(statistics_methods(config)),
     settings=lambda config: sorted(method_settings(statistics_methods(config))),
     methods=statistics_methods,
     runs_if=lambda config: bool(statistics_methods(config)),

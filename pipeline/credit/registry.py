@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.ops import Moments
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,20 @@ class Requirement:
 
 
 @dataclass(frozen=True)
+class RoundStatistics:
+    """A statistic an estimator takes over the whole batch (whitening, GDPO's batch normalisation), declared
+    beside it: `fn(ctx, settings)` returns this batch's sufficient statistics by key, the very moments the
+    estimator reads back with `ctx.moments(key, ...)`. Where the `settings` model's `scope` is "round" (the
+    default), the statistics pass (process.batch_statistics) runs `fn` on every batch of the round, merges the
+    moments, and the credit pass reads the round's; `step_columns`: the steps columns `fn` reads beyond
+    STATISTICS_COLUMNS (None: the estimator's own), so the statistics pass reads no more than it needs."""
+
+    settings: str  # the settings model whose `scope` ("round" | "batch") says where the statistic is taken
+    fn: Callable[[CreditContext, Any], dict[str, Moments]]
+    step_columns: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Stage:
     name: str
     kind: str  # "estimator" | "refiner"
@@ -38,10 +54,7 @@ class Stage:
     needs: tuple[str, ...]  # annotations the stage reads: spans, nodes, edges, counterfactuals
     doc: str
     step_columns: tuple[str, ...] = ()  # steps columns beyond STEP_COLUMNS the stage reads (e.g. content)
-    # a statistic over the whole batch (whitening, GDPO's batch normalisation): names the settings whose
-    # `scope` says where it is taken; scope="round" (default): over the round, from the moments the statistics
-    # pass (process.batch_statistics) collects
-    batch_statistics: str | None = None
+    statistics: RoundStatistics | None = None  # a statistic over the whole batch (estimators only)
     requires: tuple[Requirement, ...] = ()  # checked against the round before any work
     components: tuple[str, ...] = ()  # the CreditResult components it fills (schemas/advantages.py)
     reads: tuple[str, ...] = ()  # other settings models it reads (`ctx.stage(name)`: grpo_pr reads grpo's)
@@ -59,6 +72,11 @@ def _register(table: dict[str, Stage], stage: Stage) -> None:
         raise ValueError(
             f"{stage.kind} {stage.name!r} is registered twice ({old.fn.__module__} and {stage.fn.__module__})"
         )
+    if not stage.components:
+        raise ValueError(
+            f"{stage.kind} {stage.name!r} declares no components: name the CreditResult components it fills "
+            "(components=(...), from schemas/advantages.py COMPONENT_FIELDS)"
+        )
     unknown = [c for c in stage.components if c not in COMPONENT_FIELDS]
     if unknown:
         raise ValueError(
@@ -68,6 +86,8 @@ def _register(table: dict[str, Stage], stage: Stage) -> None:
     table[stage.name] = stage
 
 
+# the steps columns the statistics pass always reads (a statistic adds its own `step_columns`)
+STATISTICS_COLUMNS = ("traj_id", "step_idx", "role", "token_ids")
 # the steps columns every method may read; others are read only when a stage lists them in `step_columns`:
 # the per-token lists `logprobs` (ctx.tok_logprob) and `values` (ctx.tok_value), which cost as much to read as
 # token_ids, and content, offsets and tool calls. A stage that reads ctx.tok_logprob / ctx.tok_value without
@@ -88,7 +108,7 @@ def estimator(
     settings: str | None = None,
     needs: tuple[str, ...] = (),
     step_columns: tuple[str, ...] = (),
-    batch_statistics: str | None = None,
+    statistics: RoundStatistics | None = None,
     requires: tuple[Requirement, ...] = (),
     components: tuple[str, ...] = (),
     reads: tuple[str, ...] = (),
@@ -102,7 +122,7 @@ def estimator(
             tuple(needs),
             (fn.__doc__ or "").strip(),
             tuple(step_columns),
-            batch_statistics,
+            statistics,
             tuple(requires),
             tuple(components),
             tuple(reads),
@@ -182,7 +202,8 @@ def method_settings(methods: list[str]) -> set[str]:
     for method in methods:
         est, refs = parse_method(method)
         for stage in (est, *refs):
-            names |= {n for n in (stage.settings, stage.batch_statistics, *stage.reads) if n}
+            stat = stage.statistics.settings if stage.statistics else None
+            names |= {n for n in (stage.settings, stat, *stage.reads) if n}
     return names
 
 
@@ -192,10 +213,24 @@ def round_statistics_methods(methods: list[str], config) -> list[Stage]:
     out: list[Stage] = []
     for method in methods:
         est, _ = parse_method(method)
-        if est.batch_statistics and est not in out:
-            if config.stage(est.batch_statistics).scope == "round":
+        if est.statistics and est not in out:
+            if config.stage(est.statistics.settings).scope == "round":
                 out.append(est)
     return out
+
+
+def statistics_step_columns(methods: list[str]) -> list[str]:
+    """The steps columns the statistics pass of these estimators reads: STATISTICS_COLUMNS and each statistic's
+    own (the estimator's columns where the statistic names none)."""
+    cols = list(STATISTICS_COLUMNS)
+    for method in methods:
+        est, _ = parse_method(method)
+        if est.statistics is None:
+            continue
+        own = est.statistics.step_columns
+        more = method_step_columns([est.name]) if own is None else own
+        cols += [c for c in more if c not in cols]
+    return cols
 
 
 def _settings(ctx: CreditContext, stage: Stage):
@@ -208,18 +243,29 @@ def run_methods(ctx: CreditContext, methods: list[str]) -> dict[str, CreditResul
     for method in methods:
         est, refs = parse_method(method)
         key = est.name
+        declared = set(est.components)
         if key not in memo:
-            memo[key] = _finish(ctx, est.fn(ctx, _settings(ctx, est)))
+            memo[key] = _finish(ctx, est.fn(ctx, _settings(ctx, est)), est, declared)
         for r in refs:
             prev = memo[key]
             key = f"{key}+{r.name}"
+            declared |= set(r.components)
             if key not in memo:
-                memo[key] = _finish(ctx, r.fn(ctx, prev, _settings(ctx, r)))
+                memo[key] = _finish(ctx, r.fn(ctx, prev, _settings(ctx, r)), r, declared)
     return {m: memo["+".join(s.strip() for s in m.split("+") if s.strip())] for m in methods}
 
 
-def _finish(ctx: CreditContext, result: CreditResult) -> CreditResult:
-    """Enforce the contract: one value per token, zero off the assistant mask, finite."""
+def _finish(
+    ctx: CreditContext, result: CreditResult, stage: Stage | None = None, declared: set[str] | None = None
+) -> CreditResult:
+    """Enforce the contract: one value per token, zero off the assistant mask, finite; the components those
+    its chain declares (a component it does not declare would be dropped by no one, or silently by a schema)."""
+    undeclared = sorted(set(result.components) - declared) if declared is not None else []
+    if stage is not None and undeclared:
+        raise MethodError(
+            f"{stage.kind} {stage.name!r} returned components {undeclared} it does not declare "
+            f"(components={tuple(stage.components)})"
+        )
     for name, comp in result.components.items():
         if np.shape(comp) != (ctx.n_steps,):
             raise MethodError(f"component {name!r} has shape {np.shape(comp)}, expected ({ctx.n_steps},)")

@@ -15,9 +15,9 @@ import polars as pl
 from pydantic import Field
 
 import pipeline.detect  # noqa: F401  (registers the "detect" settings the spans come from)
-from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.registry import refiner
+from pipeline.settings import StageSettings, register_settings
 
 
 @register_settings("c3")
@@ -91,7 +91,13 @@ def span_confidence(
     return np.where(miss, missing, np.clip(conf, 0.0, 1.0)), miss
 
 
-@refiner("c3", settings="c3", needs=("spans",), step_columns=("logprobs",))
+@refiner(
+    "c3",
+    settings="c3",
+    needs=("spans",),
+    step_columns=("logprobs",),
+    components=("severity", "confidence", "factor"),
+)
 def c3(ctx: CreditContext, base: CreditResult, settings: C3Settings) -> CreditResult:
     """Scale positive advantages inside detected spans by 1 - lambda*severity*confidence (max over overlaps)."""
     settings = settings or C3Settings()

@@ -21,15 +21,16 @@ the trajectory."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 from pydantic import Field
 
-from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
-from pipeline.credit.ops import segment_bounds, segment_discounted_cumsum, whiten
-from pipeline.credit.registry import MethodError, Requirement, estimator
+from pipeline.credit.ops import Moments, segment_bounds, segment_discounted_cumsum, whiten
+from pipeline.credit.registry import MethodError, Requirement, RoundStatistics, estimator
+from pipeline.settings import StageSettings, register_settings
 
 
 @register_settings("gae")
@@ -73,60 +74,73 @@ def step_mean(ctx: CreditContext, token_values: np.ndarray) -> np.ndarray:
     return np.divide(total, count, out=np.full(ctx.n_steps, np.nan), where=count > 0)
 
 
+def gae_statistics(ctx: CreditContext, settings: GAESettings) -> dict[str, Moments]:
+    """Eq. 5's moments on this batch: those of A (Eq. 1-3) over its assistant tokens (the statistics pass)."""
+    if not settings.whiten:
+        return {}
+    return {"gae": Moments.of(gae_advantages(ctx, settings, "gae").A)}
+
+
 @estimator(
     "gae",
     settings="gae",
     step_columns=("values",),
-    batch_statistics="gae",
+    statistics=RoundStatistics("gae", gae_statistics, step_columns=("values",)),
     requires=(Requirement("values", "critic values"),),
+    components=("a_hat", "score"),
 )
 def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
     """Token-level GAE over assistant tokens; returns before whitening."""
     return gae_credit(ctx, settings, "gae")
 
 
-def gae_credit(
+@dataclass(frozen=True)
+class GAEAdvantages:
+    """Eq. 1-4 on the assistant tokens (in token order: the steps' runs laid end to end), before whitening."""
+
+    A: np.ndarray  # advantages
+    returns: np.ndarray
+    a: np.ndarray  # the assistant steps with tokens (step rows)
+    lengths: np.ndarray  # their token counts
+    last: np.ndarray  # per assistant step: the trajectory's last one
+    R: np.ndarray  # per assistant step: the trajectory's reward
+
+
+def gae_advantages(
     ctx: CreditContext, settings: GAESettings, key: str, rewards: np.ndarray | None = None
-) -> CreditResult:
-    """GAE on the assistant tokens only (in token order: the steps' runs laid end to end), whitened under the
-    statistic `key`; `rewards` replace the trajectories' R (process_reward's penalised outcome).
+) -> GAEAdvantages:
+    """Eq. 1-4 (`rewards` replace the trajectories' R: process_reward's penalised outcome).
 
     With lam = 1 the recursion telescopes, A_t = gamma^(T-t) R - V_t (T: the trajectory's last assistant
     token), and needs no scan; otherwise a segmented discounted cumsum over each trajectory's tokens."""
     steps = ctx.steps
     n_tok = steps["n_tokens"].to_numpy()
-    is_asst = steps["is_assistant"].to_numpy()
     a = np.flatnonzero(
-        is_asst & (n_tok > 0)
-    )  # assistant steps with tokens: their tokens are the mask's, in order
+        steps["is_assistant"].to_numpy() & (n_tok > 0)
+    )  # their tokens are the mask's, in order
     lengths = n_tok[a]
     traj = ctx.step_traj[a]
     V = ctx.mask_values("tok_value")
     n = len(V)
-    score = np.where(is_asst, 0.0, np.nan)
-    a_hat = np.full(ctx.n_steps, np.nan)
     if n == 0:
-        zeros = np.zeros(ctx.n_tokens)
-        if settings.whiten:
-            ctx.moments(key, zeros[:0], scope=settings.scope)  # an empty batch adds nothing to the round
-        return CreditResult(
-            token_adv=zeros, components={"a_hat": a_hat, "score": score}, token_returns=zeros.copy()
-        )
-    # V[i]'s assistant step: the first whose token end lies past i
-    check_values(ctx, V, lambda i: traj[np.searchsorted(np.cumsum(lengths), i, side="right")], key)
+        empty = np.zeros(0)
+        return GAEAdvantages(empty, empty, a, lengths, np.zeros(0, dtype=bool), empty)
+    if not np.isfinite(V.sum()):  # (float32 values: their sum cannot overflow) V[i]'s step: the first past i
+        check_values(ctx, V, lambda i: traj[np.searchsorted(np.cumsum(lengths), i, side="right")], key)
     first, last = segment_bounds(traj)  # a trajectory's first / last assistant step (with tokens)
-    run = np.cumsum(first) - 1  # the trajectory run of each assistant step
-    end = np.cumsum(lengths)  # exclusive end of each assistant step's tokens
     R = (ctx.rewards() if rewards is None else rewards)[traj]  # per assistant step
     gamma, lam = float(settings.gamma), float(settings.lam)
     if lam == 1.0:
         # Eq. 1-3 telescoped: A_t = sum_s gamma^(s-t) (r_s + gamma V_{s+1} - V_s) = gamma^(T-t) R - V_t
         returns = np.repeat(R, lengths)
         if gamma != 1.0:
+            run = np.cumsum(first) - 1  # the trajectory run of each assistant step
+            end = np.cumsum(lengths)  # exclusive end of each assistant step's tokens
             returns *= np.power(gamma, np.repeat(end[last][run], lengths) - 1 - np.arange(n))
         A = returns - V
     else:
-        T = end[last] - 1  # the last assistant token of each trajectory
+        run = np.cumsum(first) - 1
+        T = np.cumsum(lengths)[last] - 1  # the last assistant token of each trajectory
         r = np.zeros(n)
         r[T] = R[last]  # Eq. 1
         V_next = np.empty(n)
@@ -135,14 +149,35 @@ def gae_credit(
         delta = r + gamma * V_next - V  # Eq. 2
         A = segment_discounted_cumsum(delta, np.repeat(run, lengths), gamma * lam)  # Eq. 3
         returns = A + V  # Eq. 4
-    if settings.whiten:
-        A = whiten(A, ctx.moments(key, A, scope=settings.scope))  # Eq. 5
+    return GAEAdvantages(A, returns, a, lengths, last, R)
+
+
+def gae_result(ctx: CreditContext, g: GAEAdvantages, A: np.ndarray) -> CreditResult:
+    """The advantages `A` (g.A whitened, or not) and g's returns on the tokens, with the components."""
+    score = np.where(ctx.steps["is_assistant"].to_numpy(), 0.0, np.nan)
+    a_hat = np.full(ctx.n_steps, np.nan)
     token_adv = np.zeros(ctx.n_tokens)
-    token_adv[ctx.tok_mask] = A
     token_returns = np.zeros(ctx.n_tokens)
-    token_returns[ctx.tok_mask] = returns
-    score[a[last]] = R[last]
-    a_hat[a] = np.add.reduceat(A, end - lengths) / lengths  # = step mean of token_adv
+    if len(A):
+        mask = ctx.tok_mask
+        token_adv[mask] = A
+        token_returns[mask] = g.returns
+        score[g.a[g.last]] = g.R[g.last]
+        a_hat[g.a] = (
+            np.add.reduceat(A, np.cumsum(g.lengths) - g.lengths) / g.lengths
+        )  # step mean of token_adv
     return CreditResult(
         token_adv=token_adv, components={"a_hat": a_hat, "score": score}, token_returns=token_returns
     )
+
+
+def gae_credit(
+    ctx: CreditContext, settings: GAESettings, key: str, rewards: np.ndarray | None = None
+) -> CreditResult:
+    """GAE on the assistant tokens only, whitened under the statistic `key` (Eq. 5); `rewards` replace the
+    trajectories' R (process_reward's penalised outcome)."""
+    g = gae_advantages(ctx, settings, key, rewards)
+    A = g.A
+    if settings.whiten and len(A):
+        A = whiten(A, ctx.moments(key, A, scope=settings.scope))  # Eq. 5
+    return gae_result(ctx, g, A)

@@ -20,10 +20,10 @@ import numpy as np
 import polars as pl
 from pydantic import Field
 
-from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
-from pipeline.credit.ops import group_normalize, whiten
-from pipeline.credit.registry import estimator
+from pipeline.credit.ops import Moments, group_normalize, whiten
+from pipeline.credit.registry import RoundStatistics, estimator
+from pipeline.settings import StageSettings, register_settings
 
 
 @register_settings("gdpo")
@@ -42,23 +42,32 @@ class GDPOSettings(StageSettings):
     )
 
 
+def _long_components(ctx: CreditContext) -> pl.DataFrame:
+    """(traj_index, key, value) of every trajectory's reward components (empty without the column)."""
+    traj = ctx.trajectories
+    if "reward_components" not in traj.columns:
+        return pl.DataFrame()
+    return (
+        traj.select("traj_index", "reward_components")
+        .explode("reward_components")
+        .unnest("reward_components")
+        .drop_nulls("key")
+    )
+
+
+def component_names(ctx: CreditContext) -> list[str]:
+    """The component names this batch's trajectories have, sorted."""
+    long = _long_components(ctx)
+    return sorted(long["key"].unique().to_list()) if long.height else []
+
+
 def component_matrix(
-    ctx: CreditContext, names: list[str] | None = None, scope: str = "batch"
+    ctx: CreditContext, names: list[str] | None = None
 ) -> tuple[list[str], np.ndarray, bool]:
     """R^c as a (trajectories x components) matrix; missing / NaN -> 0. The components are `names`, else
-    every one the round has (`scope="round"`; the batch's with `scope="batch"`); none at all: [reward]
-    (the third value says so)."""
-    traj = ctx.trajectories
-    long = pl.DataFrame()
-    if "reward_components" in traj.columns:
-        long = (
-            traj.select("traj_index", "reward_components")
-            .explode("reward_components")
-            .unnest("reward_components")
-            .drop_nulls("key")
-        )
-    found = sorted(long["key"].unique().to_list()) if long.height else []
-    names = list(names or ctx.names("gdpo", found, scope))
+    every one the batch has; none at all: [reward] (the third value says so)."""
+    long = _long_components(ctx)
+    names = list(names or (sorted(long["key"].unique().to_list()) if long.height else []))
     if not names:
         return ["reward"], np.nan_to_num(ctx.rewards())[:, None], True
     R_c = np.zeros((ctx.n_traj, len(names)), dtype=np.float64)
@@ -69,30 +78,56 @@ def component_matrix(
     return names, np.nan_to_num(R_c, nan=0.0, posinf=0.0, neginf=0.0), False
 
 
-@estimator("gdpo", settings="gdpo", batch_statistics="gdpo")
-def gdpo(ctx: CreditContext, settings: GDPOSettings) -> CreditResult:
-    """Per-component group normalisation, weighted sum, batch whitening."""
-    names, R_c, no_components = component_matrix(ctx, settings.components, settings.scope)
+def gdpo_pre(
+    ctx: CreditContext, settings: GDPOSettings, names: list[str] | None
+) -> tuple[list[str], np.ndarray, bool, np.ndarray, np.ndarray | None]:
+    """Eq. 1-2 over `names` (None: the components this batch has): (names, R^c, no components, pre, the
+    trajectories' weights in Eq. 3: their assistant tokens with `whiten="tokens"`, else None)."""
+    names, R_c, no_components = component_matrix(ctx, names)
     w = np.array([settings.weights.get(c, 1.0) for c in names], dtype=np.float64)
     A_c = np.column_stack(
         [group_normalize(R_c[:, j], ctx.traj_group, eps=settings.eps) for j in range(len(names))]
     )  # Eq. 1
     pre = A_c @ w if ctx.n_traj else np.zeros(0)  # Eq. 2
+    L_i = (
+        np.bincount(ctx.tok_traj[ctx.tok_mask], minlength=ctx.n_traj) if settings.whiten == "tokens" else None
+    )
+    return names, R_c, no_components, pre, L_i
+
+
+def gdpo_statistics(ctx: CreditContext, settings: GDPOSettings) -> dict[str, Moments]:
+    """Eq. 3's moments on this batch, and the names of its components (keys `gdpo:<name>`, so the round's are
+    known). A round without components whitens R (statistic "gdpo.reward"); a batch without any also adds its
+    zeros to "gdpo", what it contributes if another batch has components (a component absent from a batch
+    normalises to exactly 0 there)."""
+    names, _, no_components, pre, L_i = gdpo_pre(ctx, settings, settings.components)
+    named = no_components or settings.components  # the round's names matter only when the batch finds them
+    out = {} if named else {f"gdpo:{name}": Moments(1.0) for name in names}
+    if settings.whiten == "none":
+        return out
+    if no_components:
+        out["gdpo"] = Moments.of(np.zeros(ctx.n_traj), L_i)
+        out["gdpo.reward"] = Moments.of(pre, L_i)
+    else:
+        out["gdpo"] = Moments.of(pre, L_i)
+    return out
+
+
+@estimator(
+    "gdpo",
+    settings="gdpo",
+    statistics=RoundStatistics("gdpo", gdpo_statistics, step_columns=()),
+    components=("a_hat", "score"),
+)
+def gdpo(ctx: CreditContext, settings: GDPOSettings) -> CreditResult:
+    """Per-component group normalisation, weighted sum, batch whitening."""
+    names = settings.components or ctx.names("gdpo", component_names(ctx), settings.scope)
+    names, R_c, no_components, pre, L_i = gdpo_pre(ctx, settings, names)
+    w = np.array([settings.weights.get(c, 1.0) for c in names], dtype=np.float64)
     A = pre
     if settings.whiten != "none":
         # Eq. 3: TRL over the trajectories, or verl's masked_whiten over the tokens (trajectories by length)
-        L_i = (
-            np.bincount(ctx.tok_traj[ctx.tok_mask], minlength=ctx.n_traj)
-            if settings.whiten == "tokens"
-            else None
-        )
-        # a round without components uses R (statistic "gdpo.reward"); in the statistics pass a batch without
-        # any also adds its zeros to "gdpo", what it contributes if another batch has components (a component
-        # absent from a batch normalises to exactly 0 there)
-        key = "gdpo.reward" if no_components else "gdpo"
-        if key == "gdpo.reward" and ctx.collect is not None:
-            ctx.moments("gdpo", np.zeros(ctx.n_traj), L_i, scope=settings.scope)
-        moments = ctx.moments(key, pre, L_i, scope=settings.scope)
+        moments = ctx.moments("gdpo.reward" if no_components else "gdpo", pre, L_i, scope=settings.scope)
         if L_i is None:
             A = whiten(pre, moments, var_eps=0.0, std_eps=settings.eps, min_count=2)
         else:

@@ -23,7 +23,6 @@ import numpy as np
 import polars as pl
 from pydantic import Field
 
-from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.ops import (
     group_moments,
@@ -33,6 +32,7 @@ from pipeline.credit.ops import (
     segment_start_rows,
 )
 from pipeline.credit.registry import estimator
+from pipeline.settings import StageSettings, register_settings
 
 
 @register_settings("gigpo")
@@ -143,7 +143,12 @@ def step_groups(rows: pl.DataFrame, enable_similarity: bool, thresh: float) -> n
     ].to_numpy()
 
 
-@estimator("gigpo", settings="gigpo", step_columns=("content",))
+@estimator(
+    "gigpo",
+    settings="gigpo",
+    step_columns=("content",),
+    components=("a_hat", "a_episode", "a_step", "score"),
+)
 def gigpo(ctx: CreditContext, settings: GiGPOSettings) -> CreditResult:
     """Episode-level group advantage plus anchor-state step advantage."""
     rows = anchor_observations(ctx)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 from pydantic import Field
 
-from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.ops import group_normalize
 from pipeline.credit.registry import estimator
+from pipeline.settings import StageSettings, register_settings
 
 
 @register_settings("grpo")
@@ -36,14 +36,14 @@ def _result(ctx: CreditContext, a_traj: np.ndarray, score: np.ndarray) -> Credit
     return CreditResult.per_step(ctx, a_step, {"a_hat": a_step, "score": ctx.traj_to_steps(score)})
 
 
-@estimator("grpo", settings="grpo")
+@estimator("grpo", settings="grpo", components=("a_hat", "score"))
 def grpo(ctx: CreditContext, settings: GRPOSettings) -> CreditResult:
     """Group-normalised outcome reward on every assistant token."""
     rewards = ctx.rewards()
     return _result(ctx, grpo_traj_advantage(ctx, settings, rewards), rewards)
 
 
-@estimator("dr_grpo", settings="grpo")
+@estimator("dr_grpo", settings="grpo", components=("a_hat", "score"))
 def dr_grpo(ctx: CreditContext, settings: GRPOSettings) -> CreditResult:
     """Dr.GRPO: A_i = R_i - mean_g (no std division)."""
     rewards = ctx.rewards()

@@ -22,10 +22,10 @@ import polars as pl
 from pydantic import Field
 
 import pipeline.annotate.settings  # noqa: F401  (registers the annotators' settings with the engine)
-from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.ops import group_moments, segment_bounds
 from pipeline.credit.registry import MethodError, refiner
+from pipeline.settings import StageSettings, register_settings
 
 EDGE_SIGN = {"input": 1, "success_utilization": 1, "failed_utilization": -1}
 
@@ -214,7 +214,12 @@ def _select_annotator(frame: pl.DataFrame | None, which: str | None, name: str) 
     return frame
 
 
-@refiner("iapo", settings="iapo", needs=("nodes", "edges"))
+@refiner(
+    "iapo",
+    settings="iapo",
+    needs=("nodes", "edges"),
+    components=("a_hat", "d_plus", "d_minus", "d_in", "phi_plus", "phi_minus", "m_plus", "m_minus", "w"),
+)
 def iapo(ctx: CreditContext, base: CreditResult, settings: IAPOSettings) -> CreditResult:
     """Influence-aware routing of a trajectory-level advantage over the trajectory's actions."""
     s = settings

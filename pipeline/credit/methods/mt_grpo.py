@@ -21,10 +21,10 @@ import numpy as np
 import polars as pl
 from pydantic import Field
 
-from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.ops import group_normalize, segment_start_rows
 from pipeline.credit.registry import MethodError, estimator
+from pipeline.settings import StageSettings, register_settings
 
 
 @register_settings("mt_grpo")
@@ -74,7 +74,7 @@ def turn_reward(ctx: CreditContext, source: str) -> tuple[np.ndarray, int]:
     return np.nan_to_num(R_T, nan=0.0), missing
 
 
-@estimator("mt_grpo", settings="mt_grpo")
+@estimator("mt_grpo", settings="mt_grpo", components=("a_hat", "score", "a_step"))
 def mt_grpo(ctx: CreditContext, settings: MTGRPOSettings) -> CreditResult:
     """Outcome advantage plus a turn-level advantage on the first turn (or on every turn, kturn)."""
     g, lam, eps = ctx.traj_group, settings.turn_advantage_coef, settings.eps

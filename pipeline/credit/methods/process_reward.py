@@ -17,13 +17,13 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.methods.c3 import span_token_ranges
-from pipeline.credit.methods.gae import gae_credit, step_mean
+from pipeline.credit.methods.gae import GAEAdvantages, gae_advantages, gae_result
 from pipeline.credit.methods.grpo import grpo_traj_advantage
-from pipeline.credit.ops import segment_discounted_cumsum, whiten
-from pipeline.credit.registry import Requirement, estimator
+from pipeline.credit.ops import Moments, segment_discounted_cumsum, whiten
+from pipeline.credit.registry import Requirement, RoundStatistics, estimator
+from pipeline.settings import StageSettings, register_settings
 
 
 @register_settings("process_reward")
@@ -53,7 +53,13 @@ def penalised_rewards(ctx: CreditContext, beta: float, s_step: np.ndarray) -> np
     return ctx.rewards() - beta * penalty  # Eq. 2
 
 
-@estimator("grpo_pr", settings="process_reward", needs=("spans",), reads=("grpo",))
+@estimator(
+    "grpo_pr",
+    settings="process_reward",
+    needs=("spans",),
+    reads=("grpo",),
+    components=("a_hat", "score", "severity"),
+)
 def grpo_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
     """GRPO on the outcome reward minus beta * the summed turn severities."""
     s_step = step_severity(ctx)
@@ -72,48 +78,71 @@ def grpo_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult
     )
 
 
+def gae_pr_advantages(
+    ctx: CreditContext, settings: ProcessRewardSettings
+) -> tuple[GAEAdvantages, np.ndarray]:
+    """gae_pr before whitening: GAE's Eq. 1-4 on the assistant tokens with the penalties of Eq. 1 or 2, and
+    s_k per step row."""
+    gs = ctx.stage("gae")
+    s_step = step_severity(ctx)
+    if settings.level == "outcome":
+        rewards = penalised_rewards(ctx, settings.beta, s_step)
+        return gae_advantages(ctx, gs, "gae_pr", rewards=rewards), s_step
+    g = gae_advantages(ctx, gs, "gae_pr")
+    n = ctx.steps["n_tokens"].to_numpy()
+    rows = np.flatnonzero((s_step > 0) & (n > 0) & ctx.steps["is_assistant"].to_numpy())
+    if len(rows) == 0 or len(g.A) == 0:
+        return g, s_step
+    # Eq. 1: -beta * s_k on the last token of turn k; on the assistant tokens (the mask's order) that is the
+    # last token of assistant step k among them (GAE is linear in the rewards: A = A_base + the discounted
+    # cumsum of the penalties, the value terms cancel; returns = A + V get the same)
+    end_in_mask = np.cumsum(g.lengths) - 1  # per assistant step with tokens
+    penalty = np.zeros(len(g.A))
+    penalty[end_in_mask[np.searchsorted(g.a, rows)]] = -settings.beta * s_step[rows]
+    traj = np.repeat(ctx.step_traj[g.a], g.lengths)
+    contrib = segment_discounted_cumsum(penalty, traj, gs.gamma * gs.lam)
+    return (
+        GAEAdvantages(g.A + contrib, g.returns + contrib, g.a, g.lengths, g.last, g.R),
+        s_step,
+    )
+
+
+def gae_pr_statistics(ctx: CreditContext, settings: ProcessRewardSettings) -> dict[str, Moments]:
+    """The moments gae_pr whitens with (`gae.whiten`), on this batch: those of its A over the assistant tokens."""
+    if not ctx.stage("gae").whiten:
+        return {}
+    return {"gae_pr": Moments.of(gae_pr_advantages(ctx, settings)[0].A)}
+
+
 @estimator(
     "gae_pr",
     settings="process_reward",
     needs=("spans",),
     step_columns=("values",),
-    batch_statistics="gae",
+    statistics=RoundStatistics("gae", gae_pr_statistics, step_columns=("values",)),
     requires=(Requirement("values", "critic values"),),
+    components=("a_hat", "score", "severity"),
+    reads=("gae",),
 )
 def gae_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
     """Token GAE with the behaviour penalties as turn rewards (or subtracted from the outcome reward)."""
     gs = ctx.stage("gae")
-    s_step = step_severity(ctx)
+    g, s_step = gae_pr_advantages(ctx, settings)
     has = s_step > 0
-    notes = {"process_reward.penalised_turns": float(has.sum())}
-    if settings.level == "outcome":
-        base = gae_credit(ctx, gs, "gae_pr", rewards=penalised_rewards(ctx, settings.beta, s_step))
-        return CreditResult(
-            base.token_adv,
-            {**base.components, "severity": np.where(has, s_step, np.nan)},
-            base.token_returns,
-            notes,
-        )
-    raw = gae_credit(ctx, gs.model_copy(update={"whiten": False}), "gae_pr")
-    t = np.flatnonzero(ctx.tok_mask)
-    penalty = np.zeros(ctx.n_tokens)
-    n = ctx.steps["n_tokens"].to_numpy()
-    last_tok = ctx.steps["tok_start"].to_numpy() + n - 1
-    rows = np.flatnonzero(has & (n > 0) & ctx.steps["is_assistant"].to_numpy())
-    penalty[last_tok[rows]] = -settings.beta * s_step[rows]  # Eq. 1
-    contrib = segment_discounted_cumsum(penalty[t], ctx.tok_traj[t], gs.gamma * gs.lam)
-    A = raw.token_adv[t] + contrib
-    assert raw.token_returns is not None  # gae_credit always returns them
-    returns = raw.token_returns.copy()
-    returns[t] = returns[t] + contrib
-    if gs.whiten:
+    A = g.A
+    if gs.whiten and len(A):
         A = whiten(A, ctx.moments("gae_pr", A, scope=gs.scope))
-    token_adv = np.zeros(ctx.n_tokens)
-    token_adv[t] = A
-    score = raw.components["score"] + np.bincount(ctx.tok_step, weights=penalty, minlength=ctx.n_steps)
+    res = gae_result(ctx, g, A)
+    score = res.components["score"]
+    if settings.level == "turn" and len(g.A):  # the turn penalties on the steps' scores
+        rows = np.flatnonzero(
+            has & (ctx.steps["n_tokens"].to_numpy() > 0) & ctx.steps["is_assistant"].to_numpy()
+        )
+        score = score.copy()
+        score[rows] += -settings.beta * s_step[rows]
     return CreditResult(
-        token_adv,
-        {"a_hat": step_mean(ctx, token_adv), "score": score, "severity": np.where(has, s_step, np.nan)},
-        returns,
-        notes,
+        res.token_adv,
+        {"a_hat": res.components["a_hat"], "score": score, "severity": np.where(has, s_step, np.nan)},
+        res.token_returns,
+        {"process_reward.penalised_turns": float(has.sum())},
     )

@@ -14,10 +14,10 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.ops import group_moments
 from pipeline.credit.registry import estimator
+from pipeline.settings import StageSettings, register_settings
 
 
 @register_settings("rloo")
@@ -27,7 +27,7 @@ class RLOOSettings(StageSettings):
     )
 
 
-@estimator("rloo", settings="rloo")
+@estimator("rloo", settings="rloo", components=("a_hat", "score"))
 def rloo(ctx: CreditContext, settings: RLOOSettings) -> CreditResult:
     """Leave-one-out mean baseline within the prompt group."""
     R = ctx.rewards()

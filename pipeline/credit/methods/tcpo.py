@@ -41,10 +41,10 @@ import numpy as np
 import polars as pl
 from pydantic import Field
 
-from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.ops import group_normalize
 from pipeline.credit.registry import Requirement, estimator
+from pipeline.settings import StageSettings, register_settings
 
 Selection = Literal["top", "random", "all"]
 
@@ -337,6 +337,12 @@ def _scores_required(config) -> bool:
     return config.stage("tcpo").missing_score == "error"
 
 
+# the components each variant fills (tcpo_credit: per_turn)
+BASE = ("score", "a_hat", "phi", "phi_norm")
+RETRO = (*BASE, "m_best", "delta", "c_ret")
+RETRO_HIN = (*RETRO, "b_gate", "u_future", "c_hin", "c_del")
+FULL = (*RETRO_HIN, "surprisal", "c_cf", "g_sel", "eta")
+
 # every TCPO variant reads per-turn verifier scores r_{i,k} (unless missing ones are scored 0)
 TURN_SCORES = Requirement(
     "verifier_score", "per-turn verifier scores (or tcpo.missing_score=zero)", _scores_required
@@ -344,7 +350,12 @@ TURN_SCORES = Requirement(
 
 
 @estimator(
-    "tcpo", settings="tcpo", needs=("counterfactuals",), step_columns=("logprobs",), requires=(TURN_SCORES,)
+    "tcpo",
+    settings="tcpo",
+    needs=("counterfactuals",),
+    step_columns=("logprobs",),
+    requires=(TURN_SCORES,),
+    components=FULL,
 )
 def tcpo(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """TCPO: retrospective + hindsight + Top-L counterfactual credit, normalised per (prompt, turn), gamma^(k-1)."""
@@ -357,6 +368,7 @@ def tcpo(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     needs=("counterfactuals",),
     step_columns=("logprobs",),
     requires=(TURN_SCORES,),
+    components=FULL,
 )
 def tcpo_random_cf(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """TCPO with Rand-L counterfactual selection (Table 4), seeded by tcpo.seed."""
@@ -369,37 +381,52 @@ def tcpo_random_cf(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     needs=("counterfactuals",),
     step_columns=("logprobs",),
     requires=(TURN_SCORES,),
+    components=FULL,
 )
 def tcpo_all_cf(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """TCPO with counterfactuals on every eligible turn (Table 4, All CF)."""
     return tcpo_credit(ctx, settings, "full", selection="all")
 
 
-@estimator("tcpo_retro_hin", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,))
+@estimator(
+    "tcpo_retro_hin",
+    settings="tcpo",
+    step_columns=("logprobs",),
+    requires=(TURN_SCORES,),
+    components=RETRO_HIN,
+)
 def tcpo_retro_hin(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Retro + Hin.': phi = c_ret + mu*c_hin (no counterfactuals)."""
     return tcpo_credit(ctx, settings, "retro_hin")
 
 
-@estimator("tcpo_retro", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,))
+@estimator(
+    "tcpo_retro", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,), components=RETRO
+)
 def tcpo_retro(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Retro': phi = c_ret."""
     return tcpo_credit(ctx, settings, "retro")
 
 
-@estimator("delta_reward", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,))
+@estimator(
+    "delta_reward", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,), components=BASE
+)
 def delta_reward(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Delta reward': phi = r_{i,k} - r_{i,k-1} (r_{i,0} = 0), TCPO's Norm and gamma^(k-1)."""
     return tcpo_credit(ctx, settings, "delta_reward")
 
 
-@estimator("turn_reward", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,))
+@estimator(
+    "turn_reward", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,), components=BASE
+)
 def turn_reward(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Turn reward': phi = r_{i,k}, TCPO's Norm and gamma^(k-1)."""
     return tcpo_credit(ctx, settings, "turn_reward")
 
 
-@estimator("traj_reward", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,))
+@estimator(
+    "traj_reward", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,), components=BASE
+)
 def traj_reward(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Traj. reward' [INF]: phi = best-turn max_k r_{i,k} on every turn, TCPO's Norm and gamma^(k-1)."""
     return tcpo_credit(ctx, settings, "traj_reward")

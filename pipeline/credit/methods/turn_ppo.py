@@ -19,11 +19,11 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from pipeline.config import StageSettings, register_settings
 from pipeline.credit.context import CreditContext, CreditResult
 from pipeline.credit.methods.gae import require_values
-from pipeline.credit.ops import segment_bounds, segment_discounted_cumsum, whiten
-from pipeline.credit.registry import Requirement, estimator
+from pipeline.credit.ops import Moments, segment_bounds, segment_discounted_cumsum, whiten
+from pipeline.credit.registry import Requirement, RoundStatistics, estimator
+from pipeline.settings import StageSettings, register_settings
 
 
 @register_settings("turn_ppo")
@@ -40,15 +40,8 @@ class TurnPPOSettings(StageSettings):
     )
 
 
-@estimator(
-    "turn_ppo",
-    settings="turn_ppo",
-    step_columns=("values",),
-    batch_statistics="turn_ppo",
-    requires=(Requirement("values", "critic values"),),
-)
-def turn_ppo(ctx: CreditContext, settings: TurnPPOSettings) -> CreditResult:
-    """GAE over turns, one value per turn."""
+def turn_advantages(ctx: CreditContext, settings: TurnPPOSettings):
+    """Eq. 1-4 on the states (assistant steps with tokens): (state step rows h, V, r, A_h)."""
     steps = ctx.steps
     h = np.flatnonzero(steps["is_assistant"].to_numpy() & (steps["n_tokens"].to_numpy() > 0))  # the states
     traj = ctx.step_traj[h]
@@ -60,12 +53,34 @@ def turn_ppo(ctx: CreditContext, settings: TurnPPOSettings) -> CreditResult:
         r = steps["verifier_score"].fill_null(0.0).fill_nan(0.0).to_numpy()[h]
     V_next = np.where(last, 0.0, np.append(V[1:], 0.0))
     delta = r + settings.gamma * V_next - V  # Eq. 3
-    A_turn = segment_discounted_cumsum(delta, traj, settings.gamma * settings.lam)  # Eq. 4
+    return h, V, r, segment_discounted_cumsum(delta, traj, settings.gamma * settings.lam)  # Eq. 4
+
+
+def turn_ppo_statistics(ctx: CreditContext, settings: TurnPPOSettings) -> dict[str, Moments]:
+    """Eq. 6's moments on this batch: A_h over the states, each weighted by its token count."""
+    if not settings.whiten:
+        return {}
+    h, _, _, A_turn = turn_advantages(ctx, settings)
+    return {"turn_ppo": Moments.of(A_turn, ctx.steps["n_tokens"].to_numpy()[h])}
+
+
+@estimator(
+    "turn_ppo",
+    settings="turn_ppo",
+    step_columns=("values",),
+    # the values at the turns' first tokens (and turn_reward="verifier_score" reads the steps' scores)
+    statistics=RoundStatistics("turn_ppo", turn_ppo_statistics, step_columns=("values", "verifier_score")),
+    requires=(Requirement("values", "critic values"),),
+    components=("a_hat", "score"),
+)
+def turn_ppo(ctx: CreditContext, settings: TurnPPOSettings) -> CreditResult:
+    """GAE over turns, one value per turn."""
+    h, V, r, A_turn = turn_advantages(ctx, settings)
     A_out = A_turn
     if settings.whiten:
         # Eq. 6: masked_whiten over the assistant tokens, where each turn's n_h tokens share A_h: the turns
         # weighted by their token counts (no per-token pass)
-        n_h = steps["n_tokens"].to_numpy()[h]
+        n_h = ctx.steps["n_tokens"].to_numpy()[h]
         A_out = whiten(A_turn, ctx.moments("turn_ppo", A_turn, n_h, scope=settings.scope))
     per_step_A = np.zeros(ctx.n_steps)
     per_step_A[h] = A_out
