@@ -15,9 +15,16 @@ the `<|im_start|>assistant\\n` header the policy was given belongs to the contex
 sampled is in an assistant step: its content and the end-of-turn token (the tokenizer's `eos_token`); the
 template's text after that token (ChatML's newline) is context of the next step, and after the last message it
 is not part of the trajectory at all (the policy stopped at its end-of-turn token). Every other token of the
-rendering belongs to one step (the one its first char is in); the loss mask, built from step roles downstream,
-is therefore 1 on sampled tokens only. Two assistant messages in a row (the template's text between them would
-be trained) and templates whose prefix renderings rewrite earlier turns fall back to plain per-message tokens.
+rendering belongs to one step (the one its first char is in), except a token that runs over the start of an
+assistant message (the tokenizer merged the header's last chars with the message's first ones: SmolLM2's
+`\n\n` for the header's newline and a leading blank line): it is the assistant message's, as transformers'
+assistant mask (`return_assistant_tokens_mask`) counts every token overlapping the generation. The ids are the
+tokenization of the whole rendering, transformers' `apply_chat_template(..., tokenize=True)` token for token,
+and the loss mask, built from step roles downstream, is its assistant mask. An assistant message of the
+agent's context that it did not generate (role `assistant_context`, tau2's greeting) renders as an assistant
+turn and is context, like a system or user message. An assistant message right after one the policy sampled
+(the template's text between them would be trained), a conversation that opens with one the policy sampled,
+and templates whose prefix renderings rewrite earlier turns fall back to plain per-message tokens.
 
 Per-step token offsets stay relative to the step's content (tokens of the template's markup before it count
 as char 0, after it as its length), so spans found in the content still map to tokens.
@@ -36,6 +43,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.render import render_assistant
+from schemas.steps import CONTEXT_ROLES
 
 SOURCE_IDS = "source ids"
 PLAIN = "plain"
@@ -85,8 +93,9 @@ def chat_messages(steps, tools: list | None, template_source: str) -> tuple[list
     messages = []
     n_calls = 0
     for step in steps:
-        msg: dict = {"role": step.role, "content": step.content or ""}
-        if step.role == "assistant" and step.tool_calls:
+        # an assistant message the agent did not generate in this run renders as its own assistant turn
+        msg: dict = {"role": CONTEXT_ROLES.get(step.role, step.role), "content": step.content or ""}
+        if msg["role"] == "assistant" and step.tool_calls:
             own = _own_text(step.content or "", step.tool_calls)
             if own is not None:
                 msg["content"] = own
@@ -125,16 +134,24 @@ def _agree(a: str, b: str) -> int:
 
 
 def render(
-    tokenizer, messages: list[dict], tools: list | None = None, eos: str | None = None
+    tokenizer,
+    messages: list[dict],
+    tools: list | None = None,
+    eos: str | None = None,
+    sampled: Sequence[bool] | None = None,
 ) -> tuple[str, np.ndarray]:
     """The rendering up to where the policy stopped, and the char start of each message in it (plus its end):
-    bounds[k] .. bounds[k+1] is message k's span. With `eos` (the end-of-turn token), an assistant message's span
+    bounds[k] .. bounds[k+1] is message k's span. `sampled[k]`: message k is one the policy generated (default:
+    every assistant message; an assistant message of its context that it did not generate, tau2's greeting, is
+    rendered as an assistant turn but is context). With `eos` (the end-of-turn token), a sampled message's span
     ends right after its end-of-turn token: the template's text after it goes to the next message, or, after
-    the last message, is left out. NotRenderable when a prefix rendering rewrites the whole, or two assistant
-    messages are adjacent."""
+    the last message, is left out. NotRenderable when a prefix rendering rewrites the whole, a conversation opens
+    with a sampled message, or an assistant message follows right after a sampled one."""
     apply = tokenizer.apply_chat_template
     kw = {"tokenize": False} | ({"tools": tools} if tools else {})
-    if messages and messages[0]["role"] == "assistant":
+    if sampled is None:
+        sampled = [m["role"] == "assistant" for m in messages]
+    if messages and sampled[0]:
         raise NotRenderable(
             "it starts with an assistant message: no step before it holds the generation prompt"
         )
@@ -163,14 +180,14 @@ def render(
     bounds.append(len(full))
     if eos:
         for k, m in enumerate(messages):
-            if m["role"] != "assistant":
+            if not sampled[k]:
                 continue
             content = m["content"] or ""
             start = full.find(content, bounds[k], bounds[k + 1]) if content else bounds[k]
             j = full.find(eos, max(start, bounds[k]) + len(content), bounds[k + 1])
             if j < 0 or j + len(eos) == bounds[k + 1]:
                 continue
-            if k + 1 < len(messages) and messages[k + 1]["role"] == "assistant":
+            if k + 1 < len(messages) and sampled[k + 1]:
                 raise NotRenderable(
                     "two assistant messages in a row: the template's text between them would be trained"
                 )
@@ -195,14 +212,28 @@ def cut(
     bounds: np.ndarray,
     contents: list[str],
     lengths: list[int] | None = None,
+    sampled: Sequence[bool] | None = None,
 ):
     """Per message: (token ids, offsets relative to its content, clipped to [0, lengths[k]]; default the
-    content's length). A token goes to the message its first char is in; the content is looked up in the
-    message's span (offsets count from the span's start when it is not found)."""
+    content's length). A token goes to the message its first char is in, except a token that runs over the
+    start of a sampled message (`sampled[k]`): it goes to that message. The tokenizer may merge the template's
+    text before a message with the message's first chars (SmolLM2: the header's newline and a leading blank line
+    are one token, `\n\n`); transformers' assistant mask (`apply_chat_template(...,
+    return_assistant_tokens_mask=True)`) marks every token that overlaps the generation, so the token is the
+    message's, and the blank line is not lost to the header. The ids stay the tokenization of the whole
+    rendering. The content is looked up in the message's span (offsets count from the span's start when it is
+    not found)."""
     ids_a = np.asarray(ids, dtype=np.int64)
     offs = np.asarray(offsets, dtype=np.int64)
     owner = np.searchsorted(bounds, offs, side="right") - 1
     owner = np.clip(owner, 0, len(contents) - 1)
+    if sampled is not None and len(offs):
+        starts = np.asarray(bounds[:-1], dtype=np.int64)[np.asarray(sampled, dtype=bool)]
+        ks = np.flatnonzero(np.asarray(sampled, dtype=bool))
+        last_before = np.searchsorted(offs, starts, side="left") - 1  # the last token starting before it
+        nxt = np.append(offs, len(text))[last_before + 1]  # where that token ends
+        over = (last_before >= 0) & (nxt > starts)  # no token starts at the message: the one before runs over
+        owner[last_before[over]] = ks[over]
     splits = np.searchsorted(owner, np.arange(1, len(contents)), side="left")  # owner is non-decreasing
     out = []
     for k, (tok, off) in enumerate(zip(np.split(ids_a, splits), np.split(offs, splits), strict=True)):
@@ -241,8 +272,9 @@ def tokenize_steps(drafts, tokenizer) -> tuple[list[list[int]], list[list[int]],
             continue
         tools = (d.meta or {}).get("tools") if isinstance(d.meta, dict) else None
         messages, tools, left_out = chat_messages(d.steps, tools if isinstance(tools, list) else None, source)
+        sampled = [s.role == "assistant" for s in d.steps]
         try:
-            rendered[i] = (*render(tokenizer, messages, tools, eos), left_out, messages)
+            rendered[i] = (*render(tokenizer, messages, tools, eos, sampled), left_out, messages)
         except NotRenderable as exc:
             made.append(f"{PLAIN} (chat template {name}: {exc})")
             continue
@@ -265,7 +297,8 @@ def tokenize_steps(drafts, tokenizer) -> tuple[list[list[int]], list[list[int]],
             bounds = rendered[i][1]
             steps = drafts[i].steps
             lookup = [m["content"] for m in rendered[i][3]]
-            per_draft[i] = cut(ids, offs, text, bounds, lookup, [len(s.content) for s in steps])
+            sampled = [s.role == "assistant" for s in steps]
+            per_draft[i] = cut(ids, offs, text, bounds, lookup, [len(s.content) for s in steps], sampled)
         else:
             per_draft.setdefault(i, []).append((list(ids), list(offs)))
     for i, d in enumerate(drafts):  # the source's own token counts, where it says them

@@ -8,7 +8,12 @@ from schemas._base import TableSpec, check_in, check_same_length, check_unique
 # calls its device tools; the orchestrator routes them user -> environment -> user). Kept in the lake, with no
 # turn and no tokens: not in the agent's context, the loss mask or the credit.
 UNSEEN_ROLES = {"user_tool"}
-ROLES = {"system", "user", "assistant", "tool"} | UNSEEN_ROLES
+# `assistant_context`: an assistant message of the agent's context that the agent did not generate in this run
+# (tau2's opening greeting, which the orchestrator writes; a task's earlier history): the chat template renders
+# it as the agent's own assistant turn (the role it maps to here), but it has no turn, no tokens in the loss
+# mask and no credit.
+CONTEXT_ROLES = {"assistant_context": "assistant"}
+ROLES = {"system", "user", "assistant", "tool"} | UNSEEN_ROLES | set(CONTEXT_ROLES)
 
 TOOL_CALL = pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())])
 
@@ -37,7 +42,8 @@ DOCS = {
     "traj_id": "trajectory this step belongs to",
     "step_idx": "0-based position of the message in the trajectory",
     "role": "system | user | assistant | tool | user_tool (the user simulator's own tool call or its result: "
-    "never in the agent's context, no turn, no tokens)",
+    "never in the agent's context, no turn, no tokens) | assistant_context (an assistant message the agent did "
+    "not generate in this run, e.g. tau2's greeting: rendered as its assistant turn, no turn, no loss, no credit)",
     "turn": "1-based index k of the assistant action; for user/tool steps, the turn of the action they answer; "
     "null for user_tool steps",
     "content": "message text as the model saw it (tool calls rendered into it for tokenisation)",

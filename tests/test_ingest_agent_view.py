@@ -132,14 +132,21 @@ def test_unseen_steps_are_not_rendered_for_the_agent():
         rendered + "\n"
         == ChatML().apply_chat_template(  # the newline after the last end-of-turn: unsampled
             [
-                {"role": "system", "content": "Hi! How can I help you today?"},
+                {"role": "assistant", "content": "Hi! How can I help you today?"},
                 {"role": "user", "content": "my data is slow"},
                 {"role": "user", "content": "it shows 2G"},
                 {"role": "assistant", "content": "Let me check."},
             ]
         )
     )
-    assert steps["role"].to_list() == ["system", "user", "user_tool", "user_tool", "user", "assistant"]
+    assert steps["role"].to_list() == [
+        "assistant_context",
+        "user",
+        "user_tool",
+        "user_tool",
+        "user",
+        "assistant",
+    ]
     assert steps.filter(pl.col("role") == "user_tool")["token_ids"].to_list() == [[], []]
     assert json.loads(res.trajectories.column("meta")[0].as_py())["tokenization"].startswith("chat template")
 
@@ -166,7 +173,9 @@ def test_framework_error_messages_are_harness_messages(text):
     )
     res = _ingest([sim])
     steps = pl.from_arrow(res.steps)
-    assert steps["role"].to_list() == ["system", "user", "assistant", "user", "system"]
+    # the opener is the agent's context (its assistant turn, not generated here); the framework's message is
+    # no turn of the agent's at all
+    assert steps["role"].to_list() == ["assistant_context", "user", "assistant", "user", "system"]
     assert steps["turn"].to_list()[2] == 1 and steps.filter(pl.col("role") == "assistant").height == 1
     meta = json.loads(res.trajectories.column("meta")[0].as_py())
     assert [h["step_idx"] for h in meta["harness_messages"]] == [0, 4]
@@ -183,10 +192,10 @@ def test_an_agent_that_writes_about_recursion_is_still_the_agent():
         ]
     )
     steps = pl.from_arrow(_ingest([sim]).steps)  # no usage recorded anywhere
-    assert steps["role"].to_list() == ["system", "user", "assistant"]
+    assert steps["role"].to_list() == ["assistant_context", "user", "assistant"]
     sim["messages"][2] = {"role": "assistant", "content": said, "usage": USAGE}  # a generation: the agent's
     steps = pl.from_arrow(_ingest([sim]).steps)
-    assert steps["role"].to_list() == ["system", "user", "assistant"]
+    assert steps["role"].to_list() == ["assistant_context", "user", "assistant"]
 
 
 def test_solo_runs_open_with_the_agents_system_prompt(real_data):
@@ -217,33 +226,174 @@ def test_solo_runs_open_with_the_agents_system_prompt(real_data):
     assert all(m.startswith("chat template chatml") for m in made), made
 
 
-def test_runs_with_a_user_get_no_system_prompt():
+def _run_file(sims, policy="P", tasks=({"id": "7", "ticket": "T"},), tokenizer=None):
+    info = {"environment_info": {"policy": policy}} if policy is not None else {}
+    text = json.dumps({"info": info, "tasks": list(tasks), "simulations": sims})
+    return ingest("tau2-bench", [("r.json", text)], tokenizer=tokenizer or ByteTokenizer())
+
+
+def test_runs_with_a_user_open_with_the_policy_and_the_greeting_is_the_agents_turn_of_context():
+    """The agent's context in a run with a user: its system prompt (the policy the run records), then the
+    orchestrator's greeting as the agent's own assistant turn (tau2 puts it in the agent's state as its
+    message), then the user. The greeting is rendered as an assistant turn but is context: no turn, no loss,
+    no credit."""
+    from pipeline.credit.process import process_batch
+    from pipeline.export import build_train_batch
+
+    greeting = "Hi! How can I help you today?"
     sim = _sim(
         [
-            {"role": "assistant", "content": "Hi! How can I help you today?"},
+            {"role": "assistant", "content": greeting},
             {"role": "user", "content": "hello"},
             {"role": "assistant", "content": "Sure.", "usage": USAGE},
         ]
     )
-    text = json.dumps(
-        {
-            "info": {"environment_info": {"policy": "P"}},
-            "tasks": [{"id": "7", "ticket": "T"}],
-            "simulations": [sim],
-        }
+    res = _run_file([sim], tokenizer=ChatML())
+    steps = pl.from_arrow(res.steps)
+    assert steps["role"].to_list() == ["system", "assistant_context", "user", "assistant"]
+    assert steps["content"].to_list() == ["<policy>\nP\n</policy>", greeting, "hello", "Sure."]
+    assert steps["turn"].to_list() == [None, None, None, 1]
+    meta = json.loads(res.trajectories.column("meta")[0].as_py())
+    assert (
+        meta["system_prompt"] == "rendered from the policy" and meta["tokenization"] == "chat template chatml"
     )
-    res = ingest("tau2-bench", [("r.json", text)], tokenizer=ByteTokenizer())
-    assert res.steps.column("role").to_pylist() == ["system", "user", "assistant"]
-    assert res.steps.column("content")[0].as_py() == "Hi! How can I help you today?"
-    # the same run without its user (a solo run) opens with the policy and the ticket
-    sim["messages"] = [sim["messages"][2]]
-    solo = json.dumps(
-        {
-            "info": {"environment_info": {"policy": "P"}},
-            "tasks": [{"id": "7", "ticket": "T"}],
-            "simulations": [sim],
-        }
+    assert meta["harness_messages"] == [{"step_idx": 1, "role": "assistant", "turn_idx": None}]
+    text = [bytes(ids).decode() for ids in steps["token_ids"]]
+    expected = ChatML().apply_chat_template(
+        [
+            {"role": "system", "content": "<policy>\nP\n</policy>"},
+            {"role": "assistant", "content": greeting},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "Sure."},
+        ]
     )
-    res = ingest("tau2-bench", [("r.json", solo)], tokenizer=ByteTokenizer())
+    assert "".join(text) + "\n" == expected  # the newline after the agent's last end-of-turn: unsampled
+    # the header before the greeting is the generation prompt, held by the step before it (as before any
+    # assistant turn); the greeting's end-of-turn and what follows are its own (nothing of it was sampled)
+    assert text[0].endswith("</policy><|im_end|>\n<|im_start|>assistant\n")
+    assert text[1] == greeting + "<|im_end|>\n"
+    assert text[3] == "Sure.<|im_end|>"
+    adv = process_batch(res.trajectories, res.steps, ["grpo"])[0]["grpo"]
+    batch = build_train_batch(res.trajectories, res.steps, adv).to_pylist()[0]
+    n0, n1 = len(steps["token_ids"][0]), len(steps["token_ids"][1])
+    mask, tok_adv = batch["loss_mask"], batch["advantages"]
+    assert set(mask[n0 : n0 + n1]) == {0} and set(tok_adv[n0 : n0 + n1]) == {0.0}
+    assert sum(mask) == len(steps["token_ids"][3]) and all(mask[-len(steps["token_ids"][3]) :])
+
+
+def test_a_greeting_renders_as_an_assistant_turn_even_with_no_system_prompt_before_it():
+    """A run that records no policy opens with the greeting: it holds its own header (all context), and the
+    conversation still renders through the template; an agent's own turn cannot open one (nothing before it
+    holds the generation prompt)."""
+    sim = _sim(
+        [
+            {"role": "assistant", "content": "Hi!"},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "Sure.", "usage": USAGE},
+        ]
+    )
+    res = _run_file([sim], policy=None, tokenizer=ChatML())
+    steps = pl.from_arrow(res.steps)
+    assert steps["role"].to_list() == ["assistant_context", "user", "assistant"]
+    assert bytes(steps["token_ids"][0]).decode() == "<|im_start|>assistant\nHi!<|im_end|>\n"
+    meta = json.loads(res.trajectories.column("meta")[0].as_py())
+    assert meta["tokenization"] == "chat template chatml" and meta["system_prompt"] is None
+    # earlier history in a task's initial state: assistant messages of context too, and a greeting right
+    # before the agent's own turn (no user in between) is no reason to fall back to plain tokens
+    sim = _sim(
+        [
+            {"role": "assistant", "content": "Hi!"},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "from history"},
+            {"role": "assistant", "content": "Sure.", "usage": USAGE},
+        ]
+    )
+    res = _run_file([sim], tokenizer=ChatML())
+    steps = pl.from_arrow(res.steps)
+    assert steps["role"].to_list() == [
+        "system",
+        "assistant_context",
+        "user",
+        "assistant_context",
+        "assistant",
+    ]
+    text = [bytes(ids).decode() for ids in steps["token_ids"]]
+    assert text[3] == "from history<|im_end|>\n<|im_start|>assistant\n" and text[4] == "Sure.<|im_end|>"
+
+
+def test_solo_runs_get_the_ticket_too():
+    sim = _sim([{"role": "assistant", "content": "Sure.", "usage": USAGE}])  # no user message: solo
+    res = _run_file([sim])
     assert res.steps.column("role").to_pylist() == ["system", "assistant"]
     assert res.steps.column("content")[0].as_py() == "<policy>\nP\n</policy>\n<ticket>\nT\n</ticket>"
+    meta = json.loads(res.trajectories.column("meta")[0].as_py())
+    assert meta["system_prompt"] == "rendered from the policy and the ticket"
+    # a solo agent that talks to nobody but whose run holds no ticket: the policy alone
+    res = _run_file([sim], tasks=({"id": "7"},))
+    assert res.steps.column("content")[0].as_py() == "<policy>\nP\n</policy>"
+
+
+WITH_USER = {
+    "tau2_bench/qwen2.5-7b_airline_1trial.json": 50,
+    "tau2_bench/gpt-4.1_telecom_default_1trial.json": 40,
+    "tau2_bench/gpt-4.1-sft_telecom_default_1trial.json.gz": 40,
+}
+
+
+@pytest.mark.parametrize("rel", sorted(WITH_USER))
+def test_shipped_runs_with_a_user_render_the_policy_and_the_greeting_as_the_agent_had_them(real_data, rel):
+    """Every simulation of the shipped runs with a user: a system step of the run's policy, then the greeting
+    as an assistant turn of context, rendered by SmolLM2's own chat template (its `apply_chat_template` of the
+    two messages is the start of the trajectory's tokens); the greeting gets no loss and no credit, while
+    every successful simulation's credit sits on the agent's own turns."""
+    import numpy as np
+    from c3_sample import read_source
+    from test_ingest_chat_template import _smollm2
+
+    from pipeline.credit.process import process_batch
+    from pipeline.export import build_train_batch
+
+    if not (real_data / rel).exists():
+        pytest.skip(f"{rel} not shipped")
+    tok = _smollm2()
+    name, text = read_source(rel, real_data)
+    raw = json.loads(text)
+    policy = raw["info"]["environment_info"]["policy"].strip()
+    res = ingest("tau2-bench", [(name, text)], tokenizer=tok)
+    assert res.quarantine.num_rows == 0 and res.trajectories.num_rows == WITH_USER[rel]
+    steps = pl.from_arrow(res.steps.select(["traj_id", "step_idx", "role", "turn", "content", "token_ids"]))
+    head = steps.filter(pl.col("step_idx") < 2).sort(["traj_id", "step_idx"])
+    assert head["role"].to_list() == ["system", "assistant_context"] * WITH_USER[rel]
+    assert set(head["content"].to_list()[0::2]) == {f"<policy>\n{policy}\n</policy>"}
+    greetings = {m["content"] for s in raw["simulations"] for m in s["messages"][:1]}
+    assert set(head["content"].to_list()[1::2]) == greetings == {"Hi! How can I help you today?"}
+    assert head["turn"].null_count() == head.height
+    want = tok._hf.apply_chat_template(
+        [
+            {"role": "system", "content": f"<policy>\n{policy}\n</policy>"},
+            {"role": "assistant", "content": "Hi! How can I help you today?"},
+        ],
+        tokenize=False,
+    )
+    metas = [json.loads(m) for m in res.trajectories.column("meta").to_pylist()]
+    assert all(m["tokenization"].startswith("chat template smollm2") for m in metas)
+    assert {m["system_prompt"] for m in metas} == {"rendered from the policy"}
+    ids = head["token_ids"].to_list()
+    for k in range(0, len(ids), 2):
+        assert tok._tok.decode(ids[k] + ids[k + 1], skip_special_tokens=False) == want
+        assert (
+            tok._tok.decode(ids[k + 1], skip_special_tokens=False)
+            == "Hi! How can I help you today?<|im_end|>\n"
+        )
+    adv = process_batch(res.trajectories, res.steps, ["grpo"])[0]["grpo"]
+    batch = build_train_batch(res.trajectories, res.steps, adv).to_pylist()
+    lengths = {
+        (t, i): len(x)
+        for t, i, x in zip(steps["traj_id"], steps["step_idx"], steps["token_ids"], strict=True)
+    }
+    positive = 0
+    for row in batch:
+        n = lengths[(row["traj_id"], 0)] + lengths[(row["traj_id"], 1)]
+        assert not any(row["loss_mask"][:n]) and not np.any(row["advantages"][:n])
+        positive += row["reward"] > 0 and bool(np.any(np.asarray(row["advantages"]) > 0))
+    assert positive == sum(s["reward_info"]["reward"] > 0 for s in raw["simulations"]) > 0

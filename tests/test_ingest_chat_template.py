@@ -183,6 +183,19 @@ def _smollm2():
     return tok
 
 
+def _drafts(rows: list[dict]) -> list[StepDraft]:
+    """Step drafts back from ingested step rows (role, content, calls, call id)."""
+    return [
+        StepDraft(
+            s["role"],
+            s["content"],
+            tool_calls=[dict(c) for c in s["tool_calls"]] if s["tool_calls"] else None,
+            tool_call_id=s["tool_call_id"],
+        )
+        for s in rows
+    ]
+
+
 @pytest.mark.parametrize(
     "fmt,rel,n",
     [("tau-bench", TAU, 12), ("tau2-bench", TAU2, 12), ("react", REACT, 12), ("ldb", LDB, 12)],
@@ -202,15 +215,7 @@ def test_real_text_sources_decode_to_the_smollm2_chat_template(real_data, fmt, r
         meta = json.loads(t["meta"])
         assert meta["tokenization"].startswith("chat template smollm2")
         mine = [s for s in steps if s["traj_id"] == t["traj_id"]]
-        drafts = [
-            StepDraft(
-                s["role"],
-                s["content"],
-                tool_calls=[dict(c) for c in s["tool_calls"]] if s["tool_calls"] else None,
-                tool_call_id=s["tool_call_id"],
-            )
-            for s in mine
-        ]
+        drafts = _drafts(mine)
         messages, tools, _ = chat_messages(drafts, meta.get("tools"), tok.chat_template)
         expected = tok._hf.apply_chat_template(messages, tools=tools, tokenize=False)
         ids = [i for s in mine for i in s["token_ids"]]
@@ -428,3 +433,167 @@ def test_a_token_count_other_than_the_sources_is_said(tmp_path):
         and "source counted" not in json.loads(t["meta"])["tokenization"]
         for t in res.trajectories.to_pylist()
     )
+
+
+# ---- token for token: the ids are the tokenizer's own apply_chat_template(tokenize=True), the loss mask its
+# assistant mask ---------------------------------------------------------------------------------------------
+
+# SmolLM2's template with transformers' generation markers around what the policy sampled (content and
+# end-of-turn) of the messages it generated (an assistant message of its context, `context`, is not marked)
+SMOLLM2_GENERATION = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{% endif %}{% if message['role'] == 'assistant' and not message.get('context') %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\\n' }}{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _as_the_framework_renders(tok, drafts: list[StepDraft], ids: list[list[int]], tools=None) -> None:
+    """The trajectory's ids are transformers' `apply_chat_template(messages, tokenize=True)` token for token (up
+    to the policy's last end-of-turn), and its loss mask (the tokens of assistant steps) is transformers' own
+    assistant mask (`return_assistant_tokens_mask`, every token overlapping a generation) of the same
+    conversation; every assistant step's tokens hold all of its content."""
+    messages, tools, _ = chat_messages(drafts, tools, tok.chat_template)
+    out = tok._hf.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)
+    flat = [i for x in ids for i in x]
+    assert flat == list(out["input_ids"][: len(flat)])
+    assert tok._tok.decode(out["input_ids"][len(flat) :], skip_special_tokens=False) in ("", "\n")
+    marked = [
+        {**m, "context": True} if d.role != "assistant" and m["role"] == "assistant" else m
+        for d, m in zip(drafts, messages, strict=True)
+    ]
+    gen = tok._hf.apply_chat_template(
+        marked,
+        chat_template=SMOLLM2_GENERATION,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
+    assert list(gen["input_ids"]) == list(out["input_ids"])  # the markers change nothing else
+    mask = [int(d.role == "assistant") for d, x in zip(drafts, ids, strict=True) for _ in x]
+    assert mask == list(gen["assistant_masks"][: len(flat)])
+    for d, x in zip(drafts, ids, strict=True):
+        if d.role == "assistant":
+            assert messages[drafts.index(d)]["content"] in tok._tok.decode(x, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("content", ["\n\nHello", "\n Hello", "\n\n\nHi there", "  two spaces", "\t\nx"])
+def test_a_leading_blank_line_stays_with_its_message(content):
+    """SmolLM2 merges the header's newline with the first whitespace of the content (`assistant\\n` + `\\nHello`
+    gives the token `\\n\\n`): that token was counted to the header (the step before, context), and an assistant
+    step that began with a blank line lost it. It runs over the message's start, so it is the message's, as
+    transformers' assistant mask counts it; the ids stay those of the whole rendering."""
+    tok = _smollm2()
+    steps = [
+        StepDraft("system", "S"),
+        StepDraft("user", "Q"),
+        StepDraft("assistant", content),
+        StepDraft("user", "\n\nmore"),
+        StepDraft("assistant", content + "  "),
+    ]
+    ids, offs, made = tokenize_steps([TrajectoryDraft("t", "g", 0.0, steps)], tok)
+    assert made == ["chat template smollm2"]
+    _as_the_framework_renders(tok, steps, ids)
+    text = tok._tok.decode(ids[2], skip_special_tokens=False)
+    assert text.endswith(content + "<|im_end|>") and len(text) <= len(content + "<|im_end|>") + 1
+    assert tok._tok.decode(ids[1], skip_special_tokens=False).endswith("<|im_start|>assistant")  # no newline
+    assert offs[2][0] == 0 and offs[2] == sorted(offs[2])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["system", "user", "assistant", "tool"]),
+            st.text(alphabet=st.sampled_from(["\n", " ", "\t", "a", "B", ".", "é", "<", "|"]), max_size=8),
+        ),
+        min_size=2,
+        max_size=7,
+    )
+)
+def test_any_conversation_is_the_frameworks_rendering_token_for_token(conv):
+    tok = _smollm2()
+    if conv[0][0] == "assistant" or any(
+        a[0] == b[0] == "assistant" for a, b in zip(conv, conv[1:], strict=False)
+    ):
+        return  # plain (said so): test_rendered_tokens_are_the_rendering_cut_at_messages
+    steps = [StepDraft(role, text) for role, text in conv]
+    ids, _, made = tokenize_steps([TrajectoryDraft("t", "g", 0.0, steps)], tok)
+    assert made == ["chat template smollm2"]
+    _as_the_framework_renders(tok, steps, ids)
+
+
+@pytest.mark.parametrize(
+    "fmt,rel",
+    [
+        ("tau-bench", TAU),
+        ("tau2-bench", TAU2),
+        ("tau2-bench", "tau2_bench/gpt-4.1-sft_telecom_default_1trial.json.gz"),
+        ("tau2-bench", "tau2_bench/gpt-4.1_telecom_no-user_1trial.json.gz"),
+        ("react", REACT),
+        (
+            "react",
+            "fireact_hotpotqa/hotpotqa_dev_0_500_ft_gpt-3.5-turbo-0613_princeton-nlp__7woQRsdi_0.0_2023-09-21-16-19-51.json",
+        ),
+        ("ldb", LDB),
+    ],
+)
+def test_shipped_sources_are_the_frameworks_rendering_token_for_token(real_data, fmt, rel):
+    """The first 12 trajectories of every shipped text source: ids == SmolLM2's apply_chat_template(tokenize=
+    True), loss mask == its assistant mask (tau2's greeting and system prompt included, context)."""
+    from c3_sample import read_source
+
+    tok = _smollm2()
+    if not (real_data / rel).exists():
+        pytest.skip(f"{rel} not shipped")
+    name, text = read_source(rel, real_data)
+    res = ingest(fmt, [(name, text)], tokenizer=tok)
+    steps = res.steps.to_pylist()
+    checked = 0
+    for t in res.trajectories.slice(0, 12).to_pylist():
+        meta = json.loads(t["meta"])
+        if not meta["tokenization"].startswith("chat template"):
+            continue
+        mine = [s for s in steps if s["traj_id"] == t["traj_id"] and s["role"] != "user_tool"]
+        drafts = _drafts(mine)
+        _as_the_framework_renders(tok, drafts, [s["token_ids"] for s in mine], meta.get("tools"))
+        checked += 1
+    assert checked >= 10
+
+
+def test_shipped_replies_that_open_with_a_blank_line_keep_it(real_data):
+    """No agent reply in the shipped files opens with white space; the tau2 airline run's first 12 simulations
+    with a blank line put before every agent reply that has text (as a model that opens with one writes it,
+    `\n\n`):
+    every such step's tokens hold the blank line, the ids are still SmolLM2's own rendering token for token and
+    the loss mask its assistant mask."""
+    tok = _smollm2()
+    path = real_data / TAU2
+    if not path.exists():
+        pytest.skip(f"{TAU2} not shipped")
+    raw = json.loads(path.read_text())
+    raw["simulations"] = raw["simulations"][:12]
+    opened = 0
+    for sim in raw["simulations"]:
+        for m in sim["messages"]:
+            if m["role"] == "assistant" and m.get("usage") is not None and m.get("content"):
+                assert not m["content"][:1].isspace()
+                m["content"] = "\n\n" + m["content"]
+                opened += 1
+    res = ingest("tau2-bench", [(path.name, json.dumps(raw))], tokenizer=tok)
+    steps = res.steps.to_pylist()
+    held = 0
+    for t in res.trajectories.to_pylist():
+        meta = json.loads(t["meta"])
+        mine = [s for s in steps if s["traj_id"] == t["traj_id"]]
+        drafts = _drafts(mine)
+        _as_the_framework_renders(tok, drafts, [s["token_ids"] for s in mine], meta.get("tools"))
+        for s in mine:
+            if s["role"] == "assistant" and s["content"].startswith("\n\n"):
+                # the header's newline and the blank line are one token, the step's first
+                text = tok._tok.decode(s["token_ids"], skip_special_tokens=False)
+                assert text.startswith("\n\n\n") and text.endswith("<|im_end|>")
+                held += 1
+    assert held == opened > 50

@@ -59,7 +59,7 @@ def test_ingest_tau2_bench_into_lake_and_query(real_data, tmp_path, monkeypatch)
         )[0]
 
     first = counts()
-    assert first == {"t": 50, "g": 50, "s": 1632, "e": 79, "q": 0, "r": 2}
+    assert first == {"t": 50, "g": 50, "s": 1682, "e": 79, "q": 0, "r": 2}
     # the same input again: the same rows, once
     out = runner.invoke(app, args)
     assert out.exit_code == 0, out.output

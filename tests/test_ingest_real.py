@@ -94,15 +94,17 @@ def test_tau_bench_v1(real_data):
 def test_tau2_bench(real_data):
     res, path = _run(real_data, "tau2-bench", TAU2)
     raw = json.loads(path.read_text())["simulations"]
-    # the orchestrator's greeting (no usage, no raw_data) is context: a system step, not the agent's turn 1
+    # the orchestrator's greeting (no usage, no raw_data) is context: an assistant turn the agent did not
+    # generate, not its turn 1; every simulation opens with the agent's system prompt (the run's policy)
     roles = Counter(
-        "system"
+        "assistant_context"
         if m["role"] == "assistant" and m.get("usage") is None and m.get("raw_data") is None
         else m["role"]
         for s in raw
         for m in s["messages"]
     )
-    assert roles["system"] == 50
+    assert roles["assistant_context"] == 50 and "system" not in roles
+    roles["system"] = len(raw)
     tool_errors = sum(1 for s in raw for m in s["messages"] if m["role"] == "tool" and m["error"])
     agent_calls = sum(
         1
@@ -177,7 +179,14 @@ def test_tau2_user_tool_calls_are_steps_the_agent_never_saw():
     steps = _rows(res.steps)
     # the opener before every user message, with no generation recorded, is the harness's: context; the user
     # simulator's own call and its result (issue 34) are user_tool steps: no turn, no tokens
-    assert [s["role"] for s in steps] == ["system", "user_tool", "user_tool", "user", "assistant", "tool"]
+    assert [s["role"] for s in steps] == [
+        "assistant_context",
+        "user_tool",
+        "user_tool",
+        "user",
+        "assistant",
+        "tool",
+    ]
     assert steps[1]["tool_calls"][0]["name"] == "toggle_airplane_mode" and steps[1]["content"] == ""
     assert steps[1]["turn"] is None and steps[2]["turn"] is None and steps[2]["tool_call_id"] == "u1"
     assert steps[2]["token_ids"] == [] and steps[2]["content"] == "ok"

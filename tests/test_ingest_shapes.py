@@ -193,9 +193,10 @@ def test_tau2_harness_greeting_is_context_without_a_turn(real_data):
     by = _by_traj(res)
     for sim in raw:
         rows = by[sim["id"]]
-        first = rows[0]
-        assert (first["role"], first["turn"], first["content"]) == (
+        first = rows[1]  # after the system prompt (the run's policy)
+        assert (rows[0]["role"], first["role"], first["turn"], first["content"]) == (
             "system",
+            "assistant_context",
             None,
             "Hi! How can I help you today?",
         )
@@ -205,7 +206,7 @@ def test_tau2_harness_greeting_is_context_without_a_turn(real_data):
         assert [r["turn"] for r in asst] == list(range(1, len(generated) + 1))
         assert asst[0]["content"].startswith((generated[0]["content"] or "")[:20])
     metas = [json.loads(t["meta"]) for t in res.trajectories.to_pylist()]
-    assert all(m["harness_messages"] == [{"step_idx": 0, "role": "assistant", "turn_idx": 0}] for m in metas)
+    assert all(m["harness_messages"] == [{"step_idx": 1, "role": "assistant", "turn_idx": 0}] for m in metas)
 
 
 def test_tau2_harness_rule_keeps_generated_messages():
@@ -222,16 +223,16 @@ def test_tau2_harness_rule_keeps_generated_messages():
     text = json.dumps({"simulations": [sim(msgs)]})
     steps = ingest("tau2-bench", [("r.json", text)], tokenizer=BYTES).steps.to_pylist()
     assert [(s["role"], s["turn"]) for s in steps] == [
-        ("system", None),
+        ("assistant_context", None),
         ("user", None),
-        ("system", None),
+        ("assistant_context", None),
         ("assistant", 1),
     ]
     # a log that records no generation at all: only the opener before the first user message is the harness's
     bare = [{k: v for k, v in m.items() if k not in ("usage", "raw_data")} for m in msgs]
     steps = ingest("tau2-bench", [("r.json", json.dumps({"simulations": [sim(bare)]}))], tokenizer=BYTES)
     assert [(s["role"], s["turn"]) for s in steps.steps.to_pylist()] == [
-        ("system", None),
+        ("assistant_context", None),
         ("user", None),
         ("assistant", 1),
         ("assistant", 2),
@@ -268,8 +269,9 @@ def test_tau2_greeting_gets_no_credit(real_data):
     res = ingest("tau2-bench", [(str(path), path.read_text())], tokenizer=BYTES)
     tables, _ = process_batch(res.trajectories, res.steps, ["grpo"])
     adv = tables["grpo"].to_pylist()
-    first = [r for r in adv if r["step_idx"] == 0]
-    assert len(first) == 50 and all(r["role"] == "system" and not np.any(r["token_adv"]) for r in first)
+    first = [r for r in adv if r["step_idx"] == 1]  # after the system prompt
+    assert len(first) == 50
+    assert all(r["role"] == "assistant_context" and not np.any(r["token_adv"]) for r in first)
     # the successful simulations' credit sits on the agent's own first turn
     turn1 = [r for r in adv if r["turn"] == 1 and r["role"] == "assistant"]
     assert sum(1 for r in turn1 if np.any(np.asarray(r["token_adv"]) > 0)) == 9

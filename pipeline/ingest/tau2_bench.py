@@ -7,18 +7,25 @@ into the assistant content); calls on a user message (requestor "user", the user
 on that user step (`tool_calls`, content not re-rendered) and are not agent actions. Tool messages link by
 `id` and carry `error` -> `is_error`. tau2's `errors` on an assistant message record attempts the
 orchestrator rejected before the accepted message; they go to `meta.rejected_attempts` (the step itself is
-the accepted message, not an error). The agent's system prompt is not in the messages: the domain policy is
-kept in `meta.policy`, with the task, reward_info, termination reason, costs and seed.
+the accepted message, not an error). The task, reward_info, termination reason, costs and seed go to `meta`.
+
+The agent's system prompt is not in the messages: the run records what the agent was told, the domain policy
+(`info.environment_info.policy`, also kept in `meta.policy`) and, for a solo run, the task's ticket. Every run
+opens with a system step of it (`<policy>...</policy>`, then `<ticket>...</ticket>` for a solo run), so the
+conversation renders through the chat template as the agent had it (tau2's fixed instruction text around them
+is not in the Results file and is not rendered).
 
 Harness-injected messages: tau2's orchestrator opens every simulation with an assistant message it writes
-itself (`DEFAULT_FIRST_AGENT_MESSAGE`, "Hi! How can I help you today?", no LLM call), and a task's
-`initial_state.message_history` can put earlier assistant messages in. The agent did not generate them, so
-they are context: they become `system` steps (no turn number, no credit; their own turn numbering starts at
-the first message the agent generated) and are listed in `meta.harness_messages` with their tau2 role and
-turn_idx. The rule: an assistant message is harness-injected when it records no generation (`usage` and
-`raw_data` both null or absent) and either another assistant message of the simulation records one, or it comes
-before every user message (the opener). Every message the agent generated records its `usage` in tau2
-Results.
+itself (`DEFAULT_FIRST_AGENT_MESSAGE`, "Hi! How can I help you today?", no LLM call) and puts it in the agent's
+state as the agent's own message; a task's `initial_state.message_history` can put earlier assistant messages
+in. The agent did not generate them in this run, so they are `assistant_context` steps: rendered as the
+agent's assistant turn, with no turn number, no loss and no credit (the turn numbering starts at the first
+message the agent generated). A message an agent framework wrote in the agent's place when it stopped it
+(LangGraph's recursion limit, a traceback) is no turn of the agent's at all: a `system` step. Both are listed
+in `meta.harness_messages` with their tau2 role and turn_idx. The rule: an assistant message is
+harness-injected when it records no generation (`usage` and `raw_data` both null or absent) and either another
+assistant message of the simulation records one, or it comes before every user message (the opener), or it is
+a framework's error message. Every message the agent generated records its `usage` in tau2 Results.
 """
 
 from __future__ import annotations
@@ -104,25 +111,25 @@ def harness_injected(messages: list) -> set[int]:
     }
 
 
-def solo_system_prompt(sim: dict, agent: dict, env: dict, task) -> str | None:
-    """The system prompt of a solo (no-user) run, from what the run records: tau2's solo agent is told its
-    domain policy and the task's ticket (its fixed instruction text is not in the Results file, so it is not
-    rendered). None for a run with a user (its agent's prompt is the policy alone, kept in `meta.policy`), or
-    when the run records no policy. A run is solo when its agent is a `*_solo` implementation, or when no
-    message of the simulation is the user's."""
+def system_prompt(sim: dict, agent: dict, env: dict, task) -> tuple[str | None, str | None]:
+    """The agent's system prompt from what the run records, and what it was made of: the domain policy
+    for a run with a user; the policy and the task's ticket for a solo run (tau2's fixed instruction text
+    around them is not in the Results file, so it is not rendered). None when the run records no policy. A
+    run is solo when its agent is a `*_solo` implementation, or when no message of the simulation is the
+    user's."""
     raw = sim.get("messages")
     messages: list = raw if isinstance(raw, list) else []
     solo = str(agent.get("implementation") or "").endswith("_solo") or not any(
         isinstance(m, dict) and m.get("role") == "user" for m in messages
     )
     policy = env.get("policy")
-    if not solo or not isinstance(policy, str) or not policy.strip():
-        return None
+    if not isinstance(policy, str) or not policy.strip():
+        return None, None
+    prompt = f"<policy>\n{policy.strip()}\n</policy>"
     ticket = task.get("ticket") if isinstance(task, dict) else None
-    parts = [f"<policy>\n{policy.strip()}\n</policy>"]
-    if isinstance(ticket, str) and ticket.strip():
-        parts.append(f"<ticket>\n{ticket.strip()}\n</ticket>")
-    return "\n".join(parts)
+    if solo and isinstance(ticket, str) and ticket.strip():
+        return f"{prompt}\n<ticket>\n{ticket.strip()}\n</ticket>", "rendered from the policy and the ticket"
+    return prompt, "rendered from the policy"
 
 
 def unseen_by_agent(msg) -> bool:
@@ -151,7 +158,7 @@ def _steps(messages, where: str = "messages") -> tuple[list[StepDraft], list[dic
         w = f"{where}[{i}]"
         step, _ = message_step(msg, w)
         if i in injected:
-            step.role = "system"
+            step.role = "system" if framework_error(msg) else "assistant_context"
             harness.append(
                 {
                     "step_idx": i,
@@ -188,7 +195,7 @@ def tau2_bench(record: SourceRecord) -> TrajectoryDraft:
     agent = info.get("agent_info") if isinstance(info.get("agent_info"), dict) else {}
     env = info.get("environment_info") if isinstance(info.get("environment_info"), dict) else {}
     task = record.context.get("tasks", {}).get(task_id)
-    prompt = solo_system_prompt(sim, agent, env, task)
+    prompt, made_of = system_prompt(sim, agent, env, task)
     if prompt is not None:  # the agent's context opened with it: a system step before every message
         steps.insert(0, StepDraft(role="system", content=prompt))
         for entry in (*harness, *rejected_attempts):
@@ -199,7 +206,7 @@ def tau2_bench(record: SourceRecord) -> TrajectoryDraft:
         "task_id": task_id,
         "trial": trial,
         "task": task,
-        "system_prompt": "rendered from the policy and the ticket" if prompt is not None else None,
+        "system_prompt": made_of,
         "reward_info": reward_info,
         "rejected_attempts": rejected_attempts,
         "harness_messages": harness,
