@@ -1,6 +1,11 @@
-"""Issue 24: the C3 detectors' precision and recall on a labelled sample of spans from the shipped real data
-(tests/c3_sample.py draws it; tests/data/c3_labels.json holds one label and reason per span), and exact-loop
-recall against an independent recount of exact repeats on all of tau2's simulations."""
+"""The C3 detectors' precision and recall on the labelled samples of spans from the shipped real data
+(tests/c3_sample.py draws them, one label and one line of reason per span):
+- issue 24's sample (tests/data/c3_labels.json), and exact-loop recall against an independent recount of exact
+  repeats on all of tau2's simulations;
+- issue 34's sample of spans on steps with positive advantage (where C3 changes credit), from tau2 airline,
+  tau2 telecom (with a user and solo, base and SFT) and FireAct (llama-2 7b and 13b, gpt-3.5)
+  (tests/data/c3_labels_34.json), scored with the rules before issue 34 too to show what changed, and its
+  recall side: successful trajectories without spans, each read whole (tests/data/c3_recall_34.json)."""
 
 import json
 from collections import Counter
@@ -9,12 +14,22 @@ import c3_sample
 import pytest
 
 
-@pytest.fixture(scope="module")
-def sample(real_data):
-    for _, rel in c3_sample.SOURCES.values():
+def _shipped(real_data, sources: dict) -> None:
+    for _, rel in sources.values():
         if not (real_data / rel).exists():
             pytest.skip(f"{rel} not shipped")
+
+
+@pytest.fixture(scope="module")
+def sample(real_data):
+    _shipped(real_data, c3_sample.SOURCES)
     return c3_sample.draw(real_data), json.loads(c3_sample.LABELS.read_text())
+
+
+@pytest.fixture(scope="module")
+def sample_34(real_data):
+    _shipped(real_data, c3_sample.SOURCES_34)
+    return c3_sample.draw_positive(real_data), json.loads(c3_sample.LABELS_34.read_text())
 
 
 def test_every_sampled_span_is_labelled_with_a_reason(sample):
@@ -68,3 +83,44 @@ def test_exact_loop_recall_on_all_of_tau2(real_data):
     got = Counter(tid for tid, h, _ in hits if h.behavior == "query_loop")
     assert got == expected
     assert every == 72 and sum(expected.values()) == 62  # 10 re-checks after a change they depend on
+
+
+def test_every_span_on_a_positive_step_is_labelled_with_a_reason(sample_34):
+    items, labels = sample_34
+    assert len(items) >= 100
+    assert {i.id for i in items} == set(labels)
+    assert all(lab in ("real", "false") and 20 < len(reason) < 300 for lab, reason in labels.values())
+    assert {i.source.split("-")[0] + "-" + i.source.split("-")[1] for i in items} >= {
+        "tau2-airline",
+        "tau2-telecom",
+    }
+    assert any(i.source.startswith("fireact") for i in items)
+
+
+def test_precision_on_positive_steps_now_and_before_issue_34(sample_34):
+    items, labels = sample_34
+    now = c3_sample.scores(items, labels, "now")
+    before = c3_sample.scores(items, labels, "before")
+    # the rules before issue 34 flagged 96 repeats on positive steps, 40 of them waste (telecom re-checks after
+    # a fix: 1 of 25 solo, 0 of 25 solo-SFT); now 40 are flagged, all waste, and none of the 40 is lost
+    assert (before["query_loop"]["flagged"], before["query_loop"]["real_flagged"]) == (96, 40)
+    assert now["query_loop"]["precision"] >= 0.95 and now["query_loop"]["recall"] == 1.0
+    assert now["invalid_action"]["precision"] >= 0.95 and now["invalid_action"]["flagged"] == 12
+    # near repetition: 3 spans on positive steps in all these logs, too few for a rate; one re-ask found the answer
+    assert (now["near_repetition"]["flagged"], now["near_repetition"]["real_flagged"]) == (3, 2)
+    per_source = c3_sample.scores(items, labels, "now", by=lambda i: (i.source, i.behavior))
+    assert all(
+        s["precision"] >= 0.95 for (src, b), s in per_source.items() if b == "query_loop" and s["flagged"]
+    )
+
+
+def test_recall_on_successful_trajectories_without_spans(real_data):
+    """Recall's side: 27 successful trajectories on which nothing is flagged (up to 4 per source, seed 3434),
+    each read whole (tests/data/c3_recall_34.json: "clean" or "missed", one line of reason): no wasted repeat
+    or invalid action was missed in them. Repeats in them are re-checks after a fix or a toggle undone."""
+    _shipped(real_data, c3_sample.SOURCES_34)
+    drawn = c3_sample.recall_sample(real_data)
+    labels = json.loads(c3_sample.RECALL.read_text())
+    assert {f"{src}|{tid}" for src, tid, _ in drawn} == set(labels) and len(labels) == 27
+    assert all(lab in ("clean", "missed") and len(reason) > 20 for lab, reason in labels.values())
+    assert [k for k, (lab, _) in labels.items() if lab == "missed"] == []
