@@ -397,3 +397,27 @@ def test_shipped_runs_with_a_user_render_the_policy_and_the_greeting_as_the_agen
         assert not any(row["loss_mask"][:n]) and not np.any(row["advantages"][:n])
         positive += row["reward"] > 0 and bool(np.any(np.asarray(row["advantages"]) > 0))
     assert positive == sum(s["reward_info"]["reward"] > 0 for s in raw["simulations"]) > 0
+
+
+def test_the_history_a_counterfactual_is_asked_from_is_what_the_agent_saw():
+    """TCPO's counterfactual stage asks an LLM to redo a turn from its history: the user simulator's own calls
+    (never seen) are not in it, and the greeting is an assistant message (no `user_tool` or `assistant_context`
+    role, which no chat API knows)."""
+    from pipeline.counterfactual import history_messages
+
+    sim = _sim(
+        [
+            {"role": "assistant", "content": "Hi!"},
+            {"role": "user", "content": "my data is slow"},
+            *USER_TOOL,
+            {"role": "user", "content": "it shows 2G"},
+            {"role": "assistant", "content": "Let me check.", "usage": USAGE},
+        ]
+    )
+    steps = _run_file([sim]).steps.to_pylist()
+    assert history_messages(steps[:-1]) == [
+        {"role": "system", "content": "<policy>\nP\n</policy>"},
+        {"role": "assistant", "content": "Hi!"},
+        {"role": "user", "content": "my data is slow"},
+        {"role": "user", "content": "it shows 2G"},
+    ]

@@ -28,6 +28,7 @@ from pipeline.config import Config, StageSettings, register_settings
 from pipeline.llm.types import LLMError, LLMRequest, LLMSettings
 from pipeline.stages import NO_IO, LLMExchange, LLMReply, StageIO, StageOutput, batch_stage
 from schemas.counterfactuals import SCHEMA as CF_SCHEMA
+from schemas.steps import CONTEXT_ROLES, UNSEEN_ROLES
 
 CF_METHOD_SELECTION = {"tcpo": None, "tcpo_random_cf": "random", "tcpo_all_cf": "all"}
 
@@ -59,9 +60,9 @@ class CounterfactualSettings(StageSettings):
 def history_messages(steps: list[dict]) -> list[dict]:
     """Chat messages of the steps before a turn (the exact history h_{i,k} the rollout policy saw)."""
     out = []
-    for s in steps:
-        msg: dict = {"role": s["role"], "content": s["content"]}
-        if s["role"] == "assistant" and s.get("tool_calls"):
+    for s in (s for s in steps if s["role"] not in UNSEEN_ROLES):  # steps the policy never saw: not in it
+        msg: dict = {"role": CONTEXT_ROLES.get(s["role"], s["role"]), "content": s["content"]}
+        if msg["role"] == "assistant" and s.get("tool_calls"):
             msg["tool_calls"] = [
                 {
                     "id": c["id"],
