@@ -1,4 +1,5 @@
-"""Export: one row per (method, trajectory) in the flat layout external trainers consume.
+"""Export: one row per (method, trajectory) in the flat layout external trainers consume. This stage is the one
+producer of the `train_batch` table; `creditflow export` and the trainer loop read it (warehouse/exports.py).
 
 Steps are concatenated per trajectory with whole-column list operations: the step lists are flattened
 once and re-cut at trajectory boundaries."""
@@ -164,7 +165,8 @@ class TrainLayout:
 
 
 def build_train_batch(trajectories: pa.Table, steps: pa.Table, advantages: pa.Table) -> pa.Table:
-    """Join steps with one method's advantages and lay each trajectory out flat."""
+    """Join steps with one method's advantages and lay each trajectory out flat (what the stage writes for one
+    method, computed whole: tests and benchmarks compare against it)."""
     return TrainLayout(trajectories, steps).table(advantages)
 
 

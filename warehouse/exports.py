@@ -1,18 +1,100 @@
-"""Writing one method's advantages of a round as a training batch file (flat Parquet, or a framework's padded
-layout as .npz), atomically."""
+"""Writing one method's training batch of a round as a file (flat Parquet, or a framework's padded layout as
+.npz), atomically. The batch is the lake's `train_batch` table, read as of one lake version: the export stage
+(pipeline/export.py) is its one producer; `creditflow export` and the trainer loop only read it."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
-from warehouse.lake import Lake, write_options
+from warehouse.lake import Lake, safe_part_name, write_options
+
+TABLE = "train_batch"
+
+
+def _as_of(version: str) -> dict[str, Any]:
+    """`Lake.read` keywords that read as of `version` (none for a hive-Parquet lake: it keeps no versions)."""
+    return {"as_of": version} if version else {}
 
 
 class ExportError(ValueError):
-    """A user's export request that cannot be met (no advantages for the method, unknown layout)."""
+    """A user's export request that cannot be met (no batch for the method, unknown layout)."""
+
+
+def method_parts(lake: Lake, round_: int, method: str) -> list:
+    """The round's `train_batch` parts of one method: the export stage writes one per batch and method, named
+    `<batch>.<method slug>` (`flows.stage_names.advantages_part`), so a reader opens only that method's."""
+    slug = safe_part_name(method.replace("+", "-"))
+    return [p for p in lake.parts(TABLE, round_) if lake.part_name(p).endswith(f".{slug}")]
+
+
+def _stale_batches(lake: Lake, round_: int, as_of: dict[str, Any]) -> list[str]:
+    """Batches whose credit ran after their export (or without one): their `train_batch` parts, if any, hold
+    older advantages (a run with flow.export off, or one stopped between the two stages). From the run log,
+    which keeps one row per stage and batch, the run that made the parts on disk."""
+    from pipeline.credit.process import CREDIT
+    from pipeline.export import EXPORT
+
+    runs = lake.read("stage_runs", round_, columns=["stage", "batch", "finished_at"], **as_of).to_pylist()
+    done = {(r["stage"], r["batch"]): r["finished_at"] for r in runs}
+    exported = {b: at for (stage, b), at in done.items() if stage == EXPORT}
+    return sorted(
+        b for (stage, b), at in done.items() if stage == CREDIT and (b not in exported or at > exported[b])
+    )
+
+
+def _in_trajectory_order(batch: pa.Table) -> pa.Table:
+    """Rows by traj_id (the order of a round's layout; the parts hold each batch's rows in order)."""
+    tid = batch.column("traj_id").combine_chunks()
+    if len(tid) > 1 and pc.any(pc.greater(tid.slice(0, len(tid) - 1), tid.slice(1))).as_py():
+        batch = batch.sort_by("traj_id")
+    return batch
+
+
+def _zero_values_where_missing(batch: pa.Table) -> pa.Table:
+    """A round whose batches differ in having critic values: each batch is laid out alone, so a batch without
+    them has null `values` beside returns; the round's layout holds 0s there (as for a step without values)."""
+    values, returns = batch.column("values"), batch.column("returns")
+    missing = pc.and_(pc.is_null(values), pc.is_valid(returns))
+    if values.null_count in (0, batch.num_rows) or not pc.any(missing).as_py():
+        return batch
+    ids = batch.column("input_ids").combine_chunks()
+    zeros = pa.ListArray.from_arrays(ids.offsets, pa.array(np.zeros(len(ids.values), np.float32)))
+    filled = pc.if_else(missing, zeros, values)
+    return batch.set_column(batch.schema.get_field_index("values"), batch.schema.field("values"), filled)
+
+
+def read_train_batch(lake: Lake, round_: int, method: str, version: str = "") -> pa.Table:
+    """One method's `train_batch` rows of a round, as of `version` (a Delta lake's `lake.version()`; empty:
+    the files on disk), in traj_id order, each column nullable as the layout builds it. ExportError when the
+    round has no current batch of the method."""
+    from schemas.train_batch import SCHEMA
+
+    as_of = _as_of(version)
+    batch = lake.read(TABLE, round_, parts=method_parts(lake, round_, method), **as_of)
+    batch = batch.filter(pc.equal(batch.column("method"), method))
+    if batch.num_rows == 0:
+        adv = lake.read("advantages", round_, columns=["method"], **as_of).column("method")
+        if not pc.any(pc.equal(adv, method)).as_py():
+            raise ExportError(
+                f"no advantages for method {method!r} in round {round_}; run `creditflow process` first"
+            )
+        raise ExportError(
+            f"no train_batch for method {method!r} in round {round_}: run `creditflow process` with "
+            "flow.export on (the default)"
+        )
+    stale = _stale_batches(lake, round_, as_of)
+    if stale:
+        raise ExportError(
+            f"train_batch of round {round_} is older than its advantages in batch(es) {', '.join(stale[:5])}"
+            f"{' ...' if len(stale) > 5 else ''}: run `creditflow process` with flow.export on (the default)"
+        )
+    batch = _in_trajectory_order(batch.combine_chunks())
+    return _zero_values_where_missing(batch.cast(pa.schema([f.with_nullable(True) for f in SCHEMA])))
 
 
 def write_export(
@@ -34,7 +116,6 @@ def write_export(
     as the framework cuts (`pipeline.layouts.to_padded`); `pad_token_id`: what pads."""
     import pyarrow.parquet as pq
 
-    from pipeline.export import build_train_batch
     from pipeline.layouts import LAYOUTS, check_lengths, to_padded
 
     if layout not in LAYOUTS:
@@ -50,22 +131,12 @@ def write_export(
         raise ExportError(f"{out}: --layout {layout} writes NumPy arrays (.npz); name the output FILE.npz")
     lake = Lake(lake_dir)
     version = lake.version()
-    as_of = {"as_of": version} if version else {}
-    adv = lake.read("advantages", round_, **as_of)
-    adv = adv.filter(pc.equal(adv.column("method"), method))
-    if adv.num_rows == 0:
-        raise ExportError(
-            f"no advantages for method {method!r} in round {round_}; run `creditflow process` first"
-        )
-    trajectories, steps = lake.read("trajectories", round_, **as_of), lake.read("steps", round_, **as_of)
-    batch = build_train_batch(trajectories, steps, adv)
+    batch = read_train_batch(lake, round_, method, version)
     out.parent.mkdir(parents=True, exist_ok=True)
     if layout == "flat":
         tmp = out.with_name(f".tmp-{out.name}")
         if version:
-            batch = batch.replace_schema_metadata(
-                {**(batch.schema.metadata or {}), b"creditflow.lake_version": version.encode()}
-            )
+            batch = batch.replace_schema_metadata({b"creditflow.lake_version": version.encode()})
         pq.write_table(batch, tmp, **write_options(batch.schema))
     else:
         tmp = out.with_name(f".tmp-{out.stem}.npz")
@@ -76,6 +147,11 @@ def write_export(
         if layout == "verl":  # what ingest -f verl-batch needs to get the trajectories back as they were
             from pipeline import step_records
 
+            as_of = _as_of(version)
+            trajectories, steps = (
+                lake.read("trajectories", round_, **as_of),
+                lake.read("steps", round_, **as_of),
+            )
             arrays[step_records.NAME] = step_records.encode(trajectories, steps, arrays["traj_id"])
         save_padded(arrays, tmp)
     tmp.replace(out)
