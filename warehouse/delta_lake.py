@@ -16,9 +16,14 @@ timestamp. Credentials and endpoints: see `storage_options`."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
+import logging
 import os
+import re
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable
@@ -28,11 +33,16 @@ import pyarrow as pa
 
 from warehouse.lake import (
     BACKENDS,
+    FOLLOWERS,
+    GEN_SEP,
+    INGEST_TABLES,
     Lake,
     LakeError,
     is_remote,
     lake_path,
     safe_part_name,
+    split_generation,
+    tag_generation,
     temp_token,
     write_options,
 )
@@ -113,6 +123,73 @@ def writer_properties(schema: pa.Schema):
             name: ColumnProperties(dictionary_enabled=True) for name in opts["use_dictionary"]
         },
     )
+
+
+_QUIET = threading.Lock()
+_quiet_state: dict = {"depth": 0}
+_PANIC = re.compile(r"^thread '[^']*'( \(\d+\))? panicked at ")
+
+
+@contextlib.contextmanager
+def rust_panics_quiet():
+    """Keep delta-rs's Rust panic reports off the terminal for the block: a write that fails midway (a full
+    disk) makes its upload task panic on a worker thread, whose report (and, with RUST_BACKTRACE set, its
+    backtrace) Rust's panic hook writes straight to file descriptor 2 while the write's own error reaches
+    Python as an exception. The descriptor goes to a temporary file for the block (shared by the threads in
+    one, restored by the last); afterwards everything but the panic reports is written back to it, and the
+    reports go to this module's logger (debug)."""
+    with _QUIET:
+        if _quiet_state["depth"] == 0:
+            sys.stderr.flush()
+            capture = tempfile.TemporaryFile()
+            _quiet_state.update(capture=capture, saved=os.dup(2))
+            os.dup2(capture.fileno(), 2)
+        _quiet_state["depth"] += 1
+    try:
+        yield
+    finally:
+        with _QUIET:
+            _quiet_state["depth"] -= 1
+            if _quiet_state["depth"] == 0:
+                sys.stderr.flush()
+                saved, capture = _quiet_state.pop("saved"), _quiet_state.pop("capture")
+                os.dup2(saved, 2)
+                os.close(saved)
+                capture.seek(0)
+                text = capture.read().decode("utf-8", "replace")
+                capture.close()
+                kept, panics = _split_panics(text)
+                if kept:
+                    os.write(2, kept.encode())
+                if panics:
+                    logging.getLogger(__name__).debug("delta-rs panicked on a worker thread:\n%s", panics)
+
+
+def _split_panics(text: str) -> tuple[str, str]:
+    """(the text without Rust panic reports, the reports): a report runs from its `thread '...' panicked at`
+    line to its `note: ...` line (the end of the report) or, with no note, to the end."""
+    kept: list[str] = []
+    panics: list[str] = []
+    in_panic = False
+    for line in text.splitlines(keepends=True):
+        if _PANIC.match(line):
+            in_panic = True
+            if kept and not kept[-1].strip():
+                kept.pop()
+        if in_panic:
+            panics.append(line)
+            if line.startswith("note: "):
+                in_panic = False
+        else:
+            kept.append(line)
+    return "".join(kept), "".join(panics)
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 class VirtualPart(PurePosixPath):
@@ -222,6 +299,66 @@ class DeltaLake(Lake):
         return t
 
     def _actions(self, table: str) -> pa.Table | None:
+        """The table's live files that a reader sees: all of them, but for the tables of a round's ingest only
+        those of the round's generation (`visible`), their `partition._part` the part's name without it."""
+        acts = self._raw_actions(table)
+        if acts is None or table not in INGEST_TABLES or acts.num_rows == 0:
+            return acts
+        gens = self.generations()
+        t = self._table(table)
+        key = (t.version(), tuple(sorted(gens.items())))
+        kept = getattr(t, "_creditflow_visible", None)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        keep, names = self._visible_names(
+            acts.column("partition.round").to_pylist(), acts.column(f"partition.{PART}").to_pylist(), gens
+        )
+        index = acts.schema.get_field_index(f"partition.{PART}")
+        out = acts.set_column(index, f"partition.{PART}", pa.array(names, pa.string())).filter(
+            pa.array(keep, pa.bool_())
+        )
+        t._creditflow_visible = (key, out)  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    def _visible_names(rounds: list, stored: list, gens: dict[int, str]) -> tuple[list[bool], list[str]]:
+        keep, names = [], []
+        for r, name in zip(rounds, stored, strict=True):
+            base, gen = split_generation(name)
+            keep.append(gen == gens.get(int(r), ""))
+            names.append(base)
+        return keep, names
+
+    def generations(self, as_of=None) -> dict[int, str]:
+        """Round -> the generation of the round's ingest that readers see: the newest among the round's
+        `trajectories` parts (their data files and empty parts). A round's ingest writes its steps and
+        quarantine parts tagged with a new generation (invisible), then replaces the round's trajectories
+        with parts of that generation in one commit (the publish), then drops the older generations: a
+        kill or a full disk before the publish leaves the previous generation what every reader sees."""
+        if as_of is not None:
+            t = self.table_at("trajectories", as_of)
+            if t is None:
+                return {}
+            acts = _arrow(t.get_add_actions(flatten=True))
+            empty: list[tuple[int, str]] = []
+        else:
+            acts = self._raw_actions("trajectories")
+            empty = self._raw_empty("trajectories")
+        pairs: list[tuple[int, str]] = list(empty)
+        if acts is not None and acts.num_rows:
+            pairs += zip(
+                (int(r) for r in acts.column("partition.round").to_pylist()),
+                acts.column(f"partition.{PART}").to_pylist(),
+                strict=True,
+            )
+        gens: dict[int, str] = {}
+        for r, name in pairs:
+            gen = split_generation(name)[1]
+            if gen > gens.get(r, ""):
+                gens[r] = gen
+        return gens
+
+    def _raw_actions(self, table: str) -> pa.Table | None:
         """The table's live files (its log's add actions) at its latest version, as Arrow; kept with the loaded
         table until its version changes (several calls per batch stage)."""
         t = self._table(table)
@@ -318,13 +455,28 @@ class DeltaLake(Lake):
 
     def _empty_names(self, table: str, round_: int) -> set[str]:
         """Parts written with no rows: a part is there (its stage ran) even though Delta keeps no file."""
+        stored = {name for r, name in self._raw_empty(table) if r == int(round_)}
+        if table not in INGEST_TABLES:
+            return stored
+        gen = self.generations().get(int(round_), "")
+        return {base for base, g in map(split_generation, stored) if g == gen}
+
+    def _raw_empty(self, table: str) -> list[tuple[int, str]]:
+        """(round, stored part name) of the table's empty parts; kept until `_empty_parts` changes."""
         t = self._table(EMPTY_PARTS)
         if t is None:
-            return set()
-        import pyarrow.dataset as pads
-
-        flt = (pads.field("tbl") == table) & (pads.field("round") == int(round_))
-        return set(t.to_pyarrow_dataset().to_table(columns=["part"], filter=flt).column("part").to_pylist())
+            return []
+        kept = getattr(t, "_creditflow_empty", None)
+        if kept is None or kept[0] != t.version():
+            rows = t.to_pyarrow_dataset().to_table(columns=["tbl", "round", "part"])
+            by_table: dict[str, list[tuple[int, str]]] = {}
+            for tbl, r, name in zip(
+                *(rows.column(c).to_pylist() for c in ("tbl", "round", "part")), strict=True
+            ):
+                by_table.setdefault(tbl, []).append((int(r), name))
+            kept = (t.version(), by_table)
+            t._creditflow_empty = kept  # type: ignore[attr-defined]
+        return kept[1].get(table, [])
 
     def _set_empty(self, table: str, round_: int, names: list[str], predicate: str) -> None:
         """Replace the empty-part records matching `predicate` (within this table and round) with `names`."""
@@ -380,10 +532,37 @@ class DeltaLake(Lake):
         counts = acts.column("num_records").to_pylist()
         return sum(int(c or 0) for r, c in zip(rounds, counts, strict=True) if int(r) == int(round_))
 
+    def native_fs(self, table: str):
+        """A local table's folder as Arrow's native file system. delta-rs's default is a Python file system
+        (`DeltaStorageHandler` through `pyarrow.fs.PyFileSystem`): Arrow's scanner threads called back into
+        Python, and a process that exited right after reading (a script reading 8 tables) was aborted in about
+        1 run in 20 ("terminate called without an active exception", SIGABRT) by such a thread still running
+        while the interpreter shut down."""
+        import pyarrow.fs as pafs
+
+        return pafs.SubTreeFileSystem(str(self.root / table), pafs.LocalFileSystem())
+
     def dataset(self, table: str, as_of=None):
-        """The table as a pyarrow dataset (None when absent): what DuckDB scans."""
+        """The table as a pyarrow dataset (None when absent): what DuckDB scans. A table of a round's ingest:
+        only the files of each round's visible generation (`generations`)."""
         t = self.table_at(table, as_of)
-        return None if t is None else t.to_pyarrow_dataset()
+        if t is None:
+            return None
+        if self.remote:
+            ds = t.to_pyarrow_dataset()
+        else:  # Arrow's own file system, not delta-rs's Python one (`native_fs`)
+            ds = t.to_pyarrow_dataset(filesystem=self.native_fs(table))
+        if table not in INGEST_TABLES:
+            return ds
+        import pyarrow.dataset as pads
+
+        gens = self.generations(as_of)
+        fragments = []
+        for fragment in ds.get_fragments():
+            keys = pads.get_partition_keys(fragment.partition_expression)
+            if split_generation(str(keys.get(PART, "")))[1] == gens.get(int(keys.get("round", -1)), ""):
+                fragments.append(fragment)
+        return pads.FileSystemDataset(fragments, ds.schema, ds.format, ds.filesystem)
 
     def read(
         self,
@@ -414,6 +593,10 @@ class DeltaLake(Lake):
             flt = pads.field("round").isin(pa.array(rounds, pa.int32()))
         if parts is not None:
             names = [self.part_name(p) for p in parts]
+            if (
+                table_name in INGEST_TABLES
+            ):  # stored with their generation (the dataset holds the visible one)
+                names = [tag_generation(n, g) for n in names for g in {"", *self.generations(as_of).values()}]
             cond = pads.field(PART).isin(pa.array(names, pa.string()))
             flt = cond if flt is None else flt & cond
         file_cols = None
@@ -474,9 +657,27 @@ class DeltaLake(Lake):
         table = table.append_column("round", pa.array([int(round_)] * n, pa.int32()))
         return table.append_column(PART, pa.array([safe_part_name(part)] * n, pa.string()))
 
+    def check_writable(self, table_name: str, rounds: Iterable[int] = ()) -> None:
+        """A local table's folders this process cannot write (a read-only lake): LakeError, one line, before
+        delta-rs starts (its writer, refused a folder midway, panics on a worker thread and prints a Rust
+        backtrace)."""
+        if self.remote:
+            return
+        table_dir = self.root / table_name
+        for path in (table_dir, table_dir / "_delta_log", *(table_dir / f"round={int(r)}" for r in rounds)):
+            probe = path
+            while not probe.exists() and probe != probe.parent:
+                probe = probe.parent
+            if not os.access(probe, os.W_OK | os.X_OK):
+                why = "a read-only file system" if _read_only_fs(probe) else "no write permission"
+                raise LakeError(f"lake {self.uri}: cannot write {probe} ({why})")
+
     def _commit(self, table_name: str, data: pa.Table, predicate: str, partition_by=PARTITION_BY) -> int:
         from deltalake import write_deltalake
         from deltalake.exceptions import CommitFailedError
+
+        rounds = set(data.column("round").unique().to_pylist()) if "round" in data.column_names else set()
+        self.check_writable(table_name, rounds)
 
         uri = self.table_uri(table_name)
         props = writer_properties(data.schema)
@@ -485,17 +686,18 @@ class DeltaLake(Lake):
             if target is None and not self.remote:
                 self._mark()
             try:
-                write_deltalake(
-                    target if target is not None else uri,
-                    data,
-                    mode="overwrite",
-                    predicate=predicate,
-                    partition_by=partition_by,
-                    schema_mode="merge",  # a part may bring a column the earlier parts lack (read as nulls)
-                    storage_options=self.storage_options,
-                    configuration={"delta.checkpointInterval": "50"},
-                    writer_properties=props,
-                )
+                with rust_panics_quiet():
+                    write_deltalake(
+                        target if target is not None else uri,
+                        data,
+                        mode="overwrite",
+                        predicate=predicate,
+                        partition_by=partition_by,
+                        schema_mode="merge",  # a part may bring a column the earlier parts lack (read as nulls)
+                        storage_options=self.storage_options,
+                        configuration={"delta.checkpointInterval": "50"},
+                        writer_properties=props,
+                    )
                 break
             except CommitFailedError:  # another writer committed first: our overwrite is idempotent, retry
                 if attempt == COMMIT_RETRIES - 1:
@@ -516,31 +718,81 @@ class DeltaLake(Lake):
             tmp.write_text("delta\n", encoding="utf-8")
             os.replace(tmp, marker)
 
+    def _stored(self, table_name: str, round_: int, gen: str | None = None) -> str:
+        """The generation a part of this table and round is stored with ("": untagged)."""
+        if table_name not in INGEST_TABLES:
+            return ""
+        return self.generations().get(int(round_), "") if gen is None else gen
+
     def write_part(self, table_name: str, round_: int, table: pa.Table, part: str = "0") -> Path:
         """Atomically write (or replace) one part of a (table, round) partition: one Delta commit."""
-        part = safe_part_name(part)
+        logical = safe_part_name(part)
+        part = tag_generation(logical, self._stored(table_name, round_))
         data = self._frame(table_name, round_, part, table)
         self._commit(table_name, data, f"round = {int(round_)} AND {PART} = '{part}'")
-        was_empty = part in self._empty_names(table_name, round_)
+        was_empty = logical in self._empty_names(table_name, round_)
         if data.num_rows == 0 or was_empty:
             self._set_empty(table_name, round_, [part] if data.num_rows == 0 else [], f" AND part = '{part}'")
-        return VirtualPart(self.partition_dir(table_name, round_) / f"part-{part}.parquet")  # type: ignore[return-value]
+        return VirtualPart(self.partition_dir(table_name, round_) / f"part-{logical}.parquet")  # type: ignore[return-value]
 
-    def replace_partition(self, table_name: str, round_: int, parts: dict[str, pa.Table] | pa.Table) -> Path:
-        """Atomically replace the whole (table, round) partition: one Delta commit."""
+    def replace_partition(
+        self,
+        table_name: str,
+        round_: int,
+        parts: dict[str, pa.Table] | pa.Table,
+        gen: str | None = None,
+        staged: bool = False,
+    ) -> Path:
+        """Atomically replace the whole (table, round) partition: one Delta commit. The tables of a round's
+        ingest store their parts with a generation (`generations`): the round's visible one, or `gen`; with
+        `staged` the parts of other generations stay (a follower table's new parts, not yet published)."""
         if isinstance(parts, pa.Table):
             parts = {"0": parts}
-        frames = [self._frame(table_name, round_, name, tbl) for name, tbl in parts.items()]
+        gen = self._stored(table_name, round_, gen)
+        stored = {tag_generation(safe_part_name(n), gen): tbl for n, tbl in parts.items()}
+        where = f"round = {int(round_)}"
+        if staged and gen:
+            where += f" AND {PART} LIKE '%{GEN_SEP}{gen}'"
+        frames = [self._frame(table_name, round_, name, tbl) for name, tbl in stored.items()]
         if frames:
-            self._commit(
-                table_name, pa.concat_tables(frames, promote_options="permissive"), f"round = {int(round_)}"
-            )
+            self._commit(table_name, pa.concat_tables(frames, promote_options="permissive"), where)
         elif (t := self._table(table_name)) is not None:  # no parts at all: the round is emptied
-            t.delete(f"round = {int(round_)}")
+            self.check_writable(table_name)
+            with rust_panics_quiet():
+                t.delete(where)
             self.last_versions[table_name] = t.version()
-        empty = [safe_part_name(n) for n, f in zip(parts, frames, strict=True) if f.num_rows == 0]
-        self._set_empty(table_name, round_, empty, "")
+        empty = [n for n, f in zip(stored, frames, strict=True) if f.num_rows == 0]
+        self._set_empty(
+            table_name, round_, empty, f" AND part LIKE '%{GEN_SEP}{gen}'" if staged and gen else ""
+        )
         return self.partition_dir(table_name, round_)
+
+    def drop_generations(self, round_: int, keep: str) -> None:
+        """Remove the follower tables' parts of the round stored with another generation than `keep` (left by
+        an earlier ingest of the round, or by one killed before its publish): no reader sees them."""
+        other = f"{PART} NOT LIKE '%{GEN_SEP}{keep}'" if keep else f"{PART} LIKE '%{GEN_SEP}%'"
+        for table_name in FOLLOWERS:
+            t = self._table(table_name)
+            acts = self._raw_actions(table_name)
+            if t is not None and acts is not None and acts.num_rows:
+                self.check_writable(table_name)
+                stale = [
+                    n
+                    for r, n in zip(
+                        acts.column("partition.round").to_pylist(),
+                        acts.column(f"partition.{PART}").to_pylist(),
+                        strict=True,
+                    )
+                    if int(r) == int(round_) and split_generation(n)[1] != keep
+                ]
+                if stale:
+                    with rust_panics_quiet():
+                        t.delete(f"round = {int(round_)} AND {other}")
+                    self.last_versions[table_name] = t.version()
+            if any(
+                r == int(round_) and split_generation(n)[1] != keep for r, n in self._raw_empty(table_name)
+            ):
+                self._set_empty(table_name, round_, [], f" AND {other.replace(PART, 'part')}")
 
     def delete_parts(self, table_name: str, round_: int, prefix: str = "") -> int:
         names = [n for n in self.part_names(table_name, round_) if n.startswith(prefix)]
@@ -548,15 +800,18 @@ class DeltaLake(Lake):
 
     def delete_part_names(self, table_name: str, round_: int, names: list[str]) -> int:
         present = set(self.part_names(table_name, round_))
-        names = [safe_part_name(n) for n in names if safe_part_name(n) in present]
+        gen = self._stored(table_name, round_)
+        names = [tag_generation(safe_part_name(n), gen) for n in names if safe_part_name(n) in present]
         if not names:
             return 0
         quoted = ", ".join("'" + n.replace("'", "''") + "'" for n in names)
         t = self._table(table_name)
         if t is not None:
-            t.delete(f"round = {int(round_)} AND {PART} IN ({quoted})")
+            self.check_writable(table_name)
+            with rust_panics_quiet():
+                t.delete(f"round = {int(round_)} AND {PART} IN ({quoted})")
             self.last_versions[table_name] = t.version()
-        if self._empty_names(table_name, round_) & set(names):
+        if {n for r, n in self._raw_empty(table_name) if r == int(round_)} & set(names):
             self._set_empty(table_name, round_, [], f" AND part IN ({quoted})")
         return len(names)
 

@@ -10,6 +10,7 @@ one rename. The `round` column lives in the path, not in the files."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
@@ -114,6 +115,51 @@ def safe_part_name(name: str) -> str:
     return cleaned[:180]
 
 
+# ---- one round's ingest: all its tables or none (#33) ---------------------------------------------------
+INGEST_TABLES = (
+    "trajectories",
+    "steps",
+    "quarantine",
+)  # what one round's ingest writes, together or not at all
+FOLLOWERS = ("steps", "quarantine")  # read at the generation of the round's trajectories (Delta)
+GEN_SEP = ".gen-"
+_GEN = re.compile(r"\.gen-([0-9a-f]{20})$")
+PUBLISH_DIR = "_flow/publish"  # hive: the journals of round publishes (see `Lake.publish`)
+FAULT_ENV = (
+    "CREDITFLOW_FAULT"  # tests: `<point>` kills this process (SIGKILL) there, `<point>:enospc` fails a write
+)
+
+
+def new_generation() -> str:
+    """A round ingest's generation: 20 hex digits that sort by time (ns) with a random tail."""
+    return f"{time.time_ns():016x}{uuid.uuid4().hex[:4]}"
+
+
+def split_generation(name: str) -> tuple[str, str]:
+    """(part name, generation) of a stored part name (`b00000.gen-<20 hex>`; "" for an untagged part)."""
+    match = _GEN.search(name)
+    return (name[: match.start()], match.group(1)) if match else (name, "")
+
+
+def tag_generation(name: str, gen: str) -> str:
+    return f"{name}{GEN_SEP}{gen}" if gen else name
+
+
+def fault_point(point: str) -> None:
+    """A test hook at a named point of a write: $CREDITFLOW_FAULT=`point` kills this process with SIGKILL
+    there; `point:enospc` raises the error of a full disk. Nothing otherwise (one dictionary lookup)."""
+    wanted = os.environ.get(FAULT_ENV)
+    if not wanted or wanted.split(":", 1)[0] != point:
+        return
+    if wanted.endswith(":enospc"):
+        import errno
+
+        raise OSError(errno.ENOSPC, f"No space left on device (simulated at {point})")
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 FORMATS = ("parquet", "delta")
 FORMAT_ENV = "CREDITFLOW_LAKE_FORMAT"  # the format of a NEW local lake (an existing one keeps its own)
 DEFAULT_FORMAT = "delta"
@@ -201,6 +247,7 @@ class Lake:
     def __init__(self, root: str | os.PathLike):
         self.root = lake_path(root)
         self.uri = str(self.root)
+        self.roll_forward()
 
     def __reduce__(self):  # a worker process rebuilds the lake from its URI, in this lake's format
         return (open_lake, (self.uri, self.format))
@@ -288,8 +335,16 @@ class Lake:
         self._write_file(table, path)
         return path
 
-    def replace_partition(self, table_name: str, round_: int, parts: dict[str, pa.Table] | pa.Table) -> Path:
-        """Atomically replace the whole (table, round) partition with the given part(s)."""
+    def replace_partition(
+        self,
+        table_name: str,
+        round_: int,
+        parts: dict[str, pa.Table] | pa.Table,
+        gen: str | None = None,
+        staged: bool = False,
+    ) -> Path:
+        """Atomically replace the whole (table, round) partition with the given part(s). (`gen`, `staged`: the
+        generations of a Delta lake's round ingest; a hive round is published by `publish`.)"""
         if isinstance(parts, pa.Table):
             parts = {"0": parts}
         final = self.partition_dir(table_name, round_)
@@ -312,6 +367,73 @@ class Lake:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
         return final
+
+    def drop_generations(self, round_: int, keep: str) -> None:
+        """Delta only (`DeltaLake.drop_generations`): a hive round keeps no generations."""
+
+    def publish(self, round_: int, staged: dict[str, Path]) -> None:
+        """Swap staged partition folders (table -> a `.staging-*` folder in the table's folder, fully written)
+        in as one round: a journal naming every move is written first (the commit point), then the folders are
+        renamed. A run killed after the journal is rolled forward by the next `Lake` opened on this lake
+        (`roll_forward`); one killed before it (or stopped by a full disk) leaves the round as it was."""
+        folder = self.root / PUBLISH_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        moves = [
+            [
+                str(Path(staging).relative_to(self.root)),
+                str(self.partition_dir(t, round_).relative_to(self.root)),
+            ]
+            for t, staging in staged.items()
+        ]
+        journal = folder / f"round={int(round_)}.{temp_token()}.json"
+        tmp = folder / f".tmp-{temp_token()}.json"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"round": int(round_), "moves": moves}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, journal)
+        _fsync_dir(folder)
+        fault_point("publish-journal")
+        self._apply_journal(journal)
+
+    def _apply_journal(self, journal: Path) -> None:
+        """Do the moves a publish journal names that are not done yet (idempotent), then drop the journal."""
+        moves = json.loads(journal.read_text(encoding="utf-8"))["moves"]
+        for k, (staging_rel, final_rel) in enumerate(moves):
+            staging, final = self.root / staging_rel, self.root / final_rel
+            if staging.exists():
+                old = None
+                if final.exists():
+                    old = final.parent / f".old-{temp_token()}"
+                    os.replace(final, old)
+                os.replace(staging, final)
+                _fsync_dir(final.parent)
+                if old is not None:
+                    shutil.rmtree(old, ignore_errors=True)
+            if k == 0:
+                fault_point("publish-first-move")
+        journal.unlink(missing_ok=True)
+
+    def roll_forward(self) -> None:
+        """Finish the publishes of killed writers (their journals are the commit point: every staged folder
+        they name is complete). A journal of a live writer is that writer's to finish; a lake this process
+        cannot write (read-only) is left as it is."""
+        folder = self.root / PUBLISH_DIR
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return
+        for name in sorted(names):
+            match = re.match(r"^round=(\d+)\.", name)
+            if match is None or not name.endswith(".json"):
+                continue
+            journal = folder / name
+            if not _stale(journal, match.group(0)):
+                continue
+            try:
+                self._apply_journal(journal)
+            except (OSError, ValueError, KeyError):
+                continue
 
     def delete_parts(self, table_name: str, round_: int, prefix: str = "") -> int:
         n = 0
@@ -336,6 +458,7 @@ class Lake:
         carries its writer's process id (`temp_token`), so the files of another live run on this lake stay."""
         if not self.root.exists():
             return
+        self.roll_forward()  # a dead writer's staged folders that its journal names are moved in, not removed
         for p in self.root.rglob(".tmp-*"):
             if _stale(p, ".tmp-"):
                 p.unlink(missing_ok=True)

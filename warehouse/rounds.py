@@ -4,7 +4,6 @@ bounded by a part and an interrupted run resumes at the first missing part."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
@@ -12,7 +11,8 @@ from typing import TypeVar
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from warehouse.lake import Lake, temp_token
+from schemas import TABLES
+from warehouse.lake import PUBLISH_DIR, Lake, fault_point, new_generation, temp_token
 
 T = TypeVar("T")
 
@@ -46,32 +46,33 @@ def write_round(
     batch_groups: int = 64,
     quarantine: pa.Table | None = None,
 ) -> list[str]:
-    """Replace the round's trajectories and steps partitions with aligned batch parts."""
+    """Replace the round's trajectories and steps (and quarantine, when given) with aligned batch parts, all of
+    them or none (`write_round_parts`)."""
     batches = split_groups(trajectories, steps, batch_groups) or [(trajectories, steps)]
-    names = [batch_name(i) for i in range(len(batches))]
-    lake.replace_partition("trajectories", round_, {n: b[0] for n, b in zip(names, batches, strict=True)})
-    lake.replace_partition("steps", round_, {n: b[1] for n, b in zip(names, batches, strict=True)})
-    if quarantine is not None:
-        lake.replace_partition("quarantine", round_, quarantine)
-    return names
+    return write_round_parts(lake, round_, batches, quarantine)
 
 
-def write_round_parts(lake: Lake, round_: int, batches: Iterable[tuple[pa.Table, pa.Table]]) -> list[str]:
-    """Streaming `write_round`: each (trajectories, steps) batch of whole groups becomes one aligned part
-    (b00000, b00001, ...), validated and written to staging folders as it arrives (memory is one batch); once all
-    are written the two partitions are swapped in, each in one rename. An error while writing leaves the lake as it was."""
+def write_round_parts(
+    lake: Lake,
+    round_: int,
+    batches: Iterable[tuple[pa.Table, pa.Table]],
+    quarantine: pa.Table | None = None,
+) -> list[str]:
+    """Write a round's ingest tables as one: each (trajectories, steps) batch of whole groups becomes one aligned
+    part (b00000, b00001, ...), and `quarantine` the round's quarantine (None: the round's quarantine stays).
+    Readers see the round as it was until every table is written, then the new round whole: a run killed at
+    any point, or stopped by a full disk, leaves one or the other, never half, and a re-run completes it.
+
+    Hive Parquet: every partition is written to a staging folder as its batch arrives (memory is one batch),
+    then a journal naming the moves is committed and the folders renamed in (`Lake.publish`; a kill after the
+    journal is rolled forward by the next reader). Delta: the steps and quarantine parts are committed with a
+    new generation that no reader sees, then the round's trajectories are replaced with parts of that
+    generation in one commit, which publishes the round (`DeltaLake.generations`); older generations go last."""
+    if lake.format != "parquet":
+        return _write_round_delta(lake, round_, list(batches), quarantine)
+    lake.cleanup()  # a killed writer's staging folders (its finished publish rolled forward first)
     tables = ("trajectories", "steps")
-    if lake.format != "parquet":  # a Delta lake: one commit per table (the batches are held until then)
-        held = list(batches)
-        if not held:
-            from schemas import TABLES
-
-            held = [(TABLES["trajectories"].empty(), TABLES["steps"].empty())]
-        names = [batch_name(i) for i in range(len(held))]
-        for k, table_name in enumerate(tables):
-            lake.replace_partition(table_name, round_, {n: b[k] for n, b in zip(names, held, strict=True)})
-        return names
-    staging = {t: lake.table_dir(t) / f".staging-{temp_token()}" for t in tables}
+    staging = {t: lake.table_dir(t) / f".staging-{temp_token()}" for t in (*tables, "quarantine")}
     try:
         names: list[str] = []
         for index, batch in enumerate(batches):
@@ -81,27 +82,53 @@ def write_round_parts(lake: Lake, round_: int, batches: Iterable[tuple[pa.Table,
                     lake._prepare(table_name, table), staging[table_name] / f"part-{name}.parquet"
                 )
             names.append(name)
+            fault_point("ingest-stage")
         if not names:
-            from schemas import TABLES
-
             for table_name in tables:
                 empty = lake._prepare(table_name, TABLES[table_name].empty())
                 lake._write_file(empty, staging[table_name] / f"part-{batch_name(0)}.parquet")
             names.append(batch_name(0))
-        for table_name in tables:
-            final = lake.partition_dir(table_name, round_)
-            old = None
-            if final.exists():
-                old = lake.table_dir(table_name) / f".old-{temp_token()}"
-                os.replace(final, old)
-            os.replace(staging[table_name], final)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+        if quarantine is not None:
+            lake._write_file(
+                lake._prepare("quarantine", quarantine), staging["quarantine"] / "part-0.parquet"
+            )
+        else:
+            del staging["quarantine"]
+        fault_point("ingest-staged")
+        lake.publish(round_, staging)
         return names
     finally:
         for path in staging.values():
-            if path.exists():
+            if path.exists() and not any((lake.root / PUBLISH_DIR).glob(f"round={int(round_)}.*.json")):
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_round_delta(
+    lake: Lake, round_: int, held: list[tuple[pa.Table, pa.Table]], quarantine: pa.Table | None
+) -> list[str]:
+    if not held:
+        held = [(TABLES["trajectories"].empty(), TABLES["steps"].empty())]
+    names = [batch_name(i) for i in range(len(held))]
+    gen = new_generation()
+    if quarantine is None:  # the round's quarantine stays: carried into the new generation
+        kept = {
+            lake.part_name(p): lake.read("quarantine", round_, parts=[p])
+            for p in lake.parts("quarantine", round_)
+        }
+    else:
+        kept = {"0": quarantine}
+    lake.replace_partition("quarantine", round_, kept, gen=gen, staged=True)
+    fault_point("ingest-stage")
+    lake.replace_partition(
+        "steps", round_, {n: b[1] for n, b in zip(names, held, strict=True)}, gen=gen, staged=True
+    )
+    fault_point("ingest-staged")
+    lake.replace_partition(  # the publish: one commit
+        "trajectories", round_, {n: b[0] for n, b in zip(names, held, strict=True)}, gen=gen
+    )
+    fault_point("ingest-published")
+    lake.drop_generations(round_, gen)
+    return names
 
 
 def batch_names(lake: Lake, round_: int) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -37,14 +38,20 @@ def source_files(paths: Iterable[str | Path], extensions: Iterable[str]) -> list
     return out
 
 
-def read_text_sources(paths: Iterable[str | Path], extensions: Iterable[str]) -> list[tuple[str, str]]:
+def read_text_sources(paths: Iterable[str | Path], extensions: Iterable[str]) -> list[tuple[str, Any]]:
     """(file name, text) of every source file, read as UTF-8. Bytes that are not UTF-8 are kept as lone
     surrogates (`surrogateescape`): ingest quarantines the records holding them, not the whole file. A leading
-    byte-order mark (editors on Windows write one) is dropped: it is no part of the first record."""
-    return [
-        (str(p), p.read_bytes().removeprefix(b"\xef\xbb\xbf").decode("utf-8", "surrogateescape"))
-        for p in source_files(paths, extensions)
-    ]
+    byte-order mark (editors on Windows write one) is dropped: it is no part of the first record. A file that
+    cannot be read is (file name, `Unreadable`)."""
+    out: list[tuple[str, Any]] = []
+    for p in source_files(paths, extensions):
+        try:
+            data = p.read_bytes()
+        except OSError as exc:
+            out.append((str(p), unreadable(p, exc)))
+            continue
+        out.append((str(p), data.removeprefix(b"\xef\xbb\xbf").decode("utf-8", "surrogateescape")))
+    return out
 
 
 def unreadable(path: Path, exc: BaseException) -> Unreadable:

@@ -40,49 +40,49 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Ingest rollouts: validate, quarantine bad records with a reason, tokenize, write the round."""
         from flows.display import console, print_kv
-        from pipeline.ingest import get_adapter, ingest
-        from warehouse.interop_sources import MissingPackage, PickleRefused, read_raw_sources
-        from warehouse.lake import Lake
-        from warehouse.rounds import write_round
-        from warehouse.sources import read_table_sources, read_text_sources
-        from warehouse.tokenizers import get_tokenizer
+        from pipeline.ingest import get_adapter
+        from warehouse.ingest_run import NothingIngested, ingest_sources
+        from warehouse.interop_sources import MissingPackage, PickleRefused
+        from warehouse.lake import LakeError
 
         try:
-            spec = get_adapter(fmt)
-        except KeyError as exc:
+            get_adapter(fmt)
+        except KeyError as exc:  # an unknown format, naming the known ones
             typer.secho(str(exc.args[0]), fg="red", err=True)
-            raise typer.Exit(2) from exc
-        try:
-            if spec.options.get("raw_files"):  # framework dumps (Parquet / .npz / pickle) as tables or arrays
-                inputs = read_raw_sources(sources, spec.extensions, allow_pickle=allow_pickle)
-            elif spec.kind == "tables":
-                inputs = read_table_sources(sources)
-            else:
-                inputs = read_text_sources(sources, spec.extensions)
-        except MissingPackage as exc:  # one line naming what to install
-            typer.secho(str(exc), fg="red", err=True)
-            raise typer.Exit(1) from None
-        except (FileNotFoundError, OSError, UnicodeDecodeError, PickleRefused) as exc:
-            typer.secho(f"cannot read sources: {exc}", fg="red", err=True)
-            raise typer.Exit(2) from exc
-        if not inputs:
-            typer.secho(f"no {fmt} input found under {', '.join(map(str, sources))}", fg="red", err=True)
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
         if batch_groups < 1:
             typer.secho("--batch-groups must be >= 1", fg="red", err=True)
             raise typer.Exit(2)
-
-        result = ingest(fmt, inputs, round_=round_, tokenizer=get_tokenizer(tokenizer))
-        store = Lake(lake)
-        parts = write_round(store, round_, result.trajectories, result.steps, batch_groups, result.quarantine)
-
+        try:
+            run = ingest_sources(
+                [str(s) for s in sources],
+                fmt,
+                round_,
+                lake,
+                tokenizer,
+                batch_groups,
+                allow_pickle=allow_pickle,
+            )
+        except MissingPackage as exc:  # one line naming what to install
+            typer.secho(str(exc), fg="red", err=True)
+            raise typer.Exit(1) from None
+        except NothingIngested as exc:
+            typer.secho(f"ingest {fmt}: {exc}", fg="red", err=True)
+            raise typer.Exit(1) from None
+        except LakeError as exc:
+            typer.secho(str(exc), fg="red", err=True)
+            raise typer.Exit(2) from None
+        except (FileNotFoundError, PickleRefused) as exc:
+            typer.secho(f"cannot read sources: {exc}", fg="red", err=True)
+            raise typer.Exit(2) from None
+        result, parts = run.result, run.parts
         steps = result.steps
         roles = steps.column("role").to_pylist()
         errors = steps.column("is_error").to_pylist()
         groups = len(set(result.trajectories.column("group_id").to_pylist()))
         summary = {
             "format": fmt,
-            "sources": len(inputs),
+            "sources": run.inputs,
             "records read": result.stats.get("records_read"),
             "trajectories": result.trajectories.num_rows,
             "groups": groups,
@@ -101,7 +101,7 @@ def register(app: typer.Typer) -> None:
         summary["parts written"] = len(parts)
         print_kv(f"ingest {fmt}", summary)
         console.print(
-            f"written: {store.root} (trajectories, steps, quarantine; round={round_})", soft_wrap=True
+            f"written: {run.lake} (trajectories, steps, quarantine; round={round_})", soft_wrap=True
         )
         if strict and result.quarantine.num_rows:
             console.print(f"[red]--strict: {result.quarantine.num_rows} record(s) quarantined[/red]")
