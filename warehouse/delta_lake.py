@@ -87,6 +87,51 @@ def storage_options(uri: str) -> dict[str, str]:
     return opts
 
 
+_S3_CODES = {
+    "NoSuchBucket": "bucket {bucket!r} does not exist at {endpoint}",
+    "NoSuchKey": "a key under {uri} is missing (a table written only in part, or removed)",
+    "AccessDenied": "access denied to bucket {bucket!r}: the credentials may not read it",
+    "AllAccessDisabled": "access denied to bucket {bucket!r}: the credentials may not read it",
+    "InvalidAccessKeyId": "credentials: the access key id (AWS_ACCESS_KEY_ID) is not known to {endpoint}",
+    "SignatureDoesNotMatch": "credentials: the secret key (AWS_SECRET_ACCESS_KEY) does not match the key id",
+    "ExpiredToken": "credentials: the session token (AWS_SESSION_TOKEN) has expired",
+    "InvalidToken": "credentials: the session token (AWS_SESSION_TOKEN) is not valid",
+    "PermanentRedirect": "bucket {bucket!r} is in another region than AWS_REGION",
+    "AuthorizationHeaderMalformed": "credentials or region: the request was refused ({message})",
+}
+
+
+def describe_store_error(uri: str, exc: BaseException) -> str:
+    """One line saying what failed on object storage, for an error of delta-rs's object store (whose text is
+    "Generic S3 error" and a chain of causes, one per line): the bucket, a key, the credentials or the
+    endpoint, with the store's own code."""
+    from urllib.parse import urlparse
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    flat = " ".join(line.strip().lstrip("↳").strip() for line in text.splitlines() if line.strip())
+    url = urlparse(uri)
+    endpoint = storage_options(uri).get("AWS_ENDPOINT_URL") or "AWS S3"
+    code = re.search(r"<Code>([^<]+)</Code>", flat)
+    message = re.search(r"<Message>([^<]+)</Message>", flat)
+    lower = flat.lower()
+    where = {"uri": uri, "bucket": url.netloc, "endpoint": endpoint, "message": message and message.group(1)}
+    if code:
+        name = code.group(1)
+        what = _S3_CODES.get(name, "{message}").format(**where)
+        return f"{what} ({name})"
+    if any(k in lower for k in ("error sending request", "connection refused", "dns error", "tcp connect")):
+        cause = flat.rsplit("↳", 1)[-1].strip()
+        last = re.split(r"\s{2,}|(?<=[a-z)]) (?=[A-Z])", cause)[-1] if cause else ""
+        return f"cannot reach the endpoint {endpoint} ({last or 'no answer'}): check AWS_ENDPOINT_URL"
+    if "credential" in lower or "no valid" in lower:
+        return (
+            f"credentials: none found for {uri} (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"
+        )
+    status = re.search(r"\b([1-5]\d\d [A-Z][A-Za-z ]+?)(?= |$)", flat)
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"{first}: {status.group(1)}" if status else first
+
+
 def state_dir(uri: str) -> Path:
     """The local folder of a remote lake's side state (round locks, stage caches, Prefect results)."""
     base = Path(os.environ.get(STATE_ENV) or Path.home() / ".cache" / "creditflow" / "lakes")
@@ -384,7 +429,7 @@ class DeltaLake(Lake):
                 if DeltaTable.is_deltatable(self.table_uri(table), storage_options=self.storage_options):
                     return True
             except OSError as exc:
-                raise LakeError(f"lake {self.uri}: {str(exc).splitlines()[0]}") from None
+                raise LakeError(f"lake {self.uri}: {describe_store_error(self.uri, exc)}") from None
         return False
 
     def tables(self) -> dict[str, int]:

@@ -87,6 +87,11 @@ def register(app: typer.Typer) -> None:
         except QueryTimeout as exc:
             typer.secho(f"query failed: {exc}; raise --timeout to let it run longer", fg="red", err=True)
             raise typer.Exit(2) from exc
+        except OSError as exc:  # object storage (delta-rs's "Generic S3 error"): what failed, in one line
+            from warehouse.delta_lake import describe_store_error
+
+            typer.secho(f"query failed: {describe_store_error(str(lake), exc)}", fg="red", err=True)
+            raise typer.Exit(1) from None
         except duckdb.Error as exc:  # refused by the read-only guard, or a SQL error: one line
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             typer.secho(f"query failed: {first}", fg="red", err=True)
