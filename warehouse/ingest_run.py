@@ -15,9 +15,10 @@ from typing import Any
 
 from pipeline.ingest.core import UNREADABLE_FILE, IngestResult
 from warehouse.interop_sources import read_raw_sources
-from warehouse.sources import read_table_sources, read_text_sources
+from warehouse.sources import DEFAULT_MAX_RECORD_BYTES, Oversized, read_table_sources, read_text_sources
 
 UNREADABLE = UNREADABLE_FILE
+RECORD_TOO_LARGE = "record_too_large"  # a record over the record limit: quarantined unread, raw truncated
 
 
 class NothingIngested(ValueError):
@@ -53,33 +54,69 @@ class IngestRun:
         }
 
 
-def read_sources(paths: Iterable[str | Path], spec, allow_pickle: bool = False) -> list[tuple[str, Any]]:
+def read_sources(
+    paths: Iterable[str | Path],
+    spec,
+    allow_pickle: bool = False,
+    max_record_bytes: int | None = DEFAULT_MAX_RECORD_BYTES,
+) -> list[tuple[str, Any]]:
     """The inputs of an ingest of format `spec` (`pipeline.ingest.get_adapter`), read with one rule for every
     caller (the CLI and the flow): a file that cannot be read (an I/O error, not Parquet, truncated, a corrupt
     dump) is an `Unreadable` that ingest quarantines as one row with the reason `unreadable_file`, and the other
-    files are read; a source path that does not exist is the user's mistake (FileNotFoundError)."""
+    files are read; a source path that does not exist is the user's mistake (FileNotFoundError). A text
+    record over `max_record_bytes` is an `Oversized`, not read (`warehouse.sources.read_text_sources`)."""
     if spec.options.get("raw_files"):  # framework dumps (Parquet / .npz / pickle) as tables or arrays
         return read_raw_sources(paths, spec.extensions, allow_pickle=allow_pickle)
     if spec.kind == "tables":
         return read_table_sources(paths)
-    return read_text_sources(paths, spec.extensions)
+    return read_text_sources(paths, spec.extensions, max_record_bytes)
 
 
-def read_step(sources: list[str], fmt: str, allow_pickle: bool = False) -> list:
+def read_step(
+    sources: list[str],
+    fmt: str,
+    allow_pickle: bool = False,
+    max_record_bytes: int | None = DEFAULT_MAX_RECORD_BYTES,
+) -> list:
     """The sources' inputs (`read_sources`); none at all is the user's mistake."""
     from pipeline.ingest import get_adapter
 
-    inputs = read_sources(sources, get_adapter(fmt), allow_pickle=allow_pickle)
+    inputs = read_sources(sources, get_adapter(fmt), allow_pickle, max_record_bytes)
     if not inputs:
         raise FileNotFoundError(f"no {fmt} input found under {', '.join(map(str, sources))}")
     return inputs
 
 
 def convert_step(fmt: str, inputs: list, round_: int, tokenizer: str | None) -> IngestResult:
+    import pyarrow as pa
+
     from pipeline.ingest import ingest
+    from schemas import quarantine as quarantine_schema
     from warehouse.tokenizers import get_tokenizer
 
-    return ingest(fmt, inputs, round_=round_, tokenizer=get_tokenizer(tokenizer))
+    big = [(name, src) for name, src in inputs if isinstance(src, Oversized)]
+    inputs = [(name, src) for name, src in inputs if not isinstance(src, Oversized)]
+    result = ingest(fmt, inputs, round_=round_, tokenizer=get_tokenizer(tokenizer))
+    if big:
+        rows = [
+            {
+                "round": round_,
+                "source_file": name,
+                "location": o.location,
+                "record_id": None,
+                "field": None,
+                "reason": RECORD_TOO_LARGE,
+                "detail": f"{o.size} bytes, over the record limit of {o.limit} bytes (--max-record-bytes): not "
+                f"read; raw holds its first {len(o.head.encode('utf-8', 'surrogatepass'))} bytes, truncated",
+                "raw": o.head,
+                "stage": f"ingest:{fmt}",
+            }
+            for name, o in big
+        ]
+        extra = pa.Table.from_pylist(rows, schema=quarantine_schema.SCHEMA)
+        result.quarantine = pa.concat_tables([quarantine_schema.SPEC.conform(result.quarantine), extra])
+        result.stats["records_read"] = result.stats.get("records_read", 0) + len(big)
+    return result
 
 
 def write_step(lake_uri: str, round_: int, result: IngestResult, batch_groups: int) -> list[str]:
@@ -111,9 +148,12 @@ def ingest_sources(
     batch_groups: int = 64,
     allow_pickle: bool = False,
     run: Callable[..., Any] = _direct,
+    max_record_bytes: int | None = DEFAULT_MAX_RECORD_BYTES,
 ) -> IngestRun:
     """Ingest `sources` of format `fmt` into round `round_` of the lake at `lake` (its ingest tables are
-    replaced, all or none). `run(step, *args)` runs each step (the flow: as a task)."""
+    replaced, all or none). `run(step, *args)` runs each step (the flow: as a task). `max_record_bytes`: a
+    text record larger than this is quarantined unread (`record_too_large`), which bounds ingest's memory
+    (None or 0: no limit)."""
     from pipeline.ingest import get_adapter
     from pipeline.ingest.core import Unreadable
 
@@ -124,7 +164,7 @@ def ingest_sources(
 
     sources = [str(s) for s in sources]
     lake = Lake(lake).uri
-    inputs = run(read_step, sources, fmt, allow_pickle)
+    inputs = run(read_step, sources, fmt, allow_pickle, max_record_bytes)
     unreadable = sum(isinstance(src, Unreadable) for _, src in inputs)
     result = run(convert_step, fmt, inputs, round_, tokenizer)
     out = IngestRun(fmt, round_, sources, len(inputs), unreadable, result, lake=lake)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,19 +39,66 @@ def source_files(paths: Iterable[str | Path], extensions: Iterable[str]) -> list
     return out
 
 
-def read_text_sources(paths: Iterable[str | Path], extensions: Iterable[str]) -> list[tuple[str, Any]]:
+DEFAULT_MAX_RECORD_BYTES = 64 << 20  # a record (a JSONL line, a JSON document) larger than this is not read
+RAW_HEAD_BYTES = 64 << 10  # what a quarantine row keeps of a record too large to read
+
+
+@dataclass(frozen=True)
+class Oversized:
+    """A record larger than the record limit, not read: ingest quarantines it (reason `record_too_large`) with
+    its first `RAW_HEAD_BYTES` bytes (truncated, said in its detail), so memory is bounded by the limit."""
+
+    location: str  # "line N" of a JSONL file, "file" for a JSON document
+    size: int
+    limit: int
+    head: str
+
+
+def _head(data: bytes) -> str:
+    return data[:RAW_HEAD_BYTES].decode("utf-8", "backslashreplace")
+
+
+def _read_limited(path: Path, limit: int | None) -> tuple[str, list[Oversized]]:
+    """The file's text with each JSONL line over `limit` bytes blanked (line numbers stay) and returned as an
+    `Oversized`; any other file over `limit` is one `Oversized` (a JSON document is read whole)."""
+    if limit is None or limit <= 0:
+        return path.read_bytes().removeprefix(b"\xef\xbb\xbf").decode("utf-8", "surrogateescape"), []
+    size = path.stat().st_size
+    if not path.name.endswith(".jsonl"):
+        if size <= limit:
+            return _read_limited(path, None)
+        with open(path, "rb") as fh:
+            return "", [Oversized("file", size, limit, _head(fh.read(RAW_HEAD_BYTES)))]
+    kept: list[bytes] = []
+    big: list[Oversized] = []
+    with open(path, "rb") as fh:
+        for number, line in enumerate(fh, 1):
+            if len(line) > limit:
+                big.append(Oversized(f"line {number}", len(line.rstrip(b"\r\n")), limit, _head(line)))
+                line = b"\n"
+            kept.append(line)
+    text = b"".join(kept).removeprefix(b"\xef\xbb\xbf").decode("utf-8", "surrogateescape")
+    return text, big
+
+
+def read_text_sources(
+    paths: Iterable[str | Path], extensions: Iterable[str], max_record_bytes: int | None = None
+) -> list[tuple[str, Any]]:
     """(file name, text) of every source file, read as UTF-8. Bytes that are not UTF-8 are kept as lone
     surrogates (`surrogateescape`): ingest quarantines the records holding them, not the whole file. A leading
     byte-order mark (editors on Windows write one) is dropped: it is no part of the first record. A file that
-    cannot be read is (file name, `Unreadable`)."""
+    cannot be read is (file name, `Unreadable`); a record over `max_record_bytes` (None or 0: no limit) is
+    (file name, `Oversized`) and is not read."""
     out: list[tuple[str, Any]] = []
     for p in source_files(paths, extensions):
         try:
-            data = p.read_bytes()
+            text, big = _read_limited(p, max_record_bytes)
         except OSError as exc:
             out.append((str(p), unreadable(p, exc)))
             continue
-        out.append((str(p), data.removeprefix(b"\xef\xbb\xbf").decode("utf-8", "surrogateescape")))
+        if text or not big:
+            out.append((str(p), text))
+        out.extend((str(p), o) for o in big)
     return out
 
 

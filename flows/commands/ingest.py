@@ -37,6 +37,12 @@ def register(app: typer.Typer) -> None:
             "unpickling can run any code the file names, so pass it only for files you trust (.npz object "
             "arrays such as verl's uid need no pickle: a loader that only rebuilds arrays reads them)",
         ),
+        max_record_bytes: int = typer.Option(
+            64 << 20,
+            "--max-record-bytes",
+            help="a record (a JSONL line, a JSON document) larger than this is quarantined unread "
+            "(record_too_large, its first 64 KiB kept): ingest's memory is bounded by it; 0: no limit",
+        ),
     ) -> None:
         """Ingest rollouts: validate, quarantine bad records with a reason, tokenize, write the round."""
         from flows.display import console, print_kv
@@ -62,6 +68,7 @@ def register(app: typer.Typer) -> None:
                 tokenizer,
                 batch_groups,
                 allow_pickle=allow_pickle,
+                max_record_bytes=max_record_bytes or None,
             )
         except MissingPackage as exc:  # one line naming what to install
             typer.secho(str(exc), fg="red", err=True)
