@@ -1,10 +1,10 @@
 """Benchmark C3 on the 16M-assistant-token synthetic round (512 groups x 8 samples x 10 turns x 400 tokens,
 `pipeline.synth`, mixed Search-R1 / tool-calling groups), batch by batch, as users run it:
 
-- detectors: the `detect` annotation stage (flows.batch.run_annotation_stage: read, detect_spans, write the spans
+- detectors: the `detect` annotation stage (flows.batch.run_stage: read, detect_spans, write the spans
   part), once per round, shared by every method;
-- per base method m: `credit_batch(methods=[m])` (read the steps columns m needs + trajectories, build the
-  context, estimate, write m's advantages part) next to `credit_batch(methods=[m+c3])` (the same plus the spans
+- per base method m: the credit stage with methods=[m] (read the steps columns m needs + trajectories, build the
+  context, estimate, write m's advantages part) next to methods=[m+c3] (the same plus the spans
   and the logprobs c3 reads, the refiner, and the m+c3 part). Target: c3 adds at most 50% to the estimator's
   time, i.e. t(m+c3) <= 1.5 t(m).
 - in memory, for reference: the estimator function alone and the c3 function alone on a built context.
@@ -28,23 +28,25 @@ from _common import emit, machine_note, md_table, peak_rss_mb, run_worker, write
 
 
 def worker_detect(lake_dir: str) -> dict:
-    from flows.batch import round_batches, run_annotation_stage
+    from flows.batch import round_batches, run_stage
     from pipeline.config import Config
+    from pipeline.stages import get_stage
     from warehouse.lake import Lake
 
     lake, cfg = Lake(lake_dir), Config(lake=lake_dir)
     t0 = time.perf_counter()
     steps = spans = 0
     for b in round_batches(lake, 0):
-        s = run_annotation_stage(lake, 0, b, "detect", cfg)
+        s = run_stage(lake, 0, b, get_stage("detect"), cfg)
         steps += s["steps"]
         spans += s["rows_out"]["spans"]
     return {"seconds": time.perf_counter() - t0, "steps": steps, "spans": spans, "rss_mb": peak_rss_mb()}
 
 
 def worker_credit(lake_dir: str, method: str) -> dict:
-    from flows.batch import credit_batch, round_batches
+    from flows.batch import round_batches, run_stage
     from pipeline.config import Config
+    from pipeline.stages import get_stage
     from warehouse.lake import Lake
 
     lake, cfg = Lake(lake_dir), Config(lake=lake_dir, methods=[method])
@@ -53,7 +55,7 @@ def worker_credit(lake_dir: str, method: str) -> dict:
     t0 = time.perf_counter()
     changed = 0.0
     for b in round_batches(lake, 0):
-        s = credit_batch(lake, 0, b, [method], cfg)
+        s = run_stage(lake, 0, b, get_stage("credit"), cfg)
         changed += s["notes"].get(f"{method}.c3.tokens_changed", 0.0)
     return {"seconds": time.perf_counter() - t0, "changed": changed, "rss_mb": peak_rss_mb()}
 
@@ -169,7 +171,7 @@ def main() -> None:
         f"Detectors (the `detect` stage: read, detect_spans, write spans; once per round, shared by every method): "
         f"{det['seconds']:.2f} s, {det['steps'] / det['seconds'] / 1e3:.0f}k steps/s, {det['spans']:,} spans.",
         "",
-        "The estimator's time = credit_batch with methods=[m] (read the steps columns m needs + trajectories, "
+        "The estimator's time = the credit stage (flows.batch.run_stage) with methods=[m] (read the steps columns m needs + trajectories, "
         "context, estimate, write m's advantages part); with c3 = methods=[m+c3] (also reads the spans and the "
         "logprobs c3 needs, refines, writes the m+c3 part). Target: c3 adds at most 50%.",
         "",

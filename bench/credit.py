@@ -4,8 +4,10 @@ per-trajectory Python reference (tests/test_credit_reference.py).
     taskset -c 0,1 python bench/credit.py [--groups 512 --samples 8 --turns 10 --tokens 400] [--lake DIR]
         [--double] [--baseline WORKTREE] [--reps 3]
 
-Each measurement runs in its own subprocess (peak RSS = that process's ru_maxrss), processing the round batch
-by batch with flows.batch.credit_batch, as `creditflow process` does. `--baseline` times the engine of another
+Each measurement runs in its own subprocess (peak memory = its whole process tree's, sampled, or its own
+high-water mark VmHWM where that is more: bench/_common.run_worker), processing the round as `creditflow process`
+does: the statistics pass over every batch first (flows.batch.round_statistics) when a method takes a statistic
+over the round, then flows.batch.credit_batch batch by batch with the round's statistics passed in. `--baseline` times the engine of another
 checkout (e.g. `git worktree add /tmp/base HEAD~1`) interleaved with this one, on the same lake. The reference is timed
 on a subsample of groups and extrapolated by assistant tokens. Results: bench/results/credit.md."""
 
@@ -22,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import emit, machine_note, md_table, peak_rss_mb, run_worker, write_md  # noqa: E402
+from _common import emit, machine_note, md_table, peak_rss_mb, run_worker, uptime, write_md  # noqa: E402
 
 METHODS = ["grpo", "dr_grpo", "rloo", "gdpo", "gae", "turn_ppo", "mt_grpo", "gigpo"]
 
@@ -46,13 +48,53 @@ def make_round(lake_dir: Path, round_: int, groups: int, samples: int, turns: in
     return {"batches": len(names), "seconds": time.perf_counter() - t0}
 
 
+def _credit_batch(lake, round_: int, batch: str, cfg, round_stats=None) -> dict:
+    """The credit stage on one batch (flows pass the stage's declaration since #35; a checkout from before
+    has flows.batch.credit_batch), with the round's statistics as the flow passes them."""
+    import flows.batch as fb
+
+    if hasattr(fb, "credit_batch"):
+        return fb.credit_batch(lake, round_, batch, list(cfg.methods), cfg, round_stats=round_stats)
+    from pipeline.stages import get_stage
+
+    return fb.run_stage(lake, round_, batch, get_stage("credit"), cfg, round_stats=round_stats)
+
+
+def _method_part(batch: str, method: str) -> str:
+    """A method's part of a batch (pipeline.stages.method_part since #35; flows.batch.advantages_part before)."""
+    import flows.batch as fb
+
+    if hasattr(fb, "advantages_part"):
+        return fb.advantages_part(batch, method)
+    from pipeline.stages import method_part
+
+    return method_part(batch, method)
+
+
+def _warm_imports() -> None:
+    """What every process of a round imports once, whatever it computes, done before the clock starts in the
+    engine kinds of both checkouts alike: the credit package and the stage modules (the code before #35 loaded
+    every stage package on its first settings lookup), and pandas, which pyarrow imports on its first
+    `pa.array` (1.1 s here; the floor never calls it)."""
+    import pyarrow as pa
+
+    import pipeline.credit  # noqa: F401
+    from pipeline.stages import load_stages
+
+    load_stages()
+    pa.array([0])
+
+
 def worker_engine(lake_dir: Path, round_: int, method: str, batch_scope: bool = False) -> dict:
-    """The user path: flows.batch.credit_batch per batch (read the steps columns the method needs +
-    trajectories, build the context, estimate, write the advantages part and the stage_runs row). With
-    `batch_scope`, a method whose statistics span the round by default takes them per batch (`scope: batch`:
-    no statistics pass, the work of the code before #22)."""
-    from flows.batch import credit_batch, round_batches
+    """The user path, as the flow runs it: the statistics pass on every batch first where a method takes a
+    statistic over the round (flows.batch.round_statistics), then flows.batch.credit_batch per batch with the
+    round's statistics passed in (read the steps columns the method needs + trajectories, build the context,
+    estimate, write the advantages part and the stage_runs row). With `batch_scope`, a method whose statistics
+    span the round by default takes them per batch (`scope: batch`: no statistics pass, the work of the code
+    before #22)."""
+    from flows.batch import round_batches, round_statistics
     from pipeline.config import Config
+    from pipeline.credit.process import statistics_json
     from warehouse.lake import Lake
 
     lake = Lake(lake_dir)
@@ -60,21 +102,25 @@ def worker_engine(lake_dir: Path, round_: int, method: str, batch_scope: bool = 
     if batch_scope:
         from pipeline.credit.registry import ESTIMATORS
 
-        statistics = ESTIMATORS[method.split("+")[0]].batch_statistics
+        est = ESTIMATORS[method.split("+")[0]]
+        stat = getattr(est, "statistics", None)  # RoundStatistics (#35), a settings name before
+        statistics = stat.settings if stat is not None else getattr(est, "batch_statistics", None)
         stages = {statistics: {"scope": "batch"}} if statistics else {}
     cfg = Config(lake=str(lake_dir), methods=[method], stages=stages)
-    import pipeline.credit  # noqa: F401  (import time is not processing time)
-
-    # a method whose statistics span the round (gae, turn_ppo, gdpo) runs the statistics pass on the first
-    # credit_batch (flows.batch.round_statistics): the parts of an earlier repetition must not spare it
+    _warm_imports()
+    # a method whose statistics span the round (gae, turn_ppo, gdpo) runs the statistics pass first: the parts
+    # of an earlier repetition must not spare it
     if getattr(lake, "format", "parquet") == "parquet":
         shutil.rmtree(lake.partition_dir("credit_stats", round_), ignore_errors=True)
     else:  # a Delta lake (--formats parquet,delta)
         lake.delete_parts("credit_stats", round_)
     t0 = time.perf_counter()
+    batches = round_batches(lake, round_)
+    stats = round_statistics(lake, round_, cfg, batches)
+    round_stats = statistics_json(stats) if stats else None
     tokens = 0
-    for b in round_batches(lake, round_):
-        tokens += credit_batch(lake, round_, b, [method], cfg)["tokens"]
+    for b in batches:
+        tokens += _credit_batch(lake, round_, b, cfg, round_stats)["tokens"]
     return {"seconds": time.perf_counter() - t0, "tokens": tokens, "rss_mb": peak_rss_mb()}
 
 
@@ -114,7 +160,7 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
     reads) + the trajectories, write the method's advantages part with the lake's writer options."""
     import pyarrow.parquet as pq
 
-    from flows.batch import advantages_part, round_batches
+    from flows.batch import round_batches
     from pipeline.credit.registry import method_step_columns
     from warehouse.lake import Lake, write_options
 
@@ -126,7 +172,7 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for b in round_batches(lake, round_):
             adv = pq.read_table(
-                lake.partition_dir("advantages", round_) / f"part-{advantages_part(b, method)}.parquet"
+                lake.partition_dir("advantages", round_) / f"part-{_method_part(b, method)}.parquet"
             )
             t0 = time.perf_counter()
             pq.read_table(lake.partition_dir("steps", round_) / f"part-{b}.parquet", columns=cols)
@@ -144,7 +190,7 @@ def _delta_floor(lake, round_: int, method: str, cols: list[str]) -> dict:
     import pyarrow.dataset as pads
     from deltalake import DeltaTable, write_deltalake
 
-    from flows.batch import advantages_part, round_batches
+    from flows.batch import round_batches
 
     try:  # the lake's Parquet options for delta-rs (zstd, dictionaries for string columns only)
         from warehouse.delta_lake import writer_properties
@@ -159,7 +205,7 @@ def _delta_floor(lake, round_: int, method: str, cols: list[str]) -> dict:
     seconds = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for b in round_batches(lake, round_):
-            adv = part("advantages", advantages_part(b, method))
+            adv = part("advantages", _method_part(b, method))
             t0 = time.perf_counter()
             part("steps", b, cols)
             part("trajectories", b)
@@ -174,6 +220,92 @@ def _delta_floor(lake, round_: int, method: str, cols: list[str]) -> dict:
             seconds += time.perf_counter() - t0
             del adv
     return {"seconds": seconds, "rss_mb": peak_rss_mb(), "columns": cols}
+
+
+def _long_batch(trajectories: int, tokens: int, turns: int, seed: int = 0):
+    """A batch of `trajectories` trajectories of `tokens` assistant tokens each, in `turns` assistant steps
+    (critic values on every token, one reward per trajectory): verl's (bs, response_length) batch with every
+    token in the response mask, as trajectories and steps tables."""
+    import numpy as np
+    import pyarrow as pa
+
+    rng = np.random.default_rng(seed)
+    per_step = tokens // turns
+    n_steps = trajectories * turns
+    traj_ids = pa.array([f"t{i:05d}" for i in range(trajectories)], pa.string())
+    trajs = pa.table(
+        {
+            "traj_id": traj_ids,
+            "group_id": pa.array([f"g{i // 16:04d}" for i in range(trajectories)], pa.string()),
+            "reward": pa.array(rng.normal(size=trajectories)),
+        }
+    )
+    offsets = pa.array(np.arange(n_steps + 1, dtype=np.int32) * per_step)
+    values = rng.normal(size=n_steps * per_step).astype(np.float32)
+    steps = pa.table(
+        {
+            "traj_id": traj_ids.take(pa.array(np.repeat(np.arange(trajectories), turns))),
+            "step_idx": pa.array(np.tile(np.arange(turns, dtype=np.int32), trajectories)),
+            "role": pa.array(["assistant"] * n_steps, pa.string()),
+            "turn": pa.array(np.tile(np.arange(1, turns + 1, dtype=np.int32), trajectories)),
+            "is_error": pa.array(np.zeros(n_steps, dtype=bool)),
+            "verifier_score": pa.nulls(n_steps, pa.float64()),
+            "token_ids": pa.ListArray.from_arrays(offsets, pa.array(np.zeros(n_steps * per_step, np.int32))),
+            "values": pa.ListArray.from_arrays(offsets, pa.array(values)),
+        }
+    )
+    return trajs, steps
+
+
+def worker_verl(size: str, method: str, reps: int, gamma: float, lam: float) -> dict:
+    """verl's compute_gae_advantage_return beside our estimator on the same batch (`size`: TRAJxTOKENS), compute
+    only, interleaved (verl, ours, verl, ours, ...), the fastest of `reps` each. verl gets its padded tensors
+    (rewards on each row's last token, the values, an all-ones response mask) built before its clock starts;
+    ours: `estimate` is run_methods on a built context (the estimator and the contract checks), `from Arrow`
+    is process_batch from the Arrow tables (context, estimate, advantages table)."""
+    import numpy as np
+    import torch
+
+    from pipeline.config import Config
+    from pipeline.credit.context import CreditContext
+    from pipeline.credit.process import process_batch
+    from pipeline.credit.registry import run_methods
+
+    core = _import_verl()
+    n_traj, n_tok = (int(x) for x in size.split("x"))
+    trajs, steps = _long_batch(n_traj, n_tok, turns=8)
+    settings = {"gamma": gamma, "lam": lam}
+    cfg = Config(methods=[method], stages={"gae": settings, "turn_ppo": settings})
+    values = torch.from_numpy(
+        np.asarray(steps.column("values").combine_chunks().values).reshape(n_traj, n_tok).copy()
+    )
+    rewards = torch.zeros(n_traj, n_tok)
+    rewards[:, -1] = torch.from_numpy(np.asarray(trajs.column("reward")).astype(np.float32))
+    mask = torch.ones(n_traj, n_tok)
+    ctx = CreditContext.from_arrow(trajs, steps, config=cfg)
+    run_methods(ctx, [method])  # warm-up (the first call's one-off costs)
+    times: dict[str, list[float]] = {"verl": [], "estimate": [], "arrow": []}
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        core.compute_gae_advantage_return(rewards, values, mask, gamma=gamma, lam=lam)
+        times["verl"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        run_methods(ctx, [method])
+        times["estimate"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        process_batch(trajs, steps, [method], cfg)
+        times["arrow"].append(time.perf_counter() - t0)
+    out = {k: min(v) for k, v in times.items() if v}
+    out |= {f"{k}_median": statistics.median(v) for k, v in times.items() if v}
+    out |= {"tokens": n_traj * n_tok, "torch_threads": torch.get_num_threads(), "rss_mb": peak_rss_mb()}
+    return out
+
+
+def _import_verl():
+    """verl.trainer.ppo.core_algos (verl 0.9 imports it without its GPU-only modules)."""
+    import importlib
+
+    return importlib.import_module("verl.trainer.ppo.core_algos")
 
 
 def worker_reference(lake_dir: Path, round_: int, method: str, sample_groups: int) -> dict:
@@ -228,6 +360,26 @@ def assistant_tokens(lake_dir: Path, round_: int) -> tuple[int, int]:
     return int(a), int(t)
 
 
+def _pair(runs: list[dict] | None, key: str = "seconds", fmt: str = "{:.2f}") -> str:
+    """min / median of a measurement's repetitions."""
+    if not runs:
+        return "-"
+    vals = [r[key] for r in runs]
+    return f"{fmt.format(min(vals))} / {fmt.format(statistics.median(vals))}"
+
+
+def _ratio(a: list[dict] | None, b: list[dict] | None, key: str = "seconds") -> str:
+    """a / b of the fastest runs and of the medians."""
+    if not a or not b:
+        return "-"
+    va, vb = [r[key] for r in a], [r[key] for r in b]
+    return f"{min(va) / min(vb):.2f} / {statistics.median(va) / statistics.median(vb):.2f}"
+
+
+def _peak(runs: list[dict] | None) -> str:
+    return f"{max(r['tree_peak_mb'] for r in runs):.0f}" if runs else "-"
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--groups", type=int, default=512)
@@ -237,33 +389,25 @@ def main() -> None:
     p.add_argument("--lake", type=Path, default=None)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ref-groups", type=int, default=8)
-    p.add_argument(
-        "--reps", type=int, default=3, help="runs per measurement (interleaved); the table shows the fastest"
-    )
+    p.add_argument("--reps", type=int, default=3, help="runs per measurement, interleaved")
     p.add_argument(
         "--baseline",
         type=Path,
         default=None,
-        help="a worktree of the code before this change (git worktree add DIR REV): its engine is "
-        "timed in the same run, interleaved with this checkout's",
+        help="a worktree of the code before this change (git worktree add DIR REV): every measurement of this "
+        "checkout is taken for it too, in the same interleaved repetitions",
     )
     p.add_argument(
         "--formats",
         default="parquet",
         help="parquet,delta: also time the engine and its floor on a Delta copy of the lake (interleaved)",
     )
+    p.add_argument("--double", action="store_true", help="also a round of twice the groups (time and memory)")
     p.add_argument(
-        "--baseline-formats",
-        default="parquet",
-        help="the lake formats the --baseline engine is timed on (parquet, delta or both; delta needs --formats "
-        "parquet,delta)",
-    )
-    p.add_argument("--double", action="store_true", help="also run a round of twice the groups (RSS growth)")
-    p.add_argument(
-        "--batch-scope",
-        action="store_true",
-        help="also time this checkout's engine with scope=batch (no round statistics pass: the work of the code "
-        "before #22), min / median beside the engine's and the baseline's",
+        "--verl",
+        default="",
+        help="TRAJxTOKENS (e.g. 1024x16384): time verl's compute_gae_advantage_return beside gae and turn_ppo "
+        "on that batch, compute only (needs verl installed: .ci/install-frameworks)",
     )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "credit.md")
     p.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
@@ -278,12 +422,11 @@ def main() -> None:
         except ImportError:  # a baseline checkout from before it existed
             pass
         kind, lake_dir, round_, method = args.worker
-        fn = {
-            "engine": worker_engine,
-            "engine-batch-scope": lambda lake, r, m: worker_engine(lake, r, m, batch_scope=True),
-            "floor": worker_floor,
-            "compute": worker_compute,
-        }.get(kind)
+        if kind.startswith("verl:"):  # verl:REPS:GAMMA:LAM, LAKE = the batch size
+            _, reps, gamma, lam = kind.split(":")
+            emit(worker_verl(lake_dir, method, int(reps), float(gamma), float(lam)))
+            return
+        fn = {"engine": worker_engine, "floor": worker_floor, "compute": worker_compute}.get(kind)
         res = (
             fn(Path(lake_dir), int(round_), method)
             if fn
@@ -292,6 +435,8 @@ def main() -> None:
         emit(res)
         return
     _use_root(str(ROOT))
+    load_at_start = uptime()
+    print(load_at_start, flush=True)
 
     lake_dir = args.lake or Path(tempfile.mkdtemp(prefix="creditflow-bench-"))
     methods = [m for m in args.methods.split(",") if m]
@@ -310,126 +455,153 @@ def main() -> None:
         print(f"Delta copy {delta_dir}: {time.perf_counter() - t0:.1f} s", flush=True)
     os.sync()  # the rounds just written: their writeback must not land inside the first measurement
     asst, total = assistant_tokens(lake_dir, 0)
+    asst2 = assistant_tokens(lake_dir, 1)[0] if args.double else 0
+    roots = {"after": ROOT} | ({"before": args.baseline} if args.baseline else {})
 
-    def best_of(m: str, kinds: list[tuple]) -> list[dict]:
-        """The fastest of `reps` runs of each (kind, root[, lake]), interleaved (engine, floor, compute, engine,
-        ...), so a slow spell of this shared machine hits the engine and its floor alike; each with the median
-        of its runs' seconds (`median_s`)."""
-        runs: list[list[dict]] = [[] for _ in kinds]
-        for _ in range(args.reps):
-            for i, (kind, root, *lake) in enumerate(kinds):
-                where = str(lake[0] if lake else lake_dir)
-                runs[i].append(sub("--root", str(root), "--worker", kind, where, "0", m))
-        return [
-            {**min(r, key=lambda x: x["seconds"]), "median_s": statistics.median(x["seconds"] for x in r)}
-            for r in runs
-        ]
-
-    headers = [
-        "method",
-        "wall s",
-        "assistant tok/s",
-        "peak RSS MB",
-        "I/O floor s",
-        "x floor",
-        "reference s (extrap.)",
-        "x faster than ref",
-        "engine compute s (no I/O)",
-        "ref / compute",
-    ]
-    base_formats = [f for f in args.baseline_formats.split(",") if f] if args.baseline else []
-    if "delta" not in formats:
-        base_formats = [f for f in base_formats if f != "delta"]
-    if "parquet" in base_formats:
-        headers[1:1] = ["before: wall s", "before: x floor"]
-    if args.double:
-        headers += ["2x round: wall s", "2x round: peak RSS MB"]
-    if "delta" in formats:
-        headers += ["hive wall s min / median", "Delta: wall s min / median", "Delta: I/O floor s"]
-        headers += ["Delta / hive wall min / median"]
-        if "delta" in base_formats:
-            headers += ["Delta before: wall s min / median", "Delta before / hive min / median"]
-    if args.batch_scope:
-        headers += ["wall s min / median", "scope=batch: wall s min / median"]
-        headers += ["before: wall s min / median"] if "parquet" in base_formats else []
-    rows = []
+    rows, verl_rows = [], []
     for m in methods:
-        kinds = [("engine", ROOT), ("floor", ROOT), ("compute", ROOT)]
+        # (label, kind, root, lake, round): every one run `reps` times, interleaved (a slow spell of this shared
+        # machine hits the engine, its floor and the code before alike)
+        cells = []
+        for side, root in roots.items():
+            cells += [
+                (f"{side} engine", "engine", root, lake_dir, 0),
+                (f"{side} compute", "compute", root, lake_dir, 0),
+            ]
+            if "delta" in formats:
+                cells += [(f"{side} delta", "engine", root, delta_dir, 0)]
+            if args.double:
+                cells += [(f"{side} 2x", "engine", root, lake_dir, 1)]
+        # the floors write the advantages parts the engine wrote (so they run after it)
+        cells.insert(1, ("floor", "floor", ROOT, lake_dir, 0))
         if "delta" in formats:
-            kinds += [("engine", ROOT, delta_dir), ("floor", ROOT, delta_dir)]
-        if "parquet" in base_formats:
-            kinds += [("engine", args.baseline)]
-        if "delta" in base_formats:  # the baseline's Delta engine on the same Delta copy
-            kinds += [("engine", args.baseline, delta_dir)]
-        if args.batch_scope:
-            kinds += [("engine-batch-scope", ROOT)]
-        e, f, cpu, *rest = best_of(m, kinds)
-        batch_scope = rest.pop() if args.batch_scope else None
-        de, df = (rest[0], rest[1]) if "delta" in formats else (None, None)
-        rest = rest[2:] if "delta" in formats else rest
-        base = rest.pop(0) if "parquet" in base_formats else None
-        base_delta = rest.pop(0) if "delta" in base_formats else None
+            cells += [("delta floor", "floor", ROOT, delta_dir, 0)]
+        runs: dict[str, list[dict]] = {c[0]: [] for c in cells}
+        for _ in range(args.reps):
+            for label, kind, root, lake, round_ in cells:
+                res = sub("--root", str(root), "--worker", kind, str(lake), str(round_), m)
+                runs[label].append(res)
         rf = sub("--ref-groups", str(args.ref_groups), "--worker", "reference", str(lake_dir), "0", m)
         ref_s = rf["seconds"] * asst / max(rf["assistant_tokens"], 1)
-        row = [
-            m,
-            f"{e['seconds']:.2f}",
-            f"{asst / e['seconds']:,.0f}",
-            f"{e['rss_mb']:.0f}",
-            f"{f['seconds']:.2f}",
-            f"{e['seconds'] / f['seconds']:.2f}",
-            f"{ref_s:.0f}",
-            f"{ref_s / e['seconds']:.0f}",
-            f"{cpu['seconds']:.2f}",
-            f"{ref_s / cpu['seconds']:.0f}",
-        ]
-        if base:
-            row[1:1] = [f"{base['seconds']:.2f}", f"{base['seconds'] / f['seconds']:.2f}"]
+        g = runs.get
+        row = [m]
+        for side in roots:
+            row += [_pair(g(f"{side} engine")), _ratio(g(f"{side} engine"), g("floor"))]
+        row += [_pair(g("floor"))]
+        if "delta" in formats:
+            for side in roots:
+                row += [_pair(g(f"{side} delta")), _ratio(g(f"{side} delta"), g("delta floor"))]
+            row += [_pair(g("delta floor"))]
+        for side in roots:
+            row += [_pair(g(f"{side} compute"))]
+        row += [f"{ref_s / min(r['seconds'] for r in runs['after compute']):.0f}"]
+        for side in roots:
+            row += [_peak(g(f"{side} engine"))]
         if args.double:
-            e2 = sub("--worker", "engine", str(lake_dir), "1", m)
-            row += [f"{e2['seconds']:.2f}", f"{e2['rss_mb']:.0f}"]
-        if de is not None:
-
-            def pair(a: dict, b: dict | None = None) -> str:  # seconds (b None) or a / b, min / median
-                if b is None:
-                    return f"{a['seconds']:.2f} / {a['median_s']:.2f}"
-                return f"{a['seconds'] / b['seconds']:.2f} / {a['median_s'] / b['median_s']:.2f}"
-
-            row += [pair(e), pair(de), f"{df['seconds']:.2f}", pair(de, e)]
-            if base_delta is not None:
-                row += [pair(base_delta), pair(base_delta, e)]
-        if batch_scope is not None:
-            row += [f"{x['seconds']:.2f} / {x['median_s']:.2f}" for x in (e, batch_scope, base) if x]
+            for side in roots:
+                row += [
+                    _pair(g(f"{side} 2x")),
+                    _ratio(g(f"{side} 2x"), g(f"{side} engine")),
+                    _peak(g(f"{side} 2x")),
+                    f"{max(r['tree_peak_mb'] for r in runs[f'{side} 2x']) / max(r['tree_peak_mb'] for r in runs[f'{side} engine']):.2f}",
+                ]
         print("| " + " | ".join(row) + " |", flush=True)
         rows.append(row)
+    headers = ["method"]
+    for side in roots:
+        headers += [f"{side}: wall s", f"{side}: x floor"]
+    headers += ["I/O floor s"]
+    if "delta" in formats:
+        for side in roots:
+            headers += [f"Delta {side}: wall s", f"Delta {side}: x floor"]
+        headers += ["Delta I/O floor s"]
+    headers += [f"{side}: compute s (no I/O)" for side in roots] + ["reference / compute (after)"]
+    headers += [f"{side}: peak MB (tree)" for side in roots]
+    if args.double:
+        for side in roots:
+            headers += [
+                f"{side} 2x round: wall s",
+                f"{side} 2x / 1x time",
+                f"{side} 2x: peak MB",
+                f"{side} 2x / 1x memory",
+            ]
+
+    if args.verl:
+        # (method, gamma, lam): verl's defaults (algorithm.gamma = lam = 1, gae's too: the telescoped path), a
+        # discounted gae (the scan), and turn_ppo at its defaults, verl timed with the same gamma and lam
+        configs = [("gae", 1.0, 1.0), ("gae", 0.99, 0.95), ("turn_ppo", 0.99, 0.9)]
+        vruns: dict[tuple, list[dict]] = {}
+        for _ in range(max(1, args.reps - 1)):
+            for m, gamma, lam in configs:
+                for side, root in roots.items():
+                    kind = f"verl:2:{gamma}:{lam}"
+                    res = sub("--root", str(root), "--worker", kind, args.verl, "0", m)
+                    vruns.setdefault((m, gamma, lam, side), []).append(res)
+        for m, gamma, lam in configs:
+            row = [m, f"{gamma} / {lam}"]
+            verl_all = [r for side in roots for r in vruns[(m, gamma, lam, side)]]
+            verl_s = min(r["verl"] for r in verl_all)
+            row += [f"{verl_s:.2f} / {statistics.median(r['verl_median'] for r in verl_all):.2f}"]
+            for side in roots:
+                rs = vruns[(m, gamma, lam, side)]
+                est, arrow = min(r["estimate"] for r in rs), min(r["arrow"] for r in rs)
+                row += [f"{est:.3f}", f"{verl_s / est:.1f}", f"{arrow:.3f}", f"{verl_s / arrow:.1f}"]
+            print("| " + " | ".join(row) + " |", flush=True)
+            verl_rows.append(row)
+    verl_headers = ["method", "gamma / lam", "verl s min / median"]
+    for side in roots:
+        verl_headers += [
+            f"{side}: estimate s",
+            f"{side}: verl / estimate",
+            f"{side}: from Arrow s",
+            f"{side}: verl / from Arrow",
+        ]
+
+    load_at_end = uptime()
+    base = f" `{args.baseline}`" if args.baseline else ""
     lines = [
         "# Credit engine benchmark",
         "",
         f"Round: {args.groups} groups x {args.samples} samples x {args.turns} turns x ~{args.tokens} tokens "
-        f"(pipeline/synth.py, kind=mixed): {asst:,} assistant tokens, {total:,} tokens in all; "
-        f"batches of 64 groups, processed one by one with flows.batch.credit_batch, the path `creditflow process` "
-        f"runs (read the steps columns the method needs + trajectories, build the context, estimate, write the "
-        f"advantages part and the stage_runs row).",
-        machine_note()
-        + f" Each cell is its own subprocess (peak RSS = its ru_maxrss); times are the fastest of "
-        f"{args.reps} runs, engine / floor / compute interleaved.",
+        f"(pipeline/synth.py, kind=mixed): {asst:,} assistant tokens, {total:,} tokens in all"
+        + (f"; the 2x round: {asst2:,} assistant tokens" if args.double else "")
+        + ". Batches of 64 groups, processed as `creditflow process` does: the statistics pass over every batch "
+        "first where the method takes a statistic over the round (gae, turn_ppo, gdpo), then "
+        "flows.batch.credit_batch per batch with the round's statistics (read the steps columns the method needs "
+        "+ trajectories, build the context, estimate, write the advantages part and the stage_runs row).",
         "",
-        "I/O floor: pyarrow only, read the steps columns the method needs (`registry.method_step_columns`, what "
-        "credit_batch reads) + the trajectories, write the method's advantages part with the lake's writer options "
-        "(zstd). Reference: the per-trajectory Python oracle of tests/test_credit_reference.py (load + method + "
-        f"per-token layout), timed on {args.ref_groups} groups of the first batch and **extrapolated** to the round "
-        "by assistant tokens. Engine compute: the engine from the same Arrow tables in memory (no I/O), after one "
-        "untimed warm-up call (the process's one-off imports and first heap growth).",
+        f"Load: `{load_at_start}` at the start, `{load_at_end}` at the end (a machine shared with other agents: "
+        "every figure of a row comes from the same interleaved repetitions). " + machine_note(),
+        "",
+        f'Cells: min / median of {args.reps} repetitions, each its own subprocess; "before" is the code of the '
+        f'baseline worktree{base}, "after" this checkout, interleaved cell by cell on the same lake. x floor: '
+        "engine / I/O floor (min / min, median / median). Peak MB (tree): the most of the worker's process tree "
+        "(summed resident sets sampled every 20 ms, or the worker's own VmHWM where more; bench/_common.py), the "
+        "largest over the repetitions. Both checkouts' engine workers import what every process of a round "
+        "imports once (the credit and stage modules, pandas through pyarrow's first pa.array) before the clock "
+        "starts.",
+        "",
+        "I/O floor: pyarrow only, read the steps columns the method needs (`registry.method_step_columns`) + the "
+        "trajectories, write the method's advantages part with the lake's writer options (Delta: delta-rs, one "
+        "commit per part). Compute: the engine from the same Arrow tables in memory (no I/O), after one untimed "
+        "warm-up call. Reference: the per-trajectory Python oracle of tests/test_credit_reference.py, timed on "
+        f"{args.ref_groups} groups and extrapolated to the round by assistant tokens.",
         "",
         *md_table(headers, rows),
     ]
-    if "delta" in formats:
+    if verl_rows:
         lines += [
             "",
-            "Delta columns (`--formats parquet,delta`): the same round converted to a Delta lake "
-            "(`warehouse.delta_lake.migrate`), its engine and floor timed in the same interleaved repetitions as the "
-            "hive ones; the Delta floor is delta-rs + pyarrow (the batch's columns read from the Delta datasets, the "
-            "advantages part written as one Delta commit).",
+            f"## GAE and turn_ppo beside verl's compute_gae_advantage_return ({args.verl}, compute only)",
+            "",
+            f"A batch of {args.verl.replace('x', ' trajectories x ')} assistant tokens (8 assistant steps each, "
+            "critic values on every token), verl's function on its padded tensors (rewards on the last token, "
+            "an all-ones response mask) with the same gamma and lam, interleaved with ours in each worker "
+            "(verl, ours, verl, ours), the fastest of each. estimate: run_methods on a built context (the "
+            "estimator with the contract checks); from Arrow: process_batch from the Arrow tables (context, "
+            "estimate, advantages table). verl's column pools its runs in both workers.",
+            "",
+            *md_table(verl_headers, verl_rows),
         ]
     write_md(args.out, lines)
     print(f"wrote {args.out}")

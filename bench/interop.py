@@ -88,8 +88,9 @@ def main() -> None:
         emit(worker_export(*args.worker))
         return
     sys.path.insert(0, str(ROOT))
-    from flows.batch import credit_batch
+    from flows.batch import run_stage
     from pipeline.config import Config
+    from pipeline.stages import get_stage
     from pipeline.synth import SynthSettings, iter_batches
     from warehouse.lake import Lake
     from warehouse.rounds import batch_names, prefetched, write_round_parts
@@ -108,7 +109,7 @@ def main() -> None:
     cfg = Config(lake=str(lake_dir), methods=["grpo"])
     for name in batch_names(lake, 0):
         if not lake.has_part("advantages", 0, f"{name}.grpo"):
-            credit_batch(lake, 0, name, ["grpo"], cfg)
+            run_stage(lake, 0, name, get_stage("credit"), cfg)
 
     codes = ((("before", args.baseline),) if args.baseline else ()) + (("after", ROOT),)
     # interleaved repetitions: each rep runs every (layout, code) once, so load that comes and goes hits them

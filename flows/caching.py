@@ -4,7 +4,8 @@
   the annotation / advantages parts it needs), so a re-ingested or re-annotated batch is recomputed;
 - settings: the JSON of the settings models the stage declares it reads (validated, with defaults), the Config
   fields it reads and the methods whose work it does;
-- code version: the package version and a hash of the source files its declaration names.
+- code version: the package version and a hash of the source files its declaration names (its own, not the
+  flow's nor pipeline/stages.py: a docstring edit there re-runs no stage).
 
 All three come from the stage's declaration (pipeline.stages.BatchStage), the same for every stage;
 tests/test_stage_registry.py runs each stage and fails when it reads a setting it does not declare.
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config
+from pipeline.stages import BatchStage
 from warehouse.lake import Lake
 from warehouse.runlog import part_fingerprints
 
@@ -62,50 +64,41 @@ def _source_hash(paths: tuple[str, ...]) -> str:
     return h.hexdigest()[:16]
 
 
-def code_version(stage: str) -> str:
-    """Package version + hash of the sources that decide the stage's output (its declaration's `code_paths`)."""
-    from pipeline.stages import get_stage
-
-    paths = get_stage(stage).code_paths()
-    return f"{_package_version()}:{_source_hash(paths + ('flows/batch.py',))}"
+def code_version(stage: BatchStage) -> str:
+    """Package version + hash of the sources that decide the stage's output (its declaration's `code_paths`:
+    its own sources, not the flow's modules)."""
+    return f"{_package_version()}:{_source_hash(stage.code_paths())}"
 
 
-def stage_inputs(stage: str, batch: str, config: Config) -> list[tuple[str, str]]:
-    """(table, part) pairs the stage reads for the batch."""
-    from flows.stage_names import stage_reads
-    from pipeline.stages import get_stage
-
-    reads = stage_reads(get_stage(stage), batch, config)
-    return [("trajectories", batch), ("steps", batch)] + [(table, part) for table, part, _ in reads]
-
-
-def stage_settings(stage: str, config: Config) -> dict[str, Any]:
+def stage_settings(stage: BatchStage, config: Config) -> dict[str, Any]:
     """What a stage's output depends on besides its inputs and code, as plain JSON: the settings models it
     declares it reads, the Config fields it reads and the methods whose work it does."""
-    from pipeline.stages import get_stage
-
-    spec = get_stage(stage)
     out: dict[str, Any] = {
-        "settings": {n: config.stage(n).model_dump(mode="json") for n in sorted(spec.settings_read(config))}
+        "settings": {n: config.stage(n).model_dump(mode="json") for n in sorted(stage.settings_read(config))}
     }
-    out |= {f: getattr(config, f) for f in spec.fields}
-    if spec.methods is not None:
-        out["methods"] = list(spec.methods(config))
+    out |= {f: getattr(config, f) for f in stage.fields}
+    if stage.methods is not None:
+        out["methods"] = list(stage.methods(config))
     return out
 
 
 def stage_cache_key(
-    lake_root: str, round_: int, batch: str, stage: str, config: Config, round_stats: dict | None = None
+    lake_root: str,
+    round_: int,
+    batch: str,
+    stage: BatchStage,
+    config: Config,
+    round_stats: dict | None = None,
 ) -> str:
     """`round_stats`: the round's merged statistics a credit task gets; a change (one batch re-ingested)
     changes every credit key of the round."""
     lake = Lake(lake_root)
     fingerprint = [
         (Path(p).name, size, mtime)
-        for p, size, mtime in part_fingerprints(lake, round_, stage_inputs(stage, batch, config))
+        for p, size, mtime in part_fingerprints(lake, round_, stage.inputs(batch, config))
     ]
     payload = {
-        "stage": stage,
+        "stage": stage.name,
         "lake": lake.uri,
         "round": int(round_),
         "batch": batch,
@@ -119,21 +112,16 @@ def stage_cache_key(
     return stage_key_prefix(round_, batch, stage) + digest
 
 
-def degraded_batches(lake: Lake, round_: int, stage: str, batches: set[str] | list[str]) -> set[str]:
+def degraded_batches(lake: Lake, round_: int, stage: BatchStage, batches: set[str] | list[str]) -> set[str]:
     """The batches whose last run of `stage` degraded (its `stage_runs` row has warnings: endpoint down,
     fallbacks used, unparseable answers). Such a result is not final: the flow runs the stage on them again
     (refreshing the cache record) instead of serving it from the cache, so a re-run after the endpoint
-    recovers asks again. Reads only those batches' run-log parts (one small file each)."""
+    recovers asks again. Reads only those batches' run-log parts (one small file each), as the lake lists them."""
     from warehouse.lake import safe_part_name
     from warehouse.runlog import TABLE
 
-    folder = lake.partition_dir(TABLE, round_)
-    present = {lake.part_name(p) for p in lake.parts(TABLE, round_)}
-    paths = [
-        folder / f"part-{n}.parquet"
-        for b in sorted(batches)
-        if (n := safe_part_name(f"{stage}.{b}")) in present
-    ]
+    wanted = {safe_part_name(f"{stage.name}.{b}") for b in batches}
+    paths = [p for p in lake.parts(TABLE, round_) if lake.part_name(p) in wanted]
     if not paths:
         return set()
     runs = lake.read(TABLE, round_, columns=["batch", "warnings"], parts=paths)
@@ -144,9 +132,29 @@ def degraded_batches(lake: Lake, round_: int, stage: str, batches: set[str] | li
     }
 
 
-def stage_key_prefix(round_: int, batch: str, stage: str) -> str:
+def would_run(
+    lake: Lake, round_: int, stage: BatchStage, batches: list[str], config: Config
+) -> dict[str, str]:
+    """The batches the flow runs `stage` on whatever its cache holds, each with why: an output part is missing
+    (a deleted partition is rebuilt), or the stage calls an LLM and its last run there degraded (a fallback is
+    never served as final). The flow refreshes their cache records; the up-to-date check (flows/uptodate.py)
+    finds the round not up to date. The other batches are served from the cache when their key has a record."""
+    from warehouse.runlog import parts_present
+
+    out = {
+        b: "output part(s) missing"
+        for b in batches
+        if not parts_present(lake, round_, stage.outputs(b, config.methods))
+    }
+    if stage.calls_llm(config):
+        for b in degraded_batches(lake, round_, stage, [b for b in batches if b not in out]):
+            out[b] = "its last run degraded (warnings)"
+    return out
+
+
+def stage_key_prefix(round_: int, batch: str, stage: BatchStage) -> str:
     """What every cache key of this (stage, round, batch) starts with; the input digest follows."""
-    return f"{stage}-r{int(round_)}-{batch}-"
+    return f"{stage.name}-r{int(round_)}-{batch}-"
 
 
 def _batch_stage_cache() -> type:

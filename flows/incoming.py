@@ -13,9 +13,10 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.batch import CREDIT, stage_outputs
 from flows.config import as_config
 from pipeline.config import Config
+from pipeline.credit.process import CREDIT
+from pipeline.stages import get_stage
 from warehouse.lake import Lake
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ def pending_rounds(config: Config) -> list[int]:
     for round_ in lake.rounds("trajectories"):
         batches = batch_names(lake, round_)
         if batches and not all(
-            parts_present(lake, round_, stage_outputs(CREDIT, b, config.methods)) for b in batches
+            parts_present(lake, round_, get_stage(CREDIT).outputs(b, config.methods)) for b in batches
         ):
             out.append(round_)
     return out

@@ -12,6 +12,7 @@ warnings, and the flow run ends in the state `CompletedWithWarnings` instead of 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.cache_policies import NO_CACHE
@@ -22,33 +23,25 @@ from prefect.tasks import exponential_backoff
 
 from flows import progress, workers
 from flows.api_priority import api_waits_for_idle_cpu, stages_fill_cpus
-from flows.batch import (
-    STATS,
-    round_batches,
-    round_stages,
-    round_statistics,
-    run_stage_task,
-    stage_calls_llm,
-    stage_outputs,
-    takes_round_statistics,
-)
+from flows.batch import round_batches, round_stages, round_statistics, run_stage
 from flows.caching import (
     BatchStageCache,
     cache_dir,
-    degraded_batches,
     result_dir,
     stage_cache_key,
     stage_key_prefix,
+    would_run,
 )
 from flows.config import as_config
 from flows.runners import settings_scope
 from flows.runtime import tune_allocator
 from flows.uptodate import derived_tables
 from pipeline.config import Config
-from pipeline.credit.process import statistics_json
+from pipeline.credit.process import STATS, statistics_json
+from pipeline.stages import BatchStage
 from warehouse.lake import Lake
 from warehouse.locks import round_lock
-from warehouse.runlog import parts_present, prune_stale_parts
+from warehouse.runlog import prune_stale_parts
 
 WARNING_STATE = "CompletedWithWarnings"
 
@@ -58,22 +51,29 @@ def batch_stage_task(
     lake_root: str,
     round_: int,
     batch: str,
-    stage: str,
+    stage: BatchStage,
     config: Config,
     upstream: dict | None = None,
     round_stats: dict | None = None,
 ) -> dict:
     """One stage on one batch; `upstream` (the previous stage's summary of this batch) only orders the work;
     `round_stats` (credit: the round's merged statistics) is part of the cache key."""
-    key = _cache_key(lake_root, round_, batch, stage, config, round_stats) if config.flow.cache else None
+    key = None
+    if config.flow.cache:
+        key = _cache_key(
+            round_,
+            batch,
+            stage,
+            lambda: stage_cache_key(lake_root, round_, batch, stage, config, round_stats),
+        )
     args = (lake_root, round_, batch, stage, config, key, round_stats)
     try:
-        if workers.use_processes(config) and not stage_calls_llm(stage, config):
-            summary = workers.run(config.max_workers, run_stage_task, *args)  # off the flow's GIL
+        if workers.use_processes(config) and not stage.calls_llm(config):
+            summary = workers.run(config.max_workers, run_stage, *args)  # off the flow's GIL
         elif config.task_runner == "threads":
-            summary = workers.run_here(config.max_workers, run_stage_task, *args)
+            summary = workers.run_here(config.max_workers, run_stage, *args)
         else:  # processes, Ray, Dask: this is a worker process already
-            summary = run_stage_task(*args)
+            summary = run_stage(*args)
     except Exception as exc:  # the command's one error line names the stage (flows.cli.error_line)
         exc.add_note(stage_note(stage, batch))
         raise
@@ -84,9 +84,9 @@ def batch_stage_task(
 STAGE_NOTE = "creditflow stage: "
 
 
-def stage_note(stage: str, batch: str) -> str:
+def stage_note(stage: BatchStage, batch: str) -> str:
     """The note a stage's error carries out of its task: which stage failed, on which batch."""
-    return f"{STAGE_NOTE}{stage} on batch {batch}"
+    return f"{STAGE_NOTE}{stage.name} on batch {batch}"
 
 
 def _log_batch(summary: dict) -> None:
@@ -106,18 +106,16 @@ def _log_batch(summary: dict) -> None:
         logger.warning("%s %s degraded: %s", summary.get("stage"), summary.get("batch"), warning)
 
 
-def _cache_key(
-    lake_root: str, round_: int, batch: str, stage: str, config: Config, round_stats: dict | None = None
-) -> str:
+def _cache_key(round_: int, batch: str, stage: BatchStage, compute: Callable[[], str]) -> str:
     """This task run's cache key: the one Prefect's transaction holds (BatchStageCache computed it a moment
-    ago from the same inputs), else computed here."""
+    ago from the same inputs), else `compute()`."""
     from prefect.transactions import get_transaction
 
     txn = get_transaction()
     key = getattr(txn, "key", None)
     if isinstance(key, str) and key.startswith(stage_key_prefix(round_, batch, stage)):
         return key
-    return stage_cache_key(lake_root, round_, batch, stage, config, round_stats)
+    return compute()
 
 
 @task(task_run_name="stats-round-{round_}", cache_policy=NO_CACHE, persist_result=False)
@@ -137,7 +135,7 @@ def round_stats_task(lake_root: str, round_: int) -> dict:
     return summary
 
 
-def _stage_task(stage: str, config: Config, lake: Lake, calls_llm: bool):
+def _stage_task(config: Config, lake: Lake, calls_llm: bool):
     options: dict = {}
     if config.flow.cache:
         options["cache_policy"] = BatchStageCache(key_storage=str(cache_dir(lake)))
@@ -283,13 +281,11 @@ def _run_stages(lake: Lake, round_: int, batches: list[str], config: Config) -> 
     upstream: list | None = None
     for stage in round_stages(config):
         round_stats = None
-        if (
-            takes_round_statistics(stage) and STATS in tally.run
-        ):  # the barrier: the round's statistics, merged
+        if stage.round_statistics and STATS in tally.run:  # the barrier: the round's statistics, merged
             tally.wait()
             round_stats = statistics_json(round_statistics(lake, round_, config, batches))
         upstream = _map_stage(lake, round_, batches, stage, config, upstream, round_stats)
-        tally.add(stage, upstream)
+        tally.add(stage.name, upstream)
     tally.wait()
     return tally.run
 
@@ -298,22 +294,20 @@ def _map_stage(
     lake: Lake,
     round_: int,
     batches: list[str],
-    stage: str,
+    stage: BatchStage,
     config: Config,
     upstream: list | None,
     round_stats: dict | None,
 ) -> list:
-    """One stage's task mapped over the batches; returns its futures in batch order. A batch whose outputs are
-    missing (or, for an LLM stage, degraded) refreshes its cache record; the others may be served from it."""
-    progress.report("stage", stage, total=len(batches))
-    calls_llm = stage_calls_llm(stage, config)
-    done = {b for b in batches if parts_present(lake, round_, stage_outputs(stage, b, config.methods))}
-    if calls_llm:  # a degraded result (fallbacks) is never served as final
-        done -= degraded_batches(lake, round_, stage, done)
-    task_ = _stage_task(stage, config, lake, calls_llm)
+    """One stage's task mapped over the batches; returns its futures in batch order. A batch the stage must
+    run on whatever the cache holds (`would_run`: outputs missing, or an LLM stage's degraded) refreshes its
+    cache record; the others may be served from it."""
+    progress.report("stage", stage.name, total=len(batches))
+    must = would_run(lake, round_, stage, batches, config)
+    task_ = _stage_task(config, lake, stage.calls_llm(config))
     futures: dict[str, object] = {}
     for refresh in (False, True):
-        index = [i for i, b in enumerate(batches) if (b in done) != refresh]
+        index = [i for i, b in enumerate(batches) if (b in must) == refresh]
         if not index:
             continue
         mapped = task_.with_options(refresh_cache=refresh).map(

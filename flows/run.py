@@ -59,25 +59,36 @@ def require_round(lake, round_: int) -> None:
         )
 
 
-def check_preconditions(cfg: Config, lake, round_: int, skip_unmet: bool = False) -> tuple[Config, list[str]]:
+class Skipped(list):
+    """What `check_preconditions` dropped: one line per missing input (a list of str, as printed and kept in
+    the summary) and `methods`, the methods it dropped (counted in the run log)."""
+
+    def __init__(self, lines=(), methods=()) -> None:
+        super().__init__(lines)
+        self.methods: list[str] = list(methods)
+
+
+def check_preconditions(cfg: Config, lake, round_: int, skip_unmet: bool = False) -> tuple[Config, Skipped]:
     """Every method's requirements (pipeline.credit.preconditions) against the round's steps, before any work.
     An unmet one stops with one line naming the method, the missing column and the trajectories that lack it;
-    with `skip_unmet` those methods are dropped: returns (the config without them, one line per skipped one)."""
+    with `skip_unmet` those methods are dropped: returns (the config without them, what was skipped)."""
     from pipeline.credit.preconditions import grouped_lines, required_columns, step_flags_sql, unmet
     from warehouse.catalog import query
 
     columns = required_columns(cfg.methods, cfg)
     if not columns:  # no method has a requirement: nothing to read
-        return cfg, []
+        return cfg, Skipped()
     problems = unmet(cfg.methods, query(lake, step_flags_sql(round_, columns)), cfg)
     if not problems:
-        return cfg, []
+        return cfg, Skipped()
     lines = [p.line() for p in problems]
-    keep = [m for m in cfg.methods if m not in {p.method for p in problems}]
+    dropped = {p.method for p in problems}
+    keep = [m for m in cfg.methods if m not in dropped]
     if not skip_unmet or not keep:
         hint = " (--skip-unmet computes the other methods)" if keep else " (no method left to compute)"
         raise SystemExit("; ".join(lines) + hint)
-    return cfg.model_copy(update={"methods": keep}), grouped_lines(problems)
+    skipped = Skipped(grouped_lines(problems), [m for m in cfg.methods if m in dropped])
+    return cfg.model_copy(update={"methods": keep}), skipped
 
 
 def run_process(
@@ -94,7 +105,7 @@ def run_process(
     require_round(lake, round_)  # before any API or worker starts
     cfg, skipped = check_preconditions(cfg, lake, round_, skip_unmet)  # and each method's inputs
     if skipped and not quiet:
-        console.print(f"[yellow]skipped {len(skipped)} kind(s) of methods, their inputs are missing:")
+        console.print(f"[yellow]skipped {len(skipped.methods)} method(s), their inputs are missing:")
         for line in skipped:
             console.print(f"[yellow]  - {line}", soft_wrap=True)
     if fast:
@@ -157,13 +168,6 @@ def over_failure_share(summary: dict, share: float) -> list[str]:
     return out
 
 
-def say_waiting(line: str) -> None:
-    """One line on stderr: this run waits for another one (the round's lock)."""
-    import sys
-
-    print(line, file=sys.stderr, flush=True)
-
-
 class _RunFailuresOnce(logging.Filter):
     """Keeps a failed task run's or flow run's ERROR records (each with its traceback, 161 lines for one failed
     stage) off the terminal: the command's one error line names the stage and its error (flows.cli.error_line);
@@ -189,22 +193,22 @@ def quiet_run_failures() -> None:
             handler.addFilter(_RunFailuresOnce())
 
 
-def process_checked_round(cfg: Config, lake, round_: int, skipped=(), progress: bool = False) -> dict:
+def process_checked_round(
+    cfg: Config, lake, round_: int, skipped: Skipped | None = None, progress: bool = False
+) -> dict:
     """`process_round_flow` on the configured task runner for a round `check_preconditions` passed (`skipped`:
-    its lines for the methods it dropped), under the round's lock; returns the flow's summary with its state,
+    its lines for the methods it dropped); returns the flow's summary with its state,
     methods and seconds. `run_process` (the CLI) and the round loop's process step both run a round here."""
     from contextlib import nullcontext
 
     from flows.process_round import process_round_flow
     from flows.progress import rich_progress
     from flows.runners import make_task_runner, worker_api
-    from warehouse.locks import round_lock
 
     t0 = time.perf_counter()
-    # one run per (lake, round): another run of the round stops here with one line, or (flow.lock_wait_s,
-    # `process --wait`) waits for it, saying so, and then finds its work cached (warehouse/locks.py)
+    # the flow holds the round's lock (one run per (lake, round), whoever starts it: this, serve, the loop)
     quiet_run_failures()
-    with round_lock(lake, round_, wait_s=cfg.flow.lock_wait_s, on_wait=say_waiting), worker_api(cfg):
+    with worker_api(cfg):
         flow_ = process_round_flow.with_options(task_runner=make_task_runner(cfg))
         with rich_progress(console) if progress else nullcontext():
             state = flow_(round_=round_, config=cfg, return_state=True)
@@ -218,7 +222,7 @@ def process_checked_round(cfg: Config, lake, round_: int, skipped=(), progress: 
             "preconditions",
             "round",
             seconds=0.0,
-            notes={"skipped_methods": sum(len(line.split(": need")[0].split(", ")) for line in skipped)},
+            notes={"skipped_methods": len(skipped.methods)},
             warnings=list(skipped),
         )
     summary.update(

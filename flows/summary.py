@@ -4,14 +4,24 @@ same table after the fact as `creditflow process` does at the end of a run."""
 
 from __future__ import annotations
 
+from pipeline.credit.process import CREDIT
+from pipeline.stages import BatchStage, load_stages
 from warehouse.lake import Lake
 from warehouse.runlog import count_rows, read_stage_runs, stage_seconds, total_notes
 
-OUTPUT_TABLES = ("spans", "nodes", "edges", "counterfactuals", "advantages", "train_batch")
-STAGE_ORDER = ("detect", "annotate", "counterfactual", "credit_stats", "credit", "export")
+
+def declared_stages() -> list[BatchStage]:
+    """Every batch stage, in run order (the declarations: pipeline.stages)."""
+    return sorted(load_stages().values(), key=lambda s: s.order)
+
+
+def output_tables() -> tuple[str, ...]:
+    """The tables the stages write, in run order: the summary counts their rows."""
+    return tuple(t for s in declared_stages() for t in s.tables())
 
 
 def round_summary(lake: Lake, round_: int) -> dict:
+    declared = declared_stages()
     runs = read_stage_runs(lake, round_)
     stages: dict[str, dict] = {}
     if runs.num_rows:
@@ -24,15 +34,18 @@ def round_summary(lake: Lake, round_: int) -> dict:
             )
             entry["batches"] += 1
             entry["warnings"] += len(batch_warnings or [])
-    order = {s: i for i, s in enumerate(STAGE_ORDER)}
-    stages = dict(sorted(stages.items(), key=lambda kv: (order.get(kv[0], 2.5), kv[0])))
+    order = {s.name: s.order for s in declared}
+    stages = dict(sorted(stages.items(), key=lambda kv: (order.get(kv[0], 0), kv[0])))
     tokens = 0
     if runs.num_rows:
         import pyarrow.compute as pc
 
-        credit = runs.filter(pc.equal(runs.column("stage"), "credit"))
+        credit = runs.filter(pc.equal(runs.column("stage"), CREDIT))
         tokens = int(pc.sum(credit.column("tokens")).as_py() or 0)
-    notes = total_notes(runs, [s for s in stages if s not in ("credit_stats", "credit", "export")])
+    # the notes of the annotation stages (LLM calls, fallbacks) and the run's own rows (preconditions): not of
+    # the stages every round runs (credit, its statistics, export: their notes are per method)
+    every_round = {s.name for s in declared if s.runs_if is not None}
+    notes = total_notes(runs, [s for s in stages if s not in every_round])
     return {
         "round": int(round_),
         "lake": lake.uri,
@@ -40,7 +53,7 @@ def round_summary(lake: Lake, round_: int) -> dict:
         "trajectories": count_rows(lake, "trajectories", round_),
         "steps": count_rows(lake, "steps", round_),
         "tokens": tokens,
-        "rows": {t: count_rows(lake, t, round_) for t in OUTPUT_TABLES},
+        "rows": {t: count_rows(lake, t, round_) for t in output_tables()},
         "quarantined": count_rows(lake, "quarantine", round_),
         "stages": stages,
         "notes": {k: round(v, 3) for k, v in sorted(notes.items())},

@@ -35,8 +35,7 @@ def derived_tables() -> tuple[str, ...]:
     from pipeline.stages import load_stages
     from warehouse.runlog import TABLE as RUNS
 
-    stages = load_stages().values()
-    return tuple(sorted({t for s in stages for t in (*s.produces, *s.produces_per_method)})) + (RUNS,)
+    return tuple(sorted({t for s in load_stages().values() for t in s.tables()})) + (RUNS,)
 
 
 def cache_record_valid(cache_folder: Path, key: str, results: Path) -> bool:
@@ -87,16 +86,13 @@ def current_round_statistics(lake: Lake, round_: int, config: Config, batches: l
     (the flow would run the statistics pass first). Writes nothing (flows.batch.round_statistics would)."""
     import pyarrow as pa
 
-    from flows.batch import STATS, stats_source
+    from flows.batch import current_statistics, is_current
     from pipeline.credit.process import merge_statistics, statistics_json
-    from warehouse.rounds import read_batch
 
     parts = []
     for b in batches:
-        part = read_batch(lake, STATS, round_, b)
-        if part.num_rows == 0 or set(part.column("source").to_pylist()) != {
-            stats_source(lake, round_, b, config)
-        }:
+        part, source = current_statistics(lake, round_, b, config)
+        if not is_current(part, source):
             return None
         parts.append(part)
     return statistics_json(merge_statistics(pa.concat_tables(parts)))
@@ -104,10 +100,11 @@ def current_round_statistics(lake: Lake, round_: int, config: Config, batches: l
 
 def not_up_to_date(lake: Lake, round_: int, config: Config) -> str | None:
     """Why the flow would have work to do on this round (one line), or None: it would do nothing (every
-    (stage, batch) served from the cache, nothing to prune or refresh)."""
-    from flows.batch import STATS, round_batches, round_stages, stage_outputs, takes_round_statistics
-    from flows.caching import cache_dir, degraded_batches, result_dir, stage_cache_key
-    from warehouse.runlog import parts_present
+    (stage, batch) served from the cache, nothing to prune or refresh). The flow's own decisions: `would_run`
+    (what it refreshes) and the cache key it looks up."""
+    from flows.batch import round_batches, round_stages
+    from flows.caching import cache_dir, result_dir, stage_cache_key, would_run
+    from pipeline.credit.process import STATS
 
     if not config.flow.cache:
         return "caching is off (flow.cache=false)"
@@ -121,22 +118,18 @@ def not_up_to_date(lake: Lake, round_: int, config: Config) -> str | None:
     round_stats: dict | None = None
     stages = round_stages(config)
     for stage in stages:
-        reads_statistics = takes_round_statistics(stage)
-        if reads_statistics and STATS in stages:
+        if stage.round_statistics and any(s.name == STATS for s in stages):
             round_stats = current_round_statistics(lake, round_, config, batches)
             if round_stats is None:
                 return "the round's statistics are missing or stale"
-        degraded = degraded_batches(lake, round_, stage, batches)
-        if degraded:
-            return f"{stage}: batch(es) {', '.join(sorted(degraded))} ran with warnings"
+        must = would_run(lake, round_, stage, batches, config)
+        if must:
+            return "; ".join(f"{stage.name} {b}: {why}" for b, why in must.items())
         for b in batches:
-            if not parts_present(lake, round_, stage_outputs(stage, b, list(config.methods))):
-                return f"{stage} {b}: output part(s) missing"
-            key = stage_cache_key(
-                lake.uri, round_, b, stage, config, round_stats if reads_statistics else None
-            )
+            stats = round_stats if stage.round_statistics else None
+            key = stage_cache_key(lake.uri, round_, b, stage, config, stats)
             if not cache_record_valid(folder, key, result_dir(lake)):
-                return f"{stage} {b}: inputs, settings or code changed (no cache record {key})"
+                return f"{stage.name} {b}: inputs, settings or code changed (no cache record {key})"
     if lake.format == "parquet" and not _catalog_current(lake, round_):
         return "the catalog file is older than the round's last stage run"
     return None
@@ -180,7 +173,7 @@ def up_to_date_summary(
     n = summary.get("batches", 0)
     summary.update(
         {
-            "this_run": {s: {"batches": n, "cached": n, "warnings": []} for s in round_stages(config)},
+            "this_run": {s.name: {"batches": n, "cached": n, "warnings": []} for s in round_stages(config)},
             "warnings": [],
             "state": "Completed",
             "up_to_date": True,

@@ -144,6 +144,25 @@ def _names(declared: Names, config: Any) -> tuple[str, ...]:
     return tuple(declared(config)) if callable(declared) else tuple(declared)
 
 
+def method_part(batch: str, method: str) -> str:
+    """The part of a per-method table holding one batch of one method: `<batch>.<method slug>` (`+` -> `-`,
+    then the lake's safe file-name alphabet)."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.=+-]", "_", f"{batch}.{method.replace('+', '-')}")[:180]
+
+
+# one part a stage reads or writes of a batch: (table, part name, key in its `inputs` / `StageOutput.tables`)
+Part = tuple[str, str, str]
+
+
+def _parts(
+    tables: Iterable[str], per_method: Iterable[str], batch: str, methods: Sequence[str]
+) -> list[Part]:
+    out = [(t, batch, t) for t in tables]
+    return out + [(t, method_part(batch, m), method_key(t, m)) for t in per_method for m in methods]
+
+
 @dataclass(frozen=True)
 class BatchStage:
     """One batch stage, declared. A stage reads `trajectories` and `steps` (`step_columns`: only those; None:
@@ -174,6 +193,33 @@ class BatchStage:
     records_source: bool = False  # its rows carry what they were computed from (the cache key): `source`
     code: tuple[str, ...] = ()  # source paths (files or folders) that decide its output
 
+    def __str__(self) -> str:  # a task run's name (`{stage}-{batch}`)
+        return self.name
+
+    def __reduce__(self):  # to a worker process by name: its functions (lambdas) stay where they are declared
+        return (get_stage, (self.name,))
+
+    def reads(self, batch: str, config) -> list[Part]:
+        """The parts it reads of one batch besides `trajectories` and `steps`: one per table of `needs`, one
+        per method of the round per table of `needs_per_method`."""
+        return _parts(self.tables_needed(config), self.needs_per_method, batch, list(config.methods))
+
+    def inputs(self, batch: str, config) -> list[tuple[str, str]]:
+        """(table, part) of everything it reads of one batch, trajectories and steps included."""
+        return [("trajectories", batch), ("steps", batch)] + [(t, p) for t, p, _ in self.reads(batch, config)]
+
+    def writes(self, batch: str, methods: Sequence[str]) -> list[Part]:
+        """The parts it writes for one batch (all present: its work on that batch is on disk)."""
+        return _parts(self.produces, self.produces_per_method, batch, list(methods))
+
+    def outputs(self, batch: str, methods: Sequence[str]) -> list[tuple[str, str]]:
+        """(table, part) of everything it writes for one batch."""
+        return [(t, p) for t, p, _ in self.writes(batch, methods)]
+
+    def tables(self) -> tuple[str, ...]:
+        """Every table it writes."""
+        return (*self.produces, *self.produces_per_method)
+
     def calls_llm(self, config) -> bool:
         """Whether the stage talks to an LLM endpoint under this config (the IAPO `rules` annotator does not)."""
         return self.uses_llm if self.llm_if is None else bool(self.llm_if(config))
@@ -190,7 +236,8 @@ class BatchStage:
 
     def code_paths(self) -> tuple[str, ...]:
         """What decides its output besides the settings: `code`, else its module's package (or the module file
-        of a top-level module), with the sources every stage shares."""
+        of a top-level module), and the LLM client code of a stage that calls one. Not this module nor the
+        flow's: a docstring edit there re-runs no stage."""
         if self.code:
             paths = self.code
         else:
@@ -199,7 +246,7 @@ class BatchStage:
             module = self.fn.__module__.split(".")
             package = len(module) > 2 or hasattr(sys.modules.get(self.fn.__module__), "__path__")
             paths = ("/".join(module[:2]),) if package else ("/".join(module) + ".py",)
-        return paths + ("pipeline/stages.py",) + (("pipeline/llm",) if self.uses_llm else ())
+        return paths + (("pipeline/llm",) if self.uses_llm else ())
 
 
 STAGES: dict[str, BatchStage] = {}

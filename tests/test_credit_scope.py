@@ -258,25 +258,28 @@ def test_group_normalize_constant_is_zero(value, n, norm_by_std, singleton):
 
 
 def test_plain_credit_batch_keeps_round_statistics_current(tmp_path):
-    """Without the flow: credit_batch makes the statistics parts it lacks, and remakes a part whose batch
+    """Without the flow: the credit stage makes the statistics parts it lacks, and remakes a part whose batch
     changed since (its `source`), so a re-written part changes every batch's whitening."""
-    from flows.batch import credit_batch, round_batches
+    from flows.batch import round_batches, run_stage
+    from pipeline.stages import get_stage
+
+    credit = get_stage("credit")
 
     traj, steps = synth_round(groups=6)
     lake, fresh = Lake(tmp_path / "lake"), Lake(tmp_path / "fresh")
     write_round(lake, 0, traj, steps, batch_groups=2)
     cfg = Config(lake=str(lake.root), methods=["gae", "gdpo"])
     for b in round_batches(lake, 0):
-        credit_batch(lake, 0, b, cfg.methods, cfg)
+        run_stage(lake, 0, b, credit, cfg)
     assert len(lake.parts("credit_stats", 0)) == 3
     before = token_advantages(lake)
     first = read_batch(lake, "trajectories", 0, "b00000")
     lake.write_part("trajectories", 0, bump_rewards(first), part="b00000")
     for b in round_batches(lake, 0):
-        credit_batch(lake, 0, b, cfg.methods, cfg)
+        run_stage(lake, 0, b, credit, cfg)
     write_round(fresh, 0, bump_rewards(traj, set(first.column("traj_id").to_pylist())), steps, batch_groups=6)
     fresh_cfg = Config(lake=str(fresh.root), methods=["gae", "gdpo"])
-    credit_batch(fresh, 0, "b00000", fresh_cfg.methods, fresh_cfg)
+    run_stage(fresh, 0, "b00000", credit, fresh_cfg)
     after = token_advantages(lake)
     assert_close(after, token_advantages(fresh))
     # every batch changed, not only the re-written one: the round's mean and variance moved

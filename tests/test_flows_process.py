@@ -81,7 +81,8 @@ def test_flow_matches_plain_functions_and_reruns_cached(tmp_path, prefect_harnes
     cfg = cfg_for(flow_lake)
     summary = run_process(cfg, 0, quiet=True)
     assert summary["state"] == "Completed"
-    assert list(summary["this_run"]) == ["detect", "annotate", "credit", "export"] == round_stages(cfg)
+    assert list(summary["this_run"]) == ["detect", "annotate", "credit", "export"]
+    assert [s.name for s in round_stages(cfg)] == list(summary["this_run"])
     assert all(r["batches"] == 4 and r["cached"] == 0 for r in summary["this_run"].values())
     assert summary["trajectories"] == 32 and summary["rows"]["train_batch"] == 32 * len(RULE_METHODS)
     assert summary["stages"]["credit"]["batches"] == 4
@@ -357,26 +358,24 @@ def test_file_url_lake(tmp_path, prefect_harness):
 
 
 def test_llm_stages_retry_with_exponential_backoff(tmp_path):
-    from flows.batch import stage_calls_llm
     from flows.caching import BatchStageCache
     from flows.process_round import _stage_task
+    from pipeline.stages import get_stage
 
     lake = Lake(tmp_path / "lake")
     cfg = load_config(None, ["flow.retries=3", "flow.retry_delay_s=2"], lake=str(lake.root))
     llm_cfg = load_config(None, [], lake=str(lake.root), annotator="llm")
-    assert stage_calls_llm("counterfactual", cfg) and not stage_calls_llm("detect", cfg)
+    assert get_stage("counterfactual").calls_llm(cfg) and not get_stage("detect").calls_llm(cfg)
     # the annotate stage calls a model only with the llm annotator (rules: no retries, may run in a worker process)
-    assert stage_calls_llm("annotate", llm_cfg) and not stage_calls_llm("annotate", cfg)
-    llm = _stage_task("counterfactual", cfg, lake, True)
+    assert get_stage("annotate").calls_llm(llm_cfg) and not get_stage("annotate").calls_llm(cfg)
+    llm = _stage_task(cfg, lake, True)
     assert llm.retries == 3 and llm.retry_delay_seconds == [2.0, 4.0, 8.0]
     assert isinstance(llm.cache_policy, BatchStageCache) and llm.cache_policy.key_storage.startswith(
         str(lake.root)
     )
-    plain = _stage_task("credit", cfg, lake, False)
+    plain = _stage_task(cfg, lake, False)
     assert plain.retries == 0
-    uncached = _stage_task(
-        "credit", load_config(None, ["flow.cache=false"], lake=str(lake.root)), lake, False
-    )
+    uncached = _stage_task(load_config(None, ["flow.cache=false"], lake=str(lake.root)), lake, False)
     assert not isinstance(uncached.cache_policy, BatchStageCache)
 
 
@@ -449,6 +448,7 @@ def test_stage_runs_record_the_cache_key_prefect_computed(tmp_path, prefect_harn
     the inputs give."""
     import flows.process_round as pr
     from flows.caching import stage_cache_key
+    from pipeline.stages import get_stage
     from warehouse.runlog import read_stage_runs
 
     lake = Lake(tmp_path / "lake")
@@ -463,7 +463,8 @@ def test_stage_runs_record_the_cache_key_prefect_computed(tmp_path, prefect_harn
     runs = read_stage_runs(lake, 0).to_pylist()
     assert len(runs) == len(batches) * len(round_stages(cfg))
     for run in runs:
-        assert run["cache_key"] == stage_cache_key(str(lake.root), 0, run["batch"], run["stage"], cfg), run
+        stage = get_stage(run["stage"])
+        assert run["cache_key"] == stage_cache_key(str(lake.root), 0, run["batch"], stage, cfg), run
 
 
 def test_settings_scope_builds_the_derived_settings_once(monkeypatch):

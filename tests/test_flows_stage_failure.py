@@ -22,14 +22,14 @@ import flows.process_round as pr
 from warehouse.lake import Lake
 
 make_round(Lake(sys.argv[1]), round_=0, groups=4, batch_groups=2)
-real = pr.run_stage_task
+real = pr.run_stage
 
 def failing(lake_root, round_, batch, stage, *rest):
-    if stage == "credit":
+    if stage.name == "credit":
         raise RuntimeError("boom in the credit stage")
     return real(lake_root, round_, batch, stage, *rest)
 
-pr.run_stage_task = failing  # the thread runner's stages run in this process (flow.processes=false)
+pr.run_stage = failing  # the thread runner's stages run in this process (flow.processes=false)
 app([*sys.argv[2:], "process", "--lake", sys.argv[1], "--round", "0", "--methods", "grpo",
      "--set", "flow.processes=false"])
 """
