@@ -263,72 +263,81 @@ def pick_group(con, round_: int) -> list[str]:
     return [r["traj_id"] for r in rows]
 
 
-def gather(lake: Lake, rounds: list[int] | None = None, n_traj: int = 8) -> dict:
-    con = connect(lake)
-    try:
-        all_rounds = [r["round"] for r in _rows(con, "SELECT DISTINCT round FROM advantages ORDER BY 1")]
-        rounds = rounds or all_rounds
-        rounds = [r for r in rounds if r in all_rounds]
-        last = rounds[-1] if rounds else None
-        summary = _rows(con, "SELECT * FROM credit_summary ORDER BY round, method")
-        by_turn = turn_intervals(con, rounds)
-        categories = _rows(
-            con,
-            """
-            SELECT round, method,
-                   sum(CASE WHEN components.delta > 0 THEN 1 ELSE 0 END) AS progress,
-                   sum(CASE WHEN components.delta = 0 AND components.c_ret > 0 THEN 1 ELSE 0 END) AS keep,
-                   sum(CASE WHEN components.c_ret < 0 THEN 1 ELSE 0 END) AS regression,
-                   sum(CASE WHEN components.b_gate = 1 AND components.c_del <> 0 THEN 1 ELSE 0 END) AS delayed,
-                   sum(CASE WHEN components.c_ret = 0 AND coalesce(components.c_del, 0) = 0 THEN 1 ELSE 0 END) AS neutral
-            FROM advantages WHERE role = 'assistant' AND components.c_ret IS NOT NULL
-            GROUP BY ALL ORDER BY round, method
-            """,
-        )
-        weights = _rows(
+_CATEGORIES = """
+    SELECT round, method,
+           sum(CASE WHEN components.delta > 0 THEN 1 ELSE 0 END) AS progress,
+           sum(CASE WHEN components.delta = 0 AND components.c_ret > 0 THEN 1 ELSE 0 END) AS keep,
+           sum(CASE WHEN components.c_ret < 0 THEN 1 ELSE 0 END) AS regression,
+           sum(CASE WHEN components.b_gate = 1 AND components.c_del <> 0 THEN 1 ELSE 0 END) AS delayed,
+           sum(CASE WHEN components.c_ret = 0 AND coalesce(components.c_del, 0) = 0 THEN 1 ELSE 0 END) AS neutral
+    FROM advantages WHERE role = 'assistant' AND components.c_ret IS NOT NULL
+    GROUP BY ALL ORDER BY round, method
+    """
+
+
+def _annotations(con) -> dict:
+    """Every round's C3 categories, refiner weights (a sample), detector spans and quarantined records."""
+    return {
+        "categories": _rows(con, _CATEGORIES),
+        "weights": _rows(
             con,
             "SELECT round, method, components.w AS w FROM advantages WHERE role = 'assistant' "
             "AND components.w IS NOT NULL USING SAMPLE 20000 ROWS",
-        )
-        behaviors = _rows(
+        ),
+        "behaviors": _rows(
             con,
             "SELECT round, behavior, count(*) AS spans, avg(severity) AS severity FROM spans "
             "GROUP BY ALL ORDER BY round, behavior",
-        )
-        quarantine = _rows(
+        ),
+        "quarantine": _rows(
             con, "SELECT round, reason, count(*) AS n FROM quarantine GROUP BY ALL ORDER BY round, n DESC"
-        )
-        spread = within_trajectory_spread(con, last) if last is not None else []
-        trajs = []
-        groups = []
-        for r in rounds:
-            methods = [
-                row["method"]
-                for row in _rows(
-                    con, "SELECT DISTINCT method FROM advantages WHERE round = ? ORDER BY 1", [r]
-                )
-            ]
-            for tid in pick_trajectories(con, r, n_traj):
+        ),
+    }
+
+
+def _viewer(con, rounds: list[int], n_traj: int) -> tuple[list[dict], list[dict]]:
+    """The trajectories the viewer shows (`n_traj` per round) and each round's group (its members' indexes
+    in the trajectory list; a member not picked for the viewer is added as `group_only`)."""
+    trajs: list[dict] = []
+    groups: list[dict] = []
+    for r in rounds:
+        methods = [
+            row["method"]
+            for row in _rows(con, "SELECT DISTINCT method FROM advantages WHERE round = ? ORDER BY 1", [r])
+        ]
+        for tid in pick_trajectories(con, r, n_traj):
+            payload = trajectory_payload(con, r, tid, methods)
+            payload["round"] = r
+            trajs.append(payload)
+        members = []
+        known = {(t["round"], t["traj_id"]): i for i, t in enumerate(trajs)}
+        for tid in pick_group(con, r):
+            if (r, tid) not in known:
                 payload = trajectory_payload(con, r, tid, methods)
                 payload["round"] = r
+                payload["group_only"] = True
                 trajs.append(payload)
-            members = []
-            known = {(t["round"], t["traj_id"]): i for i, t in enumerate(trajs)}
-            for tid in pick_group(con, r):
-                if (r, tid) not in known:
-                    payload = trajectory_payload(con, r, tid, methods)
-                    payload["round"] = r
-                    payload["group_only"] = True
-                    trajs.append(payload)
-                    known[(r, tid)] = len(trajs) - 1
-                members.append(known[(r, tid)])
-            if members:
-                groups.append({"round": r, "group_id": trajs[members[0]]["group_id"], "members": members})
-        data = {
+                known[(r, tid)] = len(trajs) - 1
+            members.append(known[(r, tid)])
+        if members:
+            groups.append({"round": r, "group_id": trajs[members[0]]["group_id"], "members": members})
+    return trajs, groups
+
+
+def gather(lake: Lake, rounds: list[int] | None = None, n_traj: int = 8) -> dict:
+    """Everything the report shows, from the lake's views: `rounds` (default: every round with advantages)."""
+    con = connect(lake)
+    try:
+        all_rounds = [r["round"] for r in _rows(con, "SELECT DISTINCT round FROM advantages ORDER BY 1")]
+        rounds = [r for r in rounds or all_rounds if r in all_rounds]
+        last = rounds[-1] if rounds else None
+        spread = within_trajectory_spread(con, last) if last is not None else []
+        trajs, groups = _viewer(con, rounds, n_traj)
+        return {
             "lake": lake.uri,
             "rounds": rounds,
-            "summary": summary,
-            "by_turn": by_turn,
+            "summary": _rows(con, "SELECT * FROM credit_summary ORDER BY round, method"),
+            "by_turn": turn_intervals(con, rounds),
             "outcomes": outcome_split(con, rounds),
             "histograms": advantage_histograms(con, last) if last is not None else [],
             "hist_round": last,
@@ -338,16 +347,12 @@ def gather(lake: Lake, rounds: list[int] | None = None, n_traj: int = 8) -> dict
             "train": train_curves(con),
             "spread": spread,
             "default_method": default_method(spread),
-            "categories": categories,
-            "weights": weights,
-            "behaviors": behaviors,
-            "quarantine": quarantine,
+            **_annotations(con),
             "trajectories": trajs,
             "groups": groups,
         }
     finally:
         con.close()
-    return data
 
 
 def to_json(data: dict) -> str:
