@@ -10,8 +10,10 @@ import pkgutil
 from pipeline.ingest.core import IngestResult, Reject, SourceRecord, StepDraft, TrajectoryDraft, ingest
 from pipeline.ingest.registry import ADAPTERS, AdapterSpec, adapter, get_adapter, register_adapter
 
+# the modules of the ingest machinery; every other module of the package is an adapter
+_MACHINERY = ("checks", "core", "readers", "records", "registry", "tables")
 for _mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-    if _mod not in ("core", "registry") and not _mod.startswith("_"):
+    if _mod not in _MACHINERY and not _mod.startswith("_"):
         importlib.import_module(f"{__name__}.{_mod}")
 
 __all__ = [

@@ -30,7 +30,8 @@ import re
 from pathlib import PurePath
 
 from pipeline.chat_template import RENDERED_BY, SOURCE_TOKEN_COUNTS
-from pipeline.ingest.core import (
+from pipeline.ingest.readers import read_jsonl
+from pipeline.ingest.records import (
     INVALID_VALUE,
     MALFORMED_JSON,
     Reject,
@@ -40,7 +41,6 @@ from pipeline.ingest.core import (
     as_int,
     as_reward,
     content_text,
-    read_jsonl,
     require,
 )
 from pipeline.ingest.registry import adapter

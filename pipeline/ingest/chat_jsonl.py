@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.ingest.core import (
+from pipeline.ingest.readers import read_jsonl
+from pipeline.ingest.records import (
     INVALID_VALUE,
     MISSING_FIELD,
     UNKNOWN_ROLE,
@@ -26,7 +27,6 @@ from pipeline.ingest.core import (
     as_int,
     content_text,
     prompt_hash,
-    read_jsonl,
     require,
 )
 from pipeline.ingest.registry import adapter

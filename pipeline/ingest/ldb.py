@@ -15,14 +15,14 @@ traj_id = `<run>:<task_id>`, the run being the file's stem, or for LLMDebugger's
 
 from __future__ import annotations
 
-from pipeline.ingest.core import (
+from pipeline.ingest.readers import read_jsonl
+from pipeline.ingest.records import (
     INVALID_VALUE,
     LENGTH_MISMATCH,
     Reject,
     SourceRecord,
     StepDraft,
     TrajectoryDraft,
-    read_jsonl,
     require,
 )
 from pipeline.ingest.registry import adapter

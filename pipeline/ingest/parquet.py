@@ -15,7 +15,8 @@ from collections import defaultdict
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.ingest.core import (
+from pipeline.ingest.checks import token_rejects
+from pipeline.ingest.records import (
     DUPLICATE_TRAJ_ID,
     INVALID_VALUE,
     LENGTH_MISMATCH,
@@ -26,13 +27,10 @@ from pipeline.ingest.core import (
     UNMATCHED_TOOL_RESULT,
     IngestResult,
     Reject,
-    Rejected,
     SourceRecord,
-    quarantine_table,
-    token_rejects,
-    vocab_of,
 )
 from pipeline.ingest.registry import AdapterSpec, register_adapter
+from pipeline.ingest.tables import Rejected, quarantine_table, vocab_of
 from schemas import SchemaError
 from schemas import steps as steps_schema
 from schemas import trajectories as trajectories_schema

@@ -30,14 +30,14 @@ import json
 import re
 from dataclasses import dataclass
 
-from pipeline.ingest.core import (
+from pipeline.ingest.readers import read_json_entries
+from pipeline.ingest.records import (
     INVALID_VALUE,
     Reject,
     SourceRecord,
     StepDraft,
     TrajectoryDraft,
     content_text,
-    read_json_entries,
     require,
 )
 from pipeline.ingest.registry import adapter

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.ingest.core import SourceRecord, TrajectoryDraft
+    from pipeline.ingest.records import SourceRecord, TrajectoryDraft
 
 Reader = Callable[[str, str], "Iterator[SourceRecord]"]
 Converter = Callable[["SourceRecord"], "TrajectoryDraft"]
@@ -72,8 +72,8 @@ def adapter(
 
 
 def get_adapter(name: str) -> AdapterSpec:
-    import pipeline.ingest  # noqa: F401  (imports every adapter module)
-
+    """The adapter registered as `name`. Every adapter module is registered by then: importing this module
+    runs the package's `__init__` first, which imports them all."""
     try:
         return ADAPTERS[name]
     except KeyError:

@@ -33,7 +33,8 @@ import json
 from pathlib import PurePath
 
 from pipeline.ingest.chat_jsonl import convert_messages, parse_tool_calls
-from pipeline.ingest.core import (
+from pipeline.ingest.readers import read_json_list, read_jsonl
+from pipeline.ingest.records import (
     INVALID_VALUE,
     LENGTH_MISMATCH,
     MISSING_FIELD,
@@ -42,8 +43,6 @@ from pipeline.ingest.core import (
     StepDraft,
     TrajectoryDraft,
     content_text,
-    read_json_list,
-    read_jsonl,
     require,
 )
 from pipeline.ingest.registry import adapter

@@ -28,7 +28,8 @@ from __future__ import annotations
 import json
 
 from pipeline.ingest.chat_jsonl import convert_messages, prompt_group
-from pipeline.ingest.core import (
+from pipeline.ingest.readers import read_jsonl
+from pipeline.ingest.records import (
     INVALID_VALUE,
     LENGTH_MISMATCH,
     MALFORMED_JSON,
@@ -38,7 +39,6 @@ from pipeline.ingest.core import (
     TrajectoryDraft,
     as_int,
     as_reward,
-    read_jsonl,
 )
 from pipeline.ingest.registry import adapter
 

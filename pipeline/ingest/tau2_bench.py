@@ -34,7 +34,8 @@ import re
 from collections.abc import Iterator
 
 from pipeline.ingest.chat_jsonl import message_step
-from pipeline.ingest.core import (
+from pipeline.ingest.readers import iter_json_array, iter_json_object
+from pipeline.ingest.records import (
     INVALID_VALUE,
     MALFORMED_JSON,
     MISSING_FIELD,
@@ -43,8 +44,6 @@ from pipeline.ingest.core import (
     StepDraft,
     TrajectoryDraft,
     as_int,
-    iter_json_array,
-    iter_json_object,
     require,
 )
 from pipeline.ingest.registry import adapter

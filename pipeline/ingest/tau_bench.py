@@ -10,15 +10,8 @@ actions and outputs, reward_info).
 from __future__ import annotations
 
 from pipeline.ingest.chat_jsonl import convert_messages
-from pipeline.ingest.core import (
-    INVALID_VALUE,
-    Reject,
-    SourceRecord,
-    TrajectoryDraft,
-    as_int,
-    read_json_list,
-    require,
-)
+from pipeline.ingest.readers import read_json_list
+from pipeline.ingest.records import INVALID_VALUE, Reject, SourceRecord, TrajectoryDraft, as_int, require
 from pipeline.ingest.registry import adapter
 
 TOOL_ERROR_PREFIX = "Error:"

@@ -22,7 +22,8 @@ from pathlib import PurePath
 import pyarrow as pa
 
 from pipeline.ingest.chat_jsonl import convert_messages
-from pipeline.ingest.core import (
+from pipeline.ingest.core import ingest_records
+from pipeline.ingest.records import (
     INVALID_VALUE,
     MISSING_FIELD,
     NON_FINITE_REWARD,
@@ -32,7 +33,6 @@ from pipeline.ingest.core import (
     StepDraft,
     TrajectoryDraft,
     content_text,
-    ingest_records,
     prompt_hash,
 )
 from pipeline.ingest.registry import ADAPTERS, AdapterSpec, register_adapter

@@ -29,7 +29,7 @@ record does not match keeps the response_mask's steps, and its meta says why in 
 Quarantined: a file without a required key or with ragged rows (one record for the file), and per row: an empty
 uid, a non-finite reward, a response_mask value other than 0/1, a trained token on padding, a duplicate traj_id,
 a real prompt/response token id that is not an integer in [0, 2^31) (never wrapped to int32), and what the shared
-checks refuse (`pipeline.ingest.core.token_rejects`: ids beyond the vocabulary, logprobs not finite or > 0).
+checks refuse (`pipeline.ingest.checks.token_rejects`: ids beyond the vocabulary, logprobs not finite or > 0).
 """
 
 from __future__ import annotations
@@ -42,22 +42,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import step_records
-from pipeline.ingest.core import (
+from pipeline.ingest.checks import checked_ids, checked_ids_text, token_id_problem
+from pipeline.ingest.parquet import ingest_tables as canonical_ingest
+from pipeline.ingest.records import (
     INVALID_TOKENS,
     INVALID_VALUE,
     MISSING_FIELD,
     NON_FINITE_REWARD,
     IngestResult,
     Reject,
-    Rejected,
     SourceRecord,
-    checked_ids,
-    checked_ids_text,
-    quarantine_table,
-    token_id_problem,
 )
-from pipeline.ingest.parquet import ingest_tables as canonical_ingest
 from pipeline.ingest.registry import AdapterSpec, register_adapter
+from pipeline.ingest.tables import Rejected, quarantine_table
 from schemas import steps as steps_schema
 from schemas import trajectories as trajectories_schema
 

@@ -20,7 +20,8 @@ infos. Quarantined: a line that is not a JSON object, no input / output / score,
 from __future__ import annotations
 
 from pipeline.chat_template import RENDERED_BY
-from pipeline.ingest.core import (
+from pipeline.ingest.readers import read_jsonl
+from pipeline.ingest.records import (
     INVALID_VALUE,
     Reject,
     SourceRecord,
@@ -29,7 +30,6 @@ from pipeline.ingest.core import (
     as_int,
     content_text,
     prompt_hash,
-    read_jsonl,
     require,
 )
 from pipeline.ingest.registry import adapter
