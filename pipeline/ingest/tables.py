@@ -20,6 +20,7 @@ from pipeline.ingest.records import (
     SURROGATE,
     Reject,
     SourceRecord,
+    StepDraft,
     TrajectoryDraft,
 )
 from schemas import SchemaError
@@ -161,8 +162,26 @@ def build_tables(
     # `made`: how each trajectory's tokens were made, kept in its meta as "tokenization"
     enc_ids, enc_offsets, made = _tokenize_seen_steps([d for _, d in items], tokenizer)
     stats.update(Counter(f"tokens {m.split(' (')[0]}" for m in made))
-    decode = getattr(tokenizer, "decode", None)
+    token_ids, token_offsets, logprobs, rejected = _token_data(flat, enc_ids, enc_offsets, tokenizer, stats)
+    keep = [i for i in range(len(items)) if i not in rejected]
+    bad = [Rejected(items[i][0], rejected[i], items[i][1].traj_id) for i in sorted(rejected)]
+    trajectories = _trajectories_table([items[i][1] for i in keep], [made[i] for i in keep], round_)
+    keep_set = set(keep)
+    rows = [
+        (item, items[item][1].traj_id, step, ids, offs, lp)
+        for (item, step), ids, offs, lp in zip(flat, token_ids, token_offsets, logprobs, strict=True)
+        if item in keep_set
+    ]
+    steps = _steps_table(rows, round_)
+    stats["tokens"] = int(sum(len(x) for x in token_ids))
+    return trajectories, steps, bad, dict(stats)
 
+
+def _token_data(flat: list[tuple[int, StepDraft]], enc_ids, enc_offsets, tokenizer, stats: Counter):
+    """Per step (in `flat`'s order): token ids, their offsets and the logprobs, and per draft a rejection.
+    A step without ids takes the tokenizer's (its logprobs, if given, must be as many); a step with ids keeps
+    them, with offsets found by `_given_offsets`."""
+    decode = getattr(tokenizer, "decode", None)
     rejected: dict[int, Reject] = {}
     token_ids: list[list[int]] = []
     token_offsets: list[list[int]] = []
@@ -185,72 +204,72 @@ def build_tables(
         else:
             given = list(step.token_ids)
             stats["steps_with_given_token_ids"] += 1
-            decoded = None
-            if list(ids) != given and decode:
-                decoded = offsets_by_decoding(decode, given, step.content)
-            if list(ids) == given:
-                found = list(offs)
-            elif decoded is not None:
-                found = decoded
-            else:
-                stats["offsets_approximate"] += 1
-                found = _even_offsets(len(given), len(step.content))
             token_ids.append(given)
-            token_offsets.append(found)
+            token_offsets.append(_given_offsets(given, list(ids), list(offs), step.content, decode, stats))
         logprobs.append([float(x) for x in lp] if lp is not None else None)
+    return token_ids, token_offsets, logprobs, rejected
 
-    keep = [i for i in range(len(items)) if i not in rejected]
-    bad = [Rejected(items[i][0], rejected[i], items[i][1].traj_id) for i in sorted(rejected)]
-    keep_set = set(keep)
 
-    traj_rows: dict[str, list] = {k: [] for k in trajectories_schema.SCHEMA.names}
-    for i in keep:
-        d = items[i][1]
-        traj_rows["round"].append(round_)
-        traj_rows["traj_id"].append(d.traj_id)
-        traj_rows["group_id"].append(d.group_id)
-        traj_rows["sample_idx"].append(d.sample_idx)
-        traj_rows["reward"].append(d.reward)
-        traj_rows["reward_components"].append(
-            list(d.reward_components.items()) if d.reward_components else None
-        )
-        traj_rows["source"].append(d.source)
-        traj_rows["action_format"].append(d.action_format)
-        traj_rows["policy_version"].append(d.policy_version)
-        traj_rows["meta"].append(
-            json.dumps(_with_tokenization(d.meta, made[i]), ensure_ascii=False, default=str)
-        )
-    trajectories = pa.Table.from_pydict(traj_rows, schema=trajectories_schema.SCHEMA)
+def _given_offsets(
+    given: list[int], ids: list[int], offs: list[int], content: str, decode, stats
+) -> list[int]:
+    """Offsets of token ids the source gave: the tokenizer's when it gives the same ids, else found by decoding,
+    else spread evenly (counted in `stats["offsets_approximate"]`)."""
+    if ids == given:
+        return offs
+    decoded = offsets_by_decoding(decode, given, content) if decode else None
+    if decoded is not None:
+        return decoded
+    stats["offsets_approximate"] += 1
+    return _even_offsets(len(given), len(content))
 
-    step_rows: dict[str, list] = {k: [] for k in steps_schema.SCHEMA.names}
+
+def _trajectories_table(drafts: list[TrajectoryDraft], made: list[str], round_: int) -> pa.Table:
+    rows: dict[str, list] = {k: [] for k in trajectories_schema.SCHEMA.names}
+    for d, how in zip(drafts, made, strict=True):
+        rows["round"].append(round_)
+        rows["traj_id"].append(d.traj_id)
+        rows["group_id"].append(d.group_id)
+        rows["sample_idx"].append(d.sample_idx)
+        rows["reward"].append(d.reward)
+        rows["reward_components"].append(list(d.reward_components.items()) if d.reward_components else None)
+        rows["source"].append(d.source)
+        rows["action_format"].append(d.action_format)
+        rows["policy_version"].append(d.policy_version)
+        rows["meta"].append(json.dumps(_with_tokenization(d.meta, how), ensure_ascii=False, default=str))
+    return pa.Table.from_pydict(rows, schema=trajectories_schema.SCHEMA)
+
+
+def _steps_table(
+    rows_in: list[tuple[int, str, StepDraft, list[int], list[int], list[float] | None]], round_: int
+) -> pa.Table:
+    """(draft, traj_id, step, token ids, offsets, logprobs) per step, each draft's steps in order -> the steps
+    table."""
+    rows: dict[str, list] = {k: [] for k in steps_schema.SCHEMA.names}
     step_idx_of: dict[int, int] = {}
-    for (item, step), ids, offs, lp in zip(flat, token_ids, token_offsets, logprobs, strict=True):
-        if item not in keep_set:
-            continue
+    for item, traj_id, step, ids, offs, lp in rows_in:
         idx = step_idx_of.get(item, 0)
         step_idx_of[item] = idx + 1
-        step_rows["round"].append(round_)
-        step_rows["traj_id"].append(items[item][1].traj_id)
-        step_rows["step_idx"].append(idx)
-        step_rows["role"].append(step.role)
-        step_rows["turn"].append(step.turn)
-        step_rows["content"].append(step.content)
-        step_rows["tool_calls"].append(
+        rows["round"].append(round_)
+        rows["traj_id"].append(traj_id)
+        rows["step_idx"].append(idx)
+        rows["role"].append(step.role)
+        rows["turn"].append(step.turn)
+        rows["content"].append(step.content)
+        rows["tool_calls"].append(
             [{"id": c["id"], "name": c["name"], "arguments": c.get("arguments")} for c in step.tool_calls]
             if step.tool_calls is not None
             else None
         )
-        step_rows["tool_call_id"].append(step.tool_call_id)
-        step_rows["is_error"].append(bool(step.is_error))
-        step_rows["token_ids"].append(ids)
-        step_rows["token_offsets"].append(offs)
-        step_rows["logprobs"].append(lp)
-        step_rows["logprob_source"].append("rollout" if lp is not None else None)
-        step_rows["values"].append(None)
-        step_rows["verifier_score"].append(step.verifier_score)
-    steps = pa.Table.from_pydict(step_rows, schema=steps_schema.SCHEMA)
-    stats["tokens"] = int(sum(len(x) for x in token_ids))
-    return trajectories, steps, bad, dict(stats)
+        rows["tool_call_id"].append(step.tool_call_id)
+        rows["is_error"].append(bool(step.is_error))
+        rows["token_ids"].append(ids)
+        rows["token_offsets"].append(offs)
+        rows["logprobs"].append(lp)
+        rows["logprob_source"].append("rollout" if lp is not None else None)
+        rows["values"].append(None)
+        rows["verifier_score"].append(step.verifier_score)
+    return pa.Table.from_pydict(rows, schema=steps_schema.SCHEMA)
 
 
 def vocab_of(tokenizer) -> tuple[int | None, str]:
