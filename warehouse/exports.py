@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from warehouse.lake import Lake, safe_part_name, write_options
+from warehouse.lake import Lake, write_options
 
 TABLE = "train_batch"
 
@@ -26,10 +26,12 @@ class ExportError(ValueError):
 
 
 def method_parts(lake: Lake, round_: int, method: str) -> list:
-    """The round's `train_batch` parts of one method: the export stage writes one per batch and method, named
-    `<batch>.<method slug>` (`flows.stage_names.advantages_part`), so a reader opens only that method's."""
-    slug = safe_part_name(method.replace("+", "-"))
-    return [p for p in lake.parts(TABLE, round_) if lake.part_name(p).endswith(f".{slug}")]
+    """The round's `train_batch` parts of one method: the export stage writes one per batch and method
+    (`pipeline.stages.method_part`), so a reader opens only that method's, of the round's batches."""
+    from pipeline.stages import method_part
+
+    mine = {method_part(lake.part_name(p), method) for p in lake.parts("trajectories", round_)}
+    return [p for p in lake.parts(TABLE, round_) if lake.part_name(p) in mine]
 
 
 def _stale_batches(lake: Lake, round_: int, as_of: dict[str, Any]) -> list[str]:
