@@ -219,7 +219,7 @@ def lake_format(root: str | os.PathLike) -> str:
     return wanted
 
 
-BACKENDS: dict[str, type] = {}  # format -> Lake subclass (warehouse.delta_lake registers "delta")
+BACKENDS: dict[str, type[Lake]] = {}  # format -> Lake subclass (warehouse.delta_lake registers "delta")
 
 
 def open_lake(uri: str, fmt: str) -> Lake:
@@ -227,7 +227,7 @@ def open_lake(uri: str, fmt: str) -> Lake:
     decided by the driver's setting, which the worker's environment may not have)."""
     cls = BACKENDS.get(fmt, Lake)
     lake = object.__new__(cls)
-    lake.__init__(uri)
+    cls.__init__(lake, uri)
     return lake
 
 
