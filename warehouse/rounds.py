@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -27,7 +27,7 @@ def split_groups(
     """Split a round into batches of whole groups (groups in sorted order)."""
     import polars as pl
 
-    traj = pl.from_arrow(trajectories.select(["traj_id", "group_id"]))
+    traj = cast(pl.DataFrame, pl.from_arrow(trajectories.select(["traj_id", "group_id"])))
     groups = traj["group_id"].unique().sort()
     out = []
     for start in range(0, len(groups), batch_groups):
@@ -166,4 +166,4 @@ def prefetched(batches: Iterator[T]) -> Iterator[T]:
             if item is done:
                 return
             pending = pool.submit(next, it, done)
-            yield item
+            yield cast(T, item)
