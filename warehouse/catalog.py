@@ -24,6 +24,7 @@ import re
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import duckdb
 import pyarrow.parquet as pq
@@ -31,6 +32,9 @@ import pyarrow.parquet as pq
 from schemas import TABLES
 from warehouse.lake import Lake, LakeError, temp_token
 from warehouse.views import VIEWS
+
+if TYPE_CHECKING:
+    from warehouse.delta_lake import DeltaLake
 
 CATALOG_FILE = "catalog.duckdb"
 
@@ -82,7 +86,7 @@ def table_view_sql(lake: Lake, table: str) -> str:
     return f"CREATE OR REPLACE VIEW {table} AS SELECT CAST(NULL AS INTEGER) AS round, * FROM {src}"
 
 
-def _delta_catalog(lake: Lake, con: duckdb.DuckDBPyConnection, as_of=None) -> None:
+def _delta_catalog(lake: DeltaLake, con: duckdb.DuckDBPyConnection, as_of=None) -> None:
     """A Delta lake's tables as Arrow datasets registered on this connection (no path is stored anywhere;
     object storage is read by delta-rs/Arrow, not by a DuckDB extension)."""
     for table in TABLES:
@@ -100,7 +104,7 @@ def _delta_catalog(lake: Lake, con: duckdb.DuckDBPyConnection, as_of=None) -> No
 
 def build_catalog(lake: Lake, con: duckdb.DuckDBPyConnection, as_of=None) -> None:
     if lake.format == "delta":
-        _delta_catalog(lake, con, as_of)
+        _delta_catalog(cast("DeltaLake", lake), con, as_of)
         return
     if as_of is not None:
         raise LakeError(
