@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from warehouse.lake import Lake, LakeError, _stale
+
+if TYPE_CHECKING:
+    from warehouse.delta_lake import DeltaLake
 
 DEFAULT_RETAIN_HOURS = 168  # Delta's default delta.deletedFileRetentionDuration (7 days)
 
@@ -33,7 +37,7 @@ class Removed:
     bytes: int
 
 
-def _delta_tables(lake) -> list[str]:
+def _delta_tables(lake: DeltaLake) -> list[str]:
     from schemas import TABLES
     from warehouse.delta_lake import EMPTY_PARTS
 
@@ -67,9 +71,10 @@ def vacuum(
         )
     from deltalake.exceptions import DeltaError
 
+    delta = cast("DeltaLake", lake)  # a Delta lake (checked above)
     out = []
-    for name in _delta_tables(lake):
-        table = lake._table(name)
+    for name in _delta_tables(delta):
+        table = delta._table(name)
         kwargs = {"retention_hours": int(hours), "enforce_retention_duration": not force, "full": True}
         try:
             paths = table.vacuum(dry_run=True, **kwargs)
@@ -124,9 +129,10 @@ def compact(lake: Lake, dry_run: bool = False) -> list[Removed]:
 
     from warehouse.delta_lake import PART
 
+    delta = cast("DeltaLake", lake)  # a Delta lake (checked above)
     out = []
-    for name in _delta_tables(lake):
-        table = lake._table(name)
+    for name in _delta_tables(delta):
+        table = delta._table(name)
         if dry_run:
             acts = pa.table(table.get_add_actions(flatten=True))
             keys = [c for c in ("partition.round", f"partition.{PART}") if c in acts.column_names]
