@@ -137,7 +137,7 @@ def previous_near(view) -> list[tuple[int, str]]:
     """The previous near-repetition rule (before issue 24), for the recall side of issue 24's sample: every
     tool call (name prefixed, arguments as canonical JSON) and every search query, normalize_answer, char
     trigrams, Jaccard >= 0.9, >= 8 chars, no exact match; (step_idx, evidence)."""
-    from pipeline.detect.builtin import parse_step
+    from pipeline.detect.parse import parse_step
     from pipeline.detect.registry import DetectSettings
     from pipeline.detect.text import jaccard, ngrams, normalize_answer
     from pipeline.render import canonical_arguments

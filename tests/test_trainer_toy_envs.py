@@ -12,7 +12,7 @@ from pipeline.annotate.settings import RulesAnnotatorSettings
 from pipeline.counterfactual.env import ENVS as CF_ENVS
 from pipeline.counterfactual.env import make_env as cf_make_env
 from pipeline.counterfactual.env import score_from_snapshot
-from pipeline.detect.builtin import parse_search_r1
+from pipeline.detect.parse import parse_search_r1
 from trainer.envs import env_names, make_env
 
 TOYS = ("c3_search", "tcpo_refine", "iapo_service")
