@@ -148,11 +148,21 @@ def _read_delta_lake(path: Path) -> dict[str, pa.Table] | Unreadable:
     return tables
 
 
-def read_table_sources(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, pa.Table]]]:
+def _whole(tables: dict[str, pa.Table | Unreadable]) -> dict[str, pa.Table] | Unreadable:
+    """A source's tables, or the first of them that could not be read (the source is then that file)."""
+    whole: dict[str, pa.Table] = {}
+    for name, table in tables.items():
+        if isinstance(table, Unreadable):
+            return table
+        whole[name] = table
+    return whole
+
+
+def read_table_sources(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, pa.Table] | Unreadable]]:
     """Canonical `trajectories` + `steps` tables from each source: a folder holding `trajectories/` and
     `steps/` (sub-folders or `*.parquet` files whose names contain the table name), or such files given
     directly. Each source is (name, {"trajectories": table, "steps": table})."""
-    out: list[tuple[str, dict[str, pa.Table]]] = []
+    out: list[tuple[str, dict[str, pa.Table] | Unreadable]] = []
     loose: dict[str, list[Path]] = {name: [] for name in CANONICAL}
     for raw in paths:
         path = Path(raw).expanduser()
@@ -162,9 +172,7 @@ def read_table_sources(paths: Iterable[str | Path]) -> list[tuple[str, dict[str,
             if any((path / name / "_delta_log").is_dir() for name in CANONICAL):
                 out.append((str(path), _read_delta_lake(path)))
                 continue
-            tables = {name: _read_parquet(path / name) for name in CANONICAL}
-            bad = [t for t in tables.values() if isinstance(t, Unreadable)]
-            out.append((str(path), bad[0] if bad else tables))
+            out.append((str(path), _whole({name: _read_parquet(path / name) for name in CANONICAL})))
             continue
         files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
         for f in files:
@@ -173,7 +181,5 @@ def read_table_sources(paths: Iterable[str | Path]) -> list[tuple[str, dict[str,
                     loose[name].append(f)
     if any(loose.values()):
         where = ",".join(str(f) for files in loose.values() for f in files)
-        tables = {name: _concat(where, files) for name, files in loose.items() if files}
-        bad = [t for t in tables.values() if isinstance(t, Unreadable)]
-        out.append((where, bad[0] if bad else tables))
+        out.append((where, _whole({name: _concat(where, files) for name, files in loose.items() if files})))
     return out
