@@ -94,9 +94,11 @@ def _list_values_on_rows(col: pa.ChunkedArray, rows: np.ndarray, lengths: np.nda
     list_len = np.diff(offsets)
     if not np.array_equal(list_len[rows], lengths):
         return None
+    flat = arr.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    if len(rows) == len(arr):  # every list (an all-assistant batch): the flat values as they are
+        return flat.astype(np.float64)
     chosen = np.zeros(len(arr), dtype=bool)
     chosen[rows] = True
-    flat = arr.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
     return flat[np.repeat(chosen, list_len)].astype(np.float64)
 
 
@@ -342,20 +344,28 @@ class CreditContext:
 
 @dataclass
 class CreditResult:
-    """Token advantages (flat, aligned with the context's tokens) and the per-step components.
+    """Token advantages (flat, aligned with the context's tokens), the returns (critic targets) where the method
+    has them, and the per-step components. One type, laid out three ways by what the estimator computes:
 
-    An estimator whose advantage is constant over each step's tokens (GRPO, RLOO, GDPO, MT-GRPO, GiGPO, ...)
-    returns `CreditResult.per_step(ctx, step_adv, ...)`: the per-token array is then built only if something
-    reads `token_adv` (a refiner), and the advantages table repeats the per-step float32 values straight into
-    its list column."""
+    - `CreditResult.per_step(ctx, step_adv, ...)`: an advantage constant over each step's tokens (GRPO, RLOO,
+      GDPO, MT-GRPO, GiGPO, turn PPO, ...), `step_returns` likewise;
+    - `CreditResult.on_mask(ctx, mask_adv, ...)`: values on the assistant tokens only, in token order (GAE);
+    - `CreditResult(token_adv, ...)`: a per-token array (the refiners).
+
+    The per-token arrays of the first two are built only if something reads `token_adv` / `token_returns` (a
+    refiner); the advantages table lays the step or mask values straight into its float32 list columns."""
 
     token_adv: np.ndarray = _LazyArray()  # type: ignore[assignment]
     components: dict[str, np.ndarray] = field(default_factory=dict)  # per step row; NaN = null
-    token_returns: np.ndarray | None = None
+    token_returns: np.ndarray | None = _LazyArray()  # type: ignore[assignment]
     notes: dict[str, float] = field(default_factory=dict)  # counts for the summary (fallbacks, ...)
     # per step row (0 on non-assistant steps) when token_adv is that value on each of the step's tokens; set only
     # by per_step and carried by with_components, so step_adv present means token_adv == its broadcast
     step_adv: np.ndarray | None = None
+    step_returns: np.ndarray | None = None  # likewise for token_returns
+    # on the assistant tokens (ctx.tok_mask's order) when token_adv is 0 elsewhere: set only by on_mask
+    mask_adv: np.ndarray | None = None
+    mask_returns: np.ndarray | None = None
 
     @classmethod
     def per_step(
@@ -365,17 +375,47 @@ class CreditResult:
         components: dict[str, np.ndarray] | None = None,
         notes: dict[str, float] | None = None,
         token_returns: np.ndarray | None = None,
+        step_returns: np.ndarray | None = None,
     ) -> CreditResult:
-        """A per-step advantage on every assistant token of the step (0 elsewhere); `ctx.broadcast_step` of it
-        is `token_adv`, built on first read."""
-        per_step = np.where(ctx.steps["is_assistant"].to_numpy(), np.asarray(step_adv, dtype=np.float64), 0.0)
+        """A per-step advantage (and return) on every assistant token of the step (0 elsewhere);
+        `ctx.broadcast_step` of it is `token_adv` (`token_returns`), built on first read."""
+        is_asst = ctx.steps["is_assistant"].to_numpy()
+        per_step = np.where(is_asst, np.asarray(step_adv, dtype=np.float64), 0.0)
         lengths = ctx.steps["n_tokens"].to_numpy()
+        returns: np.ndarray | _Deferred | None = token_returns
+        step_ret = None
+        if step_returns is not None:
+            step_ret = np.where(is_asst, np.asarray(step_returns, dtype=np.float64), 0.0)
+            returns = _Deferred(lambda: np.repeat(step_ret, lengths))
         return cls(
             _deferred(lambda: np.repeat(per_step, lengths)),
             dict(components or {}),
-            token_returns,
+            returns,  # type: ignore[arg-type]
             dict(notes or {}),
             per_step,
+            step_ret,
+        )
+
+    @classmethod
+    def on_mask(
+        cls,
+        ctx: CreditContext,
+        mask_adv: np.ndarray,
+        components: dict[str, np.ndarray] | None = None,
+        notes: dict[str, float] | None = None,
+        mask_returns: np.ndarray | None = None,
+    ) -> CreditResult:
+        """Values on the assistant tokens (ctx.tok_mask's order), 0 on the others; the per-token arrays are
+        built on first read."""
+        mask_adv = np.asarray(mask_adv, dtype=np.float64)
+        returns = None if mask_returns is None else _Deferred(lambda: _on_tokens(ctx, mask_returns))
+        return cls(
+            _deferred(lambda: _on_tokens(ctx, mask_adv)),
+            dict(components or {}),
+            returns,  # type: ignore[arg-type]
+            dict(notes or {}),
+            mask_adv=mask_adv,
+            mask_returns=None if mask_returns is None else np.asarray(mask_returns, dtype=np.float64),
         )
 
     def raw_token_adv(self):
@@ -386,7 +426,17 @@ class CreditResult:
         return CreditResult(
             self.raw_token_adv(),
             {**self.components, **comps},
-            self.token_returns,
+            self.__dict__.get("token_returns"),
             dict(self.notes),
             self.step_adv,
+            self.step_returns,
+            self.mask_adv,
+            self.mask_returns,
         )
+
+
+def _on_tokens(ctx: CreditContext, on_mask: np.ndarray) -> np.ndarray:
+    """A per-token array: `on_mask` on the assistant tokens, 0 elsewhere."""
+    out = np.zeros(ctx.n_tokens)
+    out[ctx.tok_mask] = on_mask
+    return out

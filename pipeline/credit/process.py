@@ -31,19 +31,26 @@ CREDIT = "credit"
 STATS = "credit_stats"  # the statistics pass: the sufficient statistics of every batch-level statistic
 
 
-def _list_column(flat: np.ndarray, offsets: np.ndarray, dtype=pa.float32()) -> pa.Array:
-    return pa.ListArray.from_arrays(
-        pa.array(offsets.astype(np.int32)), pa.array(flat.astype(np.float32), type=dtype)
-    )
-
-
-def _token_adv_column(ctx: CreditContext, result: CreditResult, offsets: np.ndarray) -> pa.Array:
-    """The token_adv list column; a per-step result is repeated straight into float32 (the same values as
-    building its float64 token array and casting it)."""
-    if result.step_adv is not None:
-        flat = np.repeat(result.step_adv.astype(np.float32), ctx.steps["n_tokens"].to_numpy())
-        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, type=pa.float32()))
-    return _list_column(result.token_adv, offsets)
+def _token_column(
+    ctx: CreditContext,
+    offsets: np.ndarray,
+    per_step: np.ndarray | None,
+    on_mask: np.ndarray | None,
+    per_token: np.ndarray | None,
+) -> pa.Array:
+    """A float32 list column of per-token values from the layout the result has: per-step values repeated
+    over each step's tokens, values on the assistant tokens (0 elsewhere), or a per-token array (0 off the
+    assistant tokens); each cast to float32 once, the same values as building the float64 token array and
+    casting it."""
+    if per_step is not None:
+        flat = np.repeat(per_step.astype(np.float32), ctx.steps["n_tokens"].to_numpy())
+    elif on_mask is not None:
+        flat = np.zeros(ctx.n_tokens, dtype=np.float32)
+        flat[ctx.tok_mask] = on_mask
+    else:
+        assert per_token is not None
+        flat = np.where(ctx.tok_mask, per_token, 0.0).astype(np.float32)
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, type=pa.float32()))
 
 
 def _components_struct(ctx: CreditContext, comps: dict[str, np.ndarray]) -> pa.StructArray:
@@ -62,9 +69,15 @@ def advantages_table(ctx: CreditContext, method: str, result: CreditResult) -> p
     offsets = ctx.step_offsets
     steps = ctx.steps
     group_ids = ctx.trajectories["group_id"].cast(pl.String).gather(ctx.step_traj).to_arrow()
+    laid_out = result.step_adv is not None or result.mask_adv is not None
+    adv = _token_column(
+        ctx, offsets, result.step_adv, result.mask_adv, None if laid_out else result.token_adv
+    )
     returns = None
-    if result.token_returns is not None:
-        returns = _list_column(np.where(ctx.tok_mask, result.token_returns, 0.0), offsets)
+    if result.step_returns is not None or result.mask_returns is not None:
+        returns = _token_column(ctx, offsets, result.step_returns, result.mask_returns, None)
+    elif result.token_returns is not None:
+        returns = _token_column(ctx, offsets, None, None, result.token_returns)
     return pa.table(
         {
             "round": pa.array(np.full(ctx.n_steps, ctx.round, dtype=np.int32)),
@@ -74,7 +87,7 @@ def advantages_table(ctx: CreditContext, method: str, result: CreditResult) -> p
             "step_idx": steps["step_idx"].to_arrow().cast(pa.int32()),
             "role": steps["role"].to_arrow().cast(pa.string()),
             "turn": steps["turn"].to_arrow().cast(pa.int32()),
-            "token_adv": _token_adv_column(ctx, result, offsets),
+            "token_adv": adv,
             "token_returns": returns
             if returns is not None
             else pa.nulls(ctx.n_steps, pa.list_(pa.float32())),

@@ -282,7 +282,22 @@ def _finish(
             raise MethodError(
                 f"non-finite advantage on trajectory {traj!r} (token {int(ctx.steps['tok_start'][bad])})"
             )
+        if result.step_returns is not None:
+            return CreditResult.per_step(
+                ctx, step, result.components, result.notes, step_returns=result.step_returns
+            )
         return CreditResult.per_step(ctx, step, result.components, result.notes, result.token_returns)
+    if result.mask_adv is not None:
+        # on the assistant tokens (CreditResult.on_mask): zero elsewhere by construction; check those
+        adv = result.mask_adv
+        n_mask = int(np.count_nonzero(ctx.tok_mask))
+        if adv.shape != (n_mask,):
+            raise MethodError(f"estimator returned {adv.shape} advantages for {n_mask} assistant tokens")
+        if not np.isfinite(adv.sum()) and not np.isfinite(adv).all():
+            bad = int(np.flatnonzero(ctx.tok_mask)[np.flatnonzero(~np.isfinite(adv))[0]])
+            traj = ctx.trajectories["traj_id"][int(ctx.tok_traj[bad])]
+            raise MethodError(f"non-finite advantage on trajectory {traj!r} (token {bad})")
+        return result
     adv = np.asarray(result.token_adv, dtype=np.float64)
     if adv.shape != (ctx.n_tokens,):
         raise MethodError(f"estimator returned {adv.shape} token advantages for {ctx.n_tokens} tokens")

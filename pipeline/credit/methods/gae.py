@@ -153,22 +153,15 @@ def gae_advantages(
 
 
 def gae_result(ctx: CreditContext, g: GAEAdvantages, A: np.ndarray) -> CreditResult:
-    """The advantages `A` (g.A whitened, or not) and g's returns on the tokens, with the components."""
+    """The advantages `A` (g.A whitened, or not) and g's returns on the assistant tokens, with the components."""
     score = np.where(ctx.steps["is_assistant"].to_numpy(), 0.0, np.nan)
     a_hat = np.full(ctx.n_steps, np.nan)
-    token_adv = np.zeros(ctx.n_tokens)
-    token_returns = np.zeros(ctx.n_tokens)
     if len(A):
-        mask = ctx.tok_mask
-        token_adv[mask] = A
-        token_returns[mask] = g.returns
         score[g.a[g.last]] = g.R[g.last]
         a_hat[g.a] = (
             np.add.reduceat(A, np.cumsum(g.lengths) - g.lengths) / g.lengths
         )  # step mean of token_adv
-    return CreditResult(
-        token_adv=token_adv, components={"a_hat": a_hat, "score": score}, token_returns=token_returns
-    )
+    return CreditResult.on_mask(ctx, A, {"a_hat": a_hat, "score": score}, mask_returns=g.returns)
 
 
 def gae_credit(

@@ -140,9 +140,10 @@ def gae_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
         )
         score = score.copy()
         score[rows] += -settings.beta * s_step[rows]
-    return CreditResult(
-        res.token_adv,
+    return CreditResult.on_mask(
+        ctx,
+        A,
         {"a_hat": res.components["a_hat"], "score": score, "severity": np.where(has, s_step, np.nan)},
-        res.token_returns,
         {"process_reward.penalised_turns": float(has.sum())},
+        g.returns,
     )

@@ -90,6 +90,4 @@ def turn_ppo(ctx: CreditContext, settings: TurnPPOSettings) -> CreditResult:
     a_hat[h] = A_out
     score = np.full(ctx.n_steps, np.nan)
     score[h] = r
-    return CreditResult.per_step(
-        ctx, per_step_A, {"a_hat": a_hat, "score": score}, token_returns=ctx.broadcast_step(per_step_ret)
-    )
+    return CreditResult.per_step(ctx, per_step_A, {"a_hat": a_hat, "score": score}, step_returns=per_step_ret)
