@@ -531,10 +531,10 @@ def main() -> None:
         # discounted gae (the scan), and turn_ppo at its defaults, verl timed with the same gamma and lam
         configs = [("gae", 1.0, 1.0), ("gae", 0.99, 0.95), ("turn_ppo", 0.99, 0.9)]
         vruns: dict[tuple, list[dict]] = {}
-        for _ in range(max(1, args.reps - 1)):
+        for _ in range(args.reps):
             for m, gamma, lam in configs:
                 for side, root in roots.items():
-                    kind = f"verl:2:{gamma}:{lam}"
+                    kind = f"verl:1:{gamma}:{lam}"
                     res = sub("--root", str(root), "--worker", kind, args.verl, "0", m)
                     vruns.setdefault((m, gamma, lam, side), []).append(res)
         for m, gamma, lam in configs:
