@@ -100,7 +100,7 @@ def test_loop_two_rounds_and_resume(tmp_path, prefect_harness):
     text = "\n".join(logs)
     assert (
         "round 1: rollouts exist, collect skipped" in text
-        and "round 1: advantages exist, process skipped" in text
+        and "round 1: train_batch exists, process skipped" in text
     )
     assert checkpoint_done(checkpoint(work, 1))
 

@@ -11,7 +11,7 @@ Round r (policy P_r = the base model for the first round, else the checkpoint of
    the lake. The checkpoint is written to a temporary folder and renamed, so it exists only when complete.
 
 Resume: a round whose checkpoint exists is skipped; one whose trajectories+steps exist skips collect; one
-whose advantages for the method exist skips process; one whose batch file exists skips export.
+whose train_batch for the method is complete skips process; one whose batch file exists skips export.
 The stages are functions (`round_status`, `collect_round`, `train_round`) that the one loop, the Prefect flow
 `flows.round_loop.round_loop_flow` (what `creditflow loop` runs), calls through `trainer/hooks.py`.
 
@@ -176,13 +176,13 @@ def has_rollouts(lake, round_: int) -> bool:
         return False
 
 
-def has_advantages(lake, round_: int, method: str) -> bool:
-    import pyarrow.compute as pc
+def has_batch(lake, round_: int, method: str) -> bool:
+    """The method's training batch is in the lake for every batch of the round (process's export stage wrote
+    its train_batch parts; `train_round` exports them)."""
+    from warehouse.exports import method_parts
 
-    if not lake.parts("advantages", round_):
-        return False
-    adv = lake.read("advantages", round_, columns=["method"])
-    return bool(pc.any(pc.equal(adv.column("method"), method)).as_py())
+    batches = lake.parts("trajectories", round_)
+    return bool(batches) and len(method_parts(lake, round_, method)) == len(batches)
 
 
 class ManagedServer:
@@ -263,14 +263,14 @@ class LoopState:
 
 def round_status(st: LoopState, r: int) -> dict:
     """Round r's row before it runs (policy, method, backend), with what resume skips: `done` when its
-    checkpoint is complete (the whole round), `processed` when the method's advantages exist (process)."""
+    checkpoint is complete (the whole round), `processed` when the method's train_batch is complete (process)."""
     ckpt = checkpoint(st.work, r)
     return {
         "policy": st.policy(r).name,
         "method": st.method,
         "backend": st.backend,
         "done": f"checkpoint {ckpt} exists" if checkpoint_done(ckpt) else None,
-        "processed": "advantages exist" if has_advantages(st.lake, r, st.method) else None,
+        "processed": "train_batch exists" if has_batch(st.lake, r, st.method) else None,
     }
 
 
