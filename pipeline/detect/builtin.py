@@ -216,98 +216,119 @@ def query_loop(traj: TrajView, settings: DetectSettings):
                 same_result = prev.result is None or result is None or prev.result == result
                 unchanged = not _touched(changes, step_changes, prev.changes, n_before, act.values)
                 if not strict or (unchanged and same_result):
-                    why = (
-                        "nothing changed in between (no state-changing call"
-                        + (", the same result" if prev.result is not None and result is not None else "")
-                        + ")"
-                        if strict
-                        else "every repeat counts (detect.loop_needs_no_change=false)"
-                    )
-                    yield Hit(
-                        step.step_idx,
-                        act.start,
-                        act.end,
-                        "query_loop",
-                        "query.exact",
-                        json.dumps({"query": shown[:200], "earlier_turn": prev.turn}, ensure_ascii=False),
-                        reason=f"repeats turn {prev.turn}'s {act.name} with the same "
-                        f"{'query' if act.query is not None else 'arguments'}; {why}",
-                    )
+                    yield _exact_hit(step, act, prev, result, shown, strict)
                     current.append((key, seen, None))
                     continue
             near = _near(act, seen, settings)
             current.append((key, seen, near))
-            if near is None:
+            if near is None or len(near[1][0]) < settings.min_len:
                 continue
-            group, text = near
-            q, g, ids, words = text
-            if len(q) < settings.min_len:
-                continue
-            best_score: tuple[int, float] = (-1, 0.0)
-            best_prev, best = None, 0.0
-            for p in texts.get(group, ()):
-                assert p.text is not None
-                q2, g2, ids2, words2 = p.text
-                if ids2 != ids:
-                    continue  # other identifiers or numbers: another question, however alike the letters
-                if strict and _touched(changes, step_changes, p.changes, n_before, act.values):
-                    continue  # the state changed since: asking again is not waste
-                if act.query is not None and not settings.near_refinements and not words <= words2:
-                    continue  # it adds a word: a refinement of the earlier query, not a repeat
-                j = jaccard(g, g2)
-                if j >= settings.jaccard:
-                    score = (1, j)
-                elif (
-                    act.query is None
-                    and result is not None
-                    and p.result == result
-                    and bool(result)  # an empty result (think) says nothing of what the call did
-                    and _word_overlap(words, words2) >= settings.near_word_overlap
-                ):
-                    score = (0, j)  # a reworded call that did the same thing
-                else:
-                    continue
-                if score > best_score:
-                    best_score, best_prev, best = score, p, j
-            if best_prev is None or best_prev.text is None:
-                continue
-            rule = (
-                f"query.{settings.ngram_unit}_jaccard"
-                if act.query is not None
-                else (
-                    "text.same_result" if best < settings.jaccard else f"text.{settings.ngram_unit}_jaccard"
-                )
-            )
-            what = "query" if act.query is not None else "free text"
-            because = (
-                f"{settings.ngram_unit} n-gram Jaccard {best:.2f} >= {settings.jaccard}"
-                if best >= settings.jaccard
-                else "the same result, most content words shared"
-            )
-            yield Hit(
-                step.step_idx,
-                act.start,
-                act.end,
-                "near_repetition",
-                rule,
-                json.dumps(
-                    {
-                        "query": q[:200],
-                        "earlier": best_prev.text[0][:200],
-                        "earlier_turn": best_prev.turn,
-                        "jaccard": round(best, 4),
-                    },
-                    ensure_ascii=False,
-                ),
-                reason=f"rewords turn {best_prev.turn}'s {act.name} {what} ({because}; the same identifiers"
-                + ("; nothing changed in between)" if strict else ")"),
-            )
+            candidates = [  # the state changed since one: asking again is not waste
+                p
+                for p in texts.get(near[0], ())
+                if not (strict and _touched(changes, step_changes, p.changes, n_before, act.values))
+            ]
+            best_prev, best = _most_alike(act, near[1], result, candidates, settings)
+            if best_prev is not None:
+                yield _near_hit(step, act, near[1][0], best_prev, best, strict, settings)
         changes += step_changes
         for key, seen, near in current:  # visible to later turns only
             earlier[key] = seen
             if near is not None:
                 seen.text = near[1]
                 texts.setdefault(near[0], []).append(seen)
+
+
+def _exact_hit(step: StepView, act: Action, prev: _Seen, result: str | None, shown: str, strict: bool) -> Hit:
+    """The query_loop span of an exact repeat of `prev`."""
+    why = (
+        "nothing changed in between (no state-changing call"
+        + (", the same result" if prev.result is not None and result is not None else "")
+        + ")"
+        if strict
+        else "every repeat counts (detect.loop_needs_no_change=false)"
+    )
+    return Hit(
+        step.step_idx,
+        act.start,
+        act.end,
+        "query_loop",
+        "query.exact",
+        json.dumps({"query": shown[:200], "earlier_turn": prev.turn}, ensure_ascii=False),
+        reason=f"repeats turn {prev.turn}'s {act.name} with the same "
+        f"{'query' if act.query is not None else 'arguments'}; {why}",
+    )
+
+
+def _most_alike(
+    act: Action, text: tuple, result: str | None, candidates: list[_Seen], settings: DetectSettings
+) -> tuple[_Seen | None, float]:
+    """The earlier text (of `candidates`: the same group, nothing it depends on changed since) that `act`'s
+    text rewords most, and its Jaccard: the same identifiers, no word added to a query (unless
+    `detect.near_refinements`); Jaccard >= threshold, or for a tool's free text the same non-empty result with
+    most content words shared. (None, 0.0) when none."""
+    _, g, ids, words = text
+    best_score: tuple[int, float] = (-1, 0.0)
+    best_prev, best = None, 0.0
+    for p in candidates:
+        assert p.text is not None
+        _, g2, ids2, words2 = p.text
+        if ids2 != ids:
+            continue  # other identifiers or numbers: another question, however alike the letters
+        if act.query is not None and not settings.near_refinements and not words <= words2:
+            continue  # it adds a word: a refinement of the earlier query, not a repeat
+        j = jaccard(g, g2)
+        if j >= settings.jaccard:
+            score = (1, j)
+        elif (
+            act.query is None
+            and result is not None
+            and p.result == result
+            and bool(result)  # an empty result (think) says nothing of what the call did
+            and _word_overlap(words, words2) >= settings.near_word_overlap
+        ):
+            score = (0, j)  # a reworded call that did the same thing
+        else:
+            continue
+        if score > best_score:
+            best_score, best_prev, best = score, p, j
+    return best_prev, best
+
+
+def _near_hit(
+    step: StepView, act: Action, q: str, prev: _Seen, best: float, strict: bool, settings: DetectSettings
+) -> Hit:
+    """The near_repetition span of `act` rewording `prev` (Jaccard `best`)."""
+    assert prev.text is not None
+    rule = (
+        f"query.{settings.ngram_unit}_jaccard"
+        if act.query is not None
+        else ("text.same_result" if best < settings.jaccard else f"text.{settings.ngram_unit}_jaccard")
+    )
+    what = "query" if act.query is not None else "free text"
+    because = (
+        f"{settings.ngram_unit} n-gram Jaccard {best:.2f} >= {settings.jaccard}"
+        if best >= settings.jaccard
+        else "the same result, most content words shared"
+    )
+    return Hit(
+        step.step_idx,
+        act.start,
+        act.end,
+        "near_repetition",
+        rule,
+        json.dumps(
+            {
+                "query": q[:200],
+                "earlier": prev.text[0][:200],
+                "earlier_turn": prev.turn,
+                "jaccard": round(best, 4),
+            },
+            ensure_ascii=False,
+        ),
+        reason=f"rewords turn {prev.turn}'s {act.name} {what} ({because}; the same identifiers"
+        + ("; nothing changed in between)" if strict else ")"),
+    )
 
 
 def _near(act: Action, seen: _Seen, settings: DetectSettings) -> tuple[tuple[str, str], tuple] | None:
