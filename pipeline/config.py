@@ -28,7 +28,11 @@ class FlowSettings(BaseModel):
         3, ge=0, description="retries of an LLM stage task (annotate with llm, counterfactual)"
     )
     retry_delay_s: float = Field(2.0, ge=0, description="first retry delay; doubles on each retry (backoff)")
-    export: bool = Field(True, description="write the train_batch table (per batch and method) after credit")
+    export: bool = Field(
+        True,
+        description="write the train_batch table (per batch and method) after credit: what `creditflow export` "
+        "and the trainer loop read (off: neither can export the round)",
+    )
     progress: bool = Field(True, description="rich progress bars per stage on the terminal")
     max_failed_share: float = Field(
         0.1,
