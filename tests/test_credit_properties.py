@@ -439,7 +439,7 @@ def test_export_alignment(seed, method):
 @settings(max_examples=20, deadline=None)
 @given(st.integers(0, 10_000), st.permutations(["gae", "grpo", "gigpo", "rloo"]))
 def test_export_layout_shared_by_methods(seed, methods):
-    """One TrainLayout per batch serves every method (what `export_batch` does): each method's table equals the
+    """One TrainLayout per batch serves every method (what the export stage does): each method's table equals the
     one built from scratch for it, whatever the order (values are laid out only for methods with returns), and
     the layout needs only the steps columns it names."""
     traj, steps = random_round(seed, max_groups=3, max_group_size=4, max_steps=6)
