@@ -388,7 +388,21 @@ class DeltaLake(Lake):
             empty: list[tuple[int, str]] = []
         else:
             acts = self._raw_actions("trajectories")
+            if acts is None:
+                return {}
             empty = self._raw_empty("trajectories")
+            t, side = self._table("trajectories"), self._table(EMPTY_PARTS)
+            key = (t.version(), side.version() if side is not None else -1)
+            kept = getattr(t, "_creditflow_gens", None)
+            if kept is not None and kept[0] == key:
+                return kept[1]
+            gens = self._generations(acts, empty)
+            t._creditflow_gens = (key, gens)  # type: ignore[attr-defined]
+            return gens
+        return self._generations(acts, empty)
+
+    @staticmethod
+    def _generations(acts: pa.Table | None, empty: list[tuple[int, str]]) -> dict[int, str]:
         pairs: list[tuple[int, str]] = list(empty)
         if acts is not None and acts.num_rows:
             pairs += zip(
