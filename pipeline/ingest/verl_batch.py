@@ -114,7 +114,34 @@ def _row_raw(a: dict[str, np.ndarray], r: int) -> str:
 
 
 def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], stats: dict):
+    """One batch file -> (trajectories, steps) of its rows that pass the row checks (the others go to
+    `rejected`): the batch's arrays, the row checks, the real tokens of the kept rows, their steps (runs of
+    equal response_mask; the `creditflow_steps` records where they match) and their trajectories."""
     a = _arrays(columns)
+    (reward_key, responses, responses_bad, prompts, prompts_bad, rmask, reward, logprobs, p_real, r_real, uid,
+     uid_bad, traj_ids) = _read_batch(a, source_file)  # fmt: skip
+    id_checks = (
+        ("prompts", a.get("prompts"), prompts_bad, p_real),
+        ("responses", a["responses"], responses_bad, r_real),
+    )
+    bad, reasons = _row_rejects(a, reward_key, reward, rmask, r_real, uid, uid_bad, id_checks)
+    for r, rej in sorted(reasons.items()):
+        rejected.append(Rejected(SourceRecord(source_file, f"row {r}", _row_raw(a, r)), rej, traj_ids[r]))
+    keep = np.flatnonzero(~bad)
+    tok_row, part, ids, new, mask, lp_flat = _flat_tokens(
+        keep, prompts, responses, rmask, logprobs, p_real, r_real
+    )
+    kept_traj = traj_ids[keep]
+    steps = _segment_steps(tok_row, part, ids, new, mask, lp_flat, kept_traj, tokenizer, stats)
+    steps, records = _with_step_records(a, keep, kept_traj, steps, ids, mask, lp_flat, tok_row, stats)
+    trajectories = _trajectories_table(source_file, keep, kept_traj, uid, reward, p_real, r_real, records)
+    return trajectories, steps
+
+
+def _read_batch(a: dict[str, np.ndarray], source_file: str):
+    """The arrays of a batch, checked for the required keys: ids (no silent wrap to int32) with their bad-id
+    masks, the response mask, the reward (sum of the reward key's scores), the logprobs, which prompt and
+    response positions are real tokens, the uids and the trajectory ids."""
     for key in ("responses", "response_mask", "uid"):
         if key not in a:
             raise Reject(MISSING_FIELD, f"verl batch has no {key!r}", key)
@@ -146,6 +173,18 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
     )
     reward = scores.sum(axis=1)
 
+    return (
+        reward_key, responses, responses_bad, prompts, prompts_bad, rmask, reward, logprobs, p_real, r_real, uid,
+        uid_bad, traj_ids,
+    )  # fmt: skip
+
+
+def _row_rejects(
+    a, reward_key, reward, rmask, r_real, uid, uid_bad, id_checks
+) -> tuple[np.ndarray, dict[int, Reject]]:
+    """Rows that cannot be ingested (mask) and the first reason of each: a bad or empty uid, a non-finite
+    reward, a response_mask other than 0/1 or 1 on padding, a real token id that is not an int32 id."""
+    B = len(reward)
     bad = np.zeros(B, bool)
     reasons: dict[int, Reject] = {}
 
@@ -170,10 +209,7 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
         ((rmask == 1) & ~r_real).any(axis=1),
         lambda r: Reject(INVALID_VALUE, "response_mask is 1 on a padding token", "response_mask"),
     )
-    for name, raw, ids_bad, real in (
-        ("prompts", a.get("prompts"), prompts_bad, p_real),
-        ("responses", a["responses"], responses_bad, r_real),
-    ):
+    for name, raw, ids_bad, real in id_checks:
         hit = ids_bad.astype(bool) & real
         flag(
             hit.any(axis=1),
@@ -183,10 +219,13 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
                 name,
             ),
         )
-    for r, rej in sorted(reasons.items()):
-        rejected.append(Rejected(SourceRecord(source_file, f"row {r}", _row_raw(a, r)), rej, traj_ids[r]))
-    keep = np.flatnonzero(~bad)
+    return bad, reasons
 
+
+def _flat_tokens(keep, prompts, responses, rmask, logprobs, p_real, r_real):
+    """The real tokens of the kept rows, flat: per row the prompt tokens, then the response tokens; with each
+    token's row, part (prompt 0 / response 1), whether it starts a segment (the prompt, then runs of equal
+    response_mask), its mask and its logprob."""
     # flat real tokens: per kept row the prompt tokens, then the response tokens
     p_row, p_col = np.nonzero(p_real[keep])
     r_row, r_col = np.nonzero(r_real[keep])
@@ -212,7 +251,12 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
         if logprobs is not None
         else None
     )
+    return tok_row, part, ids, new, mask, lp_flat
 
+
+def _segment_steps(tok_row, part, ids, new, mask, lp_flat, kept_traj, tokenizer, stats) -> pa.Table:
+    """One step per segment: the prompt a user step, a masked run an assistant turn, an unmasked run a tool
+    step; the text decoded by the tokenizer (or placeholders), offsets from the decoded pieces."""
     seg_start = np.flatnonzero(new)
     seg_end = np.append(seg_start[1:], len(ids)) if len(seg_start) else seg_start  # every row quarantined
     seg_row = tok_row[seg_start]
@@ -240,7 +284,6 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
 
     tok_off = pa.array(np.append(seg_start, len(ids)).astype(np.int32))
     lp_valid = seg_asst if lp_flat is not None else np.zeros(n_seg, bool)
-    kept_traj = traj_ids[keep]
     steps = pa.table(
         {
             "traj_id": pa.array(kept_traj[seg_row], pa.string()),
@@ -265,7 +308,12 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
             "verifier_score": pa.nulls(n_seg, pa.float64()),
         }
     )
-    steps, records = _with_step_records(a, keep, kept_traj, steps, ids, mask, lp_flat, tok_row, stats)
+    return steps
+
+
+def _trajectories_table(source_file, keep, kept_traj, uid, reward, p_real, r_real, records) -> pa.Table:
+    """The kept rows' trajectories: group = uid, sample index = order in the group, reward; the fields of a
+    matching `creditflow_steps` record where there is one (meta says why where it was ignored)."""
     kept_uid = uid[keep]
     order_in_group = np.zeros(len(keep), np.int32)
     seen: dict[str, int] = {}
@@ -319,7 +367,7 @@ def _one_file(source_file: str, columns, tokenizer, rejected: list[Rejected], st
             "meta": pa.array(meta, pa.string()),
         }
     )
-    return trajectories, steps
+    return trajectories
 
 
 def _lists_or_null(offsets: np.ndarray, values: np.ndarray, valid: np.ndarray) -> pa.Array:
