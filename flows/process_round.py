@@ -17,24 +17,20 @@ from collections.abc import Callable
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
-from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
 from prefect.states import Completed
 from prefect.tasks import exponential_backoff
 
 from flows import progress, workers
-from flows.api_priority import api_waits_for_idle_cpu, stages_fill_cpus
 from flows.batch import round_batches, round_stages, round_statistics, run_stage
 from flows.caching import (
     BatchStageCache,
     cache_dir,
-    result_dir,
     stage_cache_key,
     stage_key_prefix,
     would_run,
 )
 from flows.config import as_config
-from flows.runners import settings_scope
-from flows.runtime import tune_allocator
+from flows.execution import round_execution
 from flows.uptodate import derived_tables
 from pipeline.config import Config
 from pipeline.credit.process import STATS, statistics_json
@@ -187,11 +183,7 @@ def process_round_flow(round_: int, config: Config | dict):
     t0 = time.perf_counter()
     config = as_config(config)
     _tag_run(config)
-    tune_allocator()  # per-batch arrays stay on the heap (flows/runtime.py)
     lake = Lake(config.lake)
-    config = workers.for_round(config, len(lake.parts("trajectories", round_)))
-    if workers.use_processes(config):
-        workers.warm(config.max_workers)  # the worker processes start while the round is prepared
     # one run per (lake, round): a second one stops with one line naming the holder, or waits for it
     # (flow.lock_wait_s) and finds its work cached (warehouse/locks.py); cleanup removes only the leftovers of
     # writers that are gone, never a live run's temporary files
@@ -199,20 +191,9 @@ def process_round_flow(round_: int, config: Config | dict):
         lake.cleanup()
         batches = round_batches(lake, round_)
         prune_stale_parts(lake, round_, list(derived_tables()), batches)
-
-        # cache records and the small JSON summaries they point to both live in the lake
-        with settings_scope({PREFECT_LOCAL_STORAGE_PATH: result_dir(lake)}):  # `worker_api` set it already
-            try:
-                # with every core taken by a stage worker, the run's own API server records the task runs when a
-                # core is free (flows/api_priority.py)
-                with api_waits_for_idle_cpu(
-                    config.flow.api_idle
-                    and config.task_runner in ("threads", "processes")
-                    and stages_fill_cpus(config.max_workers)
-                ) as idle_api:
-                    run = _run_stages(lake, round_, batches, config)
-            finally:
-                workers.shutdown()  # worker processes (flow.processes) hold a batch's memory; free it
+        # worker processes, result storage, the API's priority (flows/execution.py)
+        with round_execution(config, lake, batches) as (config, idle_api):
+            run = _run_stages(lake, round_, batches, config)
         # again at the end: a writer of a killed run may still have been exiting when the round started
         lake.cleanup()
         summary = round_stats_task(lake.uri, round_)
@@ -224,7 +205,7 @@ def process_round_flow(round_: int, config: Config | dict):
     summary["fixed_cost_seconds"] = round(max(summary["wall_seconds"] - work, 0.0), 3)
     summary["task_runs"] = sum(r["batches"] for r in run.values()) + 1  # the stats task
     summary["task_runner"] = config.task_runner
-    summary["api_idle_during_stages"] = idle_api is not None
+    summary["api_idle_during_stages"] = idle_api
     warnings = [f"{s}: {w}" for s, r in run.items() for w in r["warnings"]]
     summary["warnings"] = warnings
     _log_round(round_, summary, run)

@@ -149,11 +149,7 @@ def run_loop(cfg: Config, log: Log = print) -> list[dict]:
     """Run (or resume) the loop the config describes (`creditflow loop`): `round_loop_flow` on the managed
     Prefect server when one runs, else on the API shared by the machine's commands (flows/server.py), started
     now when none runs; one row per round."""
-    from prefect.settings import PREFECT_API_URL
+    from flows.execution import command_api
 
-    from flows.runners import settings_scope, worker_api
-    from flows.server import api_url
-
-    server_url = api_url(log)
-    with settings_scope({PREFECT_API_URL: server_url} if server_url else {}), worker_api(cfg):
+    with command_api(cfg, log):
         return round_loop_flow(cfg, log=log)

@@ -98,7 +98,6 @@ def run_process(
     round summary and the credit statistics. `fast` (the CLI's default): a round already processed with the
     same inputs, settings and code is not run again: its summary comes from the lake, Prefect never starts
     (flows/uptodate.py)."""
-    from flows.server import STARTED, shared_api, use_running_server
     from warehouse.lake import Lake
 
     lake = Lake(cfg.lake)
@@ -119,22 +118,17 @@ def run_process(
                 print_round(summary, lake, title=f"creditflow process: round {round_}")
                 console.print(UP_TO_DATE.format(round=round_), soft_wrap=True)
             return summary
-    # `creditflow server start` or the API an earlier command left running; else one started now for this
-    # command and the next ones (flows/server.py), coming up while the round is prepared
-    server_url = use_running_server()
-    api = None if server_url else shared_api()
-    prepare(cfg, lake, round_)  # worker processes and imports while the API comes up
-    if api is not None:
-        server_url = api.url()
-        if api.started_here and not quiet:
-            console.print(STARTED.format(url=server_url), soft_wrap=True, highlight=False)
-    from prefect.settings import PREFECT_API_URL
-
+    # the API: `creditflow server start`'s or the one an earlier command left running; else one started now for
+    # this command and the next ones (flows/server.py), coming up while the worker processes and imports start
+    from flows.execution import command_api
     from flows.process_round import WARNING_STATE
-    from flows.runners import settings_scope
     from flows.summary import print_summary
 
-    with settings_scope({PREFECT_API_URL: server_url} if server_url else {}):
+    def say(line: str) -> None:
+        if not quiet:
+            console.print(line, soft_wrap=True, highlight=False)
+
+    with command_api(cfg, say, while_starting=lambda: prepare(cfg, lake, round_)):
         summary = process_checked_round(cfg, lake, round_, skipped, progress=cfg.flow.progress and not quiet)
     if quiet:
         return summary
@@ -197,21 +191,21 @@ def process_checked_round(
     cfg: Config, lake, round_: int, skipped: Skipped | None = None, progress: bool = False
 ) -> dict:
     """`process_round_flow` on the configured task runner for a round `check_preconditions` passed (`skipped`:
-    its lines for the methods it dropped); returns the flow's summary with its state,
-    methods and seconds. `run_process` (the CLI) and the round loop's process step both run a round here."""
+    its lines for the methods it dropped), within the command's API (flows.execution.command_api); returns the
+    flow's summary with its state, methods and seconds. `run_process` (the CLI) and the round loop's process
+    step both run a round here."""
     from contextlib import nullcontext
 
     from flows.process_round import process_round_flow
     from flows.progress import rich_progress
-    from flows.runners import make_task_runner, worker_api
+    from flows.runners import make_task_runner
 
     t0 = time.perf_counter()
     # the flow holds the round's lock (one run per (lake, round), whoever starts it: this, serve, the loop)
     quiet_run_failures()
-    with worker_api(cfg):
-        flow_ = process_round_flow.with_options(task_runner=make_task_runner(cfg))
-        with rich_progress(console) if progress else nullcontext():
-            state = flow_(round_=round_, config=cfg, return_state=True)
+    flow_ = process_round_flow.with_options(task_runner=make_task_runner(cfg))
+    with rich_progress(console) if progress else nullcontext():
+        state = flow_(round_=round_, config=cfg, return_state=True)
     summary = state.result()  # raises the flow's error if it failed
     if skipped:  # kept in the round's run log, so `creditflow stats` shows it too
         from warehouse.runlog import record_stage_run

@@ -215,12 +215,16 @@ def use_running_server() -> str | None:
 
 
 def shares_api() -> bool:
-    """Whether a command that runs a flow starts an API for the next ones when none runs (`shared_api`)."""
-    return (
-        not os.environ.get("PREFECT_API_URL")
-        and os.environ.get("CREDITFLOW_NO_SERVER") != "1"
-        and os.environ.get("CREDITFLOW_SHARED_API", "1") != "0"
-    )
+    """Whether a command that runs a flow starts an API for the next ones when none runs (`shared_api`): not
+    when this process has an API named (PREFECT_API_URL, from the environment or the Prefect profile) or keeps
+    Prefect's ephemeral one."""
+    if os.environ.get("PREFECT_API_URL") or os.environ.get("CREDITFLOW_NO_SERVER") == "1":
+        return False
+    if os.environ.get("CREDITFLOW_SHARED_API", "1") == "0":
+        return False
+    from prefect.settings import PREFECT_API_URL  # a profile's or a prefect.toml's URL
+
+    return not PREFECT_API_URL.value()
 
 
 class SharedAPI:
@@ -258,11 +262,14 @@ def shared_api() -> SharedAPI | None:
     return SharedAPI() if shares_api() else None
 
 
-def api_url(say=None) -> str | None:
+def api_url(say=None, while_starting=None) -> str | None:
     """The API this process's flows report to: the recorded server, else a shared one started now (`say`
-    gets the one line telling so); None: Prefect's own choice (PREFECT_API_URL, or its ephemeral API)."""
+    gets the one line telling so; `while_starting()` runs meanwhile); None: Prefect's own choice
+    (PREFECT_API_URL, or its ephemeral API)."""
     url = use_running_server()
     api = None if url else shared_api()
+    if while_starting is not None:
+        while_starting()
     if api is None:
         return url
     url = api.url()
