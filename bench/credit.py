@@ -403,6 +403,7 @@ def main() -> None:
         help="parquet,delta: also time the engine and its floor on a Delta copy of the lake (interleaved)",
     )
     p.add_argument("--double", action="store_true", help="also a round of twice the groups (time and memory)")
+    p.add_argument("--no-compute", action="store_true", help="skip the compute-only cells (a loaded machine)")
     p.add_argument(
         "--verl",
         default="",
@@ -464,10 +465,9 @@ def main() -> None:
         # machine hits the engine, its floor and the code before alike)
         cells = []
         for side, root in roots.items():
-            cells += [
-                (f"{side} engine", "engine", root, lake_dir, 0),
-                (f"{side} compute", "compute", root, lake_dir, 0),
-            ]
+            cells += [(f"{side} engine", "engine", root, lake_dir, 0)]
+            if not args.no_compute:
+                cells += [(f"{side} compute", "compute", root, lake_dir, 0)]
             if "delta" in formats:
                 cells += [(f"{side} delta", "engine", root, delta_dir, 0)]
             if args.double:
@@ -481,8 +481,10 @@ def main() -> None:
             for label, kind, root, lake, round_ in cells:
                 res = sub("--root", str(root), "--worker", kind, str(lake), str(round_), m)
                 runs[label].append(res)
-        rf = sub("--ref-groups", str(args.ref_groups), "--worker", "reference", str(lake_dir), "0", m)
-        ref_s = rf["seconds"] * asst / max(rf["assistant_tokens"], 1)
+        ref_s = 0.0
+        if not args.no_compute:
+            rf = sub("--ref-groups", str(args.ref_groups), "--worker", "reference", str(lake_dir), "0", m)
+            ref_s = rf["seconds"] * asst / max(rf["assistant_tokens"], 1)
         g = runs.get
         row = [m]
         for side in roots:
@@ -492,9 +494,9 @@ def main() -> None:
             for side in roots:
                 row += [_pair(g(f"{side} delta")), _ratio(g(f"{side} delta"), g("delta floor"))]
             row += [_pair(g("delta floor"))]
-        for side in roots:
-            row += [_pair(g(f"{side} compute"))]
-        row += [f"{ref_s / min(r['seconds'] for r in runs['after compute']):.0f}"]
+        if not args.no_compute:
+            row += [_pair(g(f"{side} compute")) for side in roots]
+            row += [f"{ref_s / min(r['seconds'] for r in runs['after compute']):.0f}"]
         for side in roots:
             row += [_peak(g(f"{side} engine"))]
         if args.double:
@@ -515,7 +517,8 @@ def main() -> None:
         for side in roots:
             headers += [f"Delta {side}: wall s", f"Delta {side}: x floor"]
         headers += ["Delta I/O floor s"]
-    headers += [f"{side}: compute s (no I/O)" for side in roots] + ["reference / compute (after)"]
+    if not args.no_compute:
+        headers += [f"{side}: compute s (no I/O)" for side in roots] + ["reference / compute (after)"]
     headers += [f"{side}: peak MB (tree)" for side in roots]
     if args.double:
         for side in roots:
