@@ -137,6 +137,37 @@ def _raw(traj_row: dict | None, step_rows: list[dict]) -> str:
 
 
 def ingest_tables(sources: list[tuple[str, dict[str, pa.Table]]], round_: int, tokenizer) -> IngestResult:
+    trajectories, steps = _concat_sources(sources)
+    records_read = trajectories.num_rows
+    trajectories, steps = _with_round(trajectories, round_), _with_round(steps, round_)
+    steps, n_tokenized = _fill_tokens(steps, tokenizer)
+
+    traj_ids = set(trajectories.column("traj_id").to_pylist())
+    step_ids = set(steps.column("traj_id").to_pylist())
+    steps, rejected = _without_orphans(steps, traj_ids, step_ids)
+    records_read += len(rejected)  # a group of steps without a trajectory row is a record too (quarantined)
+
+    bad = _link_errors(steps)
+    traj_col = steps.column("traj_id")
+    for row, token_reject in sorted(token_rejects(steps, *vocab_of(tokenizer)).items()):
+        bad.setdefault(traj_col[row].as_py(), token_reject)
+    for traj_id in traj_ids - step_ids:
+        if traj_id is not None:
+            bad.setdefault(traj_id, Reject(MISSING_FIELD, "trajectory has no steps", "steps"))
+    if not bad:
+        try:
+            t_ok = trajectories_schema.validate(trajectories)
+            s_ok = steps_schema.validate(steps)
+            return _result(t_ok, s_ok, rejected, round_, records_read, n_tokenized, tokenizer)
+        except SchemaError:
+            pass
+    t_ok, s_ok = _one_by_one(trajectories, steps, bad, rejected)
+    return _result(t_ok, s_ok, rejected, round_, records_read, n_tokenized, tokenizer)
+
+
+def _concat_sources(sources: list[tuple[str, dict[str, pa.Table]]]) -> tuple[pa.Table, pa.Table]:
+    """Every source's trajectories and steps as one table each (missing optional columns added), each row
+    with its source file (`SOURCE_COL`)."""
     traj_parts: list[pa.Table] = []
     step_parts: list[pa.Table] = []
     for source_file, tables in sources:
@@ -158,13 +189,13 @@ def ingest_tables(sources: list[tuple[str, dict[str, pa.Table]]], round_: int, t
         if step_parts
         else steps_schema.SPEC.empty().append_column(SOURCE_COL, pa.array([], pa.string()))
     )
-    records_read = trajectories.num_rows
-    trajectories, steps = _with_round(trajectories, round_), _with_round(steps, round_)
-    steps, n_tokenized = _fill_tokens(steps, tokenizer)
+    return trajectories, steps
 
+
+def _without_orphans(steps: pa.Table, traj_ids: set, step_ids: set) -> tuple[pa.Table, list[Rejected]]:
+    """The steps without those of a traj_id that has no trajectory row: each such group is one rejected
+    record."""
     rejected: list[Rejected] = []
-    traj_ids = set(trajectories.column("traj_id").to_pylist())
-    step_ids = set(steps.column("traj_id").to_pylist())
     orphans = sorted(x for x in step_ids - traj_ids if x is not None)
     for traj_id in orphans:
         rows = steps.filter(pc.equal(steps.column("traj_id"), traj_id))
@@ -176,25 +207,16 @@ def ingest_tables(sources: list[tuple[str, dict[str, pa.Table]]], round_: int, t
         rejected.append(
             Rejected(record, Reject(MISSING_FIELD, "steps without a trajectory row", "traj_id"), traj_id)
         )
-    records_read += len(orphans)  # a group of steps without a trajectory row is a record too (quarantined)
     if orphans:
         steps = steps.filter(pc.invert(pc.is_in(steps.column("traj_id"), value_set=pa.array(orphans))))
+    return steps, rejected
 
-    bad = _link_errors(steps)
-    traj_col = steps.column("traj_id")
-    for row, token_reject in sorted(token_rejects(steps, *vocab_of(tokenizer)).items()):
-        bad.setdefault(traj_col[row].as_py(), token_reject)
-    for traj_id in traj_ids - step_ids:
-        if traj_id is not None:
-            bad.setdefault(traj_id, Reject(MISSING_FIELD, "trajectory has no steps", "steps"))
-    if not bad:
-        try:
-            t_ok = trajectories_schema.validate(trajectories)
-            s_ok = steps_schema.validate(steps)
-            return _result(t_ok, s_ok, rejected, round_, records_read, n_tokenized, tokenizer)
-        except SchemaError:
-            pass
-    # slow path: each trajectory on its own
+
+def _one_by_one(
+    trajectories: pa.Table, steps: pa.Table, bad: dict[str, Reject], rejected: list[Rejected]
+) -> tuple[pa.Table, pa.Table]:
+    """The slow path: each trajectory with its steps on its own; one with a reason in `bad`, a duplicate
+    traj_id or rows its schema refuses goes to `rejected`. Returns the valid trajectories and steps."""
     step_index: dict[tuple[str, str], list[int]] = defaultdict(list)  # (source file, traj_id) -> rows
     step_keys = zip(steps.column(SOURCE_COL).to_pylist(), steps.column("traj_id").to_pylist(), strict=True)
     for i, key in enumerate(step_keys):
@@ -232,7 +254,7 @@ def ingest_tables(sources: list[tuple[str, dict[str, pa.Table]]], round_: int, t
         keep_s.extend(step_index.get(key, []))
     t_ok = trajectories_schema.validate(trajectories.take(pa.array(keep_t, pa.int64())))
     s_ok = steps_schema.validate(steps.take(pa.array(sorted(keep_s), pa.int64())))
-    return _result(t_ok, s_ok, rejected, round_, records_read, n_tokenized, tokenizer)
+    return t_ok, s_ok
 
 
 def _result(trajectories, steps, rejected, round_, records_read, n_tokenized, tokenizer) -> IngestResult:
