@@ -164,7 +164,6 @@ def to_padded(
         raise ValueError(f"unknown padded layout {layout!r}; one of {LAYOUTS[1:]}")
     check_lengths(layout, response_length=response_length, prompt_length=prompt_length, max_len=max_len)
     lengths, starts, mask, prompt_len, local = _geometry(table)
-    n = len(lengths)
     ids = _flat(table, "input_ids", np.int64)
     has_returns = table.column("returns").null_count < table.num_rows
     has_values = table.column("values").null_count < table.num_rows
@@ -198,43 +197,55 @@ def to_padded(
         lengths = keep.astype(np.int64)
         starts = np.cumsum(lengths) - lengths
         prompt_len = np.minimum(prompt_len, lengths)
-    resp_len = lengths - prompt_len
     if layout == "openrlhf":
-        T = int(lengths.max()) if n else 0
-        zero = np.zeros(n, dtype=np.int64)
-        shifted = local >= 1  # the (B, T-1) arrays: token j + 1 of a row at column j
-        n_shift = np.maximum(lengths - 1, 0)
-        A = max(T - 1, 0)
+        return _openrlhf(ids, mask, floats, reward, common, lengths, starts, local, turn, pad_token_id)
+    return _skyrl(ids, mask, floats, reward, common, lengths, prompt_len, local, pad_token_id)
 
-        def action(flat, dtype=np.float32):
-            return (
-                _place(flat[shifted], zero, n_shift, A, dtype)
-                if flat is not None
-                else np.zeros((n, A), dtype)
-            )
 
-        action_mask = action(mask, np.int64)
-        # OpenRLHF's response_length: from the first to the last action token (0 without any)
-        on = action_mask != 0
-        any_on = on.any(1)
-        first_on = np.argmax(on, 1) if A else np.zeros(n, np.int64)
-        last_on = A - 1 - np.argmax(on[:, ::-1], 1) if A else np.zeros(n, np.int64)
-        first_on, last_on = np.where(any_on, first_on, 0), np.where(any_on, last_on, -1)
-        return {
-            "sequences": _place(ids, zero, lengths, T, np.int64, pad_token_id),
-            "attention_mask": _place(np.ones(len(ids), np.int64), zero, lengths, T, np.int64),
-            "action_mask": action_mask,
-            "rollout_log_probs": action(floats["old_logprobs"]),
-            "advantages": action(floats["advantages"]),
-            "returns": action(floats["returns"]),
-            "values": action(floats["values"]),
-            "rewards": reward,
-            "response_length": (last_on - first_on + 1).astype(np.int64),
-            "total_length": lengths.astype(np.float32),  # attention_mask.float().sum(), as OpenRLHF's
-            "action_ranges": _action_ranges(turn, starts, local, n),
-            **common,
-        }
-    # skyrl: one left-padded block per row, the response tensors right-aligned in (B, max response)
+def _openrlhf(
+    ids, mask, floats, reward, common, lengths, starts, local, turn, pad_token_id
+) -> dict[str, np.ndarray]:
+    """OpenRLHF's experience: whole sequences left-aligned in (B, T), the action tensors shifted by one in
+    (B, T - 1)."""
+    n = len(lengths)
+    T = int(lengths.max()) if n else 0
+    zero = np.zeros(n, dtype=np.int64)
+    shifted = local >= 1  # the (B, T-1) arrays: token j + 1 of a row at column j
+    n_shift = np.maximum(lengths - 1, 0)
+    A = max(T - 1, 0)
+
+    def action(flat, dtype=np.float32):
+        return _place(flat[shifted], zero, n_shift, A, dtype) if flat is not None else np.zeros((n, A), dtype)
+
+    action_mask = action(mask, np.int64)
+    # OpenRLHF's response_length: from the first to the last action token (0 without any)
+    on = action_mask != 0
+    any_on = on.any(1)
+    first_on = np.argmax(on, 1) if A else np.zeros(n, np.int64)
+    last_on = A - 1 - np.argmax(on[:, ::-1], 1) if A else np.zeros(n, np.int64)
+    first_on, last_on = np.where(any_on, first_on, 0), np.where(any_on, last_on, -1)
+    return {
+        "sequences": _place(ids, zero, lengths, T, np.int64, pad_token_id),
+        "attention_mask": _place(np.ones(len(ids), np.int64), zero, lengths, T, np.int64),
+        "action_mask": action_mask,
+        "rollout_log_probs": action(floats["old_logprobs"]),
+        "advantages": action(floats["advantages"]),
+        "returns": action(floats["returns"]),
+        "values": action(floats["values"]),
+        "rewards": reward,
+        "response_length": (last_on - first_on + 1).astype(np.int64),
+        "total_length": lengths.astype(np.float32),  # attention_mask.float().sum(), as OpenRLHF's
+        "action_ranges": _action_ranges(turn, starts, local, n),
+        **common,
+    }
+
+
+def _skyrl(
+    ids, mask, floats, reward, common, lengths, prompt_len, local, pad_token_id
+) -> dict[str, np.ndarray]:
+    """SkyRL's batch: one left-padded block per row, the response tensors right-aligned in (B, max response)."""
+    n = len(lengths)
+    resp_len = lengths - prompt_len
     T = int(lengths.max()) if n else 0
     R = int(resp_len.max()) if n else 0
     in_resp = local >= np.repeat(prompt_len, lengths)
