@@ -362,7 +362,7 @@ class DeltaLake(Lake):
         out = acts.set_column(index, f"partition.{PART}", pa.array(names, pa.string())).filter(
             pa.array(keep, pa.bool_())
         )
-        t._creditflow_visible = (key, out)  # type: ignore[attr-defined]
+        t._creditflow_visible = (key, out)
         return out
 
     @staticmethod
@@ -397,7 +397,7 @@ class DeltaLake(Lake):
             if kept is not None and kept[0] == key:
                 return kept[1]
             gens = self._generations(acts, empty)
-            t._creditflow_gens = (key, gens)  # type: ignore[attr-defined]
+            t._creditflow_gens = (key, gens)
             return gens
         return self._generations(acts, empty)
 
@@ -428,7 +428,7 @@ class DeltaLake(Lake):
         if kept is not None and kept[0] == version:
             return kept[1]
         acts = _arrow(t.get_add_actions(flatten=True))
-        t._creditflow_actions = (version, acts)  # type: ignore[attr-defined]
+        t._creditflow_actions = (version, acts)
         return acts
 
     def exists(self) -> bool:
@@ -534,7 +534,7 @@ class DeltaLake(Lake):
             ):
                 by_table.setdefault(tbl, []).append((int(r), name))
             kept = (t.version(), by_table)
-            t._creditflow_empty = kept  # type: ignore[attr-defined]
+            t._creditflow_empty = kept
         return kept[1].get(table, [])
 
     def _set_empty(self, table: str, round_: int, names: list[str], predicate: str) -> None:
@@ -901,7 +901,7 @@ def migrate(src: str | os.PathLike, dest: str | os.PathLike | None = None) -> di
     counts: dict[str, int] = {}
     names = [t for t in TABLES if old.rounds(t)]
     for table in names:
-        target_root = old.root / f".migrate-{temp_token()}" if in_place else dest
+        target_root = old.root / f".migrate-{temp_token()}" if dest is None else dest  # None: in place
         new = DeltaLake(target_root)
         n = 0
         for r in old.rounds(table):
