@@ -70,7 +70,7 @@ BEHAVIOURS = ("invalid_action", "query_loop", "near_repetition")
 def _issue_24_rules():
     from pipeline.detect.registry import DetectSettings
 
-    return DetectSettings(loop_needs_no_change=False, free_text_min_words=10**6)
+    return DetectSettings(loop_needs_no_change=False, free_text_min_words=10**6, near_needs_nothing_new=False)
 
 
 @dataclass

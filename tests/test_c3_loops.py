@@ -290,3 +290,71 @@ def test_loop_iff_same_call_and_nothing_changed(ops):
         last[call] = (version, result)
         events.append(("agent", name, {}, result))
     assert loops(spans_of([tool_run(events)])) == expected
+
+
+def _re_ask(
+    second_obs: str, next_turn: str, first_obs: str = "Observation: Talking about the appeal of bluegrass"
+):
+    """A ReAct run re-asking turn 1's query reworded (char Jaccard >= 0.9), then `next_turn`."""
+    return react_chat(
+        "Thought: find the singer.\nAction: search[bluegrass singer on the album true]",
+        "Thought: not given, search again.\nAction: search[bluegrass singer on album true]",
+        next_turn,
+        observations=[first_obs, second_obs, "Observation: done"],
+    )
+
+
+def test_near_repetition_needs_nothing_learned():
+    # the re-ask returned another passage the agent did not take up: it learned nothing, a near repetition
+    off_point = _re_ask(
+        "Observation: First comes Shame On Me, funky bass riffs",
+        "Thought: still not given.\nAction: search[vocalist of avicii album true]",
+    )
+    df = spans_of([off_point])
+    assert df.select("turn", "behavior").rows() == [(2, "near_repetition")]
+    assert "it learned nothing" in df["reason"][0]
+    # the re-ask returned the answer, which the next turn uses (a word new to the run): not waste
+    answered = _re_ask(
+        "Observation: Avicii wrote it with the vocalist Dan Tyminski",
+        "Thought: the singer is Dan Tyminski.\nAction: finish[Dan Tyminski]",
+    )
+    assert spans_of([answered]).height == 0
+    assert spans_of([answered], near_needs_nothing_new=False).select("turn", "behavior").rows() == [
+        (2, "near_repetition")
+    ]
+    # new words the next turn does not use, or words the run already had (the question, turn 1's result): nothing
+    known = _re_ask(
+        "Observation: bluegrass appeal, said Avicii",
+        "Thought: the appeal of bluegrass again.\nAction: finish[appeal]",
+    )
+    assert spans_of([known]).height == 1
+    # the earlier call returned nothing (an empty page) and this one a passage: it learned something
+    empty_first = _re_ask(
+        "Observation: Talking about the appeal of bluegrass",
+        "Thought: not given.\nAction: search[vocalist of avicii album true]",
+        first_obs="",
+    )
+    assert spans_of([empty_first]).height == 0
+    assert spans_of([empty_first], near_needs_nothing_new=False).height == 1
+
+
+_POOL = ["alder", "birch", "cedar", "dogwood", "elm", "fir", "ginkgo", "hazel", "juniper", "larch"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    first=st.lists(st.sampled_from(_POOL), max_size=5),
+    second=st.lists(st.sampled_from(_POOL), min_size=1, max_size=5),
+    used=st.lists(st.sampled_from(_POOL), max_size=4),
+)
+def test_near_repetition_iff_no_new_word_taken_up(first, second, used):
+    """Property: the reworded re-ask is a near repetition iff no word of its result that the run had not seen
+    (not in turn 1's result, the question or the calls) is in the next turn; with the setting off, always."""
+    run = _re_ask(
+        "Observation: " + " ".join(second),
+        "Thought: " + " ".join(used) + ".\nAction: finish[x]",
+        first_obs="Observation: " + " ".join(first) + " page",
+    )
+    learned = bool((set(second) - set(first)) & set(used))
+    assert spans_of([run]).height == (0 if learned else 1)
+    assert spans_of([run], near_needs_nothing_new=False).height == 1

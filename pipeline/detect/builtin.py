@@ -12,7 +12,9 @@ The query rules (issue 24):
   chars, never two queries whose identifiers or numbers differ (`text.identifiers`: L1001 vs L1002,
   1914 vs 1915, JFK vs SEA), and never a query that adds a content word the earlier one lacks (a refinement:
   "... extraction 2015 cast" after "... extraction 2015"; `detect.near_refinements` lifts this). Query tools of tool-calling agents: `search` and `lookup`, plus the tools named in
-  `detect.query_tools`; their query text is their string arguments.
+  `detect.query_tools`; their query text is their string arguments. Issue 34: a repeat is waste only when
+  nothing changed and nothing was learned; a near repetition whose result brought a word new to the run that
+  the next turn uses, or that followed an empty / error result, is none (`learned`; `detect.near_needs_nothing_new`).
 """
 
 from __future__ import annotations
@@ -152,6 +154,7 @@ class _Seen:
     result: str | None  # None: not recorded
     changes: int  # state-changing calls made once this action had run (an index into the list of them)
     text: tuple | None = None  # near repetition: (normalised text, grams, identifiers, content words)
+    error: bool = False  # the recorded result is an error
 
 
 def _word_overlap(a: frozenset, b: frozenset) -> float:
@@ -170,15 +173,17 @@ def query_loop(traj: TrajView, settings: DetectSettings):
     >= threshold against an earlier query of the same action, >= min_len chars, the same identifiers and
     numbers, adding no content word; or a call of any tool whose free-text arguments reword an earlier call's
     with its other arguments the same (Jaccard >= threshold, or the same result and most content words
-    shared). See the module doc."""
+    shared). Either only when it learned nothing (`learned`; `detect.near_needs_nothing_new`). See the module
+    doc."""
     strict = settings.loop_needs_no_change
-    results = action_results(traj, settings) if strict else {}
+    news = settings.near_needs_nothing_new
+    results = action_results(traj, settings) if strict or news else {}
     earlier: dict[tuple[str, str], _Seen] = {}  # latest earlier action per (name, query or call)
     texts: dict[tuple[str, str], list[_Seen]] = {}  # (name, "" or fixed args) -> earlier texts
     # state-changing calls so far (the agent's that did not fail, everyone else's): their argument values
     changes: list[frozenset[str]] = []
     failed = {st.tool_call_id for st in traj.steps if st.is_error and st.tool_call_id is not None}
-    for step in traj.steps:
+    for pos, step in enumerate(traj.steps):
         if step.role != "assistant":
             for call in step.tool_calls or ():  # another actor's calls (a user simulator's own tools)
                 if changes_state(str(call.get("name") or ""), settings) and call.get("id") not in failed:
@@ -210,7 +215,7 @@ def query_loop(traj: TrajView, settings: DetectSettings):
                 key, shown = (act.name, act.call), f"{act.name} {act.call}"
             else:
                 continue
-            seen = _Seen(turn, result, len(changes) + len(step_changes))
+            seen = _Seen(turn, result, len(changes) + len(step_changes), error=res is not None and res[1])
             prev = earlier.get(key)
             if prev is not None:
                 same_result = prev.result is None or result is None or prev.result == result
@@ -229,14 +234,44 @@ def query_loop(traj: TrajView, settings: DetectSettings):
                 if not (strict and _touched(changes, step_changes, p.changes, n_before, act.values))
             ]
             best_prev, best = _most_alike(act, near[1], result, candidates, settings)
-            if best_prev is not None:
-                yield _near_hit(step, act, near[1][0], best_prev, best, strict, settings)
+            if best_prev is not None and not (news and learned(traj, pos, best_prev, seen)):
+                yield _near_hit(step, act, near[1][0], best_prev, seen, best, strict, settings)
         changes += step_changes
         for key, seen, near in current:  # visible to later turns only
             earlier[key] = seen
             if near is not None:
                 seen.text = near[1]
                 texts.setdefault(near[0], []).append(seen)
+
+
+def _words(step: StepView) -> frozenset[str]:
+    """Content words of a step: its text and its tool calls' argument values."""
+    text = (
+        step.content
+        + " "
+        + " ".join(" ".join(sorted(argument_values(c.get("arguments")))) for c in step.tool_calls or ())
+    )
+    return content_words(normalize_query(text))
+
+
+def learned(traj: TrajView, pos: int, prev: _Seen, seen: _Seen) -> bool:
+    """The call of the assistant step at `pos` (`seen`), rewording `prev`'s, learned something, so it is no
+    near repetition (`detect.near_needs_nothing_new`): both results are recorded and either the earlier one
+    was empty or an error and this one is neither, or this one has a word in none of the trajectory's steps up
+    to the call (the question, every earlier result and turn, the call itself) that the agent's next turn uses.
+    A result that is only reworded or off the point (no new word taken up) teaches nothing."""
+    if prev.result is None or seen.result is None:
+        return False  # nothing recorded to show it learned something
+    if (not prev.result or prev.error) and seen.result and not seen.error:
+        return True
+    later = next((st for st in traj.steps[pos + 1 :] if st.role == "assistant"), None)
+    if later is None or seen.error:
+        return False
+    known: set[str] = set()
+    for st in traj.steps[: pos + 1]:
+        known |= _words(st)
+    new = content_words(normalize_query(seen.result)) - known
+    return bool(new & _words(later))
 
 
 def _exact_hit(step: StepView, act: Action, prev: _Seen, result: str | None, shown: str, strict: bool) -> Hit:
@@ -296,10 +331,18 @@ def _most_alike(
 
 
 def _near_hit(
-    step: StepView, act: Action, q: str, prev: _Seen, best: float, strict: bool, settings: DetectSettings
+    step: StepView,
+    act: Action,
+    q: str,
+    prev: _Seen,
+    seen: _Seen,
+    best: float,
+    strict: bool,
+    settings: DetectSettings,
 ) -> Hit:
     """The near_repetition span of `act` rewording `prev` (Jaccard `best`)."""
     assert prev.text is not None
+    result = seen.result
     rule = (
         f"query.{settings.ngram_unit}_jaccard"
         if act.query is not None
@@ -327,7 +370,12 @@ def _near_hit(
             ensure_ascii=False,
         ),
         reason=f"rewords turn {prev.turn}'s {act.name} {what} ({because}; the same identifiers"
-        + ("; nothing changed in between)" if strict else ")"),
+        + ("; nothing changed in between" if strict else "")
+        + (
+            "; it learned nothing: no word new to the trajectory in its result that the next turn uses)"
+            if settings.near_needs_nothing_new and prev.result is not None and result is not None
+            else ")"
+        ),
     )
 
 

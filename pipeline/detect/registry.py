@@ -112,6 +112,14 @@ class DetectSettings(StageSettings):
         description="free text of a non-query tool: a reworded repeat (near repetition) also when the call "
         "returned the same non-empty result and this share of the shorter text's content words is in the other's",
     )
+    near_needs_nothing_new: bool = Field(
+        True,
+        description="a reworded repeat is a near repetition only when it learned nothing: when both calls' "
+        "results are recorded, not when the earlier one returned nothing or an error and the later one did not, "
+        "nor when the later result has a word new to the trajectory (in none of its steps up to the call) that "
+        "the agent's next turn uses; false: the thresholds alone decide (the rule before issue 34's near "
+        "repetition review)",
+    )
     default_action_format: str | None = Field(
         None,
         description="action format for trajectories whose action_format is null (None: openai_tools when "
