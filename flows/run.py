@@ -107,36 +107,29 @@ def run_process(
         console.print(f"[yellow]skipped {len(skipped.methods)} method(s), their inputs are missing:")
         for line in skipped:
             console.print(f"[yellow]  - {line}", soft_wrap=True)
-    if fast:
-        from flows.uptodate import UP_TO_DATE, up_to_date_summary
+    import sys
 
-        summary = up_to_date_summary(cfg, lake, round_, skipped)
+    from warehouse.locks import round_lock
+
+    # one run per (lake, round), held from the up-to-date check to the flow's end (the flow's own lock finds it
+    # held by this process): another run stops here with one line, or (`--wait`) waits, saying so on stderr
+    def waiting(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    with round_lock(lake, round_, wait_s=cfg.flow.lock_wait_s, on_wait=waiting):
+        summary = _up_to_date(cfg, lake, round_, skipped, quiet) if fast else None
         if summary is not None:
-            if not quiet:
-                from flows.summary import print_round
-
-                print_round(summary, lake, title=f"creditflow process: round {round_}")
-                console.print(UP_TO_DATE.format(round=round_), soft_wrap=True)
             return summary
-    # the API: `creditflow server start`'s or the one an earlier command left running; else one started now for
-    # this command and the next ones (flows/server.py), coming up while the worker processes and imports start
-    from flows.execution import command_api
-    from flows.process_round import WARNING_STATE
-    from flows.summary import print_summary
-
-    def say(line: str) -> None:
-        if not quiet:
-            console.print(line, soft_wrap=True, highlight=False)
-
-    with command_api(cfg, say, while_starting=lambda: prepare(cfg, lake, round_)):
-        summary = process_checked_round(cfg, lake, round_, skipped, progress=cfg.flow.progress and not quiet)
+        summary = _run_flow(cfg, lake, round_, skipped, quiet)
     if quiet:
         return summary
+    from flows.process_round import WARNING_STATE
+    from flows.summary import credit_by_method_sql, print_summary
+
     title = f"creditflow process: round {round_}" + (
         " [yellow](completed with warnings)" if summary["state"] == WARNING_STATE else ""
     )
     print_summary(summary, title=title)
-    from flows.summary import credit_by_method_sql
     from warehouse.catalog import query
 
     print_table(query(lake, credit_by_method_sql(round_)), title="credit by method")
@@ -144,6 +137,33 @@ def run_process(
     if over and not cfg.flow.allow_degraded:
         raise SystemExit("; ".join(over) + " (--allow-degraded accepts the run)")
     return summary
+
+
+def _up_to_date(cfg: Config, lake, round_: int, skipped: Skipped, quiet: bool) -> dict | None:
+    """The round's summary when it is up to date (flows/uptodate.py), printed; None: the flow runs."""
+    from flows.uptodate import UP_TO_DATE, up_to_date_summary
+
+    summary = up_to_date_summary(cfg, lake, round_, skipped)
+    if summary is not None and not quiet:
+        from flows.summary import print_round
+
+        print_round(summary, lake, title=f"creditflow process: round {round_}")
+        console.print(UP_TO_DATE.format(round=round_), soft_wrap=True)
+    return summary
+
+
+def _run_flow(cfg: Config, lake, round_: int, skipped: Skipped, quiet: bool) -> dict:
+    """The flow on the command's API: `creditflow server start`'s or the one an earlier command left running;
+    else one started now for this command and the next ones (flows/server.py), coming up while the worker
+    processes and imports start."""
+    from flows.execution import command_api
+
+    def say(line: str) -> None:
+        if not quiet:
+            console.print(line, soft_wrap=True, highlight=False)
+
+    with command_api(cfg, say, while_starting=lambda: prepare(cfg, lake, round_)):
+        return process_checked_round(cfg, lake, round_, skipped, progress=cfg.flow.progress and not quiet)
 
 
 def over_failure_share(summary: dict, share: float) -> list[str]:
@@ -201,7 +221,7 @@ def process_checked_round(
     from flows.runners import make_task_runner
 
     t0 = time.perf_counter()
-    # the flow holds the round's lock (one run per (lake, round), whoever starts it: this, serve, the loop)
+    # the flow holds the round's lock (one run per (lake, round), whoever starts it: the CLI, serve, the loop)
     quiet_run_failures()
     flow_ = process_round_flow.with_options(task_runner=make_task_runner(cfg))
     with rich_progress(console) if progress else nullcontext():

@@ -136,10 +136,17 @@ def test_code_change_degraded_stage_stale_part_and_busy_round_fall_through(
     assert "b99999" in (not_up_to_date(lake, 0, cfg) or "")
     lake.delete_part_names("spans", 0, ["b99999"])
 
-    # a stage whose last run degraded (warnings): never served as final
+    # a stage whose last run degraded (warnings): an LLM stage's result is never served as final (the flow asks
+    # again); a stage without a model serves its warnings from the cache, as the flow does (one rule for both:
+    # flows.caching.would_run)
+    from pipeline.stages import BatchStage
+
     batch = lake.part_name(lake.parts("trajectories", 0)[0])
     record_stage_run(lake, 0, "detect", batch, seconds=0.0, warnings=["endpoint down"])
-    assert "warnings" in (not_up_to_date(lake, 0, cfg) or "")
+    assert "degraded" not in (not_up_to_date(lake, 0, cfg) or "")
+    with monkeypatch.context() as m:
+        m.setattr(BatchStage, "calls_llm", lambda self, config: self.name == "detect")
+        assert f"detect {batch}: its last run degraded (warnings)" in (not_up_to_date(lake, 0, cfg) or "")
 
 
 def test_cache_records_as_prefect_writes_them(tmp_path):
