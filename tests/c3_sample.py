@@ -4,6 +4,7 @@
     python tests/c3_sample.py --sample 24 --table    # precision / recall per behaviour against its labels
     python tests/c3_sample.py --table                # issue 34's sample (the default), before and after 34
     python tests/c3_sample.py --recall               # issue 34's recall side: trajectories without spans
+    python tests/c3_sample.py --sample near --table  # every near repetition, with and without "learned nothing"
 
 Issue 24's sample (seed 24, `draw`, labels in tests/data/c3_labels.json): from tau-bench v1 (gpt-4o airline),
 tau2-bench (qwen2.5-7b airline) and FireAct (llama-2-7b HotpotQA), drawn from what the issue-24 rules flag
@@ -20,6 +21,12 @@ positive GRPO advantage (the only ones where C3 changes credit), from tau2 airli
 and solo) and FireAct: the union of the spans of the current rules and of the issue-24 rules, up to `CAP` per
 source and behaviour. Its recall side (`recall_sample`, seed 3434, tests/data/c3_recall_34.json): successful
 trajectories on which the current rules flag nothing, each read whole.
+
+The near-repetition sample (`draw_near`, labels in tests/data/c3_labels_near.json): positive-advantage steps
+hold only 3 near repetitions in all these logs (and none in tau2 retail, ToolOrchestra's tau2 runs or FireAct's
+GPT-4 fine-tuning trajectories), so every near repetition on any step of issue 34's sources, under the rules now
+(`now`) and with `detect.near_needs_nothing_new=false` (`before`: the thresholds alone), up to `NEAR_CAP` (seed
+3435); `positive` says whether the step has positive advantage.
 
 Each item's id is `source|traj_id|step_idx|behavior`; a label file maps it to [label, reason], label "real"
 (the behaviour is there and is waste or invalid) or "false". Precision of a rule set = real / flagged by it;
@@ -38,6 +45,8 @@ from pathlib import Path
 REAL = Path(__file__).resolve().parents[1] / "data" / "real"
 LABELS = Path(__file__).resolve().parent / "data" / "c3_labels.json"
 LABELS_34 = Path(__file__).resolve().parent / "data" / "c3_labels_34.json"
+LABELS_NEAR = Path(__file__).resolve().parent / "data" / "c3_labels_near.json"
+NEAR_CAP = 40
 RECALL = Path(__file__).resolve().parent / "data" / "c3_recall_34.json"
 FIREACT_7B = (
     "fireact_hotpotqa/hotpotqa_dev_0_500_llama_models_lora_llama-2-7b-d_1000_0.7_2023-09-19-00-49-36.json"
@@ -88,6 +97,7 @@ class Item:
     evidence: str
     context: str
     before: bool = False
+    positive: bool = False
 
     @property
     def now(self) -> bool:
@@ -280,6 +290,52 @@ def draw_positive(real: Path = REAL) -> list[Item]:
     return items
 
 
+def draw_near(real: Path = REAL) -> list[Item]:
+    """The near-repetition sample (see the module doc)."""
+    from pipeline.detect import run_detectors, traj_views
+    from pipeline.detect.registry import DetectSettings
+
+    hits: dict[tuple[str, str, int], dict] = {}
+    views: dict[tuple[str, str], object] = {}
+    positive: set[tuple[str, str, int]] = set()
+    for source, (fmt, rel) in SOURCES_34.items():
+        t, s = _batch(fmt, rel, real)
+        positive |= {(source, tid, i) for tid, i in positive_steps(t, s)}
+        tv = traj_views(t, s)
+        views.update({(source, v.traj_id): v for v in tv})
+        for rules, which in (
+            (DetectSettings(), "now"),
+            (DetectSettings(near_needs_nothing_new=False), "before"),
+        ):
+            for tid, h, _ in run_detectors(tv, rules):
+                if h.behavior == "near_repetition":
+                    entry = hits.setdefault(
+                        (source, tid, h.step_idx), {"now": False, "before": False, "hit": h}
+                    )
+                    entry[which] = True
+    keys = sorted(hits)
+    items = []
+    for source, tid, idx in random.Random(3435).sample(keys, min(NEAR_CAP, len(keys))):
+        e = hits[(source, tid, idx)]
+        h = e["hit"]
+        items.append(
+            Item(
+                f"{source}|{tid}|{idx}|near_repetition",
+                source,
+                tid,
+                idx,
+                "near_repetition",
+                h.rule,
+                e["now"],
+                h.evidence,
+                _context(views[(source, tid)], idx, "near_repetition"),
+                e["before"],
+                (source, tid, idx) in positive,
+            )
+        )
+    return items
+
+
 def recall_sample(real: Path = REAL, per_source: int = 4) -> list[tuple[str, str, str]]:
     """Issue 34's recall side: up to `per_source` successful trajectories per source on which the current rules
     flag nothing (seed 3434), each as (source, traj_id, its actions in order with a short result) for reading:
@@ -343,19 +399,24 @@ def main(argv: list[str]) -> None:
         for source, tid, seq in recall_sample():
             print(f"## {source} {tid}\n   {seq}")
         return
-    items = draw() if issue_24 else draw_positive()
+    near = "--sample" in argv and argv[argv.index("--sample") + 1] == "near"
+    items = draw() if issue_24 else draw_near() if near else draw_positive()
     if "--table" in argv:
-        labels = json.loads((LABELS if issue_24 else LABELS_34).read_text())
+        labels = json.loads((LABELS if issue_24 else LABELS_NEAR if near else LABELS_34).read_text())
         for rules in ("now",) if issue_24 else ("before", "now"):
             print(f"## rules {rules}")
             for b, s in scores(items, labels, rules).items():
                 print(" ", b, s)
             for k, s in scores(items, labels, rules, by=lambda i: (i.source, i.behavior)).items():
                 print("   ", k, s)
+            if near:
+                for k, s in scores(items, labels, rules, by=lambda i: ("positive", i.positive)).items():
+                    print("   ", k, s)
         return
     for it in items:
         print(
-            f"### {it.id} rule={it.rule} now={it.now} before={it.before}\n{it.evidence[:300]}\n{it.context}\n"
+            f"### {it.id} rule={it.rule} now={it.now} before={it.before} positive={it.positive}\n"
+            f"{it.evidence[:300]}\n{it.context}\n"
         )
     print(len(items), "items", file=sys.stderr)
 

@@ -5,7 +5,8 @@
 - issue 34's sample of spans on steps with positive advantage (where C3 changes credit), from tau2 airline,
   tau2 telecom (with a user and solo, base and SFT) and FireAct (llama-2 7b and 13b, gpt-3.5)
   (tests/data/c3_labels_34.json), scored with the rules before issue 34 too to show what changed, and its
-  recall side: successful trajectories without spans, each read whole (tests/data/c3_recall_34.json)."""
+  recall side: successful trajectories without spans, each read whole (tests/data/c3_recall_34.json);
+- every near repetition of issue 34's sources, with and without "learned nothing" (tests/data/c3_labels_near.json)."""
 
 import json
 from collections import Counter
@@ -129,3 +130,22 @@ def test_recall_on_successful_trajectories_without_spans(real_data):
     assert {f"{src}|{tid}" for src, tid, _ in drawn} == set(labels) and len(labels) == 27
     assert all(lab in ("clean", "missed") and len(reason) > 20 for lab, reason in labels.values())
     assert [k for k, (lab, _) in labels.items() if lab == "missed"] == []
+
+
+def test_near_repetition_precision_on_every_near_span(real_data):
+    """Every near repetition on any step of issue 34's sources (3 on positive steps, too few for a rate; none in
+    the tau2 files), under the rules now and with detect.near_needs_nothing_new=false (the thresholds alone),
+    each labelled with one line of reason (tests/data/c3_labels_near.json)."""
+    _shipped(real_data, c3_sample.SOURCES_34)
+    items = c3_sample.draw_near(real_data)
+    labels = json.loads(c3_sample.LABELS_NEAR.read_text())
+    assert {i.id for i in items} == set(labels) and len(labels) == 16
+    assert all(lab in ("real", "false") and len(reason) > 20 for lab, reason in labels.values())
+    now = c3_sample.scores(items, labels, "now")["near_repetition"]
+    before = c3_sample.scores(items, labels, "before")["near_repetition"]
+    # the thresholds alone: 16 spans, 4 of them re-asks whose new result the next turn takes up (0.75)
+    assert (before["flagged"], before["real_flagged"]) == (16, 12)
+    # now: the 4 dropped, every real one kept
+    assert (now["flagged"], now["real_flagged"]) == (12, 12) and now["recall"] == 1.0
+    on_positive = [i for i in items if i.positive]
+    assert len(on_positive) == 3 and sum(i.now for i in on_positive) == 2
