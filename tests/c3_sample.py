@@ -24,9 +24,9 @@ trajectories on which the current rules flag nothing, each read whole.
 
 The near-repetition sample (`draw_near`, labels in tests/data/c3_labels_near.json): positive-advantage steps
 hold only 3 near repetitions in all these logs (and none in tau2 retail, ToolOrchestra's tau2 runs or FireAct's
-GPT-4 fine-tuning trajectories), so every near repetition on any step of issue 34's sources, under the rules now
-(`now`) and with `detect.near_needs_nothing_new=false` (`before`: the thresholds alone), up to `NEAR_CAP` (seed
-3435); `positive` says whether the step has positive advantage.
+GPT-4 fine-tuning trajectories), so every near repetition on any step of issue 34's sources and tau2 retail
+(`NEAR_EXTRA`), under the rules now (`now`) and with `detect.near_needs_nothing_new=false` (`before`: the
+thresholds alone), up to `NEAR_CAP` (seed 3435); `positive` says whether the step has positive advantage.
 
 Each item's id is `source|traj_id|step_idx|behavior`; a label file maps it to [label, reason], label "real"
 (the behaviour is there and is waste or invalid) or "false". Precision of a rule set = real / flagged by it;
@@ -70,6 +70,10 @@ SOURCES_34 = {  # issue 34's sample
         "react",
         "fireact_hotpotqa/hotpotqa_dev_0_500_ft_gpt-3.5-turbo-0613_princeton-nlp__7woQRsdi_0.0_2023-09-21-16-19-51.json",
     ),
+}
+NEAR_EXTRA = {  # the near-repetition sample also reads these (fetched for it; they hold no near repetition)
+    "tau2-retail": ("tau2-bench", "tau2_bench/gpt-4.1_retail_default_1trial.json.gz"),
+    "tau2-retail-sft": ("tau2-bench", "tau2_bench/gpt-4.1-sft_retail_default_1trial.json.gz"),
 }
 PER_SOURCE = {"query_loop": 20, "invalid_action": 15}  # issue 24
 CAP = 25  # issue 34: per source and behaviour
@@ -298,7 +302,7 @@ def draw_near(real: Path = REAL) -> list[Item]:
     hits: dict[tuple[str, str, int], dict] = {}
     views: dict[tuple[str, str], object] = {}
     positive: set[tuple[str, str, int]] = set()
-    for source, (fmt, rel) in SOURCES_34.items():
+    for source, (fmt, rel) in (SOURCES_34 | NEAR_EXTRA).items():
         t, s = _batch(fmt, rel, real)
         positive |= {(source, tid, i) for tid, i in positive_steps(t, s)}
         tv = traj_views(t, s)

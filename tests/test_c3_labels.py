@@ -136,7 +136,7 @@ def test_near_repetition_precision_on_every_near_span(real_data):
     """Every near repetition on any step of issue 34's sources (3 on positive steps, too few for a rate; none in
     the tau2 files), under the rules now and with detect.near_needs_nothing_new=false (the thresholds alone),
     each labelled with one line of reason (tests/data/c3_labels_near.json)."""
-    _shipped(real_data, c3_sample.SOURCES_34)
+    _shipped(real_data, c3_sample.SOURCES_34 | c3_sample.NEAR_EXTRA)
     items = c3_sample.draw_near(real_data)
     labels = json.loads(c3_sample.LABELS_NEAR.read_text())
     assert {i.id for i in items} == set(labels) and len(labels) == 16
