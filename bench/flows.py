@@ -280,6 +280,10 @@ def run_child(mode: str, lake: Path, home: Path, baseline: Path | None = None) -
         mode, script = mode[5:], (baseline or ROOT) / "bench" / "flows.py"
     env = {
         **os.environ,
+        "PYTHONPATH": str(
+            script.parents[1]
+        ),  # its worker processes too import that checkout, not the installed one
+        "CREDITFLOW_NO_SERVER": "1",  # each mode's own API, started before the clock (no shared API)
         "PREFECT_HOME": str(home),
         "PREFECT_LOGGING_LEVEL": "ERROR",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
