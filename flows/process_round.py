@@ -1,10 +1,12 @@
 """`process_round_flow`: detect -> annotate -> counterfactual -> credit -> export over a round's batches,
 then the round's stats.
 
-Each stage is one Prefect task mapped over the batches (aligned parts of whole groups) on the configured
-task runner (flows/runners.py); batch b's stage gets batch b's previous stage's future as `upstream`, so it
-waits only for that one (Prefect resolves it). Tasks call the plain functions in
-flows/batch.py and return small summaries; the outputs are the lake's tables. Caching (flows/caching.py)
+Each stage (its declaration, pipeline.stages.BatchStage) is one Prefect task mapped over the batches (aligned
+parts of whole groups) on the configured task runner (flows/runners.py); batch b's stage gets batch b's previous
+stage's future as `upstream`, so it waits only for that one (Prefect resolves it). Tasks call
+flows.batch.run_stage and return small summaries; the outputs are the lake's tables. The flow holds the round's
+lock (re-entrant: `creditflow process` holds it already) and runs its stages inside `round_execution`
+(flows/execution.py). Caching (flows/caching.py)
 makes a re-run of a finished round do no work and an interrupted round resume at the missing batches. LLM
 stages retry with exponential backoff; a stage that degraded (endpoint down, fallbacks used) completes with
 warnings, and the flow run ends in the state `CompletedWithWarnings` instead of failing."""
@@ -185,8 +187,9 @@ def process_round_flow(round_: int, config: Config | dict):
     _tag_run(config)
     lake = Lake(config.lake)
     # one run per (lake, round): a second one stops with one line naming the holder, or waits for it
-    # (flow.lock_wait_s) and finds its work cached (warehouse/locks.py); cleanup removes only the leftovers of
-    # writers that are gone, never a live run's temporary files
+    # (flow.lock_wait_s) and finds its work cached (warehouse/locks.py; a no-op when this process's command
+    # holds it, flows.run); cleanup removes only the leftovers of writers that are gone, never a live run's
+    # temporary files
     with round_lock(lake, round_, wait_s=config.flow.lock_wait_s, on_wait=get_run_logger().warning):
         lake.cleanup()
         batches = round_batches(lake, round_)
