@@ -286,15 +286,17 @@ def worker_verl(size: str, method: str, reps: int, gamma: float, lam: float) -> 
     run_methods(ctx, [method])  # warm-up (the first call's one-off costs)
     times: dict[str, list[float]] = {"verl": [], "estimate": [], "arrow": []}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        core.compute_gae_advantage_return(rewards, values, mask, gamma=gamma, lam=lam)
-        times["verl"].append(time.perf_counter() - t0)
+        # ours first: torch's OpenMP threads keep spinning for a while after verl's call returns, which slowed
+        # whatever ran right after it (an estimate 3x its own time in an earlier order)
         t0 = time.perf_counter()
         run_methods(ctx, [method])
         times["estimate"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         process_batch(trajs, steps, [method], cfg)
         times["arrow"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        core.compute_gae_advantage_return(rewards, values, mask, gamma=gamma, lam=lam)
+        times["verl"].append(time.perf_counter() - t0)
     out = {k: min(v) for k, v in times.items() if v}
     out |= {f"{k}_median": statistics.median(v) for k, v in times.items() if v}
     out |= {"tokens": n_traj * n_tok, "torch_threads": torch.get_num_threads(), "rss_mb": peak_rss_mb()}
