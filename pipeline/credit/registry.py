@@ -46,7 +46,10 @@ class RoundStatistics:
 
 
 @dataclass(frozen=True)
-class Stage:
+class ChainLink:
+    """One registered link of a method chain (`grpo+iapo+c3`): an estimator or a refiner, as declared. (Not a
+    batch stage, pipeline.stages.BatchStage: the credit batch stage runs whole chains.)"""
+
     name: str
     kind: str  # "estimator" | "refiner"
     fn: Callable
@@ -60,7 +63,7 @@ class Stage:
     reads: tuple[str, ...] = ()  # other settings models it reads (`ctx.stage(name)`: grpo_pr reads grpo's)
 
 
-def _register(table: dict[str, Stage], stage: Stage) -> None:
+def _register(table: dict[str, ChainLink], stage: ChainLink) -> None:
     """Add a stage; a second stage of the same name is an error (a silent overwrite would change a method)."""
     from schemas.advantages import COMPONENT_FIELDS
 
@@ -95,8 +98,8 @@ STATISTICS_COLUMNS = ("traj_id", "step_idx", "role", "token_ids")
 STEP_COLUMNS = ("traj_id", "step_idx", "role", "turn", "is_error", "verifier_score", "token_ids")
 
 
-ESTIMATORS: dict[str, Stage] = {}
-REFINERS: dict[str, Stage] = {}
+ESTIMATORS: dict[str, ChainLink] = {}
+REFINERS: dict[str, ChainLink] = {}
 
 
 class MethodError(ValueError):
@@ -114,7 +117,7 @@ def estimator(
     reads: tuple[str, ...] = (),
 ):
     def deco(fn: Callable) -> Callable:
-        stage = Stage(
+        stage = ChainLink(
             name,
             "estimator",
             fn,
@@ -143,7 +146,7 @@ def refiner(
     reads: tuple[str, ...] = (),
 ):
     def deco(fn: Callable) -> Callable:
-        stage = Stage(
+        stage = ChainLink(
             name,
             "refiner",
             fn,
@@ -161,7 +164,7 @@ def refiner(
     return deco
 
 
-def parse_method(method: str) -> tuple[Stage, list[Stage]]:
+def parse_method(method: str) -> tuple[ChainLink, list[ChainLink]]:
     """`grpo+iapo+c3` -> (grpo, [iapo, c3]); names an unknown stage clearly."""
     parts = [p.strip() for p in method.strip().split("+") if p.strip()]
     if not parts:
@@ -207,10 +210,10 @@ def method_settings(methods: list[str]) -> set[str]:
     return names
 
 
-def round_statistics_methods(methods: list[str], config) -> list[Stage]:
+def round_statistics_methods(methods: list[str], config) -> list[ChainLink]:
     """The estimators of `methods` whose batch statistics are taken over the round (settings scope="round"):
     what the statistics pass runs. Empty: the round needs no statistics pass."""
-    out: list[Stage] = []
+    out: list[ChainLink] = []
     for method in methods:
         est, _ = parse_method(method)
         if est.statistics and est not in out:
@@ -233,7 +236,7 @@ def statistics_step_columns(methods: list[str]) -> list[str]:
     return cols
 
 
-def _settings(ctx: CreditContext, stage: Stage):
+def _settings(ctx: CreditContext, stage: ChainLink):
     return ctx.stage(stage.settings) if stage.settings else None
 
 
@@ -256,7 +259,7 @@ def run_methods(ctx: CreditContext, methods: list[str]) -> dict[str, CreditResul
 
 
 def _finish(
-    ctx: CreditContext, result: CreditResult, stage: Stage | None = None, declared: set[str] | None = None
+    ctx: CreditContext, result: CreditResult, stage: ChainLink | None = None, declared: set[str] | None = None
 ) -> CreditResult:
     """Enforce the contract: one value per token, zero off the assistant mask, finite; the components those
     its chain declares (a component it does not declare would be dropped by no one, or silently by a schema)."""
