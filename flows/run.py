@@ -21,15 +21,29 @@ ROUND_IMPORTS = ("flows.process_round", "warehouse.catalog")
 def prepare(cfg: Config, lake=None, round_: int | None = None) -> threading.Thread:
     """What `creditflow process` starts before the round, to overlap the API's start-up: the worker processes
     (flow.processes; none for a round of one batch) and the imports the round needs. Returns the import thread
-    (join it to wait for them)."""
+    (join it to wait for them).
+
+    Prefect is imported whole here, in the calling thread, before any thread starts (issue 33): its package's
+    first import runs its plugin set-up (`prefect._initialize_plugins`), which imports `prefect.settings` and
+    `prefect.context`; two threads importing Prefect for the first time at once (the import thread below's
+    `from prefect import flow` and the caller's `from prefect.settings import ...`) hand one of them a partially
+    initialised module, and Prefect prints "Failed to initialize plugins: cannot import name ... from partially
+    initialized module" (9 of 12 runs of the bare two-thread import; the red team's 1 `process` run in 6, when
+    the command's first Prefect import came after this thread's start)."""
+    import prefect  # noqa: F401  (the whole package, plugin set-up included, before the threads below)
+
     from flows.workers import warm_in_background
 
     batches = len(lake.parts("trajectories", round_)) if lake is not None and round_ is not None else None
     warm_in_background(cfg, batches)
 
     def _imports() -> None:
-        for name in ROUND_IMPORTS:
-            importlib.import_module(name)
+        # a warm-up only: the round imports these itself in its own thread, where an error is raised and shown
+        try:
+            for name in ROUND_IMPORTS:
+                importlib.import_module(name)
+        except Exception:  # e.g. a submodule both threads import at once, handed partially initialised
+            log.debug("creditflow-imports: warm-up import failed; the round imports it again", exc_info=True)
 
     thread = threading.Thread(target=_imports, name="creditflow-imports", daemon=True)
     thread.start()
