@@ -179,10 +179,14 @@ def whiten(
     return out
 
 
+_COMPILED_RECURSION_MIN = 1 << 16  # below this the scan's few passes cost less than importing scipy.signal
+
+
 def segment_discounted_cumsum(values: np.ndarray, segments: np.ndarray, discount: float) -> np.ndarray:
     """y_t = sum_{s >= t in t's segment} discount^(s - t) x_s, for contiguous segments (e.g. the assistant
-    tokens of one trajectory, in order). A log-step (Hillis-Steele) scan: ceil(log2(longest segment))
-    whole-array passes, no loop over positions, and every step adds only two terms (no cancellation)."""
+    tokens of one trajectory, in order). Segments of like lengths: the recursion per segment row in compiled
+    code (O(n)); otherwise (padding would cost more than 4x the data) a log-step (Hillis-Steele) scan:
+    ceil(log2(longest segment)) whole-array passes, every step adding only two terms (no cancellation)."""
     y = np.asarray(values, dtype=np.float64).copy()
     n = len(y)
     if n == 0:
@@ -191,13 +195,25 @@ def segment_discounted_cumsum(values: np.ndarray, segments: np.ndarray, discount
     bounds = np.append(np.flatnonzero(first), n)
     lengths = np.diff(bounds)
     longest = int(lengths.max())
-    if float(discount) == 1.0 and len(lengths) * longest <= 4 * n:
-        # undiscounted: y_t = x_t + y_{t+1}, a reverse running sum per segment. One row per segment (zero
-        # padded), np.cumsum along the reversed rows: the same sequential additions as the recursion, in one pass
-        rows = np.zeros((len(lengths), longest))
-        real = np.arange(longest)[None, :] < lengths[:, None]
-        rows[real] = y  # segments are contiguous: row-major order of the real cells is the flat order
-        return np.cumsum(rows[:, ::-1], axis=1)[:, ::-1][real]
+    if len(lengths) * longest <= 4 * n and (float(discount) == 1.0 or n >= _COMPILED_RECURSION_MIN):
+        # y_t = x_t + discount * y_{t+1}: the recursion itself, in compiled code, O(n): np.cumsum when
+        # undiscounted, else scipy's IIR filter 1 / (1 - discount z^-1) (the same sequential multiply-adds in the
+        # same order as verl's loop over positions), along rows of the data reversed: each row one segment from
+        # its last position, the rows in reverse segment order; a shorter row is zero padded after its data
+        back = y[::-1]
+        if bool((lengths == longest).all()):  # segments of one length: the rows are a view of the data
+            rows, real = back.reshape(len(lengths), longest), None
+        else:
+            rows = np.zeros((len(lengths), longest))
+            real = np.arange(longest)[None, :] < lengths[::-1, None]
+            rows[real] = back
+        if float(discount) == 1.0:
+            out = np.cumsum(rows, axis=1)
+        else:
+            from scipy.signal import lfilter  # here, not at module level: scipy.signal costs ~0.3 s to import
+
+            out = np.asarray(lfilter([1.0], [1.0, -float(discount)], rows, axis=1))
+        return (out.reshape(n) if real is None else out[real])[::-1]
     remaining = np.repeat(bounds[1:], lengths) - np.arange(n)  # positions left in the segment, incl. self
     coef, d = float(discount), 1
     while d < longest:

@@ -141,12 +141,13 @@ def gae_advantages(
     else:
         run = np.cumsum(first) - 1
         T = np.cumsum(lengths)[last] - 1  # the last assistant token of each trajectory
-        r = np.zeros(n)
-        r[T] = R[last]  # Eq. 1
-        V_next = np.empty(n)
-        V_next[:-1] = V[1:]
-        V_next[T] = 0.0
-        delta = r + gamma * V_next - V  # Eq. 2
+        # Eq. 2, delta_t = r_t + gamma V_{t+1} - V_t, in place (r: R on each trajectory's last token, Eq. 1;
+        # V_{T+1} = 0)
+        delta = np.empty(n)
+        np.multiply(V[1:], gamma, out=delta[:-1])
+        delta[T] = 0.0
+        delta -= V
+        delta[T] += R[last]
         A = segment_discounted_cumsum(delta, np.repeat(run, lengths), gamma * lam)  # Eq. 3
         returns = A + V  # Eq. 4
     return GAEAdvantages(A, returns, a, lengths, last, R)
