@@ -8,8 +8,9 @@ and starts its services: 4-6 s of CPU, paid by every command that started its ow
   under $CREDITFLOW_CACHE/services/);
 - otherwise the first command that runs a flow starts the same API without the UI (`shared_api`: the command
   Prefect's ephemeral server runs, in a session of its own) and leaves it running for the next one; it says so
-  in one line. CREDITFLOW_NO_SERVER=1 (the test suite), or `CREDITFLOW_SHARED_API=0`, keeps Prefect's
-  ephemeral API per command instead.
+  in one line. It stops by itself once no command has used it for CREDITFLOW_SHARED_API_IDLE_S seconds
+  (default 1800; flows/api_idle.py), so no server outlives its use for long. CREDITFLOW_NO_SERVER=1 (the test
+  suite), or `CREDITFLOW_SHARED_API=0`, keeps Prefect's ephemeral API per command instead.
 
 Either is recorded in $CREDITFLOW_CACHE/services/prefect.json; every later command uses it when PREFECT_API_URL
 is not set and it answers its health check: flow runs, task runs and logs then show in one place.
@@ -27,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from flows.api_idle import hold_in_use, idle_limit
 from trainer.llm.service import cache_root, free_port, kill, pid_alive
 
 STATE = "prefect.json"
@@ -164,10 +166,26 @@ def wait_started(
             tmp = state_path().with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(asdict(info)))
             tmp.replace(state_path())
+            if not ui:
+                start_idle_watchdog(proc.pid, log)
             return info
         time.sleep(0.1)
     kill(proc.pid, grace_s=5)
     raise RuntimeError(f"the Prefect server did not answer within {timeout_s:.0f} s; see {log}")
+
+
+def start_idle_watchdog(pid: int, log: Path) -> None:
+    """The shared API's watchdog (flows/api_idle.py), in a session of its own like the server: it stops the
+    server's process group once no command has used it for CREDITFLOW_SHARED_API_IDLE_S (default 30 min), and
+    exits when the server is gone (`creditflow server stop`). Run by its file path: standard library only."""
+    with open(log, "ab") as out:
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("api_idle.py")), str(pid), str(state_path())],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a process group may be joined only within its session
+        )
 
 
 def start(port: int | None = None, timeout_s: float = 120.0, ui: bool = True) -> tuple[ServerInfo, bool]:
@@ -211,6 +229,7 @@ def use_running_server() -> str | None:
     if info is None or not pid_alive(info.pid) or not healthy(info.url, timeout=0.5):
         return None
     os.environ["PREFECT_API_URL"] = info.url
+    hold_in_use(state_path())
     return info.url
 
 
@@ -253,6 +272,7 @@ class SharedAPI:
             finally:
                 self._lock.__exit__(None, None, None)
         os.environ["PREFECT_API_URL"] = self.info.url
+        hold_in_use(state_path())
         return self.info.url
 
 
@@ -274,11 +294,13 @@ def api_url(say=None, while_starting=None) -> str | None:
         return url
     url = api.url()
     if api.started_here and say is not None:
-        say(STARTED.format(url=url))
+        limit = idle_limit()
+        idle = "never" if limit == 0 else f"{limit / 60:g} min" if limit >= 60 else f"{limit:g} s"
+        say(STARTED.format(url=url, idle=idle))
     return url
 
 
 STARTED = (
     "started a Prefect API at {url} for this and later commands "
-    "(`creditflow server stop` ends it; CREDITFLOW_SHARED_API=0: one per command)"
+    "(it stops after {idle} unused, or `creditflow server stop`; CREDITFLOW_SHARED_API=0: one per command)"
 )

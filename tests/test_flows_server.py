@@ -99,6 +99,13 @@ def test_stop_leaves_a_process_that_reused_a_stale_pid(tmp_path, monkeypatch):
         other.wait()
 
 
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
 def test_process_starts_a_shared_api_for_the_next_command(tmp_path):
     """No server up: the first `process` starts Prefect's API without the UI in the background, says so in one
     line and leaves it recorded for the next command, which starts none; `server stop` ends it."""
@@ -130,6 +137,15 @@ def test_process_starts_a_shared_api_for_the_next_command(tmp_path):
         state = json.loads(state_file.read_text())
         assert "started a Prefect API at " + state["url"] in " ".join(first.stdout.split())
         assert state["ui"] is False
+        # its idle watchdog watches it (tests/test_flows_api_idle.py: what the watchdog does)
+        watchdogs = [
+            p
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit()
+            and _read(p / "cmdline").split(b"\0")[-3:-1]
+            == [str(state["pid"]).encode(), str(state_file).encode()]
+        ]
+        assert len(watchdogs) == 1
         second = _cli(["process", "--lake", str(lakes[1]), "--round", "0", "--methods", "grpo"], env)
         assert second.returncode == 0, second.stderr[-2000:]
         assert "started a Prefect API" not in second.stdout

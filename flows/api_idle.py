@@ -1,0 +1,113 @@
+"""Ends the shared Prefect API (flows.server.shared_api) once no command has used it for a while.
+
+A command that runs a flow and found no API starts one for itself and the commands after it. Left alone, that
+server (uvicorn, ~230 MB) would outlive every command for good. So it starts with this watchdog (in a session of
+its own: a process group may be joined only within its session). Every command that reports to the shared API
+holds a shared lock on `prefect.inuse` for its lifetime (`hold_in_use`; the kernel drops it when the command
+exits, kill -9 included); the watchdog checks every `CREDITFLOW_SHARED_API_POLL_S` seconds (default 10) whether
+it can take that lock exclusively. Once it could for `CREDITFLOW_SHARED_API_IDLE_S` seconds in a row (default
+1800; 0 keeps the API until `creditflow server stop`), it forgets the record, stops the server's process group
+and exits; it exits too when the server is gone. A server started by `creditflow server start` has no
+watchdog: the user started it and stops it.
+
+Run as `python flows/api_idle.py SERVER_PID STATE_FILE`; stdlib only (it must stay small beside the server)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+IDLE_ENV = "CREDITFLOW_SHARED_API_IDLE_S"
+POLL_ENV = "CREDITFLOW_SHARED_API_POLL_S"
+DEFAULT_IDLE_S = 1800.0
+
+_held: list = []  # this process's open lock files (kept open: closing one drops its lock)
+
+
+def in_use_path(state: Path) -> Path:
+    return state.with_name("prefect.inuse")
+
+
+def hold_in_use(state: Path) -> None:
+    """Mark the shared API in use by this process until it exits (a shared lock; see the module docstring)."""
+    if _held:
+        return
+    path = in_use_path(state)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(path, "a")  # noqa: SIM115 (held open for the process's life)
+    fcntl.flock(fh, fcntl.LOCK_SH)
+    _held.append(fh)
+
+
+def idle_limit() -> float:
+    try:
+        return max(0.0, float(os.environ.get(IDLE_ENV, DEFAULT_IDLE_S)))
+    except ValueError:
+        return DEFAULT_IDLE_S
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unused(path: Path) -> bool:
+    """No command holds the in-use lock right now."""
+    with open(path, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        return True
+
+
+def _forget(state: Path, pid: int) -> None:
+    """Remove the record when it still names this server (a newer one may have replaced it)."""
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        if json.loads(state.read_text()).get("pid") == pid:
+            state.unlink()
+
+
+def watch(pid: int, state: Path, idle_s: float, poll_s: float) -> str:
+    """Poll until the server is gone or unused for `idle_s`; returns why it stopped watching."""
+    path = in_use_path(state)
+    last_busy = time.monotonic()
+    while _alive(pid):
+        time.sleep(poll_s)
+        if not _unused(path):
+            last_busy = time.monotonic()
+        elif time.monotonic() - last_busy >= idle_s:
+            _forget(state, pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGTERM)  # the server's process group (it leads its session)
+            return "idle"
+    return "server gone"
+
+
+def main(argv: list[str]) -> int:
+    pid, state = int(argv[0]), Path(argv[1])
+    idle_s = idle_limit()
+    if idle_s == 0:
+        return 0
+    try:
+        poll_s = max(0.05, float(os.environ.get(POLL_ENV, "10")))
+    except ValueError:
+        poll_s = 10.0
+    watch(pid, state, idle_s, min(poll_s, idle_s))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

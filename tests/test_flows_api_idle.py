@@ -1,0 +1,125 @@
+"""The shared Prefect API's idle watchdog (flows/api_idle.py): it stops the server's process group once no
+command has held the in-use lock for the idle limit, never while one holds it, and forgets the record."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows import api_idle
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups, flock")
+
+WATCHDOG = Path(api_idle.__file__)
+HOLDER = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import api_idle
+api_idle.hold_in_use(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (killed, not yet reaped by this test) counts as gone
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _server_and_watchdog(tmp_path: Path, idle_s: str) -> tuple[subprocess.Popen, subprocess.Popen, Path]:
+    """A stand-in server (a sleeping process in a session of its own, recorded as the flows.server record is)
+    and the watchdog in a session of its own as flows.server starts it, polling every 0.1 s."""
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+    state = tmp_path / "services" / "prefect.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"pid": server.pid, "url": "http://127.0.0.1:1/api"}))
+    env = os.environ | {api_idle.IDLE_ENV: idle_s, api_idle.POLL_ENV: "0.1"}
+    dog = subprocess.Popen(
+        [sys.executable, str(WATCHDOG), str(server.pid), str(state)], env=env, start_new_session=True
+    )
+    return server, dog, state
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_an_unused_server_is_stopped_and_forgotten(tmp_path):
+    server, dog, state = _server_and_watchdog(tmp_path, "1")
+    try:
+        assert _wait_gone(server.pid, 30), "the idle server still runs"
+        assert dog.wait(timeout=30) is not None
+        assert not state.exists()
+    finally:
+        for p in (server, dog):
+            p.kill()
+            p.wait()
+
+
+def test_a_command_holding_the_api_keeps_it_and_its_exit_frees_it(tmp_path):
+    server, dog, state = _server_and_watchdog(tmp_path, "1")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(state), str(WATCHDOG.parent)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        time.sleep(3)  # three idle limits with the lock held: the server stays
+        assert _alive(server.pid) and state.exists()
+        holder.kill()  # kill -9 releases the lock too
+        holder.wait()
+        assert _wait_gone(server.pid, 30)
+        assert not state.exists()
+    finally:
+        for p in (holder, server, dog):
+            p.kill()
+            p.wait()
+
+
+def test_a_newer_record_is_kept(tmp_path):
+    """The record names another server by the time this one goes idle: the watchdog leaves it."""
+    server, dog, state = _server_and_watchdog(tmp_path, "1")
+    state.write_text(json.dumps({"pid": 999999999, "url": "http://127.0.0.1:2/api"}))
+    try:
+        assert _wait_gone(server.pid, 30)
+        assert json.loads(state.read_text())["pid"] == 999999999
+    finally:
+        for p in (server, dog):
+            p.kill()
+            p.wait()
+
+
+def test_idle_limit_zero_keeps_the_server(tmp_path):
+    server, dog, state = _server_and_watchdog(tmp_path, "0")
+    try:
+        assert dog.wait(timeout=30) == 0
+        time.sleep(0.5)
+        assert _alive(server.pid) and state.exists()
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_bad_limit_is_the_default(monkeypatch):
+    monkeypatch.setenv(api_idle.IDLE_ENV, "ten")
+    assert api_idle.idle_limit() == api_idle.DEFAULT_IDLE_S
+    monkeypatch.setenv(api_idle.IDLE_ENV, "-5")
+    assert api_idle.idle_limit() == 0.0
