@@ -3,11 +3,13 @@ command has held the in-use lock for the idle limit, never while one holds it, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,7 +42,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _server_and_watchdog(tmp_path: Path, idle_s: str) -> tuple[subprocess.Popen, subprocess.Popen, Path]:
+@contextlib.contextmanager
+def _server_and_watchdog(
+    tmp_path: Path, idle_s: str
+) -> Iterator[tuple[subprocess.Popen, subprocess.Popen, Path]]:
     """A stand-in server (a sleeping process in a session of its own, recorded as the flows.server record is)
     and the watchdog in a session of its own as flows.server starts it, polling every 0.1 s."""
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
@@ -51,7 +56,12 @@ def _server_and_watchdog(tmp_path: Path, idle_s: str) -> tuple[subprocess.Popen,
     dog = subprocess.Popen(
         [sys.executable, str(WATCHDOG), str(server.pid), str(state)], env=env, start_new_session=True
     )
-    return server, dog, state
+    try:
+        yield server, dog, state
+    finally:
+        for p in (server, dog):
+            p.kill()
+            p.wait()
 
 
 def _wait_gone(pid: int, timeout_s: float) -> bool:
@@ -64,58 +74,43 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
 
 
 def test_an_unused_server_is_stopped_and_forgotten(tmp_path):
-    server, dog, state = _server_and_watchdog(tmp_path, "1")
-    try:
+    with _server_and_watchdog(tmp_path, "1") as (server, dog, state):
         assert _wait_gone(server.pid, 30), "the idle server still runs"
         assert dog.wait(timeout=30) is not None
         assert not state.exists()
-    finally:
-        for p in (server, dog):
-            p.kill()
-            p.wait()
 
 
 def test_a_command_holding_the_api_keeps_it_and_its_exit_frees_it(tmp_path):
-    server, dog, state = _server_and_watchdog(tmp_path, "1")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(state), str(WATCHDOG.parent)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        time.sleep(3)  # three idle limits with the lock held: the server stays
-        assert _alive(server.pid) and state.exists()
-        holder.kill()  # kill -9 releases the lock too
-        holder.wait()
+    with _server_and_watchdog(tmp_path, "1") as (server, _dog, state):
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(state), str(WATCHDOG.parent)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            time.sleep(3)  # three idle limits with the lock held: the server stays
+            assert _alive(server.pid) and state.exists()
+        finally:
+            holder.kill()  # kill -9 releases the lock too
+            holder.wait()
         assert _wait_gone(server.pid, 30)
         assert not state.exists()
-    finally:
-        for p in (holder, server, dog):
-            p.kill()
-            p.wait()
 
 
 def test_a_newer_record_is_kept(tmp_path):
     """The record names another server by the time this one goes idle: the watchdog leaves it."""
-    server, dog, state = _server_and_watchdog(tmp_path, "1")
-    state.write_text(json.dumps({"pid": 999999999, "url": "http://127.0.0.1:2/api"}))
-    try:
+    with _server_and_watchdog(tmp_path, "1") as (server, _dog, state):
+        state.write_text(json.dumps({"pid": 999999999, "url": "http://127.0.0.1:2/api"}))
         assert _wait_gone(server.pid, 30)
         assert json.loads(state.read_text())["pid"] == 999999999
-    finally:
-        for p in (server, dog):
-            p.kill()
-            p.wait()
 
 
 def test_idle_limit_zero_keeps_the_server(tmp_path):
-    server, dog, state = _server_and_watchdog(tmp_path, "0")
-    try:
+    with _server_and_watchdog(tmp_path, "0") as (server, dog, state):
         assert dog.wait(timeout=30) == 0
         time.sleep(0.5)
         assert _alive(server.pid) and state.exists()
-    finally:
-        server.kill()
-        server.wait()
 
 
 def test_a_bad_limit_is_the_default(monkeypatch):
