@@ -21,7 +21,7 @@ def _spec(spec: str) -> tuple[str, str | None]:
     return kind.strip(), (model.strip() or None)
 
 
-def _config(lake: Path, config: Path | None, sets: list[str], model: str | None):
+def _config(lake: str | Path, config: Path | None, sets: list[str], model: str | None):
     from flows.config import load_config
 
     extra = [f"annotate_llm.model={model}"] if model else []
@@ -29,7 +29,7 @@ def _config(lake: Path, config: Path | None, sets: list[str], model: str | None)
 
 
 def annotate_into_lake(
-    lake_dir: Path,
+    lake_dir: str | Path,
     round_: int,
     spec: str,
     config: Path | None = None,
@@ -73,7 +73,7 @@ def _read_annotator(lake, table: str, round_: int, ann_id: str):
 
 
 def compare_in_lake(
-    lake_dir: Path,
+    lake_dir: str | Path,
     round_: int,
     a: str,
     b: str,
@@ -83,7 +83,7 @@ def compare_in_lake(
     id_b: str | None = None,
     force: bool = False,
     sets_b: list[str] | None = None,
-) -> dict[str, float]:
+) -> dict[str, str | float]:
     from pipeline.annotate.compare import compare
     from warehouse.lake import Lake
 

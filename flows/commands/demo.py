@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
         console.rule("[bold]creditflow demo")
         from flows.cli import app as cli
 
-        def run(*args: str) -> None:
+        def run(*args: str | int | Path) -> None:
             cli([str(a) for a in args], standalone_mode=False)
 
         console.print(
@@ -116,7 +116,10 @@ def register(app: typer.Typer) -> None:
                 "--allow-degraded",
             )
 
-        outputs = {"lake": str(lake.resolve()), "advantages": str((lake / "advantages").resolve())}
+        outputs: dict[str, str | float] = {
+            "lake": str(lake.resolve()),
+            "advantages": str((lake / "advantages").resolve()),
+        }
         console.print("[bold]4/4[/bold] HTML report")
         try:
             from flows.run import run_report
