@@ -36,7 +36,8 @@ def method_key(table: str, method: str) -> str:
 class LLMRunner(Protocol):
     """What an LLM stage needs from a client: send a batch, one result or `LLMError` per request."""
 
-    records: list[Any]
+    @property
+    def records(self) -> list[Any]: ...
 
     def run_batch(self, requests: Sequence[Any]) -> list[Any]: ...
 
