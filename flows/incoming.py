@@ -43,6 +43,8 @@ def poll_incoming(
     run triggered before has `finished`; so an idle folder creates no flow runs. Returns the runs triggered."""
     from warehouse.incoming import new_entries
 
+    if not config.serve.incoming:
+        raise ValueError("serve.incoming is not set: no incoming folder to poll")
     incoming = Path(config.serve.incoming).expanduser().resolve()
     pending, triggered, polls = None, 0, 0
     while not stop.is_set() and (max_polls is None or polls < max_polls):

@@ -8,9 +8,10 @@ groups, all its tables or none (warehouse.rounds)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from prefect import flow, task
+from prefect import Task, flow, task
 from prefect.cache_policies import NO_CACHE
 
 from pipeline.config import Config
@@ -25,13 +26,13 @@ from warehouse.ingest_run import (
 
 __all__ = ["UNREADABLE", "NothingIngested", "ingest_flow"]
 
-_TASKS = {
-    read_step: task(read_step, task_run_name="read-sources", cache_policy=NO_CACHE, persist_result=False),
-    convert_step: task(
-        convert_step, task_run_name="convert-{fmt}", cache_policy=NO_CACHE, persist_result=False
+_TASKS: dict[Callable[..., Any], Task[..., Any]] = {
+    read_step: task(task_run_name="read-sources", cache_policy=NO_CACHE, persist_result=False)(read_step),
+    convert_step: task(task_run_name="convert-{fmt}", cache_policy=NO_CACHE, persist_result=False)(
+        convert_step
     ),
-    write_step: task(
-        write_step, task_run_name="write-round-{round_}", cache_policy=NO_CACHE, persist_result=False
+    write_step: task(task_run_name="write-round-{round_}", cache_policy=NO_CACHE, persist_result=False)(
+        write_step
     ),
 }
 

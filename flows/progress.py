@@ -27,9 +27,9 @@ def listening(listener: Listener) -> Iterator[None]:
 @contextmanager
 def rich_progress(console=None) -> Iterator[None]:
     """One rich progress bar per stage: `stage  [bar]  done/total  cached`."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-    bars: dict[str, int] = {}
+    bars: dict[str, TaskID] = {}
     cached: dict[str, int] = {}
     progress = Progress(
         TextColumn("{task.description:<16}"),

@@ -267,6 +267,7 @@ class SharedAPI:
     def url(self) -> str:
         """Its URL once it answers; this process's flows report to it (PREFECT_API_URL)."""
         if self.info is None:
+            assert self._proc is not None  # __init__ launched one when none ran
             try:
                 self.info = wait_started(self._proc, self._url, self._log, ui=False)
             finally:

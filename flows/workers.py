@@ -173,7 +173,7 @@ def _script_hint() -> str:
     """When the flow was started from a script: its workers import that script (multiprocessing's rule for
     forkserver and spawn), so unguarded top-level code runs again in each worker, and usually kills it."""
     main = sys.modules.get("__main__")
-    if getattr(main, "__spec__", None) is None and getattr(main, "__file__", None):
+    if main is not None and getattr(main, "__spec__", None) is None and getattr(main, "__file__", None):
         return (
             f". The worker processes import the main script {main.__file__}: put its top-level code under "
             '`if __name__ == "__main__":` (multiprocessing\'s rule), or set flow.processes: false'
