@@ -23,6 +23,12 @@ import json
 import os
 import resource
 
+TYPE_CHECKING = (
+    False  # the child imports nothing it does not use (typing included); its annotations are local
+)
+if TYPE_CHECKING:
+    from typing import Any
+
 NOBODY = 65534
 MAX_LINE = 64 << 20
 MAX_HANDLES = 10_000
@@ -89,14 +95,14 @@ def _wire(source):
 def serve_candidate(job, io, wire):
     import random  # noqa: PLC0415 - after the limits
 
-    ns = {"__name__": "__candidate__"}
+    ns: dict[str, Any] = {"__name__": "__candidate__"}
     try:
         exec(compile(job["program"] or "", "<program>", "exec"), ns)
     except BaseException as exc:  # noqa: BLE001
         io.send({"program_error": _err(exc)})
         return
     io.send({"program_error": None})
-    handles = []
+    handles: list[Any] = []
 
     def keep(obj):
         if len(handles) >= MAX_HANDLES:
@@ -149,7 +155,7 @@ def run_reference(job, io, wire):
     import random  # noqa: PLC0415 - after the limits
 
     decode, encode = wire["decode"], wire["encode"]
-    state = {"unit": None}
+    state: dict[str, int | None] = {"unit": None}
 
     class Remote:
         """The candidate's function (or object) in the reference: calls go to the candidate's process."""
@@ -211,7 +217,7 @@ def run_reference(job, io, wire):
             return Remote([n])
 
         for i, new in reply.get("post") or []:
-            arg = args[i] if type(i) is int and 0 <= i < len(args) else None
+            arg: Any = args[i] if type(i) is int and 0 <= i < len(args) else None
             value = decode(new, handle)
             if type(arg) is list and type(value) is list:
                 arg[:] = value
@@ -220,9 +226,9 @@ def run_reference(job, io, wire):
                 arg.update(value)
         return decode(reply.get("value"), handle)
 
-    result = {"program_error": None, "units": []}
-    ns = {"__name__": "__tests__"}
-    current = {}
+    result: dict[str, Any] = {"program_error": None, "units": []}
+    ns: dict[str, Any] = {"__name__": "__tests__"}
+    current: dict[str, list[Any]] = {}
 
     def rec(aid, thunks):
         row = []

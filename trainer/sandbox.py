@@ -46,6 +46,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 from pipeline.verifiers import register_verifier, wire
 from pipeline.verifiers.code import (
@@ -227,7 +228,7 @@ MEMORY_EVERY_S = 0.05
 def tree_rss(root: int, most: int = 4096) -> int:
     """Resident bytes of a process and all its descendants (walked through /proc/<pid>/task/*/children, so a
     child that called setsid or was orphaned to the namespace's init is still counted); 0 for what is gone."""
-    total, todo, seen = 0, [root], set()
+    total, todo, seen = 0, [root], set[int]()
     while todo and len(seen) < most:
         pid = todo.pop()
         if pid in seen:
@@ -242,6 +243,12 @@ def tree_rss(root: int, most: int = 4096) -> int:
         except (OSError, ValueError, IndexError):
             continue
     return total
+
+
+def _pipes(proc: subprocess.Popen) -> tuple[IO[bytes], IO[bytes], IO[bytes]]:
+    """stdin, stdout and stderr of a process started with all three as subprocess.PIPE."""
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    return proc.stdin, proc.stdout, proc.stderr
 
 
 class _Side:
@@ -309,10 +316,11 @@ def _relay(
             )
             side = _Side(proc, payload)
             sides.append(side)
-            for f in (proc.stdin, proc.stdout, proc.stderr):
-                os.set_blocking(f.fileno(), False)
-            sel.register(proc.stdout, selectors.EVENT_READ, (side, "out"))
-            sel.register(proc.stderr, selectors.EVENT_READ, (side, "err"))
+            stdin, stdout, stderr = _pipes(proc)
+            for pipe in (stdin, stdout, stderr):
+                os.set_blocking(pipe.fileno(), False)
+            sel.register(stdout, selectors.EVENT_READ, (side, "out"))
+            sel.register(stderr, selectors.EVENT_READ, (side, "err"))
         cand, ref = sides
         hello = busy = False
         queued: list[bytes] = []
@@ -341,26 +349,26 @@ def _relay(
                 cand.send(queued.pop(0) + b"\n")
                 busy = True
             for side in sides:  # a descriptor waits for writing only while there is something to write
-                registered = side.proc.stdin in sel.get_map()
+                stdin = _pipes(side.proc)[0]
+                registered = stdin in sel.get_map()
                 if side.pending and not registered:
-                    sel.register(side.proc.stdin, selectors.EVENT_WRITE, (side, "in"))
+                    sel.register(stdin, selectors.EVENT_WRITE, (side, "in"))
                 elif not side.pending and registered:
-                    sel.unregister(side.proc.stdin)
+                    sel.unregister(stdin)
             for key, _ in sel.select(timeout=min(0.05, max(0.0, deadline - now))):
                 side, kind = key.data
-                f = key.fileobj
                 if kind == "in":
                     if not side.pending:
                         continue
                     try:
-                        n = os.write(f.fileno(), side.pending[: 1 << 16])
+                        n = os.write(key.fd, side.pending[: 1 << 16])
                     except (BrokenPipeError, OSError):
                         n = len(side.pending)
                     side.pending = side.pending[n:]
                     continue
-                chunk = os.read(f.fileno(), 1 << 16)
+                chunk = os.read(key.fd, 1 << 16)
                 if not chunk:
-                    sel.unregister(f)
+                    sel.unregister(key.fileobj)
                     if kind == "out":
                         side.stdout_eof = True
                     continue
