@@ -492,9 +492,9 @@ class LLMClient:
                 return res
         st = self._state()
         if use_cache:
-            fut = st.inflight.get(key)
-            if fut is not None:  # the same request is already on its way: share its answer
-                res = await asyncio.shield(fut)
+            sent = st.inflight.get(key)
+            if sent is not None:  # the same request is already on its way: share its answer
+                res = await asyncio.shield(sent)
                 res = res.model_copy(update={"cached": True})
                 self._record(self._make_record(kind, purpose, res.endpoint, model, key, res, None, 0, params))
                 return res
@@ -627,7 +627,7 @@ class LLMClient:
             sleep=asyncio.sleep,
             reraise=True,
         )
-        res = await retrying(one_try)
+        res: Any = await retrying(one_try)
         return res, attempts
 
     @property
@@ -659,7 +659,7 @@ class LLMClient:
 
         if endpoint in self._no_tokenize:
             return None
-        prompt = content.get("prompt")
+        prompt: Any = content.get("prompt")
         body: dict[str, Any] = {"model": model}
         ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
         if ids:  # token ids count themselves; the server is asked only for its context (once)
@@ -818,7 +818,7 @@ class LLMClient:
 
 def _retry_after(exc: Any) -> float | None:
     """Seconds from a 429's Retry-After header (delta-seconds form), if any."""
-    headers = getattr(getattr(exc, "response", None), "headers", None) or {}
+    headers: Any = getattr(getattr(exc, "response", None), "headers", None) or {}
     try:
         return float(headers.get("retry-after"))
     except (TypeError, ValueError):

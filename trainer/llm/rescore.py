@@ -121,15 +121,17 @@ def rescore_steps(
     for rows in groups.values():
         if not any(need[r] for r in rows):
             continue
-        pieces = []  # per row: (prefix tokens/text, body, suffix)
+        pieces: list[tuple[Any, Any, Any]] = []  # per row: (prefix tokens/text, body, suffix)
         for r in rows:
             if mode == "ids":
                 pieces.append((hdr_ids(role[r]), list(token_ids[r]), footer_ids))
             else:
                 pieces.append((_header(role[r]), content[r], _FOOTER))
         total = sum(len(a) + len(b) + len(c) for a, b, c in pieces) if mode == "ids" else None
-        if mode == "text" or total <= settings.max_context:
-            jobs.append(_build_job(rows, pieces, need, mode, upto=None))
+        if mode == "text" or (total is not None and total <= settings.max_context):
+            whole = _build_job(rows, pieces, need, mode, upto=None)
+            assert whole is not None  # None only when cut to a max_context, not given here
+            jobs.append(whole)
         else:  # one request per assistant step, context truncated on the left
             for k, r in enumerate(rows):
                 if need[r]:
@@ -214,7 +216,7 @@ def _build_job(rows, pieces, need, mode, upto, max_context: int | None = None) -
     """Concatenate the pieces; spans for the rows to score (all needing rows, or just `upto`)."""
     if mode == "ids":
         prompt: list[int] = []
-        spans = []
+        spans: list[tuple[int, int, Any]] = []
         for r, (pre, body, post) in zip(rows, pieces, strict=True):
             prompt += pre
             if need[r] and (upto is None or r == upto):

@@ -178,7 +178,7 @@ def setup(
     pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     report = SetupReport(str(venv), flavour, None, str(model_dir))
 
-    def step(name: str, done: bool, action: Callable[[], None]) -> None:
+    def step(name: str, done: bool, action: Callable[[], object]) -> None:
         if done:
             log(f"[llm setup] {name}: already done")
             report.steps[name] = 0.0
