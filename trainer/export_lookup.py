@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Protocol, Self
 
 import numpy as np
 import torch
@@ -44,6 +45,14 @@ LAYOUT_ARRAYS = {
 }
 
 
+class NamedArrays(Protocol):
+    """An open .npz file (np.load's NpzFile) or the like: its array names in `files`, each read by name."""
+
+    files: list[str]
+
+    def __getitem__(self, name: str) -> np.ndarray: ...
+
+
 class LengthMismatch(ValueError):
     """The run holds samples with more tokens than the export kept: the export was cut shorter than the run
     cuts. The message is one line naming both lengths and the flag to export again with."""
@@ -59,7 +68,7 @@ class ExportIndex:
     the first trained one), found by the key of the whole sample (`key`) or of the tokens as laid out (a row
     the export cut)."""
 
-    def __init__(self, arrays: Mapping[str, np.ndarray]):
+    def __init__(self, arrays: Mapping[str, np.ndarray] | NamedArrays):
         names = set(arrays.keys()) if hasattr(arrays, "keys") else set(arrays.files)
         layout = next((name for name, need in LAYOUT_ARRAYS.items() if need[0] in names), None)
         if layout is None:
@@ -119,7 +128,7 @@ class ExportIndex:
         self._prefix: dict[int, dict[str, int]] = {}
 
     @classmethod
-    def load(cls, path: str | Path) -> ExportIndex:
+    def load(cls, path: str | Path) -> Self:
         with np.load(path, allow_pickle=False) as data:
             return cls({k: data[k] for k in data.files})
 
@@ -133,7 +142,7 @@ class ExportIndex:
     def _cut_keys(self, cap: int) -> dict[str, int]:
         """Keys of the export rows as the framework holds them when it cuts at `cap` (only rows longer)."""
         if cap not in self._prefix:
-            out = {}
+            out: dict[str, int] = {}
             for i in range(len(self.lengths)):
                 end = int(self.prompt_len[i]) + cap if self.kind == "response" else cap
                 if end < self.lengths[i]:

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -194,7 +196,18 @@ def _v1_trainer(config):
     return trainer_base
 
 
-def install(export: str | Path | CreditflowAdvantages, missing: str = "keep", config=None):
+class AdvantageHook(Protocol):
+    """What `install` returns: verl's compute_advantage wrapped, with the rows found per call (`found`), verl's
+    own function (`__wrapped_by_creditflow__`) and `uninstall()`."""
+
+    found: list[int]
+    __wrapped_by_creditflow__: Callable[..., Any]
+    uninstall: Callable[[], None]
+
+    def __call__(self, data: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def install(export: str | Path | CreditflowAdvantages, missing: str = "keep", config=None) -> AdvantageHook:
     """Hook verl's advantage step on both trainers (v1 `PPOTrainer._compute_advantage` and the legacy
     `compute_advantage`) so each training batch gets the export's advantages; returns the legacy wrapper (its
     `.found` counts the rows found per call, on either trainer; `.uninstall()` puts verl's back). `config`: the
@@ -216,10 +229,11 @@ def install(export: str | Path | CreditflowAdvantages, missing: str = "keep", co
         found.append(table.apply(data, missing=missing, cap=run_cap))
         return data
 
-    compute_advantage.found = found
-    compute_advantage.__wrapped_by_creditflow__ = original
+    hook = cast(AdvantageHook, compute_advantage)  # with the attributes it gets here
+    hook.found = found
+    hook.__wrapped_by_creditflow__ = original
     # trainers that imported the function by name (verl.experimental.separation.ray_trainer), not v1's
-    patched = [ray_trainer] + [
+    patched: list[Any] = [ray_trainer] + [
         m
         for name, m in list(sys.modules.items())
         if m is not ray_trainer
@@ -240,7 +254,7 @@ def install(export: str | Path | CreditflowAdvantages, missing: str = "keep", co
             found.append(table.apply_v1(v1.tq, batch, missing=missing, cap=cap))
             return out
 
-        _compute_advantage.__wrapped_by_creditflow__ = v1_original
+        _compute_advantage.__dict__["__wrapped_by_creditflow__"] = v1_original
         cls._compute_advantage = _compute_advantage
         restore.append(lambda: setattr(cls, "_compute_advantage", v1_original))
 
@@ -250,5 +264,5 @@ def install(export: str | Path | CreditflowAdvantages, missing: str = "keep", co
         for undo in restore:
             undo()
 
-    compute_advantage.uninstall = uninstall
-    return compute_advantage
+    hook.uninstall = uninstall
+    return hook
