@@ -105,8 +105,9 @@ def execute(work: StageOutput | LLMExchange, io: StageIO) -> StageOutput:
     returns its output at once). It counts what was asked: notes `llm_requests_total` (every request of
     every exchange) and `llm_requests_failed`: those answered by an `LLMError` after the client's retries
     and restarts, plus the requests the stage gave up on as too long for the context (its note
-    `llm_too_long`; a too_long answer the stage recovers from, by splitting the request, is no failure);
-    `failures`: the failed requests by cause."""
+    `llm_too_long`; a too_long answer the stage recovers from, by splitting the request, is no failure) and
+    those whose answers stayed unusable after the stage's re-asks, so that it fell back (its note
+    `llm_unusable`); `failures`: the failed requests by cause."""
     import time
     from collections import Counter
 
@@ -128,6 +129,9 @@ def execute(work: StageOutput | LLMExchange, io: StageIO) -> StageOutput:
         unfit = int(work.notes.get("llm_too_long", 0))
         if unfit:
             causes["too_long: prompt + answer budget exceed the context (not sent)"] += unfit
+        unusable = int(work.notes.get("llm_unusable", 0))
+        if unusable:
+            causes["unusable answer: not the expected schema after the re-asks (fell back)"] += unusable
         work.notes["llm_requests_total"] = float(total)
         work.notes["llm_requests_failed"] = float(sum(causes.values()))
         restarts = getattr(client, "restarts", 0)

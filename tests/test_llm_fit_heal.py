@@ -584,3 +584,30 @@ def test_a_dead_server_is_healed_when_the_model_name_is_asked(llm_standin, tmp_p
     (res,) = client.run_batch([LLMRequest.chat([{"role": "user", "content": "q"}], max_tokens=4)])
     assert not isinstance(res, LLMError), res
     assert sup.generation == 1 and client.restarts == 1 and llm_standin.calls == 1
+
+
+def test_answers_unusable_after_the_reasks_are_failed_requests(llm_standin, real_data, tmp_path):
+    """A trajectory whose answers are never the schema falls back to uniform weights: its request counts as
+    failed for the stage's failure share (`process` stops above flow.max_failed_share), under its own cause;
+    a bad first answer that the re-ask repairs is no failure."""
+    _, steps = _tau_steps(real_data)
+    llm_standin.behaviour = lambda body, kind, i: "not json " * 5
+    out = _annotate(llm_standin.url, tmp_path / "bad", steps)
+    assert llm_standin.calls == 2  # the request and its one re-ask
+    assert out.notes["llm_unusable"] == 1 and out.notes["llm_requests_total"] == 2
+    assert out.notes["llm_requests_failed"] == 1
+    assert out.failures == {"unusable answer: not the expected schema after the re-asks (fell back)": 1}
+    assert all(out.tables["nodes"].column("parse_failed").to_pylist())
+
+    asked: list[int] = []
+
+    def first_bad(body, kind, i):
+        asked.append(1)
+        if len(asked) == 1:
+            return "not json"
+        return json.dumps({"actions": []})
+
+    llm_standin.behaviour = first_bad
+    repaired = _annotate(llm_standin.url, tmp_path / "repaired", steps)
+    assert len(asked) == 2 and repaired.notes["llm_unusable"] == 0
+    assert repaired.notes["llm_requests_failed"] == 0 and repaired.failures == {}

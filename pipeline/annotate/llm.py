@@ -545,6 +545,17 @@ class _Annotation:
             for k in failed_k - set(self.too_long)
             if any(not why.startswith("llm error") for job, why in self.failures.items() if job[0] == k)
         )
+        # requests whose answer stayed unusable after the re-asks (their trajectories fall back): failed
+        # requests for the stage's failure share (pipeline.stages.execute), like those the client gave up on
+        # (a trajectory recorded too long counts once, as such: llm_too_long)
+        fell_back = failed_k - set(self.too_long)
+        notes["llm_unusable"] = float(
+            sum(
+                1
+                for job, why in self.failures.items()
+                if not why.startswith("llm error") and job[0] in fell_back
+            )
+        )
         if unparsed:
             warnings.append(
                 f"iapo llm annotator: {unparsed} of {len(prepared)} answer(s) were not the JSON schema after "
