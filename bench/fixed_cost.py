@@ -21,6 +21,8 @@ new lake since #25).
 
     python bench/fixed_cost.py                          # baseline: the commit before this session's work
     python bench/fixed_cost.py --baseline 865894d --reps 3
+    python bench/fixed_cost.py --baseline 1d506bc --reps 5 --only server   # issue 36's rows only: a new small
+                                    # round with an API up, and the no-op (no large round, no ephemeral API)
 """
 
 from __future__ import annotations
@@ -136,6 +138,12 @@ def main() -> None:
     ap.add_argument("--small", type=int, default=8, help="groups of the small round")
     ap.add_argument("--big", type=int, default=256, help="groups of the large round")
     ap.add_argument("--format", default="delta", choices=["delta", "parquet"], help="format of the new lakes")
+    ap.add_argument(
+        "--only",
+        choices=["all", "server"],
+        default="all",
+        help="server: only a new small round with `creditflow server start` up and the no-op after it",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fixed_cost.md"))
     args = ap.parse_args()
 
@@ -167,6 +175,24 @@ def main() -> None:
     )
     times: dict[tuple[str, str], list[float]] = {}
     big_tokens = 0
+
+    def shown_rep(name: str) -> str:
+        return ", ".join(
+            f"{k[1]} {v[-1]:.2f}s" + (f" (CPU {CPU[k][-1]:.2f})" if k in CPU else "")
+            for k, v in times.items()
+            if k[0] == name
+        )
+
+    def server_rows(name: str, tree: Path, proc: list[str], lake: Path, es: dict[str, str]) -> None:
+        """A new small round with a server up, then the same command again (the no-op, server up)."""
+        es = {k: v for k, v in es.items() if k != "CREDITFLOW_NO_SERVER"}
+        run_cli(tree, ["server", "start"], es)
+        try:
+            timed((name, "server new"), times, tree, [*proc, "--lake", str(lake)], es)
+            timed((name, "server"), times, tree, [*proc, "--lake", str(lake)], es)
+        finally:
+            run_cli(tree, ["server", "stop"], es)
+
     load0 = f"{os.getloadavg()[0]:.1f}"
     try:
         for rep in range(args.reps):
@@ -176,14 +202,22 @@ def main() -> None:
                 home = work / f"prefect-{name}-{rep}"
                 e = {**env, "PREFECT_HOME": str(home)}
                 small, big = work / f"{name}-{rep}-small", work / f"{name}-{rep}-big"
+                small2, small3 = work / f"{name}-{rep}-small2", work / f"{name}-{rep}-small3"
+                proc = ["process", "--round", "0", "--methods", METHODS]
+                times.setdefault((name, "import"), []).append(import_time(tree, e))
+                if args.only == "server":
+                    synth(tree, small3, args.small, e)
+                    server_rows(
+                        name, tree, proc, small3, {**e, "CREDITFLOW_CACHE": str(work / f"cache-{name}-{rep}")}
+                    )
+                    shutil.rmtree(small3, ignore_errors=True)
+                    print(f"rep {rep + 1} {name}: " + shown_rep(name), flush=True)
+                    continue
                 synth(tree, small, args.small, e)
                 synth(tree, big, args.big, e)
                 big_tokens = tokens_of(big)
-                small2, small3 = work / f"{name}-{rep}-small2", work / f"{name}-{rep}-small3"
                 synth(tree, small2, args.small, e)
                 synth(tree, small3, args.small, e)
-                proc = ["process", "--round", "0", "--methods", METHODS]
-                times.setdefault((name, "import"), []).append(import_time(tree, e))
                 timed((name, "first"), times, tree, [*proc, "--lake", str(small)], e)
                 timed((name, "noop"), times, tree, [*proc, "--lake", str(small)], e)
                 force = ["--force"] if has_force(tree) else []
@@ -212,11 +246,7 @@ def main() -> None:
                     run_cli(tree, ["server", "stop"], es)
                 for lake in (small, small2, small3, big):
                     shutil.rmtree(lake, ignore_errors=True)
-                print(
-                    f"rep {rep + 1} {name}: "
-                    + ", ".join(f"{k[1]} {v[-1]:.2f}s" for k, v in times.items() if k[0] == name),
-                    flush=True,
-                )
+                print(f"rep {rep + 1} {name}: " + shown_rep(name), flush=True)
     finally:
         for tree in trees.values():
             if tree != ROOT:
@@ -235,10 +265,12 @@ def main() -> None:
     lines = [
         "# Fixed cost of `creditflow process` (bench/fixed_cost.py)",
         "",
-        f"`python bench/fixed_cost.py --baseline {args.baseline} --reps {args.reps} --format {args.format}`; "
+        f"`python bench/fixed_cost.py --baseline {args.baseline} --reps {args.reps} --format {args.format}"
+        f"{' --only server' if args.only == 'server' else ''}`; "
         f"methods {METHODS}; {args.format} lakes; "
         f"small round {args.small} groups, large round {args.big} groups ({big_tokens:,} tokens); "
-        f"load average at the start {load0} and at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs. "
+        f"load average at the start {load0} and at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        f"{' (--only server: the rows of a new small round with a server up; the others not run)' if args.only == 'server' else ''}. "
         f"Seconds, wall min / median of {args.reps} interleaved repetitions (order reversed every other one), "
         "each a fresh CLI process; CPU: user + sys of the command and its children.",
         "",

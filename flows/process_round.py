@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import as_completed
+from prefect.futures import PrefectFuture, as_completed
 from prefect.states import Completed
 from prefect.tasks import exponential_backoff
 
@@ -123,9 +124,14 @@ def round_stats_task(lake_root: str, round_: int) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     from flows.summary import round_summary
-    from warehouse.catalog import refresh
 
     lake = Lake(lake_root)
+    if (
+        lake.format != "parquet"
+    ):  # a Delta lake has no catalog file (warehouse.catalog.refresh): no DuckDB here
+        return round_summary(lake, round_)
+    from warehouse.catalog import refresh
+
     with ThreadPoolExecutor(1, thread_name_prefix="creditflow-catalog") as pool:
         catalog = pool.submit(refresh, lake)
         summary = round_summary(lake, round_)
@@ -312,7 +318,7 @@ class _Tally:
 
     def __init__(self, t0: float) -> None:
         self.t0 = t0
-        self.pending: dict[object, tuple[object, str]] = {}  # task run id -> (future, stage)
+        self.pending: dict[object, tuple[PrefectFuture[Any], str]] = {}  # task run id -> (future, stage)
         self.run: dict[str, dict] = {}
 
     def add(self, stage: str, futures: list) -> None:

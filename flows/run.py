@@ -7,15 +7,19 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from flows.display import console, print_kv, print_table
 from pipeline.config import Config
 
+if TYPE_CHECKING:
+    from prefect.states import State
+
 log = logging.getLogger(__name__)
 
-# imported while Prefect's API starts rather than during the round: the flow's module and DuckDB (the round's
-# stats task refreshes the catalog; the summary queries it)
-ROUND_IMPORTS = ("flows.process_round", "warehouse.catalog")
+# imported while Prefect's API starts rather than during the round: the flow's module, and DuckDB's catalog
+# where the round's stats task refreshes it (a hive lake's catalog.duckdb; a Delta lake has none)
+ROUND_IMPORTS = ("flows.process_round",)
 
 
 def prepare(cfg: Config, lake=None, round_: int | None = None) -> threading.Thread:
@@ -40,7 +44,9 @@ def prepare(cfg: Config, lake=None, round_: int | None = None) -> threading.Thre
     def _imports() -> None:
         # a warm-up only: the round imports these itself in its own thread, where an error is raised and shown
         try:
-            for name in ROUND_IMPORTS:
+            for name in ROUND_IMPORTS + (
+                ("warehouse.catalog",) if getattr(lake, "format", "") == "parquet" else ()
+            ):
                 importlib.import_module(name)
         except Exception:  # e.g. a submodule both threads import at once, handed partially initialised
             log.debug("creditflow-imports: warm-up import failed; the round imports it again", exc_info=True)
@@ -86,13 +92,12 @@ def check_preconditions(cfg: Config, lake, round_: int, skip_unmet: bool = False
     """Every method's requirements (pipeline.credit.preconditions) against the round's steps, before any work.
     An unmet one stops with one line naming the method, the missing column and the trajectories that lack it;
     with `skip_unmet` those methods are dropped: returns (the config without them, what was skipped)."""
-    from pipeline.credit.preconditions import grouped_lines, required_columns, step_flags_sql, unmet
-    from warehouse.catalog import query
+    from pipeline.credit.preconditions import grouped_lines, required_columns, unmet
 
     columns = required_columns(cfg.methods, cfg)
     if not columns:  # no method has a requirement: nothing to read
         return cfg, Skipped()
-    problems = unmet(cfg.methods, query(lake, step_flags_sql(round_, columns)), cfg)
+    problems = unmet(cfg.methods, round_step_flags(lake, round_, columns), cfg)
     if not problems:
         return cfg, Skipped()
     lines = [p.line() for p in problems]
@@ -103,6 +108,21 @@ def check_preconditions(cfg: Config, lake, round_: int, skip_unmet: bool = False
         raise SystemExit("; ".join(lines) + hint)
     skipped = Skipped(grouped_lines(problems), [m for m in cfg.methods if m in dropped])
     return cfg.model_copy(update={"methods": keep}), skipped
+
+
+def round_step_flags(lake, round_: int, columns):
+    """The round's step flags (pipeline.credit.preconditions): its steps columns read from the lake's parts
+    in Arrow, no DuckDB catalog of every table; a column no part holds (an older lake) through DuckDB, where
+    it reads as NULL."""
+    from pipeline.credit.preconditions import step_flags, step_flags_sql, steps_columns
+
+    try:
+        steps = lake.read("steps", round_, columns=steps_columns(columns), parts=lake.parts("steps", round_))
+    except KeyError:
+        from warehouse.catalog import query
+
+        return query(lake, step_flags_sql(round_, columns))
+    return step_flags(steps, columns)
 
 
 def run_process(
@@ -138,15 +158,12 @@ def run_process(
     if quiet:
         return summary
     from flows.process_round import WARNING_STATE
-    from flows.summary import credit_by_method_sql, print_summary
+    from flows.summary import print_round
 
     title = f"creditflow process: round {round_}" + (
         " [yellow](completed with warnings)" if summary["state"] == WARNING_STATE else ""
     )
-    print_summary(summary, title=title)
-    from warehouse.catalog import query
-
-    print_table(query(lake, credit_by_method_sql(round_)), title="credit by method")
+    print_round(summary, lake, title=title)
     over = over_failure_share(summary, cfg.flow.max_failed_share)
     if over and not cfg.flow.allow_degraded:
         raise SystemExit("; ".join(over) + " (--allow-degraded accepts the run)")
@@ -221,6 +238,17 @@ def quiet_run_failures() -> None:
             handler.addFilter(_RunFailuresOnce())
 
 
+def round_parameters(parameters: dict) -> dict:
+    """The flow run's parameters as its API record holds them (round, config as JSON): what Prefect's
+    `Flow.serialize_parameters` makes of them, without its FastAPI import (`jsonable_encoder`: ~0.1 s of CPU
+    per command, the only FastAPI import of a command with an API up)."""
+    out = {}
+    for key, value in parameters.items():
+        dump = getattr(value, "model_dump", None)
+        out[key] = dump(mode="json") if dump is not None else value
+    return out
+
+
 def process_checked_round(
     cfg: Config, lake, round_: int, skipped: Skipped | None = None, progress: bool = False
 ) -> dict:
@@ -238,8 +266,11 @@ def process_checked_round(
     # the flow holds the round's lock (one run per (lake, round), whoever starts it: the CLI, serve, the loop)
     quiet_run_failures()
     flow_ = process_round_flow.with_options(task_runner=make_task_runner(cfg))
+    setattr(flow_, "serialize_parameters", round_parameters)  # noqa: B010  (this run's flow object only)
     with rich_progress(console) if progress else nullcontext():
-        state = flow_(round_=round_, config=cfg, return_state=True)
+        state = cast(
+            "State", flow_(round_=round_, config=cfg, return_state=True)
+        )  # a sync flow: no awaitable
     summary = state.result()  # raises the flow's error if it failed
     if skipped:  # kept in the round's run log, so `creditflow stats` shows it too
         from warehouse.runlog import record_stage_run
@@ -291,7 +322,10 @@ def run_export(
 
     require_lake(lake_dir)
     try:
-        rows, version = write_export(lake_dir, round_, method, out, layout, with_version=True, **padding)
+        rows, version = cast(
+            "tuple[int, str]",
+            write_export(lake_dir, round_, method, out, layout, with_version=True, **padding),
+        )
     except ExportError as exc:
         raise SystemExit(str(exc)) from None
     shown = {"method": method, "round": round_, "layout": layout, "trajectories": rows, "out": str(out)}

@@ -161,11 +161,27 @@ def credit_by_method_sql(round_: int) -> str:
     )
 
 
+def credit_by_method(lake: Lake, round_: int):
+    """`credit_by_method_sql` over the round's own advantages: its parts read in Arrow and the view
+    credit_summary (warehouse.views, the same SQL) in a DuckDB connection of that one table, not a catalog
+    of every table of the lake."""
+    import duckdb
+
+    from warehouse.views import VIEWS
+
+    advantages = lake.read("advantages", round_, parts=lake.parts("advantages", round_))
+    con = duckdb.connect(":memory:")
+    try:
+        con.register("advantages", advantages)
+        con.execute(f"CREATE VIEW credit_summary AS {VIEWS['credit_summary'].sql}")
+        return con.sql(credit_by_method_sql(round_)).to_arrow_table()
+    finally:
+        con.close()
+
+
 def print_round(summary: dict, lake: Lake, title: str) -> None:
-    """What `creditflow process` prints at the end: the summary, then the round's credit by method (a DuckDB
-    query of the lake)."""
+    """What `creditflow process` prints at the end: the summary, then the round's credit by method."""
     from flows.display import print_table
-    from warehouse.catalog import query
 
     print_summary(summary, title=title)
-    print_table(query(lake, credit_by_method_sql(summary["round"])), title="credit by method")
+    print_table(credit_by_method(lake, summary["round"]), title="credit by method")

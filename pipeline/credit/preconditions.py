@@ -6,8 +6,9 @@ returns every method whose requirement some trajectory does not meet, with the m
 trajectories affected. `creditflow process` runs it before any work: it stops with one line per unmet method,
 or, with `--skip-unmet`, computes the other methods and records what it skipped in the round's summary.
 
-The step flags (one row per step; `step_flags_sql` computes them in DuckDB, only the ones the methods need, and
-no query at all when no method has a requirement): traj_id, role, n_tokens, and has_<column> per required column
+The step flags (one row per step; `step_flags` computes them from the round's steps columns in Arrow,
+`step_flags_sql` the same in DuckDB; only the ones the methods need, and no read at all when no method has a
+requirement): traj_id, role, n_tokens, and has_<column> per required column
 (has_verifier_score, has_values, has_logprobs).
 """
 
@@ -60,6 +61,26 @@ def step_flags_sql(round_: int, columns) -> str:
     return (
         f"SELECT traj_id, role, len(token_offsets) AS n_tokens{flags} FROM steps WHERE round = {int(round_)}"
     )
+
+
+def steps_columns(columns) -> list[str]:
+    """The steps columns `step_flags` reads for these required columns."""
+    return ["traj_id", "role", "token_offsets", *sorted(columns)]
+
+
+def step_flags(steps, columns):
+    """The step flags of `step_flags_sql` from an Arrow table of the round's steps (`steps_columns(columns)`):
+    `len(token_offsets)` and `column IS NOT NULL` per column, whole-column (no DuckDB connection)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    flags = {
+        "traj_id": steps.column("traj_id"),
+        "role": steps.column("role"),
+        "n_tokens": pc.list_value_length(steps.column("token_offsets")),
+    }
+    flags.update({FLAG_OF[c]: pc.is_valid(steps.column(c)) for c in sorted(columns)})
+    return pa.table(flags)
 
 
 REQUIREMENTS: dict[str, tuple[Requirement, ...]] = {}  # extra ones for a stage registered elsewhere
