@@ -285,7 +285,13 @@ class LocalGenerator:
             "cuda" if (device == "auto" and torch.cuda.is_available()) or device == "cuda" else "cpu"
         )
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(self.device).eval()
+        # transformers types PreTrainedModel.to as functools.wraps(nn.Module.to) of its own (self, *args)
+        # method: a _Wrapped that mypy does not bind, so the device reads as `self`
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+            .to(self.device)  # type: ignore[arg-type]
+            .eval()
+        )
         import inspect
 
         params = inspect.signature(self.model.forward).parameters
@@ -333,7 +339,7 @@ class LocalGenerator:
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
             for t in range(steps):
-                kw = {self.cache_kw: past}
+                kw: dict[str, Any] = {self.cache_kw: past}
                 if self.keep_kw:
                     kw[self.keep_kw] = 1  # the LM head on the last position only
                 out = self.model(input_ids=cur, attention_mask=attn, position_ids=pos, use_cache=True, **kw)
@@ -506,6 +512,7 @@ def collect(
                     _seed(s.seed, round_, turn, b),
                 )
         else:
+            assert env0 is not None  # `active` is not empty, so neither is `episodes`
             gens = generator.generate(
                 [e.context for e in active],
                 budgets,

@@ -162,12 +162,15 @@ def train(
     seqs, info = load_batch(batch_path, s.max_seq_len)
     if not seqs:
         raise ValueError(f"{batch_path}: empty batch")
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype).to(device)
+    # transformers types PreTrainedModel.to as functools.wraps(nn.Module.to) of its own (self, *args) method: a
+    # _Wrapped that mypy does not bind, so `device` reads as `self` (the same below and in collect.py)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype)
+    model = model.to(device)  # type: ignore[arg-type]
     ref = None
     if s.kl_coef > 0:
         ref = (
             AutoModelForCausalLM.from_pretrained(str(ref_model_dir or model_dir), torch_dtype=dtype)
-            .to(device)
+            .to(device)  # type: ignore[arg-type]  # PreTrainedModel.to's _Wrapped type (above)
             .eval()
         )
     vhead = ValueHead(model.config.hidden_size, device, torch.float32) if s.value_head else None
@@ -256,12 +259,14 @@ def train(
                 if vhead is not None:
                     vals = torch.from_numpy(
                         _pad(
-                            [seqs[i].values if seqs[i].values is not None else np.zeros(1) for i in idx],
+                            [v if (v := seqs[i].values) is not None else np.zeros(1) for i in idx],
                             L,
                             np.float32,
                         )
                     ).to(device)
-                    rets = torch.from_numpy(_pad([seqs[i].returns for i in idx], L, np.float32)).to(device)
+                    # every row has returns (checked where vhead is made): the filter only narrows the type
+                    rets_rows = [ret for i in idx if (ret := seqs[i].returns) is not None]
+                    rets = torch.from_numpy(_pad(rets_rows, L, np.float32)).to(device)
                     vf = value_loss(vpred, vals, rets, mask, s.clip_value, s.loss_agg, norm_tokens, norm_seqs)
                     loss = loss + s.vf_coef * vf
                     agg["vf"] += float(vf.item())

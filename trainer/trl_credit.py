@@ -67,7 +67,7 @@ class CreditflowGRPOTrainer(GRPOTrainer):
         P = arrays["prompts"].shape[1]
         # a row without a prompt token: its first token is trained with nothing before it to condition on;
         # such rows are left out (said in one line), and an export of nothing else is refused
-        no_prompt = ~np.asarray(arrays["attention_mask"])[:, :P].any(axis=1)
+        no_prompt = ~np.any(np.asarray(arrays["attention_mask"])[:, :P], axis=1)
         rows = np.flatnonzero(~no_prompt)
         if no_prompt.any():
             r = int(np.flatnonzero(no_prompt)[0])
@@ -77,7 +77,9 @@ class CreditflowGRPOTrainer(GRPOTrainer):
                 raise ValueError(f"{line}: nothing to train on (TRL scores a token from the ones before it)")
             warnings.warn(f"{line}: left out, TRL scores a token from the ones before it", stacklevel=2)
         self._cf = arrays
-        known = logprobs_known(arrays) if "old_log_probs" in arrays else np.zeros(len(no_prompt), bool)
+        known = (
+            logprobs_known(arrays) if "old_log_probs" in arrays else np.zeros(len(no_prompt), dtype=np.bool_)
+        )
         self._cf_known = known & bool(use_rollout_logprobs)
         kwargs.setdefault(
             "train_dataset",
@@ -92,8 +94,12 @@ class CreditflowGRPOTrainer(GRPOTrainer):
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        if "creditflow_row" not in self._signature_columns:
-            self._signature_columns = [*self._signature_columns, "creditflow_row"]
+        columns: list[str] | None = self._signature_columns
+        assert columns is not None  # the call above set it
+        if "creditflow_row" not in columns:
+            # transformers (py.typed) leaves the attribute unannotated, `= None` in Trainer.__init__, so mypy
+            # infers None; _set_signature_columns_if_needed fills it with the column list
+            self._signature_columns = [*columns, "creditflow_row"]  # type: ignore[assignment]
 
     def _logps(self, model, out: dict) -> torch.Tensor:
         """Per-token log-probabilities of the completion tokens under `model`, without gradient."""
