@@ -82,10 +82,10 @@ def format_prior(
     from transformers import AutoModelForCausalLM
 
     from trainer.collect import Codec
-    from trainer.envs import make_env
+    from trainer.envs import make_env, make_toy_env
 
     codec = Codec(model_dir)
-    probe = make_env(env_name)
+    probe = make_toy_env(env_name)
     tasks = probe.tasks()
     action_ids = torch.tensor([codec.encode(a)[0][0] for a in probe.actions])
     rng = np.random.default_rng(seed)

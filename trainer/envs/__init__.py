@@ -19,8 +19,12 @@ word per action): `c3_search` (C3), `tcpo_refine` (TCPO), `iapo_service` (IAPO).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from trainer.envs.base import RolloutEnv
+
+if TYPE_CHECKING:
+    from trainer.envs.toy import ToyEnv
 
 ENVS: dict[str, Callable[[], RolloutEnv]] = {}
 
@@ -43,6 +47,20 @@ def make_env(name: str) -> RolloutEnv:
     if name not in ENVS:
         raise KeyError(f"unknown environment {name!r}; registered: {sorted(ENVS)}")
     return ENVS[name]()
+
+
+def make_toy_env(name: str) -> ToyEnv:
+    """A fresh word env (trainer/envs/toy.py: a fixed set of one-word `actions`) by name; a ValueError naming
+    them for any other env."""
+    from trainer.envs.toy import ToyEnv
+
+    env = make_env(name)
+    if not isinstance(env, ToyEnv):
+        toys = sorted(
+            n for n, factory in ENVS.items() if isinstance(factory, type) and issubclass(factory, ToyEnv)
+        )
+        raise ValueError(f"environment {name!r} has no fixed set of action words; the word envs: {toys}")
+    return env
 
 
 def env_names() -> list[str]:

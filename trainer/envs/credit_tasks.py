@@ -309,9 +309,9 @@ class ToyProbe(CreditEnv):
     and the whole history). They have 8 tasks and no held-out split: every seed trains and evaluates on them."""
 
     def __init__(self, toy_name: str) -> None:
-        from trainer.envs import make_env
+        from trainer.envs import make_toy_env
 
-        self.toy = make_env(toy_name)
+        self.toy = make_toy_env(toy_name)
         super().__init__(f"probe_{toy_name}", tuple(self.toy.actions), self.toy.action_format)
         self.cache: dict = {}
 
