@@ -32,12 +32,15 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 import trainer.collect  # noqa: F401 - registers the collect settings the loop reads
 from pipeline.config import Config, StageSettings, register_settings
+
+if TYPE_CHECKING:
+    from trainer.llm.service import ServiceInfo
 
 Log = Callable[[str], None]
 
@@ -190,7 +193,7 @@ class ManagedServer:
 
     def __init__(self, s: LoopSettings, log: Log):
         self.s, self.log = s, log
-        self.info = None
+        self.info: ServiceInfo | None = None
 
     def ensure(self, model_dir: Path) -> str:
         from trainer.llm import service
@@ -286,7 +289,11 @@ def collect_round(st: LoopState, r: int) -> dict:
     policy = st.policy(r)
     llm = None
     if st.backend == "vllm":
-        eps = st.endpoints or [st.server.ensure(policy)]
+        if st.endpoints:
+            eps = st.endpoints
+        else:
+            assert st.server is not None  # LoopState makes one for vllm without endpoints
+            eps = [st.server.ensure(policy)]
         llm = LLMSettings.from_config(st.cfg, endpoints=eps)
     res = collect_to_lake(
         st.lake, policy, st.cs, r, backend=st.backend, llm_settings=llm, batch_groups=st.cfg.batch_groups
