@@ -268,7 +268,9 @@ def main() -> None:
         f"`python bench/fixed_cost.py --baseline {args.baseline} --reps {args.reps} --format {args.format}"
         f"{' --only server' if args.only == 'server' else ''}`; "
         f"methods {METHODS}; {args.format} lakes; "
-        f"small round {args.small} groups, large round {args.big} groups ({big_tokens:,} tokens); "
+        f"small round {args.small} groups"
+        + (f", large round {args.big} groups ({big_tokens:,} tokens)" if args.only == "all" else "")
+        + "; "
         f"load average at the start {load0} and at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
         f"{' (--only server: the rows of a new small round with a server up; the others not run)' if args.only == 'server' else ''}. "
         f"Seconds, wall min / median of {args.reps} interleaved repetitions (order reversed every other one), "
@@ -288,7 +290,8 @@ def main() -> None:
         ("server force", "process again through the flow (`--force`), server up"),
         ("big", "process, large round"),
     ]:
-        lines.append(f"| {label} | {cell('baseline', what)} | {cell('this', what)} |")
+        if cell("baseline", what) != "-" or cell("this", what) != "-":  # --only server: its rows alone
+            lines.append(f"| {label} | {cell('baseline', what)} | {cell('this', what)} |")
 
     def per_token(name: str) -> str:
         flow = times.get((name, "force")) or times.get((name, "noop"))  # the flow's fixed cost
@@ -296,10 +299,11 @@ def main() -> None:
             return "-"
         return f"{(min(times[(name, 'big')]) - min(flow)) / big_tokens * 1e6:.2f}"
 
-    lines.append(
-        "| per-token cost: (large - the flow's no-op) / tokens, us "
-        f"| {per_token('baseline')} | {per_token('this')} |"
-    )
+    if args.only == "all":
+        lines.append(
+            "| per-token cost: (large - the flow's no-op) / tokens, us "
+            f"| {per_token('baseline')} | {per_token('this')} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)
