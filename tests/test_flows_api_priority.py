@@ -42,7 +42,7 @@ def test_own_api_runs_idle_while_the_stages_fill_the_cpus(tmp_path, prefect_harn
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
     from prefect.client.schemas.sorting import FlowRunSort
 
-    monkeypatch.setattr("flows.process_round.stages_fill_cpus", lambda workers: True)
+    monkeypatch.setattr("flows.execution.stages_fill_cpus", lambda workers: True)
     lake = Lake(tmp_path / "lake")
     batches = make_round(lake)
     seen = _policies_during_stages(monkeypatch)
@@ -80,7 +80,7 @@ def test_own_api_runs_idle_while_the_stages_fill_the_cpus(tmp_path, prefect_harn
 def test_own_api_left_alone(tmp_path, prefect_harness, monkeypatch, case):
     """flow.api_idle=false, a CPU to spare beside the workers, or no permission to undo SCHED_IDLE: the
     server keeps the normal policy throughout."""
-    monkeypatch.setattr("flows.process_round.stages_fill_cpus", lambda workers: case != "spare-cpu")
+    monkeypatch.setattr("flows.execution.stages_fill_cpus", lambda workers: case != "spare-cpu")
     if case == "cannot-undo":
         monkeypatch.setattr(api_priority, "can_leave_idle", lambda: False)
     lake = Lake(tmp_path / "lake")

@@ -171,6 +171,10 @@ def test_no_server_keeps_an_api_per_command(monkeypatch):
     monkeypatch.setenv("CREDITFLOW_SHARED_API", "0")
     assert server.shared_api() is None
     monkeypatch.delenv("CREDITFLOW_SHARED_API")
-    assert server.shares_api()
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    # nothing names an API: not the environment, nor a settings context an earlier test of this worker left
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert server.shares_api()
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
     assert not server.shares_api()
