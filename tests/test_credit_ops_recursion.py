@@ -48,6 +48,7 @@ def test_matches_the_recursion(compiled: bool, lengths: list[int], discount: flo
     finally:
         ops._COMPILED_RECURSION_MIN = old
     np.testing.assert_allclose(got, recursion(x, seg, discount), rtol=1e-12, atol=1e-12)
+    assert np.array_equal(x, np.random.default_rng(seed).standard_normal(sum(lengths)))  # the input is kept
 
 
 def test_large_batch_takes_the_compiled_path_and_agrees_with_the_scan() -> None:

@@ -187,10 +187,10 @@ def segment_discounted_cumsum(values: np.ndarray, segments: np.ndarray, discount
     tokens of one trajectory, in order). Segments of like lengths: the recursion per segment row in compiled
     code (O(n)); otherwise (padding would cost more than 4x the data) a log-step (Hillis-Steele) scan:
     ceil(log2(longest segment)) whole-array passes, every step adding only two terms (no cancellation)."""
-    y = np.asarray(values, dtype=np.float64).copy()
-    n = len(y)
+    x = np.asarray(values, dtype=np.float64)
+    n = len(x)
     if n == 0:
-        return y
+        return x.copy()
     first, _ = segment_bounds(segments)
     bounds = np.append(np.flatnonzero(first), n)
     lengths = np.diff(bounds)
@@ -200,7 +200,7 @@ def segment_discounted_cumsum(values: np.ndarray, segments: np.ndarray, discount
         # undiscounted, else scipy's IIR filter 1 / (1 - discount z^-1) (the same sequential multiply-adds in the
         # same order as verl's loop over positions), along rows of the data reversed: each row one segment from
         # its last position, the rows in reverse segment order; a shorter row is zero padded after its data
-        back = y[::-1]
+        back = x[::-1]  # read only: the compiled passes write new arrays
         if bool((lengths == longest).all()):  # segments of one length: the rows are a view of the data
             rows, real = back.reshape(len(lengths), longest), None
         else:
@@ -214,6 +214,7 @@ def segment_discounted_cumsum(values: np.ndarray, segments: np.ndarray, discount
 
             out = np.asarray(lfilter([1.0], [1.0, -float(discount)], rows, axis=1))
         return (out.reshape(n) if real is None else out[real])[::-1]
+    y = x.copy()  # the scan adds in place
     remaining = np.repeat(bounds[1:], lengths) - np.arange(n)  # positions left in the segment, incl. self
     coef, d = float(discount), 1
     while d < longest:
