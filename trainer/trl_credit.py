@@ -94,12 +94,12 @@ class CreditflowGRPOTrainer(GRPOTrainer):
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        columns: list[str] | None = self._signature_columns
+        # transformers leaves `_signature_columns` unannotated (`= None` in Trainer.__init__); mypy's inferred
+        # type for it depends on the order it checks the modules in, so read and write it through the instance dict
+        columns: list[str] | None = vars(self).get("_signature_columns")
         assert columns is not None  # the call above set it
         if "creditflow_row" not in columns:
-            # transformers (py.typed) leaves the attribute unannotated, `= None` in Trainer.__init__, so mypy
-            # infers None; _set_signature_columns_if_needed fills it with the column list
-            self._signature_columns = [*columns, "creditflow_row"]  # type: ignore[assignment]
+            vars(self)["_signature_columns"] = [*columns, "creditflow_row"]
 
     def _logps(self, model, out: dict) -> torch.Tensor:
         """Per-token log-probabilities of the completion tokens under `model`, without gradient."""
