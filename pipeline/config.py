@@ -9,7 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pipeline.settings import SETTINGS_MODELS, StageSettings, register_settings
+from pipeline.settings import SETTINGS_MODELS, S, StageSettings, register_settings, settings_name
 
 __all__ = ["SETTINGS_MODELS", "Config", "ConfigError", "StageSettings", "build_config", "register_settings"]
 
@@ -133,13 +133,26 @@ class Config(BaseModel):
             raise ValueError(f"unknown tracker(s) {', '.join(unknown)}; known: {', '.join(TRACKERS)}")
         return list(dict.fromkeys(value))
 
-    def stage(self, name: str) -> Any:  # the registered model of `name` (callers annotate its class)
-        """The validated settings model of one stage (defaults where the config is silent)."""
+    def settings(self, model: type[S]) -> S:
+        """The validated settings of the stage whose registered model is `model` (defaults where the config is
+        silent): `config.settings(GAESettings).lam`."""
+        return self._validated(settings_name(model), model)
+
+    def settings_named(self, name: str) -> StageSettings:
+        """The validated settings model registered as `name`, for code that holds only a name (a stage's
+        declared settings, a cache key); a ConfigError names the registered ones."""
         if name not in SETTINGS_MODELS:  # the stage modules register their models when imported
             _load_stage_modules()
         model = SETTINGS_MODELS.get(name)
         if model is None:
             raise ConfigError(f"unknown stage '{name}'; known: {sorted(SETTINGS_MODELS)}")
+        return self._validated(name, model)
+
+    def stage(self, name: str) -> Any:
+        """Deprecated: `settings(Model)` (typed) or `settings_named(name)`."""
+        return self.settings_named(name)
+
+    def _validated(self, name: str, model: type[S]) -> S:
         try:
             return model(**self.stages.get(name, {}))
         except ValidationError as exc:
@@ -152,7 +165,7 @@ class Config(BaseModel):
 
         _load_stage_modules()
         for name in self.stages:
-            self.stage(name)
+            self.settings_named(name)
         registry = importlib.import_module("pipeline.credit.registry")
         for method in self.methods:
             try:

@@ -1,36 +1,52 @@
 """The registry of stage settings models: each stage owns one pydantic model, registered under its name with
-the spec's defaults (`@register_settings("gae") class GAESettings(StageSettings)`). pipeline.config builds the
-validated models of a run from it; the credit engine reads the defaults from it when a batch has no config.
+the spec's defaults (`@register_settings("gae") class GAESettings(StageSettings)`); the class knows its name
+(`GAESettings.settings_name == "gae"`). pipeline.config builds the validated models of a run from it
+(`config.settings(GAESettings)`); the credit engine reads the defaults from it when a batch has no config.
 It imports nothing of the project, so a method module depends on it without reaching pipeline.config."""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-SETTINGS_MODELS: dict[str, type[BaseModel]] = {}
 
-M = TypeVar("M", bound=type[BaseModel])
+class StageSettings(BaseModel):
+    """Base for stage settings: unknown keys are errors, so a typo never silently falls back. `settings_name`
+    is the name `register_settings` gave the class (its section under `stages:` and `--set name.key=`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    settings_name: ClassVar[str]
 
 
-def register_settings(stage: str):
-    """Class decorator: `@register_settings("tcpo") class TCPOSettings(BaseModel): ...`."""
+S = TypeVar("S", bound=StageSettings)
 
-    def deco(cls: M) -> M:
-        SETTINGS_MODELS[stage] = cls
+SETTINGS_MODELS: dict[str, type[StageSettings]] = {}
+
+
+def register_settings(name: str) -> Callable[[type[S]], type[S]]:
+    """Class decorator: `@register_settings("tcpo") class TCPOSettings(StageSettings): ...`."""
+
+    def deco(cls: type[S]) -> type[S]:
+        cls.settings_name = name
+        SETTINGS_MODELS[name] = cls
         return cls
 
     return deco
 
 
-class StageSettings(BaseModel):
-    """Base for stage settings: unknown keys are errors, so a typo never silently falls back."""
+def settings_name(model: type[StageSettings]) -> str:
+    """The name `model` is registered under (a TypeError for a class `register_settings` did not decorate,
+    a subclass of a registered model included: it would read its parent's section)."""
+    name = model.__dict__.get("settings_name")
+    if name is None or SETTINGS_MODELS.get(name) is not model:
+        raise TypeError(f"{model.__name__} is not a registered settings model (@register_settings(name))")
+    return name
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-
-def default_settings(name: str) -> Any:
+def default_settings(name: str) -> StageSettings:
     """The registered model of `name` with its defaults (a KeyError names the registered ones)."""
     model = SETTINGS_MODELS.get(name)
     if model is None:

@@ -110,18 +110,19 @@ def run_declared(config, traj, steps, record: list[str]) -> dict[str, set[str]]:
 @pytest.mark.parametrize("annotator", ["rules", "llm"])
 def test_every_stage_reads_only_the_settings_it_declares(monkeypatch, annotator):
     """A stage's cache key holds the settings it declares; one it reads without declaring would leave a
-    stale result cached when that setting changes. Each stage's every `config.stage(name)` call is
+    stale result cached when that setting changes. Each stage's every settings lookup
+    (`config.settings(Model)` / `config.settings_named(name)`, both validated in `Config._validated`) is
     recorded while it runs and must be among its declared settings: every method together and each alone
     (a method's credit key holds only its own methods' settings), both annotators."""
     from pipeline.config import Config
     from pipeline.stages import round_stages
 
     record: list[str] = []
-    original = Config.stage
+    original = Config._validated
 
-    def recording(self, name):
+    def recording(self, name, model):
         record.append(name)
-        return original(self, name)
+        return original(self, name, model)
 
     traj, steps = _round()
     every = _all_methods()
@@ -129,7 +130,7 @@ def test_every_stage_reads_only_the_settings_it_declares(monkeypatch, annotator)
         config = Config(methods=methods, annotator=annotator)
         if methods == every:
             assert {s.name for s in round_stages(config)} == set(load_stages())  # every stage runs
-        monkeypatch.setattr(Config, "stage", recording)
+        monkeypatch.setattr(Config, "_validated", recording)
         read = run_declared(config, traj, steps, record)
         monkeypatch.undo()
         for name, names in read.items():
@@ -149,12 +150,12 @@ def test_the_check_fails_on_an_undeclared_read(monkeypatch):
 
     @batch_stage("probe", order=70, produces=("probe_table",), runs_if=lambda c: True)
     def probe(trajectories, steps, config, inputs, io=None):
-        config.stage("grpo")
+        config.settings_named("grpo")
         return StageOutput({"probe_table": trajectories})
 
     record: list[str] = []
-    original = Config.stage
-    monkeypatch.setattr(Config, "stage", lambda self, n: (record.append(n), original(self, n))[1])
+    original = Config._validated
+    monkeypatch.setattr(Config, "_validated", lambda self, n, m: (record.append(n), original(self, n, m))[1])
     try:
         read = run_declared(Config(methods=["grpo"]), *_round(), record)
         declared = set(stages_mod.STAGES["probe"].settings_read(None))
@@ -187,3 +188,39 @@ def test_every_stage_takes_an_empty_batch():
     record: list[str] = []
     read = run_declared(config, traj, steps, record)
     assert set(read) == set(load_stages())
+
+
+def test_settings_are_looked_up_by_their_model_class():
+    """`config.settings(Model)` is the model's section of `stages:` (defaults where silent), typed as the
+    model; `settings_named(name)` is the same object for code that holds only the name."""
+    from pipeline.config import Config, ConfigError
+    from pipeline.credit.methods.grpo import GRPOSettings
+
+    assert GRPOSettings.settings_name == "grpo"
+    config = Config(stages={"grpo": {"eps": 0.25}})
+    s = config.settings(GRPOSettings)
+    assert type(s) is GRPOSettings and s.eps == 0.25 and s.norm_by_std is True
+    assert config.settings_named("grpo") == s
+    assert Config().settings(GRPOSettings) == GRPOSettings()
+    with pytest.raises(ConfigError, match="settings of stage 'grpo': eps"):
+        Config(stages={"grpo": {"eps": "wide"}}).settings(GRPOSettings)
+    with pytest.raises(ConfigError, match="unknown stage 'no_such'"):
+        config.settings_named("no_such")
+
+
+def test_an_unregistered_settings_class_is_refused():
+    """A subclass of a registered model inherits `settings_name` but is not the registered class: reading
+    it would validate the parent's section with another model."""
+    from pipeline.config import Config
+    from pipeline.credit.methods.grpo import GRPOSettings
+    from pipeline.settings import StageSettings
+
+    class Wider(GRPOSettings):
+        pass
+
+    class Loose(StageSettings):
+        pass
+
+    for model in (Wider, Loose):
+        with pytest.raises(TypeError, match="not a registered settings model"):
+            Config().settings(model)
