@@ -27,6 +27,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _common import emit, machine_note, md_table, peak_rss_mb, run_worker, write_md  # noqa: E402
 
 
+def _settings(cfg, name: str):
+    """A stage's settings by name; a --baseline tree from before #35's typed lookup has only config.stage."""
+    lookup = getattr(cfg, "settings_named", None) or cfg.stage
+    return lookup(name)
+
+
 def worker_detect(lake_dir: str) -> dict:
     from flows.batch import round_batches, run_stage
     from pipeline.config import Config
@@ -80,10 +86,10 @@ def worker_memory(lake_dir: str, method: str) -> dict:
             annotations={"spans": read_batch(lake, "spans", 0, b)},
         )
         t0 = time.perf_counter()
-        base = est.fn(ctx, cfg.stage(est.settings))
+        base = est.fn(ctx, _settings(cfg, est.settings))
         t_est += time.perf_counter() - t0
         t0 = time.perf_counter()
-        c3.fn(ctx, base, cfg.stage("c3"))
+        c3.fn(ctx, base, _settings(cfg, "c3"))
         t_c3 += time.perf_counter() - t0
     return {"estimator": t_est, "c3": t_c3}
 

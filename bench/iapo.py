@@ -60,10 +60,10 @@ def bench_routing(args) -> tuple[list[str], dict]:
         n_traj += ctx.n_traj
         n_steps += ctx.n_steps
         t0 = time.perf_counter()
-        base = grpo.fn(ctx, cfg.stage("grpo"))
+        base = grpo.fn(ctx, cfg.settings_named("grpo"))
         t["grpo"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        out = iapo.fn(ctx, base, cfg.stage("iapo"))
+        out = iapo.fn(ctx, base, cfg.settings_named("iapo"))
         t["iapo"] += time.perf_counter() - t0
         w = out.components["w"]
         w_all.append(w[~np.isnan(w)])

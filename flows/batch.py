@@ -30,11 +30,12 @@ def stage_io(config: Config) -> StageIO:
     """The effects an LLM stage gets: the shared OpenAI-compatible client, and a thread pool for its checks."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from pipeline.counterfactual.stage import CounterfactualSettings
     from trainer import sandbox  # registers the `code_tests` verifier (it runs candidate code: trainer floor)
     from trainer.llm.client import LLMClient
 
     sandbox.configure(config=config)
-    workers = int(getattr(config.stage("counterfactual"), "verify_workers", 4) or 4)
+    workers = config.settings(CounterfactualSettings).verify_workers
 
     def pool_map(fn, *iterables):
         with ThreadPoolExecutor(max_workers=workers) as pool:

@@ -74,7 +74,9 @@ def stage_settings(stage: BatchStage, config: Config) -> dict[str, Any]:
     """What a stage's output depends on besides its inputs and code, as plain JSON: the settings models it
     declares it reads, the Config fields it reads and the methods whose work it does."""
     out: dict[str, Any] = {
-        "settings": {n: config.stage(n).model_dump(mode="json") for n in sorted(stage.settings_read(config))}
+        "settings": {
+            n: config.settings_named(n).model_dump(mode="json") for n in sorted(stage.settings_read(config))
+        }
     }
     out |= {f: getattr(config, f) for f in stage.fields}
     if stage.methods is not None:

@@ -75,9 +75,9 @@ def round_hook_task(name: str, config: Config, round_: int) -> dict:
 def loop_rounds(config: Config, start_round: int | None, rounds: int | None) -> range:
     """The rounds to run: the arguments, else the config's `loop` settings."""
     if start_round is None or rounds is None:
-        import trainer.loop  # noqa: F401 - registers the loop settings
+        from trainer.loop import LoopSettings
 
-        s = config.stage("loop")
+        s = config.settings(LoopSettings)
         start_round = s.start_round if start_round is None else start_round
         rounds = s.rounds if rounds is None else rounds
     return range(start_round, start_round + rounds)

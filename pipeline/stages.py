@@ -174,7 +174,7 @@ class BatchStage:
     all) and the parts of `needs` (tables of earlier stages, one part per batch) and `needs_per_method`
     (one part per batch and method, `inputs[method_key(t, m)]`); it writes the tables of `produces` (one part
     per batch) and `produces_per_method` (one per batch and method of the round). Its cache key holds the
-    settings models it reads (`settings`: every `config.stage(name)` its function makes, checked by
+    settings models it reads (`settings`: every settings model its function looks up, checked by
     tests/test_stage_registry.py), the Config fields it reads (`fields`), `methods` (the method chains whose
     work it does) and the hash of `code` (its sources; default: its module's package)."""
 

@@ -57,7 +57,7 @@ def test_config_with_trainer_settings_still_loads():
     code = (
         "from flows.config import load_config\n"
         "cfg = load_config(sets=['loop.rounds=2', 'train.lr=0.5', 'collect.temperature=0.3'])\n"
-        "print(cfg.stage('loop').rounds, cfg.stage('train').lr)"
+        "print(cfg.settings_named('loop').rounds, cfg.settings_named('train').lr)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

@@ -198,5 +198,5 @@ def test_example_config_is_valid_and_maps_flags():
         max_workers=4,
     )
     assert cfg.task_runner == "ray" and cfg.max_workers == 4 and cfg.flow.retries == 1
-    assert cfg.serve.cron == "0 * * * *" and cfg.stage("tcpo").gamma == 0.5
+    assert cfg.serve.cron == "0 * * * *" and cfg.settings_named("tcpo").gamma == 0.5
     assert set(cfg.methods) == {"grpo", "grpo+c3", "grpo+iapo", "tcpo"}

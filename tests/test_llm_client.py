@@ -41,7 +41,7 @@ def test_settings_from_config_and_registry(tmp_path):
     s = LLMSettings.from_config(cfg)
     assert s.endpoints == ["localhost:9000"] and s.concurrency == 4 and s.max_retries == 1
     assert s.cache_dir == str(tmp_path / "lake" / "llmcache")  # relative cache dir: relative to the lake
-    assert cfg.stage("llm").max_retries == 1
+    assert cfg.settings(LLMSettings).max_retries == 1
     assert LLMClient(s).endpoints == ["http://localhost:9000/v1"]
     with pytest.raises(Exception):  # noqa: B017 - a typo is an error, not a silent default
         LLMSettings(endpoint=["x"])

@@ -230,9 +230,10 @@ class LoopState:
 
     def __init__(self, cfg: Config, log: Log = print, server: ManagedServer | None = None):
         from trainer.collect import CollectSettings, resolve_backend
+        from trainer.train import TrainSettings
         from warehouse.lake import Lake
 
-        s: LoopSettings = cfg.stage("loop")
+        s = cfg.settings(LoopSettings)
         self.method = s.method or cfg.methods[0]
         if self.method not in cfg.methods:
             cfg = cfg.model_copy(update={"methods": [*cfg.methods, self.method]})
@@ -243,7 +244,7 @@ class LoopState:
         self.base = base_model(s, self.work, log)
         self.cs = CollectSettings(
             **{
-                **cfg.stage("collect").model_dump(),
+                **cfg.settings(CollectSettings).model_dump(),
                 "env": s.env,
                 "prompts": s.prompts,
                 "samples": s.samples,
@@ -251,7 +252,7 @@ class LoopState:
                 "backend": s.backend,
             }
         )
-        self.ts = cfg.stage("train")
+        self.ts = cfg.settings(TrainSettings)
         self.endpoints = [s.endpoint] if s.endpoint else list(cfg.llm.get("endpoints") or [])
         self.backend = resolve_backend(self.cs.backend, self.endpoints, cfg.lake)
         if server is None and self.backend == "vllm" and not self.endpoints:

@@ -80,7 +80,7 @@ def configure(settings: SandboxSettings | None = None, *, config=None) -> Sandbo
     """Set the defaults of later runs (flows pass the round's `sandbox` settings)."""
     global _settings
     if config is not None:
-        settings = config.stage("sandbox")
+        settings = config.settings(SandboxSettings)
     _settings = settings or DEFAULT_LIMITS
     return _settings
 

@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         from warehouse.lake import Lake
 
         cfg = load_config(config, sets)
-        base: CollectSettings = cfg.stage("collect")
+        base = cfg.settings(CollectSettings)
         upd = {
             k: v
             for k, v in {

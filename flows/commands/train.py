@@ -25,10 +25,10 @@ def register(app: typer.Typer) -> None:
 
         from flows.config import load_config
         from flows.display import console, print_kv, print_table
-        from trainer.train import train
+        from trainer.train import TrainSettings, train
 
         cfg = load_config(config, sets)
-        settings = cfg.stage("train")
+        settings = cfg.settings(TrainSettings)
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("train", total=None)
             metrics = train(

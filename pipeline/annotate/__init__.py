@@ -17,14 +17,14 @@ def annotator_work(
 ) -> StageOutput | LLMExchange:
     """One batch's annotation with the named annotator (default: config.annotator): the output of `rules`, or
     the `llm` annotator's requests and the parser of their answers (`pipeline.stages.execute` sends them)."""
-    import pipeline.annotate.settings  # noqa: F401  (registers the settings models)
+    from pipeline.annotate.settings import RulesAnnotatorSettings
 
     kind = (annotator or config.annotator or "rules").strip()
     if kind == "rules":
         from pipeline.annotate.rules import ANNOTATOR_ID, annotate_rules
 
         nodes, edges, notes = annotate_rules(
-            steps, config.stage("annotate_rules"), annotator_id or ANNOTATOR_ID
+            steps, config.settings(RulesAnnotatorSettings), annotator_id or ANNOTATOR_ID
         )
         return StageOutput(tables={"nodes": nodes, "edges": edges}, notes=notes)
     if kind == "llm":

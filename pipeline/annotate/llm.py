@@ -317,7 +317,7 @@ def annotate_llm_requests(steps: pa.Table, config: Config, annotator_id: str | N
     """The llm annotator's requests for a batch of steps (one chat per trajectory) and the parser of their
     answers (`_Annotation.parse`): an answer that is not the schema is re-asked up to `retries` times (the
     parser's next exchange), then the trajectory falls back to uniform weights."""
-    s: LLMAnnotatorSettings = config.stage("annotate_llm")
+    s = config.settings(LLMAnnotatorSettings)
     overrides = {"model": s.model} if s.model else {}
     work = _Annotation(steps, s, annotator_id)
     return work.exchange(LLMSettings.from_config(config, **overrides))

@@ -79,9 +79,14 @@ def history_messages(steps: list[dict]) -> list[dict]:
 
 def _selected_turns(trajectories: pa.Table, steps: pa.Table, config: Config):
     from pipeline.credit.context import CreditContext
-    from pipeline.credit.methods.tcpo import retro_hindsight_frame, select_cf_turns, turn_table
+    from pipeline.credit.methods.tcpo import (
+        TCPOSettings,
+        retro_hindsight_frame,
+        select_cf_turns,
+        turn_table,
+    )
 
-    s = config.stage("tcpo")
+    s = config.settings(TCPOSettings)
     ctx = CreditContext.from_arrow(trajectories, steps, config=config)
     turns, _ = turn_table(ctx, s.missing_score)
     if turns.height == 0:
@@ -140,7 +145,7 @@ def counterfactual(
     the flow sends the requests, `io.map` runs the verifiers."""
     from pipeline.verifiers import parse_meta
 
-    cs: CounterfactualSettings = config.stage("counterfactual")
+    cs = config.settings(CounterfactualSettings)
     notes: dict[str, float] = {}
     try:
         selected, ts = _selected_turns(trajectories, steps, config)

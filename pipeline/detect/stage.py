@@ -194,5 +194,5 @@ def detect(
     io: StageIO = NO_IO,
 ) -> StageOutput:
     """C3 rule detectors -> spans (no effects: `io` is accepted like every stage's and unused)."""
-    table, notes = detect_spans(trajectories, steps, config.stage("detect"))
+    table, notes = detect_spans(trajectories, steps, config.settings(DetectSettings))
     return StageOutput(tables={"spans": table}, notes=notes)
