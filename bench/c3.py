@@ -68,9 +68,9 @@ def worker_credit(lake_dir: str, method: str) -> dict:
 
 def worker_memory(lake_dir: str, method: str) -> dict:
     """In memory: context built from the steps columns m+c3 reads; the estimator fn, then the c3 fn, timed."""
+    import pipeline.credit as credit
     from flows.batch import round_batches
     from pipeline.config import Config
-    from pipeline.credit import CreditContext
     from pipeline.credit.registry import ESTIMATORS, REFINERS, method_step_columns
     from warehouse.lake import Lake
     from warehouse.rounds import read_batch
@@ -79,7 +79,9 @@ def worker_memory(lake_dir: str, method: str) -> dict:
     est, c3 = ESTIMATORS[method], REFINERS["c3"]
     t_est = t_c3 = 0.0
     for b in round_batches(lake, 0):
-        ctx = CreditContext.from_arrow(
+        # the credit batch (#35), or a --baseline tree's CreditContext; both take these keywords
+        batch_type = getattr(credit, "CreditBatch", None) or credit.CreditContext
+        ctx = batch_type.from_arrow(
             read_batch(lake, "trajectories", 0, b),
             read_batch(lake, "steps", 0, b, columns=method_step_columns([f"{method}+c3"])),
             config=cfg,

@@ -266,8 +266,8 @@ def worker_verl(size: str, method: str, reps: int, gamma: float, lam: float) -> 
     import numpy as np
     import torch
 
+    import pipeline.credit as credit
     from pipeline.config import Config
-    from pipeline.credit.context import CreditContext
     from pipeline.credit.process import process_batch
     from pipeline.credit.registry import run_methods
 
@@ -282,7 +282,9 @@ def worker_verl(size: str, method: str, reps: int, gamma: float, lam: float) -> 
     rewards = torch.zeros(n_traj, n_tok)
     rewards[:, -1] = torch.from_numpy(np.asarray(trajs.column("reward")).astype(np.float32))
     mask = torch.ones(n_traj, n_tok)
-    ctx = CreditContext.from_arrow(trajs, steps, config=cfg)
+    # the credit batch (#35), or a --baseline tree's CreditContext; both take these keywords
+    batch_type = getattr(credit, "CreditBatch", None) or credit.CreditContext
+    ctx = batch_type.from_arrow(trajs, steps, config=cfg)
     run_methods(ctx, [method])  # warm-up (the first call's one-off costs)
     times: dict[str, list[float]] = {"verl": [], "estimate": [], "arrow": []}
     for _ in range(reps):

@@ -25,7 +25,7 @@ from _common import machine_note
 
 from pipeline.annotate.rules import annotate_rules
 from pipeline.config import Config
-from pipeline.credit import CreditContext
+from pipeline.credit import CreditBatch
 from pipeline.credit.process import advantages_table
 from pipeline.credit.registry import ESTIMATORS, REFINERS
 from pipeline.synth import SynthSettings, iter_batches
@@ -53,7 +53,7 @@ def bench_routing(args) -> tuple[list[str], dict]:
         t["annotate"] += time.perf_counter() - t0
         n_edges += edges.num_rows
         t0 = time.perf_counter()
-        ctx = CreditContext.from_arrow(traj, steps, config=cfg, annotations={"nodes": nodes, "edges": edges})
+        ctx = CreditBatch.from_arrow(traj, steps, config=cfg, annotations={"nodes": nodes, "edges": edges})
         t["ctx"] += time.perf_counter() - t0
         n_tok += ctx.n_tokens
         n_asst += int(ctx.tok_mask.sum())
@@ -88,7 +88,7 @@ def bench_routing(args) -> tuple[list[str], dict]:
         "|---|---|---|",
         f"| rules annotator (annotate_rules) | {t['annotate']:.2f} | {n_steps / t['annotate'] / 1e3:.1f}k steps/s "
         "(per-step text work), reported apart |",
-        f"| CreditContext.from_arrow | {t['ctx']:.2f} | shared by every method |",
+        f"| CreditBatch.from_arrow | {t['ctx']:.2f} | shared by every method |",
         f"| grpo (base estimator) | {t['grpo']:.2f} | |",
         f"| **iapo refiner** (features, Eq. 4-7, token broadcast) | **{t['iapo']:.2f}** | "
         f"{n_asst / t['iapo'] / 1e6:.0f}M assistant tokens/s |",

@@ -534,15 +534,15 @@ def annotations(env, method: str, b: Batch, policy: Policy, traj, steps, rng, ro
 def estimator_credit(env, method: str, b: Batch, policy: Policy, rng, round_: int) -> np.ndarray:
     """Per-turn advantages of `method` from creditflow's registry (one token per turn)."""
     from pipeline.config import Config
-    from pipeline.credit.context import CreditContext
+    from pipeline.credit.batch import CreditBatch
     from pipeline.credit.registry import run_methods
 
     traj, steps = tables(env, b, policy, round_)
     ann = annotations(env, method, b, policy, traj, steps, rng, round_)
     cfg = Config(methods=[method], stages=STAGES)
-    ctx = CreditContext.from_arrow(traj, steps, config=cfg, annotations=ann, round_=round_)
+    ctx = CreditBatch.from_arrow(traj, steps, config=cfg, annotations=ann, round_=round_)
     res = run_methods(ctx, [method])[method]
-    adv = np.asarray(res.token_adv, dtype=np.float64)[ctx.tok_mask]
+    adv = np.asarray(res.adv_per_token(), dtype=np.float64)[ctx.tok_mask]
     assert len(adv) == len(b.traj), (len(adv), len(b.traj))
     return adv
 
@@ -958,7 +958,7 @@ def explain_tcpo(seed: int, rounds: int, cfg: dict) -> list[str]:
     (mid-training), one round of its rollouts, TCPO's components per kind of turn beside the other arms'
     credit and the oracle's Q - V on the same turns."""
     from pipeline.config import Config
-    from pipeline.credit.context import CreditContext
+    from pipeline.credit.batch import CreditBatch
     from pipeline.credit.registry import run_methods
     from trainer.envs.credit_tasks import make_credit_env
 
@@ -971,13 +971,11 @@ def explain_tcpo(seed: int, rounds: int, cfg: dict) -> list[str]:
     traj, steps = tables(env, b, policy, 0)
     methods = ["tcpo", "mt_grpo", "grpo"]
     ann = annotations(env, "tcpo", b, policy, traj, steps, rng, 0)
-    ctx = CreditContext.from_arrow(
-        traj, steps, config=Config(methods=methods, stages=STAGES), annotations=ann
-    )
+    ctx = CreditBatch.from_arrow(traj, steps, config=Config(methods=methods, stages=STAGES), annotations=ann)
     res = run_methods(ctx, methods)
     asst = ctx.steps["is_assistant"].to_numpy()
     comp = {k: np.asarray(v)[asst] for k, v in res["tcpo"].components.items()}
-    adv = {m: np.asarray(res[m].token_adv)[ctx.tok_mask] for m in methods}
+    adv = {m: np.asarray(res[m].adv_per_token())[ctx.tok_mask] for m in methods}
     oracle = Values(env, policy).advantages(b)
     prev = np.where(b.turn == 1, 0.25, np.concatenate([[0.0], b.score[:-1]]))
     best_before = np.array(

@@ -33,7 +33,7 @@ from _common import cores as n_cores  # noqa: E402
 from _common import machine_note, peak_rss_mb  # noqa: E402
 
 from pipeline.config import Config  # noqa: E402
-from pipeline.credit import CreditContext, run_methods  # noqa: E402
+from pipeline.credit import CreditBatch, run_methods  # noqa: E402
 from pipeline.credit.process import advantages_table  # noqa: E402
 from pipeline.synth import SynthSettings, iter_batches  # noqa: E402
 from warehouse.lake import Lake  # noqa: E402
@@ -64,7 +64,7 @@ def bench_estimator(args) -> dict:
             steps = read_batch(lake, "steps", 0, name)
             floor["read"] += time.perf_counter() - t0
             n_tok += pc.sum(pc.list_value_length(steps.column("token_ids"))).as_py()
-            ctx = CreditContext.from_arrow(traj, steps, config=cfg)
+            ctx = CreditBatch.from_arrow(traj, steps, config=cfg)
             n_asst += int(ctx.tok_mask.sum())
             res = run_methods(ctx, ["grpo"])["grpo"]
             table = advantages_table(ctx, "floor", res)
@@ -76,7 +76,7 @@ def bench_estimator(args) -> dict:
             traj = read_batch(lake, "trajectories", 0, name)
             steps = read_batch(lake, "steps", 0, name)
             t1 = time.perf_counter()
-            ctx = CreditContext.from_arrow(traj, steps, config=cfg)
+            ctx = CreditBatch.from_arrow(traj, steps, config=cfg)
             t2 = time.perf_counter()
             res = run_methods(ctx, ["tcpo"])["tcpo"]
             t3 = time.perf_counter()

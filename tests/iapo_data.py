@@ -9,12 +9,12 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 
 EDGE_SIGN = {"input": 1, "success_utilization": 1, "failed_utilization": -1}
 
 
-def make_ctx(trajs: list[dict], annotations: dict | None = None) -> CreditContext:
+def make_ctx(trajs: list[dict], annotations: dict | None = None) -> CreditBatch:
     """trajs: [{"id": str, "group": str, "reward": float, "L": [len of action 1, ...]}]; each action is preceded
     by a user step of 3 tokens (mask 0)."""
     t_rows = {"traj_id": [], "group_id": [], "reward": []}
@@ -72,12 +72,12 @@ def make_ctx(trajs: list[dict], annotations: dict | None = None) -> CreditContex
             "values": pa.array(s_rows["values"], pa.list_(pa.float32())),
         }
     )
-    return CreditContext.from_arrow(traj, steps, annotations=annotations or {})
+    return CreditBatch.from_arrow(traj, steps, annotations=annotations or {})
 
 
-def base_result(ctx: CreditContext, a_hat: dict[str, float]) -> CreditResult:
+def base_result(ctx: CreditBatch, a_hat: dict[str, float]) -> CreditResult:
     per_traj = np.array([a_hat.get(t, 0.0) for t in ctx.trajectories["traj_id"].to_list()])
-    return CreditResult(ctx.broadcast_traj(per_traj), {"a_hat": ctx.traj_to_steps(per_traj)})
+    return CreditResult.per_token(ctx.broadcast_traj(per_traj), {"a_hat": ctx.traj_to_steps(per_traj)})
 
 
 def annotations(edges: list[tuple], nodes: list[tuple] | None = None, annotator: str = "test") -> dict:

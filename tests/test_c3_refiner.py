@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import polars as pl
 import pyarrow as pa
@@ -12,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import Config
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.methods.c3 import C3Settings, c3
 from pipeline.credit.process import process_batch
 from pipeline.credit.registry import run_methods
@@ -46,7 +48,7 @@ def cases(draw):
                 }
             )
     t, s = batch(trajs)
-    ctx = CreditContext.from_arrow(t, s)
+    ctx = CreditBatch.from_arrow(t, s)
     adv = np.where(
         ctx.tok_mask,
         np.array(
@@ -64,7 +66,7 @@ def cases(draw):
             "severity": pl.Float64,
         },
     )
-    ctx.annotations["spans"] = sp
+    ctx = replace(ctx, annotations={"spans": sp})
     return ctx, adv, sp
 
 
@@ -82,7 +84,7 @@ def span_mask(ctx, sp):
 
 
 def run_c3(ctx, adv, **kw):
-    return c3(ctx, CreditResult(adv.copy(), {}, None, {}), C3Settings(**kw)).token_adv
+    return c3(ctx, CreditResult.per_token(adv.copy()), C3Settings(**kw)).adv_per_token()
 
 
 @settings(max_examples=80, deadline=None)
@@ -101,27 +103,28 @@ def test_c3_properties(case, lam):
     assert np.array_equal(
         run_c3(ctx, adv, lam=lam)
         if lam == 0
-        else c3(_with_sev(ctx, 0.0), CreditResult(adv.copy()), C3Settings(lam=lam)).token_adv,
+        else c3(_with_sev(ctx, 0.0), CreditResult.per_token(adv.copy()), C3Settings(lam=lam)).adv_per_token(),
         adv,
     )
     ctx0 = _with_logprob(ctx, np.full(ctx.n_tokens, -np.inf))
     assert np.array_equal(run_c3(ctx0, adv, lam=lam), adv)
     # monotone non-increasing in s and in c
-    lower_s = c3(_with_sev(ctx, None, scale=0.5), CreditResult(adv.copy()), C3Settings(lam=lam)).token_adv
+    lower_s = c3(
+        _with_sev(ctx, None, scale=0.5), CreditResult.per_token(adv.copy()), C3Settings(lam=lam)
+    ).adv_per_token()
     assert np.all(out <= lower_s + 1e-12)
-    lower_c = run_c3(_with_logprob(ctx, ctx.tok_logprob - 1.0), adv, lam=lam)
+    lower_c = run_c3(_with_logprob(ctx, ctx.logprobs.per_token() - 1.0), adv, lam=lam)
     assert np.all(out <= lower_c + 1e-12)
 
 
 def _with_sev(ctx, value, scale=1.0):
     sp = ctx.annotations["spans"]
     sev = pl.lit(value, pl.Float64) if value is not None else pl.col("severity") * scale
-    new = CreditContext(**{**ctx.__dict__, "annotations": {"spans": sp.with_columns(sev.alias("severity"))}})
-    return new
+    return replace(ctx, annotations={"spans": sp.with_columns(sev.alias("severity"))})
 
 
 def _with_logprob(ctx, lp):
-    return CreditContext(**{**ctx.__dict__, "tok_logprob": lp})
+    return replace(ctx, logprobs=replace(ctx.logprobs, dense=lp))  # the logprobs as this per-token array
 
 
 def test_c3_hand_computed():
@@ -137,7 +140,7 @@ def test_c3_hand_computed():
             }
         ]
     )
-    ctx = CreditContext.from_arrow(t, s)
+    ctx = CreditBatch.from_arrow(t, s)
     spans = pl.DataFrame(
         {
             "traj_id": ["a", "a"],
@@ -147,32 +150,37 @@ def test_c3_hand_computed():
             "severity": [0.5, 1.0],
         }
     )
-    ctx.annotations["spans"] = spans
+    ctx = replace(ctx, annotations={"spans": spans})
     adv = np.array([0.0, 2.0, 2.0, 2.0, -1.0])  # flat tokens: user q, then w0..w3
-    res = c3(ctx, CreditResult(adv.copy(), {"a_hat": np.array([np.nan, 2.0])}, None, {}), C3Settings())
+    res = c3(ctx, CreditResult.per_token(adv.copy(), {"a_hat": np.array([np.nan, 2.0])}), C3Settings())
     c1, c2 = np.exp(np.mean(lps[1:3])), np.exp(np.mean(lps[2:4]))
     g1, g2 = 0.5 * c1, 1.0 * c2
     expect = [0.0, 2.0, 2.0 * (1 - g1), 2.0 * (1 - max(g1, g2)), -1.0]
-    assert res.token_adv == pytest.approx(expect)
+    assert res.adv_per_token() == pytest.approx(expect)
     assert res.components["severity"][1] == 1.0 and np.isnan(res.components["severity"][0])
     assert res.components["confidence"][1] == pytest.approx(max(c1, c2))
     assert res.components["factor"][1] == pytest.approx(1 - max(g1, g2))
     assert res.components["a_hat"][1] == 2.0  # base components pass through
-    arith = c3(ctx, CreditResult(adv.copy()), C3Settings(confidence="arithmetic")).token_adv
+    arith = c3(ctx, CreditResult.per_token(adv.copy()), C3Settings(confidence="arithmetic")).adv_per_token()
     assert arith[2] == pytest.approx(2.0 * (1 - 0.5 * np.mean(np.exp(lps[1:3]))))
 
 
 def test_missing_logprobs_use_setting_and_are_counted():
     t, s = batch([{"traj_id": "a", "steps": [{"role": "assistant", "content": "w w", "logprob": None}]}])
-    ctx = CreditContext.from_arrow(t, s)
-    ctx.annotations["spans"] = pl.DataFrame(
-        {"traj_id": ["a"], "step_idx": [0], "token_start": [0], "token_end": [2], "severity": [1.0]}
+    ctx = CreditBatch.from_arrow(t, s)
+    ctx = replace(
+        ctx,
+        annotations={
+            "spans": pl.DataFrame(
+                {"traj_id": ["a"], "step_idx": [0], "token_start": [0], "token_end": [2], "severity": [1.0]}
+            )
+        },
     )
     adv = np.array([1.0, 1.0])
-    res = c3(ctx, CreditResult(adv.copy()), C3Settings())
-    assert res.token_adv.tolist() == [0.0, 0.0] and res.notes["c3.missing_confidence_spans"] == 1.0
-    res = c3(ctx, CreditResult(adv.copy()), C3Settings(missing_confidence=0.25, lam=0.8))
-    assert res.token_adv == pytest.approx([0.8, 0.8])
+    res = c3(ctx, CreditResult.per_token(adv.copy()), C3Settings())
+    assert res.adv_per_token().tolist() == [0.0, 0.0] and res.notes["c3.missing_confidence_spans"] == 1.0
+    res = c3(ctx, CreditResult.per_token(adv.copy()), C3Settings(missing_confidence=0.25, lam=0.8))
+    assert res.adv_per_token() == pytest.approx([0.8, 0.8])
 
 
 # ---- composition on a detected batch -------------------------------------------------------------
@@ -238,11 +246,11 @@ def test_c3_with_iapo_and_tcpo_chains():
         pytest.skip("iapo / tcpo not registered")
     t, s = loop_batch()
     spans, _ = detect_spans(t, s)
-    ctx = CreditContext.from_arrow(
+    ctx = CreditBatch.from_arrow(
         t, s, annotations={"spans": spans, "nodes": _empty("nodes"), "edges": _empty("edges")}
     )
     out = run_methods(ctx, ["grpo+iapo", "grpo+iapo+c3"])
-    a, b = out["grpo+iapo"].token_adv, out["grpo+iapo+c3"].token_adv
+    a, b = out["grpo+iapo"].adv_per_token(), out["grpo+iapo+c3"].adv_per_token()
     assert np.all((b == a) | ((a > 0) & (b < a)))
     # tcpo+c3: turn-level credit, corrected only on positive tokens inside the spans (no CF rows: hindsight)
     scores = {"t0": [0.1, 1.0, 1.0], "t1": [0.0, 0.2], "t2": [0.3, 0.3]}  # t0's looping turn 2 makes progress
@@ -252,11 +260,11 @@ def test_c3_with_iapo_and_tcpo_chains():
             r["verifier_score"] = scores[r["traj_id"]][r["turn"] - 1]
     s = pa.Table.from_pylist(rows_, schema=s.schema)
     cfg = Config()
-    ctx = CreditContext.from_arrow(
+    ctx = CreditBatch.from_arrow(
         t, s, config=cfg, annotations={"spans": spans, "counterfactuals": _empty("counterfactuals")}
     )
     out = run_methods(ctx, ["tcpo", "tcpo+c3"])
-    a, b = out["tcpo"].token_adv, out["tcpo+c3"].token_adv
+    a, b = out["tcpo"].adv_per_token(), out["tcpo+c3"].adv_per_token()
     in_span = np.zeros(ctx.n_tokens, dtype=bool)
     starts = ctx.steps["tok_start"].to_numpy()
     rows = {
@@ -283,7 +291,7 @@ def test_process_reward_baselines():
     t, s = loop_batch()
     spans, _ = detect_spans(t, s)
     cfg = Config(stages={"gae": {"whiten": False}})
-    ctx = CreditContext.from_arrow(t, s, config=cfg, annotations={"spans": spans})
+    ctx = CreditBatch.from_arrow(t, s, config=cfg, annotations={"spans": spans})
     out = run_methods(ctx, ["grpo", "grpo_pr", "gae", "gae_pr"])
     # outcome level for grpo: R' = R - 0.5 * sum s = [0.5, -0.5, 1.0]
     r = np.array([0.5, -0.5, 1.0])
@@ -292,20 +300,20 @@ def test_process_reward_baselines():
         a[0]
     )
     # turn level for gae (gamma = lam = 1, unwhitened): tokens up to the penalised turn lose beta*s = 0.5
-    diff = out["gae_pr"].token_adv - out["gae"].token_adv
-    t0 = (ctx.tok_traj == 0) & ctx.tok_mask
+    diff = out["gae_pr"].adv_per_token() - out["gae"].adv_per_token()
+    t0 = (ctx.token_trajs() == 0) & ctx.tok_mask
     turn2_end = int(ctx.steps["tok_start"][3] + ctx.steps["n_tokens"][3])
     idx = np.flatnonzero(t0)
     assert diff[idx[idx < turn2_end]] == pytest.approx(-0.5)
     assert diff[idx[idx >= turn2_end]] == pytest.approx(0.0)
-    assert (out["gae_pr"].token_returns - out["gae"].token_returns)[idx[idx < turn2_end]] == pytest.approx(
-        -0.5
-    )
-    ctx2 = CreditContext.from_arrow(
+    assert (out["gae_pr"].returns_per_token() - out["gae"].returns_per_token())[
+        idx[idx < turn2_end]
+    ] == pytest.approx(-0.5)
+    ctx2 = CreditBatch.from_arrow(
         t,
         s,
         config=Config(stages={"gae": {"whiten": False}, "process_reward": {"level": "outcome"}}),
         annotations={"spans": spans},
     )
-    d2 = run_methods(ctx2, ["gae_pr"])["gae_pr"].token_adv - out["gae"].token_adv
+    d2 = run_methods(ctx2, ["gae_pr"])["gae_pr"].adv_per_token() - out["gae"].adv_per_token()
     assert d2[idx] == pytest.approx(-0.5)  # the outcome penalty reaches every token (gamma = lam = 1)

@@ -96,7 +96,7 @@ def test_a_component_the_estimator_does_not_declare_is_an_error():
     it (a schema that lacked it dropped it silently before)."""
     from credit_rounds import random_round
 
-    from pipeline.credit.context import CreditContext, CreditResult
+    from pipeline.credit.batch import CreditBatch, CreditResult
     from pipeline.credit.registry import ESTIMATORS, MethodError, estimator, run_methods
 
     def undeclared(ctx, settings):
@@ -106,7 +106,7 @@ def test_a_component_the_estimator_does_not_declare_is_an_error():
 
     estimator("test_undeclared", components=("a_hat",))(undeclared)
     try:
-        ctx = CreditContext.from_arrow(*random_round(1, max_groups=2, max_group_size=2, max_steps=3))
+        ctx = CreditBatch.from_arrow(*random_round(1, max_groups=2, max_group_size=2, max_steps=3))
         with pytest.raises(MethodError, match=r"components \['w'\] it does not declare"):
             run_methods(ctx, ["test_undeclared"])
     finally:

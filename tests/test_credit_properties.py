@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import Config
-from pipeline.credit import CreditContext, MethodError, run_methods
+from pipeline.credit import CreditBatch, MethodError, run_methods
 from pipeline.credit.process import process_batch
 from pipeline.export import STEP_COLUMNS, TrainLayout, build_train_batch
 from schemas import steps as steps_schema
@@ -64,7 +64,7 @@ def make_round(trajs: list[dict], steps: list[dict]) -> tuple[pa.Table, pa.Table
 
 
 def run(traj, steps, method, **stages):
-    ctx = CreditContext.from_arrow(traj, steps, config=Config(stages=stages))
+    ctx = CreditBatch.from_arrow(traj, steps, config=Config(stages=stages))
     return ctx, run_methods(ctx, [method])[method]
 
 
@@ -98,7 +98,7 @@ def test_grpo_hand_case():
     traj, steps = make_round(*simple_group([1.0, 0.0, 0.0, 1.0]))
     ctx, res = run(traj, steps, "grpo")
     np.testing.assert_allclose(per_traj(ctx, res), [0.8660239, -0.8660239, -0.8660239, 0.8660239], atol=1e-6)
-    assert np.all(res.token_adv[~ctx.tok_mask] == 0)
+    assert np.all(res.adv_per_token()[~ctx.tok_mask] == 0)
     ctx, res = run(traj, steps, "grpo", grpo={"norm_by_std": False})
     np.testing.assert_allclose(per_traj(ctx, res), [0.5, -0.5, -0.5, 0.5])
 
@@ -156,7 +156,7 @@ def test_gdpo_components_weights_and_nan():
     np.testing.assert_allclose(per_traj(ctx, res), [0.57725, -1.1545, 0.57725], atol=1e-4)
     traj, st_ = make_round(*simple_group([5.0]))  # batch of one trajectory: no whitening, no NaN
     ctx, res = run(traj, st_, "gdpo")
-    assert np.isfinite(res.token_adv).all() and res.notes["singleton_batch"] == 1.0
+    assert np.isfinite(res.adv_per_token()).all() and res.notes["singleton_batch"] == 1.0
 
 
 # ---- GAE hand cases -----------------------------------------------------------------------------
@@ -179,17 +179,19 @@ def test_gae_three_tokens_by_hand(with_obs):
     ctx, res = run(traj, steps, "gae", gae={"whiten": False})
     m = ctx.tok_mask
     # delta = [0 + .2 - .5, 0 + .1 - .2, 1 - .1] = [-.3, -.1, .9]; gamma = lam = 1: A = [.5, .8, .9]
-    np.testing.assert_allclose(res.token_adv[m], [0.5, 0.8, 0.9], atol=1e-12)
-    np.testing.assert_allclose(res.token_returns[m], [1.0, 1.0, 1.0], atol=1e-12)
+    np.testing.assert_allclose(res.adv_per_token()[m], [0.5, 0.8, 0.9], atol=1e-12)
+    np.testing.assert_allclose(res.returns_per_token()[m], [1.0, 1.0, 1.0], atol=1e-12)
     ctx, res = run(traj, steps, "gae", gae={"whiten": False, "gamma": 0.9, "lam": 0.5})
     # delta = [.18 - .5, .09 - .2, .9]; A3 = .9, A2 = -.11 + .45 * .9 = .295, A1 = -.32 + .45 * .295
-    np.testing.assert_allclose(res.token_adv[m], [-0.18725, 0.295, 0.9], atol=1e-12)
-    np.testing.assert_allclose(res.token_returns[m], [-0.18725 + 0.5, 0.495, 1.0], atol=1e-12)
+    np.testing.assert_allclose(res.adv_per_token()[m], [-0.18725, 0.295, 0.9], atol=1e-12)
+    np.testing.assert_allclose(res.returns_per_token()[m], [-0.18725 + 0.5, 0.495, 1.0], atol=1e-12)
     ctx, res = run(traj, steps, "gae")  # whitened advantages, returns still before whitening
     a = np.array([-0.18725, 0.295, 0.9]) if False else np.array([0.5, 0.8, 0.9])
-    np.testing.assert_allclose(res.token_adv[m], (a - a.mean()) / np.sqrt(a.var(ddof=1) + 1e-8), atol=1e-9)
-    np.testing.assert_allclose(res.token_returns[m], [1.0, 1.0, 1.0], atol=1e-12)
-    assert np.all(res.token_adv[~m] == 0)
+    np.testing.assert_allclose(
+        res.adv_per_token()[m], (a - a.mean()) / np.sqrt(a.var(ddof=1) + 1e-8), atol=1e-9
+    )
+    np.testing.assert_allclose(res.returns_per_token()[m], [1.0, 1.0, 1.0], atol=1e-12)
+    assert np.all(res.adv_per_token()[~m] == 0)
 
 
 def test_gae_missing_values_names_trajectory():
@@ -205,8 +207,8 @@ def test_turn_ppo_by_hand():
     traj, steps = gae_round(True)
     ctx, res = run(traj, steps, "turn_ppo", turn_ppo={"whiten": False, "gamma": 1.0, "lam": 1.0})
     # turns: V = [.5, .2]; delta = [.2 - .5, 1 - .2] = [-.3, .8]; A = [.5, .8]
-    np.testing.assert_allclose(res.token_adv[ctx.tok_mask], [0.5, 0.8, 0.8], atol=1e-12)
-    np.testing.assert_allclose(res.token_returns[ctx.tok_mask], [1.0, 1.0, 1.0], atol=1e-12)
+    np.testing.assert_allclose(res.adv_per_token()[ctx.tok_mask], [0.5, 0.8, 0.8], atol=1e-12)
+    np.testing.assert_allclose(res.returns_per_token()[ctx.tok_mask], [1.0, 1.0, 1.0], atol=1e-12)
 
 
 # ---- MT-GRPO ------------------------------------------------------------------------------------
@@ -283,7 +285,7 @@ def _anchor_case(seed, contents):
     rng = np.random.default_rng(seed)
     content = [contents[i] for i in rng.integers(0, len(contents), steps.num_rows)]
     steps = steps.set_column(steps.column_names.index("content"), "content", pa.array(content, pa.string()))
-    ctx = CreditContext.from_arrow(traj, steps)
+    ctx = CreditBatch.from_arrow(traj, steps)
     expect, parts, prev = [], [], None
     for row, (t, is_asst, text) in enumerate(
         zip(

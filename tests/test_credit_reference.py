@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import Config
-from pipeline.credit import CreditContext, run_methods
+from pipeline.credit import CreditBatch, run_methods
 from pipeline.credit.process import advantages_table
 
 # ---- plain-Python view of a round -------------------------------------------------------------------
@@ -313,7 +313,7 @@ def ref_gigpo(
 
 
 def engine(traj, steps, method, stages=None):
-    ctx = CreditContext.from_arrow(traj, steps, config=Config(stages=stages or {}))
+    ctx = CreditBatch.from_arrow(traj, steps, config=Config(stages=stages or {}))
     return ctx, run_methods(ctx, [method])[method]
 
 
@@ -321,10 +321,10 @@ def check(traj, steps, method, ref_per_step, stages=None, ref_returns=None):
     ctx, res = engine(traj, steps, method, stages)
     trajs, by_traj, _ = load(traj, steps)
     expect = token_layout(trajs, by_traj, ref_per_step)
-    np.testing.assert_allclose(res.token_adv, expect, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(res.adv_per_token(), expect, rtol=1e-6, atol=1e-6)
     if ref_returns is not None:
         np.testing.assert_allclose(
-            np.where(ctx.tok_mask, res.token_returns, 0.0),
+            np.where(ctx.tok_mask, res.returns_per_token(), 0.0),
             token_layout(trajs, by_traj, ref_returns),
             rtol=1e-6,
             atol=1e-6,
@@ -454,5 +454,5 @@ def test_empty_batch(method):
     traj, steps = random_round(0, max_groups=1)
     traj, steps = traj.slice(0, 0), steps.slice(0, 0)
     ctx, res = engine(traj, steps, method)
-    assert res.token_adv.shape == (0,)
+    assert res.adv_per_token().shape == (0,)
     assert advantages_table(ctx, method, res).num_rows == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import polars as pl
@@ -51,7 +52,7 @@ def run(trajs, edges, nodes, a_hat, **kw):
 
 
 def per_traj_tokens(ctx, res):
-    return np.bincount(ctx.tok_traj, weights=res.token_adv, minlength=ctx.n_traj)
+    return np.bincount(ctx.token_trajs(), weights=res.adv_per_token(), minlength=ctx.n_traj)
 
 
 def assistant_frame(ctx, res):
@@ -104,15 +105,15 @@ def test_mass_sign_zero_and_bounds(batch):
     trajs, edges, nodes, a_hat, _ = batch
     ctx, res = run(trajs, edges, nodes, a_hat)
     ids = ctx.trajectories["traj_id"].to_list()
-    L = np.bincount(ctx.tok_traj, weights=ctx.tok_mask.astype(float), minlength=ctx.n_traj)
+    L = np.bincount(ctx.token_trajs(), weights=ctx.tok_mask.astype(float), minlength=ctx.n_traj)
     a = np.array([a_hat[t] for t in ids])
     # mass: sum of token advantages = L * A_hat
     np.testing.assert_allclose(per_traj_tokens(ctx, res), L * a, rtol=1e-9, atol=1e-9)
     # sign preservation, A_hat = 0 -> 0, masked tokens 0
-    tok_a = a[ctx.tok_traj]
+    tok_a = a[ctx.token_trajs()]
     m = ctx.tok_mask
-    assert np.all(np.sign(res.token_adv[m]) == np.sign(tok_a[m]))
-    assert np.all(res.token_adv[~m] == 0)
+    assert np.all(np.sign(res.adv_per_token()[m]) == np.sign(tok_a[m]))
+    assert np.all(res.adv_per_token()[~m] == 0)
     # bounds of m
     c = 0.25
     f = assistant_frame(ctx, res)
@@ -142,7 +143,7 @@ def test_edge_order_independent(batch, rnd):
     _, r2 = run(
         trajs, shuffled + shuffled[: len(shuffled) // 2], list(reversed(nodes)), a_hat
     )  # + duplicates
-    np.testing.assert_array_equal(r1.token_adv, r2.token_adv)
+    np.testing.assert_array_equal(r1.adv_per_token(), r2.adv_per_token())
 
 
 @settings(**SETTINGS)
@@ -238,17 +239,17 @@ def test_failed_edge_from_clean_action_sets_error_and_duplicates_once():
 def test_refuses_non_trajectory_level_base():
     ctx = make_ctx([{"id": "a", "L": [3, 4]}], annotations([]))
     base = base_result(ctx, {"a": 1.0})
-    adv = base.token_adv.copy()
+    adv = base.adv_per_token().copy()
     adv[np.flatnonzero(ctx.tok_mask)[0]] = 2.0
     with pytest.raises(MethodError, match="trajectory-level"):
-        iapo(ctx, type(base)(adv, base.components), IAPOSettings())
+        iapo(ctx, type(base).per_token(adv, base.components), IAPOSettings())
 
 
 def test_several_annotators_need_a_choice():
     ctx = make_ctx([{"id": "a", "L": [3, 4]}])
     a1 = annotations([("a", 1, 2, "input")], annotator="x")
     a2 = annotations([("a", 1, 2, "input")], annotator="y")
-    ctx.annotations = {"edges": pl.concat([a1["edges"], a2["edges"]]), "nodes": a1["nodes"]}
+    ctx = replace(ctx, annotations={"edges": pl.concat([a1["edges"], a2["edges"]]), "nodes": a1["nodes"]})
     with pytest.raises(MethodError, match="several annotators"):
         iapo(ctx, base_result(ctx, {"a": 1.0}), IAPOSettings())
     res = iapo(ctx, base_result(ctx, {"a": 1.0}), IAPOSettings(annotator="y"))
@@ -321,9 +322,9 @@ def test_hand_worked_refund_trajectory():
     assert w_pos[0] > w_pos[1] > w_pos[2]
     assert w_neg[2] == max(w_neg)
     # token advantages
-    adv = res.token_adv
-    tok_turn = ctx.steps["turn"].to_numpy()[ctx.tok_step]
-    tok_tid = np.array(ctx.trajectories["traj_id"].to_list())[ctx.tok_traj]
+    adv = res.adv_per_token()
+    tok_turn = ctx.steps["turn"].to_numpy()[ctx.token_steps()]
+    tok_tid = np.array(ctx.trajectories["traj_id"].to_list())[ctx.token_trajs()]
     sel = ctx.tok_mask & (tok_tid == "win") & (tok_turn == 3)
     np.testing.assert_allclose(adv[sel], 1.2 * w_pos[2])
     assert sum(li * w for li, w in zip(L, w_pos, strict=True)) == pytest.approx(Lt)

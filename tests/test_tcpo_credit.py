@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tcpo_data import make_batch
 
 from pipeline.config import Config
-from pipeline.credit import CreditContext, run_methods
+from pipeline.credit import CreditBatch, run_methods
 from pipeline.credit.methods.tcpo import select_cf_turns
 from pipeline.credit.process import advantages_table
 from schemas.counterfactuals import SCHEMA as CF_SCHEMA
@@ -61,7 +61,7 @@ def cf_table(cf: dict[tuple[str, int], list[float | None]], status: str = "ok") 
 def run(groups, methods=("tcpo",), config=None, cf=None, logprobs=None):
     traj, steps = make_batch(groups, logprobs=logprobs)
     anns = {"counterfactuals": cf} if cf is not None else None
-    ctx = CreditContext.from_arrow(traj, steps, config=config or Config(), annotations=anns)
+    ctx = CreditBatch.from_arrow(traj, steps, config=config or Config(), annotations=anns)
     results = run_methods(ctx, list(methods))
     out = {}
     for m, res in results.items():
@@ -180,8 +180,8 @@ def test_missing_score_is_a_clear_error_or_zero():
 
 def test_empty_batch_and_group_of_one():
     traj, steps = make_batch([])
-    ctx = CreditContext.from_arrow(traj, steps)
-    assert run_methods(ctx, ["tcpo"])["tcpo"].token_adv.shape == (0,)
+    ctx = CreditBatch.from_arrow(traj, steps)
+    assert run_methods(ctx, ["tcpo"])["tcpo"].adv_per_token().shape == (0,)
 
 
 def test_random_selection_is_seeded_and_within_budget():
@@ -338,9 +338,9 @@ def check_properties(ctx, result, got, s):
         n_sel = int((part["g_sel"] == 1).sum())
         assert n_sel == min(s["L"], n_b)
     # credit constant within a turn, zero off the mask
-    adv = result.token_adv
+    adv = result.adv_per_token()
     assert (adv[~ctx.tok_mask] == 0).all()
-    step_of = ctx.tok_step[ctx.tok_mask]
+    step_of = ctx.token_steps()[ctx.tok_mask]
     first = np.zeros(ctx.n_steps)
     first[step_of] = adv[ctx.tok_mask]
     assert np.allclose(adv[ctx.tok_mask], first[step_of])

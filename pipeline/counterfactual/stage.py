@@ -78,7 +78,7 @@ def history_messages(steps: list[dict]) -> list[dict]:
 
 
 def _selected_turns(trajectories: pa.Table, steps: pa.Table, config: Config):
-    from pipeline.credit.context import CreditContext
+    from pipeline.credit.batch import CreditBatch
     from pipeline.credit.methods.tcpo import (
         TCPOSettings,
         retro_hindsight_frame,
@@ -87,8 +87,9 @@ def _selected_turns(trajectories: pa.Table, steps: pa.Table, config: Config):
     )
 
     s = config.settings(TCPOSettings)
-    ctx = CreditContext.from_arrow(trajectories, steps, config=config)
-    turns, _ = turn_table(ctx, s.missing_score)
+    # the batch of the turns' surprisal (tcpo's Eq. 10): the behaviour logprobs, read once
+    batch = CreditBatch.from_arrow(trajectories, steps, ("logprobs",), config=config)
+    turns, _ = turn_table(batch, s.missing_score)
     if turns.height == 0:
         return turns, s
     turns = retro_hindsight_frame(turns, s.tau)
@@ -135,7 +136,7 @@ def _selection_methods(config: Config) -> list[str]:
         "pipeline/counterfactual",
         "pipeline/verifiers",
         "pipeline/credit/methods/tcpo.py",
-        "pipeline/credit/context.py",
+        "pipeline/credit/batch.py",
     ),
 )
 def counterfactual(

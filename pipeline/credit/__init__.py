@@ -6,7 +6,7 @@ import importlib
 import pkgutil
 
 from pipeline.credit import methods as _methods
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.registry import (
     ESTIMATORS,
     REFINERS,
@@ -23,7 +23,7 @@ for _m in sorted(m.name for m in pkgutil.iter_modules(_methods.__path__)):
 __all__ = [
     "ESTIMATORS",
     "REFINERS",
-    "CreditContext",
+    "CreditBatch",
     "CreditResult",
     "MethodError",
     "estimator",

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.config import Config
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.ops import Moments
 from pipeline.credit.registry import (
     method_settings,
@@ -32,7 +32,7 @@ STATS = "credit_stats"  # the statistics pass: the sufficient statistics of ever
 
 
 def _token_column(
-    ctx: CreditContext,
+    batch: CreditBatch,
     offsets: np.ndarray,
     per_step: np.ndarray | None,
     on_mask: np.ndarray | None,
@@ -43,45 +43,40 @@ def _token_column(
     assistant tokens); each cast to float32 once, the same values as building the float64 token array and
     casting it."""
     if per_step is not None:
-        flat = np.repeat(per_step.astype(np.float32), ctx.steps["n_tokens"].to_numpy())
+        flat = np.repeat(per_step.astype(np.float32), batch.step_tokens)
     elif on_mask is not None:
-        flat = np.zeros(ctx.n_tokens, dtype=np.float32)
-        flat[ctx.tok_mask] = on_mask
+        flat = np.zeros(batch.n_tokens, dtype=np.float32)
+        flat[batch.tok_mask] = on_mask
     else:
         assert per_token is not None
-        flat = np.where(ctx.tok_mask, per_token, 0.0).astype(np.float32)
+        flat = np.where(batch.tok_mask, per_token, 0.0).astype(np.float32)
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, type=pa.float32()))
 
 
-def _components_struct(ctx: CreditContext, comps: dict[str, np.ndarray]) -> pa.StructArray:
+def _components_struct(batch: CreditBatch, comps: dict[str, np.ndarray]) -> pa.StructArray:
     arrays = []
     for name in COMPONENT_FIELDS:
         values = comps.get(name)
         if values is None:
-            arrays.append(pa.nulls(ctx.n_steps, pa.float64()))
+            arrays.append(pa.nulls(batch.n_steps, pa.float64()))
         else:
             values = np.asarray(values, dtype=np.float64)
             arrays.append(pa.array(values, mask=np.isnan(values), type=pa.float64()))
     return pa.StructArray.from_arrays(arrays, fields=list(COMPONENTS))
 
 
-def advantages_table(ctx: CreditContext, method: str, result: CreditResult) -> pa.Table:
-    offsets = ctx.step_offsets
-    steps = ctx.steps
-    group_ids = ctx.trajectories["group_id"].cast(pl.String).gather(ctx.step_traj).to_arrow()
-    laid_out = result.step_adv is not None or result.mask_adv is not None
-    adv = _token_column(
-        ctx, offsets, result.step_adv, result.mask_adv, None if laid_out else result.token_adv
-    )
+def advantages_table(batch: CreditBatch, method: str, result: CreditResult) -> pa.Table:
+    offsets = batch.step_offsets
+    steps = batch.steps
+    group_ids = batch.trajectories["group_id"].cast(pl.String).gather(batch.step_traj).to_arrow()
+    adv = _token_column(batch, offsets, result.step_adv, result.mask_adv, result.tok_adv)
     returns = None
-    if result.step_returns is not None or result.mask_returns is not None:
-        returns = _token_column(ctx, offsets, result.step_returns, result.mask_returns, None)
-    elif result.token_returns is not None:
-        returns = _token_column(ctx, offsets, None, None, result.token_returns)
+    if result.step_returns is not None or result.mask_returns is not None or result.tok_returns is not None:
+        returns = _token_column(batch, offsets, result.step_returns, result.mask_returns, result.tok_returns)
     return pa.table(
         {
-            "round": pa.array(np.full(ctx.n_steps, ctx.round, dtype=np.int32)),
-            "method": pa.repeat(pa.scalar(method, pa.string()), ctx.n_steps),
+            "round": pa.array(np.full(batch.n_steps, batch.round, dtype=np.int32)),
+            "method": pa.repeat(pa.scalar(method, pa.string()), batch.n_steps),
             "traj_id": steps["traj_id"].to_arrow().cast(pa.string()),
             "group_id": group_ids.cast(pa.string()),
             "step_idx": steps["step_idx"].to_arrow().cast(pa.int32()),
@@ -90,8 +85,8 @@ def advantages_table(ctx: CreditContext, method: str, result: CreditResult) -> p
             "token_adv": adv,
             "token_returns": returns
             if returns is not None
-            else pa.nulls(ctx.n_steps, pa.list_(pa.float32())),
-            "components": _components_struct(ctx, result.components),
+            else pa.nulls(batch.n_steps, pa.list_(pa.float32())),
+            "components": _components_struct(batch, result.components),
         }
     )
 
@@ -179,11 +174,18 @@ def process_batch(
     quarantined = overflow_groups(trajectories)
     if quarantined:
         trajectories, steps = _without_groups(trajectories, steps, quarantined)
-    ctx = CreditContext.from_arrow(
-        trajectories, steps, config=config, annotations=annotations, round_=round_, round_stats=round_stats
+    # the credit batch: built once, whole-column, with the steps columns the methods' registrations declare
+    batch = CreditBatch.from_arrow(
+        trajectories,
+        steps,
+        method_step_columns(methods),
+        config=config,
+        annotations=annotations,
+        round_=round_,
+        round_stats=round_stats,
     )
-    results = run_methods(ctx, methods)
-    tables = {m: advantages_table(ctx, m, r) for m, r in results.items()}
+    results = run_methods(batch, methods)
+    tables = {m: advantages_table(batch, m, r) for m, r in results.items()}
     extra = {"quarantined_groups": float(len(quarantined))} if quarantined else {}
     return tables, {m: {**r.notes, **extra} for m, r in results.items()}
 
@@ -207,11 +209,18 @@ def batch_statistics(
     quarantined = overflow_groups(trajectories)
     if quarantined:  # the same groups as process_batch leaves out
         trajectories, steps = _without_groups(trajectories, steps, quarantined)
-    ctx = CreditContext.from_arrow(trajectories, steps, config=config, annotations=annotations, round_=round_)
+    batch = CreditBatch.from_arrow(
+        trajectories,
+        steps,
+        statistics_step_columns([s.name for s in stages]),
+        config=config,
+        annotations=annotations,
+        round_=round_,
+    )
     out = {stage.name: Moments() for stage in stages}
     for stage in stages:
         assert stage.statistics is not None  # round_statistics_methods: the estimators that declare one
-        own = stage.statistics.fn(ctx, ctx.stage(stage.settings) if stage.settings else None)
+        own = stage.statistics.fn(batch, batch.settings_named(stage.settings) if stage.settings else None)
         for key, moments in own.items():
             out[key] = out[key].merge(moments) if key in out else moments
     return out

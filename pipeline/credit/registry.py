@@ -1,22 +1,22 @@
 """The method registry. An estimator makes token advantages from rewards; a refiner transforms them.
 A method is a chain `estimator(+refiner)*`, e.g. `grpo`, `gae+c3`, `grpo+iapo+c3`.
 
-    @estimator("grpo", settings="grpo")
-    def grpo(ctx: CreditContext, settings: GRPOSettings) -> CreditResult: ...
+    @estimator("grpo", settings="grpo", components=("a_hat", "score"))
+    def grpo(batch: CreditBatch, settings: GRPOSettings) -> CreditResult: ...
 
-    @refiner("c3", settings="c3", needs=("spans",))
-    def c3(ctx: CreditContext, base: CreditResult, settings: C3Settings) -> CreditResult: ...
+    @refiner("c3", settings="c3", needs=("spans",), step_columns=("logprobs",), components=(...))
+    def c3(batch: CreditBatch, base: CreditResult, settings: C3Settings) -> CreditResult: ...
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.ops import Moments
 
 
@@ -34,14 +34,14 @@ class Requirement:
 @dataclass(frozen=True)
 class RoundStatistics:
     """A statistic an estimator takes over the whole batch (whitening, GDPO's batch normalisation), declared
-    beside it: `fn(ctx, settings)` returns this batch's sufficient statistics by key, the very moments the
-    estimator reads back with `ctx.moments(key, ...)`. Where the `settings` model's `scope` is "round" (the
+    beside it: `fn(batch, settings)` returns this batch's sufficient statistics by key, the very moments the
+    estimator reads back with `batch.moments(key, ...)`. Where the `settings` model's `scope` is "round" (the
     default), the statistics pass (process.batch_statistics) runs `fn` on every batch of the round, merges the
     moments, and the credit pass reads the round's; `step_columns`: the steps columns `fn` reads beyond
     STATISTICS_COLUMNS (None: the estimator's own), so the statistics pass reads no more than it needs."""
 
     settings: str  # the settings model whose `scope` ("round" | "batch") says where the statistic is taken
-    fn: Callable[[CreditContext, Any], dict[str, Moments]]
+    fn: Callable[[CreditBatch, Any], dict[str, Moments]]
     step_columns: tuple[str, ...] | None = None
 
 
@@ -60,7 +60,9 @@ class ChainLink:
     statistics: RoundStatistics | None = None  # a statistic over the whole batch (estimators only)
     requires: tuple[Requirement, ...] = ()  # checked against the round before any work
     components: tuple[str, ...] = ()  # the CreditResult components it fills (schemas/advantages.py)
-    reads: tuple[str, ...] = ()  # other settings models it reads (`ctx.stage(name)`: grpo_pr reads grpo's)
+    reads: tuple[
+        str, ...
+    ] = ()  # other settings models it reads (`batch.settings(Model)`: grpo_pr reads grpo's)
 
 
 def _register(table: dict[str, ChainLink], stage: ChainLink) -> None:
@@ -92,9 +94,9 @@ def _register(table: dict[str, ChainLink], stage: ChainLink) -> None:
 # the steps columns the statistics pass always reads (a statistic adds its own `step_columns`)
 STATISTICS_COLUMNS = ("traj_id", "step_idx", "role", "token_ids")
 # the steps columns every method may read; others are read only when a stage lists them in `step_columns`:
-# the per-token lists `logprobs` (ctx.tok_logprob) and `values` (ctx.tok_value), which cost as much to read as
-# token_ids, and content, offsets and tool calls. A stage that reads ctx.tok_logprob / ctx.tok_value without
-# declaring the column sees NaN (unknown) there.
+# the per-token lists `logprobs` (batch.logprobs) and `values` (batch.values), which cost as much to read as
+# token_ids, and content, offsets and tool calls. A stage that reads batch.logprobs / batch.values without
+# declaring the column sees NaN (unknown) there: the batch builder reads only the declared ones.
 STEP_COLUMNS = ("traj_id", "step_idx", "role", "turn", "is_error", "verifier_score", "token_ids")
 
 
@@ -217,7 +219,7 @@ def round_statistics_methods(methods: list[str], config) -> list[ChainLink]:
     for method in methods:
         est, _ = parse_method(method)
         if est.statistics and est not in out:
-            if config.stage(est.statistics.settings).scope == "round":
+            if getattr(config.settings_named(est.statistics.settings), "scope", "round") == "round":
                 out.append(est)
     return out
 
@@ -236,11 +238,11 @@ def statistics_step_columns(methods: list[str]) -> list[str]:
     return cols
 
 
-def _settings(ctx: CreditContext, stage: ChainLink):
-    return ctx.stage(stage.settings) if stage.settings else None
+def _settings(batch: CreditBatch, stage: ChainLink):
+    return batch.settings_named(stage.settings) if stage.settings else None
 
 
-def run_methods(ctx: CreditContext, methods: list[str]) -> dict[str, CreditResult]:
+def run_methods(batch: CreditBatch, methods: list[str]) -> dict[str, CreditResult]:
     """Compute every method on the batch; shared chain prefixes (grpo in grpo, grpo+c3) run once."""
     memo: dict[str, CreditResult] = {}
     for method in methods:
@@ -248,18 +250,18 @@ def run_methods(ctx: CreditContext, methods: list[str]) -> dict[str, CreditResul
         key = est.name
         declared = set(est.components)
         if key not in memo:
-            memo[key] = _finish(ctx, est.fn(ctx, _settings(ctx, est)), est, declared)
+            memo[key] = _finish(batch, est.fn(batch, _settings(batch, est)), est, declared)
         for r in refs:
             prev = memo[key]
             key = f"{key}+{r.name}"
             declared |= set(r.components)
             if key not in memo:
-                memo[key] = _finish(ctx, r.fn(ctx, prev, _settings(ctx, r)), r, declared)
+                memo[key] = _finish(batch, r.fn(batch, prev, _settings(batch, r)), r, declared)
     return {m: memo["+".join(s.strip() for s in m.split("+") if s.strip())] for m in methods}
 
 
 def _finish(
-    ctx: CreditContext, result: CreditResult, stage: ChainLink | None = None, declared: set[str] | None = None
+    batch: CreditBatch, result: CreditResult, stage: ChainLink | None = None, declared: set[str] | None = None
 ) -> CreditResult:
     """Enforce the contract: one value per token, zero off the assistant mask, finite; the components those
     its chain declares (a component it does not declare would be dropped by no one, or silently by a schema)."""
@@ -270,43 +272,41 @@ def _finish(
             f"(components={tuple(stage.components)})"
         )
     for name, comp in result.components.items():
-        if np.shape(comp) != (ctx.n_steps,):
-            raise MethodError(f"component {name!r} has shape {np.shape(comp)}, expected ({ctx.n_steps},)")
+        if np.shape(comp) != (batch.n_steps,):
+            raise MethodError(f"component {name!r} has shape {np.shape(comp)}, expected ({batch.n_steps},)")
     if result.step_adv is not None:
         # per step (CreditResult.per_step): check the steps, the tokens follow; steps without tokens hold 0
         step = np.asarray(result.step_adv, dtype=np.float64)
-        if step.shape != (ctx.n_steps,):
-            raise MethodError(f"estimator returned {step.shape} step advantages for {ctx.n_steps} steps")
-        n_tok = ctx.steps["n_tokens"].to_numpy()
-        step = np.where(ctx.steps["is_assistant"].to_numpy() & (n_tok > 0), step, 0.0)
+        if step.shape != (batch.n_steps,):
+            raise MethodError(f"estimator returned {step.shape} step advantages for {batch.n_steps} steps")
+        n_tok = batch.steps["n_tokens"].to_numpy()
+        step = np.where(batch.steps["is_assistant"].to_numpy() & (n_tok > 0), step, 0.0)
         if not np.isfinite(step.sum()) and not np.isfinite(step).all():
             bad = int(np.flatnonzero(~np.isfinite(step))[0])
-            traj = ctx.trajectories["traj_id"][int(ctx.step_traj[bad])]
+            traj = batch.trajectories["traj_id"][int(batch.step_traj[bad])]
             raise MethodError(
-                f"non-finite advantage on trajectory {traj!r} (token {int(ctx.steps['tok_start'][bad])})"
+                f"non-finite advantage on trajectory {traj!r} (token {int(batch.steps['tok_start'][bad])})"
             )
-        if result.step_returns is not None:
-            return CreditResult.per_step(
-                ctx, step, result.components, result.notes, step_returns=result.step_returns
-            )
-        return CreditResult.per_step(ctx, step, result.components, result.notes, result.token_returns)
+        return replace(result, step_adv=step)
     if result.mask_adv is not None:
         # on the assistant tokens (CreditResult.on_mask): zero elsewhere by construction; check those
         adv = result.mask_adv
-        n_mask = int(np.count_nonzero(ctx.tok_mask))
+        n_mask = int(np.count_nonzero(batch.tok_mask))
         if adv.shape != (n_mask,):
             raise MethodError(f"estimator returned {adv.shape} advantages for {n_mask} assistant tokens")
         if not np.isfinite(adv.sum()) and not np.isfinite(adv).all():
-            bad = int(np.flatnonzero(ctx.tok_mask)[np.flatnonzero(~np.isfinite(adv))[0]])
-            traj = ctx.trajectories["traj_id"][int(ctx.tok_traj[bad])]
+            bad = int(np.flatnonzero(batch.tok_mask)[np.flatnonzero(~np.isfinite(adv))[0]])
+            traj = batch.trajectories["traj_id"][int(batch.token_trajs()[bad])]
             raise MethodError(f"non-finite advantage on trajectory {traj!r} (token {bad})")
         return result
-    adv = np.asarray(result.token_adv, dtype=np.float64)
-    if adv.shape != (ctx.n_tokens,):
-        raise MethodError(f"estimator returned {adv.shape} token advantages for {ctx.n_tokens} tokens")
-    adv = np.where(ctx.tok_mask, adv, 0.0)
+    if result.tok_adv is None:
+        raise MethodError(f"{stage.name if stage else 'a method'} returned no advantages")
+    adv = np.asarray(result.tok_adv, dtype=np.float64)
+    if adv.shape != (batch.n_tokens,):
+        raise MethodError(f"estimator returned {adv.shape} token advantages for {batch.n_tokens} tokens")
+    adv = np.where(batch.tok_mask, adv, 0.0)
     if not np.isfinite(adv.sum()) and not np.isfinite(adv).all():  # the sum is NaN/inf if any value is
         bad = int(np.flatnonzero(~np.isfinite(adv))[0])
-        traj = ctx.trajectories["traj_id"][int(ctx.tok_traj[bad])]
+        traj = batch.trajectories["traj_id"][int(batch.token_trajs()[bad])]
         raise MethodError(f"non-finite advantage on trajectory {traj!r} (token {bad})")
-    return CreditResult(adv, result.components, result.token_returns, result.notes)
+    return replace(result, tok_adv=adv)

@@ -15,7 +15,7 @@ import polars as pl
 from pydantic import Field
 
 import pipeline.detect  # noqa: F401  (registers the "detect" settings the spans come from)
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.registry import refiner
 from pipeline.settings import StageSettings, register_settings
 
@@ -35,12 +35,12 @@ class C3Settings(StageSettings):
     )
 
 
-def span_token_ranges(ctx: CreditContext, spans: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Flat token range [lo, hi) of each span in the context, and its step row (-1: step not in batch)."""
-    keyed = ctx.steps.select("traj_id", "step_idx", "tok_start", "n_tokens").with_row_index("step_row")
+def span_token_ranges(batch: CreditBatch, spans: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat token range [lo, hi) of each span in the batch, and its step row (-1: step not in batch)."""
+    keyed = batch.steps.select("traj_id", "step_idx", "tok_start", "n_tokens").with_row_index("step_row")
     joined = spans.select(
         pl.col("traj_id").cast(pl.String),
-        pl.col("step_idx").cast(ctx.steps.schema["step_idx"]),
+        pl.col("step_idx").cast(batch.steps.schema["step_idx"]),
         "token_start",
         "token_end",
     ).join(keyed, on=["traj_id", "step_idx"], how="left", maintain_order="left")
@@ -98,25 +98,23 @@ def span_confidence(
     step_columns=("logprobs",),
     components=("severity", "confidence", "factor"),
 )
-def c3(ctx: CreditContext, base: CreditResult, settings: C3Settings) -> CreditResult:
+def c3(batch: CreditBatch, base: CreditResult, settings: C3Settings) -> CreditResult:
     """Scale positive advantages inside detected spans by 1 - lambda*severity*confidence (max over overlaps)."""
     settings = settings or C3Settings()
-    spans = ctx.annotation("spans")
-    adv = np.asarray(base.token_adv, dtype=np.float64)
-    nan_steps = np.full(ctx.n_steps, np.nan)
+    spans = batch.annotation("spans")
+    adv = np.asarray(base.adv_per_token(), dtype=np.float64)
+    nan_steps = np.full(batch.n_steps, np.nan)
     if spans is None or spans.height == 0:
         comps = {"severity": nan_steps, "confidence": nan_steps.copy(), "factor": nan_steps.copy()}
-        return CreditResult(
-            adv, {**base.components, **comps}, base.token_returns, {**base.notes, "c3.spans": 0.0}
-        )
-    lo, hi, row = span_token_ranges(ctx, spans)
+        return base.refined(adv, {**base.components, **comps}, {**base.notes, "c3.spans": 0.0})
+    lo, hi, row = span_token_ranges(batch, spans)
     found = row >= 0
     lo, hi, row = lo[found], hi[found], row[found]
     severity = spans["severity"].to_numpy().astype(np.float64)[found]
     idx, owner = expand_ranges(lo, hi)
     # the logprobs of the span tokens only (the batch's per-token logprob array is not built for them)
     conf, miss = span_confidence(
-        ctx.values_at("tok_logprob", idx),
+        batch.logprobs.at(idx),
         lo,
         hi,
         settings.confidence,
@@ -126,20 +124,20 @@ def c3(ctx: CreditContext, base: CreditResult, settings: C3Settings) -> CreditRe
     )
     strength = np.clip(settings.lam * severity * conf, 0.0, 1.0)
     # per-token max of lambda*s*c over overlapping spans, touching span tokens only
-    tok_g = np.zeros(ctx.n_tokens)
+    tok_g = np.zeros(batch.n_tokens)
     np.maximum.at(tok_g, idx, strength[owner])  # Eq. 2
     a_in = adv[idx]
     g_in = tok_g[idx]
     hit = (a_in > 0) & (g_in > 0)
     new_adv = adv.copy()
     new_adv[idx[hit]] = a_in[hit] * (1.0 - g_in[hit])  # Eq. 3
-    marked = np.zeros(ctx.n_tokens, dtype=bool)
+    marked = np.zeros(batch.n_tokens, dtype=bool)
     marked[idx[hit]] = True
     n_changed = int(np.count_nonzero(marked))
     # per-step components: max over the step's spans
-    comp_s = np.full(ctx.n_steps, -np.inf)
-    comp_c = np.full(ctx.n_steps, -np.inf)
-    comp_g = np.full(ctx.n_steps, -np.inf)
+    comp_s = np.full(batch.n_steps, -np.inf)
+    comp_c = np.full(batch.n_steps, -np.inf)
+    comp_g = np.full(batch.n_steps, -np.inf)
     np.maximum.at(comp_s, row, severity)
     np.maximum.at(comp_c, row, conf)
     np.maximum.at(comp_g, row, strength)
@@ -157,4 +155,4 @@ def c3(ctx: CreditContext, base: CreditResult, settings: C3Settings) -> CreditRe
     }
     if (~found).any():
         notes["c3.spans_without_step"] = float((~found).sum())
-    return CreditResult(new_adv, {**base.components, **comps}, base.token_returns, notes)
+    return base.refined(new_adv, {**base.components, **comps}, notes)

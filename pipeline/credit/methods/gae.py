@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.ops import Moments, segment_bounds, segment_discounted_cumsum, whiten
 from pipeline.credit.registry import MethodError, Requirement, RoundStatistics, estimator
 from pipeline.settings import StageSettings, register_settings
@@ -45,40 +45,31 @@ class GAESettings(StageSettings):
     )
 
 
-def require_values(ctx: CreditContext, positions: np.ndarray, method: str) -> np.ndarray:
+def require_values(batch: CreditBatch, positions: np.ndarray, method: str) -> np.ndarray:
     """Critic values at the given token positions (read from the steps' lists: no per-token array of the whole
     batch); a missing one names its trajectory."""
-    V = ctx.values_at("tok_value", positions)
-    check_values(ctx, V, lambda i: ctx.tok_traj[positions[i]], method)
+    V = batch.values.at(positions)
+    check_values(batch, V, lambda i: batch.token_trajs()[positions[i]], method)
     return V
 
 
-def check_values(ctx: CreditContext, V: np.ndarray, traj_row_of, method: str) -> None:
+def check_values(batch: CreditBatch, V: np.ndarray, traj_row_of, method: str) -> None:
     """Raise naming the first trajectory with a missing critic value in V (`traj_row_of(i)`: V[i]'s trajectory
     row)."""
     missing = ~np.isfinite(V)
     if missing.any():
-        traj = ctx.trajectories["traj_id"][int(traj_row_of(int(np.argmax(missing))))]
+        traj = batch.trajectories["traj_id"][int(traj_row_of(int(np.argmax(missing))))]
         raise MethodError(
             f"{method}: trajectory {traj!r} has assistant tokens without critic values (steps.values); "
             f"{int(missing.sum())} such tokens in this batch"
         )
 
 
-def step_mean(ctx: CreditContext, token_values: np.ndarray) -> np.ndarray:
-    """Mean of a token array over each step's assistant tokens (NaN for steps without any)."""
-    m = ctx.tok_mask
-    step = ctx.tok_step[m]
-    total = np.bincount(step, weights=token_values[m], minlength=ctx.n_steps)
-    count = np.bincount(step, minlength=ctx.n_steps)
-    return np.divide(total, count, out=np.full(ctx.n_steps, np.nan), where=count > 0)
-
-
-def gae_statistics(ctx: CreditContext, settings: GAESettings) -> dict[str, Moments]:
+def gae_statistics(batch: CreditBatch, settings: GAESettings) -> dict[str, Moments]:
     """Eq. 5's moments on this batch: those of A (Eq. 1-3) over its assistant tokens (the statistics pass)."""
     if not settings.whiten:
         return {}
-    return {"gae": Moments.of(gae_advantages(ctx, settings, "gae").A)}
+    return {"gae": Moments.of(gae_advantages(batch, settings, "gae").A)}
 
 
 @estimator(
@@ -89,9 +80,9 @@ def gae_statistics(ctx: CreditContext, settings: GAESettings) -> dict[str, Momen
     requires=(Requirement("values", "critic values"),),
     components=("a_hat", "score"),
 )
-def gae(ctx: CreditContext, settings: GAESettings) -> CreditResult:
+def gae(batch: CreditBatch, settings: GAESettings) -> CreditResult:
     """Token-level GAE over assistant tokens; returns before whitening."""
-    return gae_credit(ctx, settings, "gae")
+    return gae_credit(batch, settings, "gae")
 
 
 @dataclass(frozen=True)
@@ -107,28 +98,28 @@ class GAEAdvantages:
 
 
 def gae_advantages(
-    ctx: CreditContext, settings: GAESettings, key: str, rewards: np.ndarray | None = None
+    batch: CreditBatch, settings: GAESettings, key: str, rewards: np.ndarray | None = None
 ) -> GAEAdvantages:
     """Eq. 1-4 (`rewards` replace the trajectories' R: process_reward's penalised outcome).
 
     With lam = 1 the recursion telescopes, A_t = gamma^(T-t) R - V_t (T: the trajectory's last assistant
     token), and needs no scan; otherwise a segmented discounted cumsum over each trajectory's tokens."""
-    steps = ctx.steps
+    steps = batch.steps
     n_tok = steps["n_tokens"].to_numpy()
     a = np.flatnonzero(
         steps["is_assistant"].to_numpy() & (n_tok > 0)
     )  # their tokens are the mask's, in order
     lengths = n_tok[a]
-    traj = ctx.step_traj[a]
-    V = ctx.mask_values("tok_value")
+    traj = batch.step_traj[a]
+    V = batch.values.on_mask()
     n = len(V)
     if n == 0:
         empty = np.zeros(0)
         return GAEAdvantages(empty, empty, a, lengths, np.zeros(0, dtype=bool), empty)
     if not np.isfinite(V.sum()):  # (float32 values: their sum cannot overflow) V[i]'s step: the first past i
-        check_values(ctx, V, lambda i: traj[np.searchsorted(np.cumsum(lengths), i, side="right")], key)
+        check_values(batch, V, lambda i: traj[np.searchsorted(np.cumsum(lengths), i, side="right")], key)
     first, last = segment_bounds(traj)  # a trajectory's first / last assistant step (with tokens)
-    R = (ctx.rewards() if rewards is None else rewards)[traj]  # per assistant step
+    R = (batch.rewards() if rewards is None else rewards)[traj]  # per assistant step
     gamma, lam = float(settings.gamma), float(settings.lam)
     if lam == 1.0:
         # Eq. 1-3 telescoped: A_t = sum_s gamma^(s-t) (r_s + gamma V_{s+1} - V_s) = gamma^(T-t) R - V_t
@@ -153,25 +144,25 @@ def gae_advantages(
     return GAEAdvantages(A, returns, a, lengths, last, R)
 
 
-def gae_result(ctx: CreditContext, g: GAEAdvantages, A: np.ndarray) -> CreditResult:
+def gae_result(batch: CreditBatch, g: GAEAdvantages, A: np.ndarray) -> CreditResult:
     """The advantages `A` (g.A whitened, or not) and g's returns on the assistant tokens, with the components."""
-    score = np.where(ctx.steps["is_assistant"].to_numpy(), 0.0, np.nan)
-    a_hat = np.full(ctx.n_steps, np.nan)
+    score = np.where(batch.steps["is_assistant"].to_numpy(), 0.0, np.nan)
+    a_hat = np.full(batch.n_steps, np.nan)
     if len(A):
         score[g.a[g.last]] = g.R[g.last]
         a_hat[g.a] = (
             np.add.reduceat(A, np.cumsum(g.lengths) - g.lengths) / g.lengths
         )  # step mean of token_adv
-    return CreditResult.on_mask(ctx, A, {"a_hat": a_hat, "score": score}, mask_returns=g.returns)
+    return CreditResult.on_mask(batch, A, {"a_hat": a_hat, "score": score}, mask_returns=g.returns)
 
 
 def gae_credit(
-    ctx: CreditContext, settings: GAESettings, key: str, rewards: np.ndarray | None = None
+    batch: CreditBatch, settings: GAESettings, key: str, rewards: np.ndarray | None = None
 ) -> CreditResult:
     """GAE on the assistant tokens only, whitened under the statistic `key` (Eq. 5); `rewards` replace the
     trajectories' R (process_reward's penalised outcome)."""
-    g = gae_advantages(ctx, settings, key, rewards)
+    g = gae_advantages(batch, settings, key, rewards)
     A = g.A
     if settings.whiten and len(A):
-        A = whiten(A, ctx.moments(key, A, scope=settings.scope))  # Eq. 5
-    return gae_result(ctx, g, A)
+        A = whiten(A, batch.moments(key, A, scope=settings.scope))  # Eq. 5
+    return gae_result(batch, g, A)

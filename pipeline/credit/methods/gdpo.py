@@ -20,7 +20,7 @@ import numpy as np
 import polars as pl
 from pydantic import Field
 
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.ops import Moments, group_normalize, whiten
 from pipeline.credit.registry import RoundStatistics, estimator
 from pipeline.settings import StageSettings, register_settings
@@ -42,9 +42,9 @@ class GDPOSettings(StageSettings):
     )
 
 
-def _long_components(ctx: CreditContext) -> pl.DataFrame:
+def _long_components(batch: CreditBatch) -> pl.DataFrame:
     """(traj_index, key, value) of every trajectory's reward components (empty without the column)."""
-    traj = ctx.trajectories
+    traj = batch.trajectories
     if "reward_components" not in traj.columns:
         return pl.DataFrame()
     return (
@@ -55,22 +55,22 @@ def _long_components(ctx: CreditContext) -> pl.DataFrame:
     )
 
 
-def component_names(ctx: CreditContext) -> list[str]:
+def component_names(batch: CreditBatch) -> list[str]:
     """The component names this batch's trajectories have, sorted."""
-    long = _long_components(ctx)
+    long = _long_components(batch)
     return sorted(long["key"].unique().to_list()) if long.height else []
 
 
 def component_matrix(
-    ctx: CreditContext, names: list[str] | None = None
+    batch: CreditBatch, names: list[str] | None = None
 ) -> tuple[list[str], np.ndarray, bool]:
     """R^c as a (trajectories x components) matrix; missing / NaN -> 0. The components are `names`, else
     every one the batch has; none at all: [reward] (the third value says so)."""
-    long = _long_components(ctx)
+    long = _long_components(batch)
     names = list(names or (sorted(long["key"].unique().to_list()) if long.height else []))
     if not names:
-        return ["reward"], np.nan_to_num(ctx.rewards())[:, None], True
-    R_c = np.zeros((ctx.n_traj, len(names)), dtype=np.float64)
+        return ["reward"], np.nan_to_num(batch.rewards())[:, None], True
+    R_c = np.zeros((batch.n_traj, len(names)), dtype=np.float64)
     if long.height:
         col = pl.DataFrame({"key": names, "c": np.arange(len(names), dtype=np.int64)})
         long = long.join(col, on="key", how="inner")
@@ -79,34 +79,32 @@ def component_matrix(
 
 
 def gdpo_pre(
-    ctx: CreditContext, settings: GDPOSettings, names: list[str] | None
+    batch: CreditBatch, settings: GDPOSettings, names: list[str] | None
 ) -> tuple[list[str], np.ndarray, bool, np.ndarray, np.ndarray | None]:
     """Eq. 1-2 over `names` (None: the components this batch has): (names, R^c, no components, pre, the
     trajectories' weights in Eq. 3: their assistant tokens with `whiten="tokens"`, else None)."""
-    names, R_c, no_components = component_matrix(ctx, names)
+    names, R_c, no_components = component_matrix(batch, names)
     w = np.array([settings.weights.get(c, 1.0) for c in names], dtype=np.float64)
     A_c = np.column_stack(
-        [group_normalize(R_c[:, j], ctx.traj_group, eps=settings.eps) for j in range(len(names))]
+        [group_normalize(R_c[:, j], batch.traj_group, eps=settings.eps) for j in range(len(names))]
     )  # Eq. 1
-    pre = A_c @ w if ctx.n_traj else np.zeros(0)  # Eq. 2
-    L_i = (
-        np.bincount(ctx.tok_traj[ctx.tok_mask], minlength=ctx.n_traj) if settings.whiten == "tokens" else None
-    )
+    pre = A_c @ w if batch.n_traj else np.zeros(0)  # Eq. 2
+    L_i = np.bincount(batch.mask_trajs(), minlength=batch.n_traj) if settings.whiten == "tokens" else None
     return names, R_c, no_components, pre, L_i
 
 
-def gdpo_statistics(ctx: CreditContext, settings: GDPOSettings) -> dict[str, Moments]:
+def gdpo_statistics(batch: CreditBatch, settings: GDPOSettings) -> dict[str, Moments]:
     """Eq. 3's moments on this batch, and the names of its components (keys `gdpo:<name>`, so the round's are
     known). A round without components whitens R (statistic "gdpo.reward"); a batch without any also adds its
     zeros to "gdpo", what it contributes if another batch has components (a component absent from a batch
     normalises to exactly 0 there)."""
-    names, _, no_components, pre, L_i = gdpo_pre(ctx, settings, settings.components)
+    names, _, no_components, pre, L_i = gdpo_pre(batch, settings, settings.components)
     named = no_components or settings.components  # the round's names matter only when the batch finds them
     out = {} if named else {f"gdpo:{name}": Moments(1.0) for name in names}
     if settings.whiten == "none":
         return out
     if no_components:
-        out["gdpo"] = Moments.of(np.zeros(ctx.n_traj), L_i)
+        out["gdpo"] = Moments.of(np.zeros(batch.n_traj), L_i)
         out["gdpo.reward"] = Moments.of(pre, L_i)
     else:
         out["gdpo"] = Moments.of(pre, L_i)
@@ -119,24 +117,24 @@ def gdpo_statistics(ctx: CreditContext, settings: GDPOSettings) -> dict[str, Mom
     statistics=RoundStatistics("gdpo", gdpo_statistics, step_columns=()),
     components=("a_hat", "score"),
 )
-def gdpo(ctx: CreditContext, settings: GDPOSettings) -> CreditResult:
+def gdpo(batch: CreditBatch, settings: GDPOSettings) -> CreditResult:
     """Per-component group normalisation, weighted sum, batch whitening."""
-    names = settings.components or ctx.names("gdpo", component_names(ctx), settings.scope)
-    names, R_c, no_components, pre, L_i = gdpo_pre(ctx, settings, names)
+    names = settings.components or batch.names("gdpo", component_names(batch), settings.scope)
+    names, R_c, no_components, pre, L_i = gdpo_pre(batch, settings, names)
     w = np.array([settings.weights.get(c, 1.0) for c in names], dtype=np.float64)
     A = pre
     if settings.whiten != "none":
         # Eq. 3: TRL over the trajectories, or verl's masked_whiten over the tokens (trajectories by length)
-        moments = ctx.moments("gdpo.reward" if no_components else "gdpo", pre, L_i, scope=settings.scope)
+        moments = batch.moments("gdpo.reward" if no_components else "gdpo", pre, L_i, scope=settings.scope)
         if L_i is None:
             A = whiten(pre, moments, var_eps=0.0, std_eps=settings.eps, min_count=2)
         else:
             A = whiten(pre, moments)
     score = R_c @ w
-    a_step = ctx.traj_to_steps(A)
+    a_step = batch.traj_to_steps(A)
     return CreditResult.per_step(
-        ctx,
+        batch,
         a_step,
-        {"a_hat": a_step, "score": ctx.traj_to_steps(score)},
-        notes={"components": float(len(names)), "singleton_batch": float(ctx.n_traj < 2)},
+        {"a_hat": a_step, "score": batch.traj_to_steps(score)},
+        notes={"components": float(len(names)), "singleton_batch": float(batch.n_traj < 2)},
     )

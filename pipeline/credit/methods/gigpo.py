@@ -23,7 +23,7 @@ import numpy as np
 import polars as pl
 from pydantic import Field
 
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.ops import (
     group_moments,
     group_normalize,
@@ -54,16 +54,16 @@ class GiGPOSettings(StageSettings):
     similarity_thresh: float = Field(0.9, description="SequenceMatcher ratio to join a cluster (IAPO: 0.9)")
 
 
-def anchor_observations(ctx: CreditContext) -> pl.DataFrame:
+def anchor_observations(batch: CreditBatch) -> pl.DataFrame:
     """Assistant steps (`step_row`, traj_index, group_index, turns_before) with their anchor observation text:
     the contents (nulls skipped) of the non-assistant steps between the previous assistant step of the
     trajectory (or its start) and this one, joined by newlines; "" when there are none.
 
     Whole-column: each anchor is a run of rows, so a one-step anchor is that step's content (a take) and only
     the anchors of several steps are joined."""
-    steps = ctx.steps
+    steps = batch.steps
     is_asst = steps["is_assistant"].to_numpy()
-    traj = ctx.step_traj
+    traj = batch.step_traj
     n = len(is_asst)
     idx = np.arange(n)
     traj_start = segment_start_rows(traj)
@@ -149,18 +149,18 @@ def step_groups(rows: pl.DataFrame, enable_similarity: bool, thresh: float) -> n
     step_columns=("content",),
     components=("a_hat", "a_episode", "a_step", "score"),
 )
-def gigpo(ctx: CreditContext, settings: GiGPOSettings) -> CreditResult:
+def gigpo(batch: CreditBatch, settings: GiGPOSettings) -> CreditResult:
     """Episode-level group advantage plus anchor-state step advantage."""
-    rows = anchor_observations(ctx)
+    rows = anchor_observations(batch)
     step_row = rows["step_row"].to_numpy()
     traj = rows["traj_index"].to_numpy()
     group = rows["group_index"].to_numpy()
     eps, std_norm = settings.eps, settings.mode == "mean_std_norm"
 
     # Eq. 1: A^E over the step rows of the prompt group (trajectories weighted by their number of steps)
-    R = ctx.rewards()[traj]
-    mu, sigma, n_rows = group_moments(R, group, ctx.n_groups)
-    n_traj = np.bincount(ctx.traj_group, minlength=ctx.n_groups)[group]
+    R = batch.rewards()[traj]
+    mu, sigma, n_rows = group_moments(R, group, batch.n_groups)
+    n_traj = np.bincount(batch.traj_group, minlength=batch.n_groups)[group]
     single = (n_traj < 2) | (n_rows < 2)
     mu, sigma = np.where(single, 0.0, mu), np.where(single, 1.0, sigma)
     A_E = (R - mu) / (sigma + eps) if std_norm else R - mu
@@ -179,11 +179,11 @@ def gigpo(ctx: CreditContext, settings: GiGPOSettings) -> CreditResult:
     sg_n = np.bincount(sg)[sg] if len(sg) else np.zeros(0)
 
     A = A_E + settings.step_advantage_w * A_S  # Eq. 5
-    per_step = {name: np.full(ctx.n_steps, np.nan) for name in ("a_hat", "a_episode", "a_step", "score")}
+    per_step = {name: np.full(batch.n_steps, np.nan) for name in ("a_hat", "a_episode", "a_step", "score")}
     for name, values in (("a_hat", A), ("a_episode", A_E), ("a_step", A_S), ("score", G)):
         per_step[name][step_row] = values
     return CreditResult.per_step(
-        ctx,
+        batch,
         np.nan_to_num(per_step["a_hat"]),
         per_step,
         notes={"step_groups": float(len(np.unique(sg))), "singleton_step_groups": float(np.sum(sg_n < 2))},

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from pydantic import Field
 
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.ops import group_normalize
 from pipeline.credit.registry import estimator
 from pipeline.settings import StageSettings, register_settings
@@ -23,29 +23,29 @@ class GRPOSettings(StageSettings):
 
 
 def grpo_traj_advantage(
-    ctx: CreditContext, settings: GRPOSettings, rewards: np.ndarray | None = None
+    batch: CreditBatch, settings: GRPOSettings, rewards: np.ndarray | None = None
 ) -> np.ndarray:
     """Per-trajectory A_i; a size-1 group gives A = R (verl: mean 0, std 1)."""
-    rewards = ctx.rewards() if rewards is None else rewards
+    rewards = batch.rewards() if rewards is None else rewards
     # Eq. 1, or Eq. 2 without the std
-    return group_normalize(rewards, ctx.traj_group, eps=settings.eps, norm_by_std=settings.norm_by_std)
+    return group_normalize(rewards, batch.traj_group, eps=settings.eps, norm_by_std=settings.norm_by_std)
 
 
-def _result(ctx: CreditContext, a_traj: np.ndarray, score: np.ndarray) -> CreditResult:
-    a_step = ctx.traj_to_steps(a_traj)
-    return CreditResult.per_step(ctx, a_step, {"a_hat": a_step, "score": ctx.traj_to_steps(score)})
+def _result(batch: CreditBatch, a_traj: np.ndarray, score: np.ndarray) -> CreditResult:
+    a_step = batch.traj_to_steps(a_traj)
+    return CreditResult.per_step(batch, a_step, {"a_hat": a_step, "score": batch.traj_to_steps(score)})
 
 
 @estimator("grpo", settings="grpo", components=("a_hat", "score"))
-def grpo(ctx: CreditContext, settings: GRPOSettings) -> CreditResult:
+def grpo(batch: CreditBatch, settings: GRPOSettings) -> CreditResult:
     """Group-normalised outcome reward on every assistant token."""
-    rewards = ctx.rewards()
-    return _result(ctx, grpo_traj_advantage(ctx, settings, rewards), rewards)
+    rewards = batch.rewards()
+    return _result(batch, grpo_traj_advantage(batch, settings, rewards), rewards)
 
 
 @estimator("dr_grpo", settings="grpo", components=("a_hat", "score"))
-def dr_grpo(ctx: CreditContext, settings: GRPOSettings) -> CreditResult:
+def dr_grpo(batch: CreditBatch, settings: GRPOSettings) -> CreditResult:
     """Dr.GRPO: A_i = R_i - mean_g (no std division)."""
-    rewards = ctx.rewards()
-    a = grpo_traj_advantage(ctx, settings.model_copy(update={"norm_by_std": False}), rewards)
-    return _result(ctx, a, rewards)
+    rewards = batch.rewards()
+    a = grpo_traj_advantage(batch, settings.model_copy(update={"norm_by_std": False}), rewards)
+    return _result(batch, a, rewards)

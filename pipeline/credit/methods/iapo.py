@@ -22,7 +22,7 @@ import polars as pl
 from pydantic import Field
 
 import pipeline.annotate.settings  # noqa: F401  (registers the annotators' settings with the engine)
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.ops import group_moments, segment_bounds
 from pipeline.credit.registry import MethodError, refiner
 from pipeline.settings import StageSettings, register_settings
@@ -54,46 +54,59 @@ class IAPOSettings(StageSettings):
     )
 
 
-# ---- the math on flat per-action arrays ----------------------------------------------------------------
-def bounded_weight(
-    phi: np.ndarray, L: np.ndarray, seg: np.ndarray, n_seg: int, c: float, eps: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """Eq. 4 per segment (trajectory): (m, length-weighted mean of phi per element). `seg` is sorted."""
-    L = L.astype(np.float64)
-    # length-weighted mean and population variance; T = 1 or a constant feature gives z = 0 exactly (the
-    # group mean is shifted: phi - phibar is exactly 0), so m = 1 exactly
-    mean, sigma, Lsum = group_moments(phi, seg, n_seg, weights=L, ddof=0)
-    z = (phi - mean) / (np.nan_to_num(sigma) + eps)
-    ez = np.exp(np.clip(z, -c, c))
-    norm = np.bincount(seg, weights=L * ez, minlength=n_seg)[seg] / np.where(Lsum > 0, Lsum, 1.0)
-    return ez / norm, mean  # Eq. 4
+# ---- the entry point: Eq. 3 -> 7 on the batch's actions -------------------------------------------------
 
 
-def route_weights(
-    phi_plus: np.ndarray,
-    phi_minus: np.ndarray,
-    L: np.ndarray,
-    seg: np.ndarray,
-    n_seg: int,
-    a_sign: np.ndarray,
-    s: IAPOSettings,
-) -> dict[str, np.ndarray]:
-    """Per-action m+, m-, w+, w- and the applied w (by the sign of the trajectory's A_hat)."""
-    Lf = L.astype(np.float64)
-    Lsum = np.bincount(seg, weights=Lf, minlength=n_seg)
-    m_plus, _ = bounded_weight(phi_plus, L, seg, n_seg, s.c, s.eps)
-    m_minus, mean_minus = bounded_weight(phi_minus, L, seg, n_seg, s.c, s.eps)
-    psi = phi_minus - mean_minus  # exactly 0 on a constant feature (shifted mean)
+@refiner(
+    "iapo",
+    settings="iapo",
+    needs=("nodes", "edges"),
+    components=("a_hat", "d_plus", "d_minus", "d_in", "phi_plus", "phi_minus", "m_plus", "m_minus", "w"),
+)
+def iapo(batch: CreditBatch, base: CreditResult, settings: IAPOSettings) -> CreditResult:
+    """Influence-aware routing of a trajectory-level advantage over the trajectory's actions."""
+    s = settings
+    a_traj = trajectory_advantage(batch, base, s.traj_level_atol)  # A_hat per trajectory
+    steps = batch.steps
+    act_mask = (steps["is_assistant"] & (steps["n_tokens"] > 0)).to_numpy()
+    act_rows = np.flatnonzero(act_mask)
+    actions = steps.select("traj_id", "turn", "traj_index").filter(pl.Series(act_mask))
+    seg = actions["traj_index"].to_numpy().astype(np.int64)
+    L = steps["n_tokens"].to_numpy()[act_rows].astype(np.float64)
+    nodes = _select_annotator(batch.annotation("nodes"), s.annotator, "nodes")
+    edges = _select_annotator(batch.annotation("edges"), s.annotator, "edges")
+    feats, notes = graph_features(actions, nodes, edges)  # Eq. 3
+    if nodes is None and edges is None:
+        notes["no_annotations"] = 1.0
+    # Eq. 4-6: the bounded weights m+-, the routed w by the sign of A_hat
+    routed = route_weights(feats["phi_plus"], feats["phi_minus"], L, seg, batch.n_traj, np.sign(a_traj), s)
+    w_step = np.ones(batch.n_steps)
+    w_step[act_rows] = routed["w"]
+    tok_adv = np.where(
+        batch.tok_mask, a_traj[batch.token_trajs()] * w_step[batch.token_steps()], 0.0
+    )  # Eq. 7
 
-    def tilted(beta: float) -> np.ndarray:
-        u = m_plus * np.exp(beta * psi)
-        return Lsum[seg] * u / np.bincount(seg, weights=Lf * u, minlength=n_seg)[seg]
+    def per_step(values: np.ndarray) -> np.ndarray:
+        out = np.full(batch.n_steps, np.nan)
+        out[act_rows] = values
+        return out
 
-    w_plus = tilted(-s.beta_plus) if s.beta_plus else m_plus  # Eq. 5
-    w_minus = m_minus if s.negative_branch == "cons" else tilted(+s.beta_minus)  # Eq. 6
-    sign = a_sign[seg]
-    w = np.where(sign > 0, w_plus, np.where(sign < 0, w_minus, 1.0))
-    return {"m_plus": m_plus, "m_minus": m_minus, "w_plus": w_plus, "w_minus": w_minus, "w": w}
+    comps = {
+        **base.components,
+        "a_hat": batch.traj_to_steps(a_traj),
+        "d_plus": per_step(feats["d_plus"]),
+        "d_minus": per_step(feats["d_minus"]),
+        "d_in": per_step(feats["d_in"]),
+        "phi_plus": per_step(feats["phi_plus"]),
+        "phi_minus": per_step(feats["phi_minus"]),
+        "m_plus": per_step(routed["m_plus"]),
+        "m_minus": per_step(routed["m_minus"]),
+        "w": per_step(routed["w"]),
+    }
+    return base.refined(tok_adv, comps, {**base.notes, **{f"iapo.{k}": v for k, v in notes.items()}})
+
+
+# ---- Eq. 3: the influence-graph features of each action ---------------------------------------------------
 
 
 def graph_features(
@@ -176,21 +189,68 @@ def graph_features(
     }, notes
 
 
-def trajectory_advantage(ctx: CreditContext, base: CreditResult, atol: float) -> np.ndarray:
+# ---- Eq. 4-6: bounded weights and the routed w (flat per-action arrays, segments = trajectories) ----------
+
+
+def bounded_weight(
+    phi: np.ndarray, L: np.ndarray, seg: np.ndarray, n_seg: int, c: float, eps: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Eq. 4 per segment (trajectory): (m, length-weighted mean of phi per element). `seg` is sorted."""
+    L = L.astype(np.float64)
+    # length-weighted mean and population variance; T = 1 or a constant feature gives z = 0 exactly (the
+    # group mean is shifted: phi - phibar is exactly 0), so m = 1 exactly
+    mean, sigma, Lsum = group_moments(phi, seg, n_seg, weights=L, ddof=0)
+    z = (phi - mean) / (np.nan_to_num(sigma) + eps)
+    ez = np.exp(np.clip(z, -c, c))
+    norm = np.bincount(seg, weights=L * ez, minlength=n_seg)[seg] / np.where(Lsum > 0, Lsum, 1.0)
+    return ez / norm, mean  # Eq. 4
+
+
+def route_weights(
+    phi_plus: np.ndarray,
+    phi_minus: np.ndarray,
+    L: np.ndarray,
+    seg: np.ndarray,
+    n_seg: int,
+    a_sign: np.ndarray,
+    s: IAPOSettings,
+) -> dict[str, np.ndarray]:
+    """Per-action m+, m-, w+, w- and the applied w (by the sign of the trajectory's A_hat)."""
+    Lf = L.astype(np.float64)
+    Lsum = np.bincount(seg, weights=Lf, minlength=n_seg)
+    m_plus, _ = bounded_weight(phi_plus, L, seg, n_seg, s.c, s.eps)
+    m_minus, mean_minus = bounded_weight(phi_minus, L, seg, n_seg, s.c, s.eps)
+    psi = phi_minus - mean_minus  # exactly 0 on a constant feature (shifted mean)
+
+    def tilted(beta: float) -> np.ndarray:
+        u = m_plus * np.exp(beta * psi)
+        return Lsum[seg] * u / np.bincount(seg, weights=Lf * u, minlength=n_seg)[seg]
+
+    w_plus = tilted(-s.beta_plus) if s.beta_plus else m_plus  # Eq. 5
+    w_minus = m_minus if s.negative_branch == "cons" else tilted(+s.beta_minus)  # Eq. 6
+    sign = a_sign[seg]
+    w = np.where(sign > 0, w_plus, np.where(sign < 0, w_minus, 1.0))
+    return {"m_plus": m_plus, "m_minus": m_minus, "w_plus": w_plus, "w_minus": w_minus, "w": w}
+
+
+# ---- the routed A_hat and the annotation rows --------------------------------------------------------------
+
+
+def trajectory_advantage(batch: CreditBatch, base: CreditResult, atol: float) -> np.ndarray:
     """A_hat per trajectory from the base token advantages; refuses a base that is not trajectory-level."""
-    a_hat = np.zeros(ctx.n_traj)
-    mask = ctx.tok_mask
+    a_hat = np.zeros(batch.n_traj)
+    mask = batch.tok_mask
     if not mask.any():
         return a_hat
-    adv = np.asarray(base.token_adv, dtype=np.float64)[mask]
-    traj = ctx.tok_traj[mask]
+    adv = np.asarray(base.adv_per_token(), dtype=np.float64)[mask]
+    traj = batch.mask_trajs()
     starts = np.flatnonzero(segment_bounds(traj)[0])
     lo = np.minimum.reduceat(adv, starts)
     hi = np.maximum.reduceat(adv, starts)
     bad = hi - lo > atol * (1.0 + np.maximum(np.abs(lo), np.abs(hi)))
     if bad.any():
         k = int(np.flatnonzero(bad)[0])
-        tid = ctx.trajectories["traj_id"][int(traj[starts[k]])]
+        tid = batch.trajectories["traj_id"][int(traj[starts[k]])]
         raise MethodError(
             f"iapo routes a trajectory-level advantage, but the base advantage varies on trajectory {tid!r} "
             f"(min {lo[k]:.6g}, max {hi[k]:.6g}); use a trajectory-level estimator such as grpo, dr_grpo, rloo "
@@ -212,51 +272,3 @@ def _select_annotator(frame: pl.DataFrame | None, which: str | None, name: str) 
             "choose one with --set iapo.annotator=ID"
         )
     return frame
-
-
-@refiner(
-    "iapo",
-    settings="iapo",
-    needs=("nodes", "edges"),
-    components=("a_hat", "d_plus", "d_minus", "d_in", "phi_plus", "phi_minus", "m_plus", "m_minus", "w"),
-)
-def iapo(ctx: CreditContext, base: CreditResult, settings: IAPOSettings) -> CreditResult:
-    """Influence-aware routing of a trajectory-level advantage over the trajectory's actions."""
-    s = settings
-    a_traj = trajectory_advantage(ctx, base, s.traj_level_atol)
-    steps = ctx.steps
-    act_mask = (steps["is_assistant"] & (steps["n_tokens"] > 0)).to_numpy()
-    act_rows = np.flatnonzero(act_mask)
-    actions = steps.select("traj_id", "turn", "traj_index").filter(pl.Series(act_mask))
-    seg = actions["traj_index"].to_numpy().astype(np.int64)
-    L = steps["n_tokens"].to_numpy()[act_rows].astype(np.float64)
-    nodes = _select_annotator(ctx.annotation("nodes"), s.annotator, "nodes")
-    edges = _select_annotator(ctx.annotation("edges"), s.annotator, "edges")
-    feats, notes = graph_features(actions, nodes, edges)
-    if nodes is None and edges is None:
-        notes["no_annotations"] = 1.0
-    routed = route_weights(feats["phi_plus"], feats["phi_minus"], L, seg, ctx.n_traj, np.sign(a_traj), s)
-    w_step = np.ones(ctx.n_steps)
-    w_step[act_rows] = routed["w"]
-    token_adv = np.where(ctx.tok_mask, a_traj[ctx.tok_traj] * w_step[ctx.tok_step], 0.0)  # Eq. 7
-
-    def per_step(values: np.ndarray) -> np.ndarray:
-        out = np.full(ctx.n_steps, np.nan)
-        out[act_rows] = values
-        return out
-
-    comps = {
-        **base.components,
-        "a_hat": ctx.traj_to_steps(a_traj),
-        "d_plus": per_step(feats["d_plus"]),
-        "d_minus": per_step(feats["d_minus"]),
-        "d_in": per_step(feats["d_in"]),
-        "phi_plus": per_step(feats["phi_plus"]),
-        "phi_minus": per_step(feats["phi_minus"]),
-        "m_plus": per_step(routed["m_plus"]),
-        "m_minus": per_step(routed["m_minus"]),
-        "w": per_step(routed["w"]),
-    }
-    return CreditResult(
-        token_adv, comps, base.token_returns, {**base.notes, **{f"iapo.{k}": v for k, v in notes.items()}}
-    )

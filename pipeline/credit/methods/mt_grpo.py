@@ -21,7 +21,7 @@ import numpy as np
 import polars as pl
 from pydantic import Field
 
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.ops import group_normalize, segment_start_rows
 from pipeline.credit.registry import MethodError, estimator
 from pipeline.settings import StageSettings, register_settings
@@ -40,9 +40,9 @@ class MTGRPOSettings(StageSettings):
     eps: float = Field(1e-4, description="added to the unbiased group std (MT-GRPO code)")
 
 
-def turn_reward(ctx: CreditContext, source: str) -> tuple[np.ndarray, int]:
+def turn_reward(batch: CreditBatch, source: str) -> tuple[np.ndarray, int]:
     """Per-trajectory R^T for aae/cae and the number of trajectories where it was missing (-> 0)."""
-    steps = ctx.steps.with_row_index("row")
+    steps = batch.steps.with_row_index("row")
     if source == "verifier_score":
         first = (
             steps.filter(pl.col("is_assistant")).group_by("traj_index").agg(pl.col("verifier_score").first())
@@ -54,11 +54,11 @@ def turn_reward(ctx: CreditContext, source: str) -> tuple[np.ndarray, int]:
     elif source.startswith("component:"):
         name = source.split(":", 1)[1]
         long = (
-            ctx.trajectories.select("traj_index", "reward_components")
+            batch.trajectories.select("traj_index", "reward_components")
             .explode("reward_components")
             .unnest("reward_components")
             .filter(pl.col("key") == name)
-            if "reward_components" in ctx.trajectories.columns
+            if "reward_components" in batch.trajectories.columns
             else pl.DataFrame(
                 {"traj_index": [], "value": []}, schema={"traj_index": pl.Int64, "value": pl.Float64}
             )
@@ -68,19 +68,19 @@ def turn_reward(ctx: CreditContext, source: str) -> tuple[np.ndarray, int]:
         raise MethodError(
             f"mt_grpo: unknown turn_reward {source!r} (verifier_score | tool_ok | component:<name>)"
         )
-    R_T = np.full(ctx.n_traj, np.nan)
+    R_T = np.full(batch.n_traj, np.nan)
     R_T[keys.astype(np.int64)] = np.asarray(vals, dtype=np.float64)
     missing = int(np.isnan(R_T).sum())
     return np.nan_to_num(R_T, nan=0.0), missing
 
 
 @estimator("mt_grpo", settings="mt_grpo", components=("a_hat", "score", "a_step"))
-def mt_grpo(ctx: CreditContext, settings: MTGRPOSettings) -> CreditResult:
+def mt_grpo(batch: CreditBatch, settings: MTGRPOSettings) -> CreditResult:
     """Outcome advantage plus a turn-level advantage on the first turn (or on every turn, kturn)."""
-    g, lam, eps = ctx.traj_group, settings.turn_advantage_coef, settings.eps
-    steps = ctx.steps
+    g, lam, eps = batch.traj_group, settings.turn_advantage_coef, settings.eps
+    steps = batch.steps
     is_asst = steps["is_assistant"].to_numpy()
-    R_O = ctx.rewards()
+    R_O = batch.rewards()
     A_O = group_normalize(R_O, g, eps=eps)  # Eq. 1: Â^O
     if settings.mode == "kturn":
         # Â^T_{i,k}: verifier score of turn k, normalised per (prompt, k)
@@ -91,20 +91,20 @@ def mt_grpo(ctx: CreditContext, settings: MTGRPOSettings) -> CreditResult:
         )
         r = steps["verifier_score"].fill_nan(None).to_numpy()[rows].astype(np.float64)
         missing = int(np.isnan(r).sum())
-        R_T_step = np.full(ctx.n_steps, np.nan)
+        R_T_step = np.full(batch.n_steps, np.nan)
         R_T_step[rows] = np.nan_to_num(r, nan=0.0)
-        A_T_step = np.full(ctx.n_steps, np.nan)
+        A_T_step = np.full(batch.n_steps, np.nan)
         A_T_step[rows] = group_normalize(R_T_step[rows], key.reshape(-1), eps=eps)  # Eq. 1 per (x, k)
-        per_step = ctx.traj_to_steps(A_O) + lam * np.nan_to_num(A_T_step)  # Eq. 5
-        return _result(ctx, per_step, R_T_step, A_T_step, missing)
+        per_step = batch.traj_to_steps(A_O) + lam * np.nan_to_num(A_T_step)  # Eq. 5
+        return _result(batch, per_step, R_T_step, A_T_step, missing)
 
-    R_T, missing = turn_reward(ctx, settings.turn_reward)
+    R_T, missing = turn_reward(batch, settings.turn_reward)
     # tokens before the first tool-result message
     is_tool = (steps["role"] == "tool").to_numpy()
     tools_before = np.cumsum(is_tool) - is_tool  # tool results before each step, over the whole batch
-    tools_so_far = np.cumsum(is_tool) - tools_before[segment_start_rows(ctx.step_traj)]
+    tools_so_far = np.cumsum(is_tool) - tools_before[segment_start_rows(batch.step_traj)]
     before_tool = tools_so_far == 0
-    has_tool = np.bincount(ctx.step_traj[is_tool], minlength=ctx.n_traj) > 0
+    has_tool = np.bincount(batch.step_traj[is_tool], minlength=batch.n_traj) > 0
     A_T = group_normalize(R_T, g, eps=eps)  # Eq. 1: Â^T
     if settings.mode == "aae":
         first = A_O + lam * A_T  # Eq. 2: Â^O + λ Â^T
@@ -114,15 +114,15 @@ def mt_grpo(ctx: CreditContext, settings: MTGRPOSettings) -> CreditResult:
         no_tool = first
     per_traj_first = np.where(has_tool, first, no_tool)
     per_traj_later = np.where(has_tool, A_O, no_tool)
-    per_step = np.where(before_tool, ctx.traj_to_steps(per_traj_first), ctx.traj_to_steps(per_traj_later))
-    turn_term = np.where(before_tool & is_asst & has_tool[ctx.step_traj], ctx.traj_to_steps(A_T), np.nan)
-    return _result(ctx, per_step, np.where(is_asst, ctx.traj_to_steps(R_T), np.nan), turn_term, missing)
+    per_step = np.where(before_tool, batch.traj_to_steps(per_traj_first), batch.traj_to_steps(per_traj_later))
+    turn_term = np.where(before_tool & is_asst & has_tool[batch.step_traj], batch.traj_to_steps(A_T), np.nan)
+    return _result(batch, per_step, np.where(is_asst, batch.traj_to_steps(R_T), np.nan), turn_term, missing)
 
 
-def _result(ctx, per_step, score, turn_term, missing) -> CreditResult:
-    is_asst = ctx.steps["is_assistant"].to_numpy()
+def _result(batch, per_step, score, turn_term, missing) -> CreditResult:
+    is_asst = batch.steps["is_assistant"].to_numpy()
     return CreditResult.per_step(
-        ctx,
+        batch,
         per_step,
         {"a_hat": np.where(is_asst, per_step, np.nan), "score": score, "a_step": turn_term},
         notes={"missing_turn_reward": float(missing)},

@@ -17,10 +17,10 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.methods.c3 import span_token_ranges
-from pipeline.credit.methods.gae import GAEAdvantages, gae_advantages, gae_result
-from pipeline.credit.methods.grpo import grpo_traj_advantage
+from pipeline.credit.methods.gae import GAEAdvantages, GAESettings, gae_advantages, gae_result
+from pipeline.credit.methods.grpo import GRPOSettings, grpo_traj_advantage
 from pipeline.credit.ops import Moments, segment_discounted_cumsum, whiten
 from pipeline.credit.registry import Requirement, RoundStatistics, estimator
 from pipeline.settings import StageSettings, register_settings
@@ -34,23 +34,23 @@ class ProcessRewardSettings(StageSettings):
     )
 
 
-def step_severity(ctx: CreditContext) -> np.ndarray:
+def step_severity(batch: CreditBatch) -> np.ndarray:
     """s_k per step row: the largest severity among the step's spans (0 without spans)."""
-    out = np.zeros(ctx.n_steps)
-    spans = ctx.annotation("spans")
+    out = np.zeros(batch.n_steps)
+    spans = batch.annotation("spans")
     if spans is None or spans.height == 0:
         return out
-    _, _, row = span_token_ranges(ctx, spans)
+    _, _, row = span_token_ranges(batch, spans)
     sev = spans["severity"].to_numpy().astype(np.float64)
     ok = row >= 0
     np.maximum.at(out, row[ok], sev[ok])
     return out
 
 
-def penalised_rewards(ctx: CreditContext, beta: float, s_step: np.ndarray) -> np.ndarray:
+def penalised_rewards(batch: CreditBatch, beta: float, s_step: np.ndarray) -> np.ndarray:
     """R_i - beta * sum_k s_k per trajectory."""
-    penalty = np.bincount(ctx.step_traj, weights=s_step, minlength=ctx.n_traj)
-    return ctx.rewards() - beta * penalty  # Eq. 2
+    penalty = np.bincount(batch.step_traj, weights=s_step, minlength=batch.n_traj)
+    return batch.rewards() - beta * penalty  # Eq. 2
 
 
 @estimator(
@@ -60,18 +60,18 @@ def penalised_rewards(ctx: CreditContext, beta: float, s_step: np.ndarray) -> np
     reads=("grpo",),
     components=("a_hat", "score", "severity"),
 )
-def grpo_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
+def grpo_pr(batch: CreditBatch, settings: ProcessRewardSettings) -> CreditResult:
     """GRPO on the outcome reward minus beta * the summed turn severities."""
-    s_step = step_severity(ctx)
-    rewards = penalised_rewards(ctx, settings.beta, s_step)
-    a = grpo_traj_advantage(ctx, ctx.stage("grpo"), rewards)
+    s_step = step_severity(batch)
+    rewards = penalised_rewards(batch, settings.beta, s_step)
+    a = grpo_traj_advantage(batch, batch.settings(GRPOSettings), rewards)
     has = s_step > 0
     return CreditResult.per_step(
-        ctx,
-        ctx.traj_to_steps(a),
+        batch,
+        batch.traj_to_steps(a),
         {
-            "a_hat": ctx.traj_to_steps(a),
-            "score": ctx.traj_to_steps(rewards),
+            "a_hat": batch.traj_to_steps(a),
+            "score": batch.traj_to_steps(rewards),
             "severity": np.where(has, s_step, np.nan),
         },
         notes={"process_reward.penalised_turns": float(has.sum())},
@@ -79,18 +79,18 @@ def grpo_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult
 
 
 def gae_pr_advantages(
-    ctx: CreditContext, settings: ProcessRewardSettings
+    batch: CreditBatch, settings: ProcessRewardSettings
 ) -> tuple[GAEAdvantages, np.ndarray]:
     """gae_pr before whitening: GAE's Eq. 1-4 on the assistant tokens with the penalties of Eq. 1 or 2, and
     s_k per step row."""
-    gs = ctx.stage("gae")
-    s_step = step_severity(ctx)
+    gs = batch.settings(GAESettings)
+    s_step = step_severity(batch)
     if settings.level == "outcome":
-        rewards = penalised_rewards(ctx, settings.beta, s_step)
-        return gae_advantages(ctx, gs, "gae_pr", rewards=rewards), s_step
-    g = gae_advantages(ctx, gs, "gae_pr")
-    n = ctx.steps["n_tokens"].to_numpy()
-    rows = np.flatnonzero((s_step > 0) & (n > 0) & ctx.steps["is_assistant"].to_numpy())
+        rewards = penalised_rewards(batch, settings.beta, s_step)
+        return gae_advantages(batch, gs, "gae_pr", rewards=rewards), s_step
+    g = gae_advantages(batch, gs, "gae_pr")
+    n = batch.steps["n_tokens"].to_numpy()
+    rows = np.flatnonzero((s_step > 0) & (n > 0) & batch.steps["is_assistant"].to_numpy())
     if len(rows) == 0 or len(g.A) == 0:
         return g, s_step
     # Eq. 1: -beta * s_k on the last token of turn k; on the assistant tokens (the mask's order) that is the
@@ -99,7 +99,7 @@ def gae_pr_advantages(
     end_in_mask = np.cumsum(g.lengths) - 1  # per assistant step with tokens
     penalty = np.zeros(len(g.A))
     penalty[end_in_mask[np.searchsorted(g.a, rows)]] = -settings.beta * s_step[rows]
-    traj = np.repeat(ctx.step_traj[g.a], g.lengths)
+    traj = np.repeat(batch.step_traj[g.a], g.lengths)
     contrib = segment_discounted_cumsum(penalty, traj, gs.gamma * gs.lam)
     return (
         GAEAdvantages(g.A + contrib, g.returns + contrib, g.a, g.lengths, g.last, g.R),
@@ -107,11 +107,11 @@ def gae_pr_advantages(
     )
 
 
-def gae_pr_statistics(ctx: CreditContext, settings: ProcessRewardSettings) -> dict[str, Moments]:
+def gae_pr_statistics(batch: CreditBatch, settings: ProcessRewardSettings) -> dict[str, Moments]:
     """The moments gae_pr whitens with (`gae.whiten`), on this batch: those of its A over the assistant tokens."""
-    if not ctx.stage("gae").whiten:
+    if not batch.settings(GAESettings).whiten:
         return {}
-    return {"gae_pr": Moments.of(gae_pr_advantages(ctx, settings)[0].A)}
+    return {"gae_pr": Moments.of(gae_pr_advantages(batch, settings)[0].A)}
 
 
 @estimator(
@@ -124,24 +124,24 @@ def gae_pr_statistics(ctx: CreditContext, settings: ProcessRewardSettings) -> di
     components=("a_hat", "score", "severity"),
     reads=("gae",),
 )
-def gae_pr(ctx: CreditContext, settings: ProcessRewardSettings) -> CreditResult:
+def gae_pr(batch: CreditBatch, settings: ProcessRewardSettings) -> CreditResult:
     """Token GAE with the behaviour penalties as turn rewards (or subtracted from the outcome reward)."""
-    gs = ctx.stage("gae")
-    g, s_step = gae_pr_advantages(ctx, settings)
+    gs = batch.settings(GAESettings)
+    g, s_step = gae_pr_advantages(batch, settings)
     has = s_step > 0
     A = g.A
     if gs.whiten and len(A):
-        A = whiten(A, ctx.moments("gae_pr", A, scope=gs.scope))
-    res = gae_result(ctx, g, A)
+        A = whiten(A, batch.moments("gae_pr", A, scope=gs.scope))
+    res = gae_result(batch, g, A)
     score = res.components["score"]
     if settings.level == "turn" and len(g.A):  # the turn penalties on the steps' scores
         rows = np.flatnonzero(
-            has & (ctx.steps["n_tokens"].to_numpy() > 0) & ctx.steps["is_assistant"].to_numpy()
+            has & (batch.steps["n_tokens"].to_numpy() > 0) & batch.steps["is_assistant"].to_numpy()
         )
         score = score.copy()
         score[rows] += -settings.beta * s_step[rows]
     return CreditResult.on_mask(
-        ctx,
+        batch,
         A,
         {"a_hat": res.components["a_hat"], "score": score, "severity": np.where(has, s_step, np.nan)},
         {"process_reward.penalised_turns": float(has.sum())},

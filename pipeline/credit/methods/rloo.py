@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.ops import group_moments
 from pipeline.credit.registry import estimator
 from pipeline.settings import StageSettings, register_settings
@@ -28,17 +28,17 @@ class RLOOSettings(StageSettings):
 
 
 @estimator("rloo", settings="rloo", components=("a_hat", "score"))
-def rloo(ctx: CreditContext, settings: RLOOSettings) -> CreditResult:
+def rloo(batch: CreditBatch, settings: RLOOSettings) -> CreditResult:
     """Leave-one-out mean baseline within the prompt group."""
-    R = ctx.rewards()
-    mean, _, G = group_moments(R, ctx.traj_group, ctx.n_groups)
+    R = batch.rewards()
+    mean, _, G = group_moments(R, batch.traj_group, batch.n_groups)
     A = np.where(G > 1, (R - mean) * G / np.maximum(G - 1, 1), R)  # Eq. 1; size 1: baseline 0 (verl)
     if settings.singleton == "zero":
         A = np.where(G > 1, A, 0.0)
-    a_step = ctx.traj_to_steps(A)
+    a_step = batch.traj_to_steps(A)
     return CreditResult.per_step(
-        ctx,
+        batch,
         a_step,
-        {"a_hat": a_step, "score": ctx.traj_to_steps(R)},
+        {"a_hat": a_step, "score": batch.traj_to_steps(R)},
         notes={"singleton_groups": float(np.sum(G == 1))},
     )

@@ -41,7 +41,7 @@ import numpy as np
 import polars as pl
 from pydantic import Field
 
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.ops import group_normalize
 from pipeline.credit.registry import Requirement, estimator
 from pipeline.settings import StageSettings, register_settings
@@ -82,16 +82,18 @@ class TCPOSettings(StageSettings):
 # ---- per-(trajectory, turn) inputs -----------------------------------------------------------------
 
 
-def turn_table(ctx: CreditContext, missing_score: str = "error") -> tuple[pl.DataFrame, dict[str, float]]:
+def turn_table(batch: CreditBatch, missing_score: str = "error") -> tuple[pl.DataFrame, dict[str, float]]:
     """One row per (trajectory, turn) in (trajectory, turn) order: ids, r, xi, and the turn's step rows.
 
     A turn made of several assistant steps takes the last non-null score and the surprisal over all of them."""
     notes: dict[str, float] = {}
-    steps = ctx.assistant_steps()
+    steps = batch.assistant_steps()
     # surprisal sums per step: one bincount over the assistant tokens that have a behaviour logprob
-    has_lp = ctx.tok_mask & np.isfinite(ctx.tok_logprob)
-    nlp_sum = np.bincount(ctx.tok_step[has_lp], weights=-ctx.tok_logprob[has_lp], minlength=ctx.n_steps)
-    nlp_cnt = np.bincount(ctx.tok_step[has_lp], minlength=ctx.n_steps)
+    lp = batch.logprobs.on_mask()
+    has_lp = np.isfinite(lp)
+    lp_step = batch.mask_steps()[has_lp]
+    nlp_sum = np.bincount(lp_step, weights=-lp[has_lp], minlength=batch.n_steps)
+    nlp_cnt = np.bincount(lp_step, minlength=batch.n_steps)
     rows = steps["step_row"].to_numpy()
     turns = (
         steps.select("step_row", "traj_index", "group_index", "turn", "verifier_score")
@@ -104,7 +106,7 @@ def turn_table(ctx: CreditContext, missing_score: str = "error") -> tuple[pl.Dat
             pl.col("nlp_cnt").sum(),
         )
         .sort("traj_index", "turn")
-        .join(ctx.trajectories.select("traj_index", "traj_id", "group_id"), on="traj_index", how="left")
+        .join(batch.trajectories.select("traj_index", "traj_id", "group_id"), on="traj_index", how="left")
         .with_columns(
             pl.when(pl.col("nlp_cnt") > 0)
             .then(pl.col("nlp_sum") / pl.col("nlp_cnt"))
@@ -227,11 +229,11 @@ Variant = Literal["traj_reward", "turn_reward", "delta_reward", "retro", "retro_
 
 
 def tcpo_credit(
-    ctx: CreditContext, s: TCPOSettings, variant: Variant = "full", selection: str | None = None
+    batch: CreditBatch, s: TCPOSettings, variant: Variant = "full", selection: str | None = None
 ) -> CreditResult:
-    turns, notes = turn_table(ctx, s.missing_score)
+    turns, notes = turn_table(batch, s.missing_score)
     if turns.height == 0:
-        return CreditResult(np.zeros(ctx.n_tokens), {}, notes=notes)
+        return CreditResult.per_token(np.zeros(batch.n_tokens), notes=notes)
     turns = retro_hindsight_frame(turns, s.tau)
     r = turns["r"].to_numpy().astype(np.float64)
     k = turns["turn"].to_numpy().astype(np.int64)
@@ -262,7 +264,7 @@ def tcpo_credit(
     eta = np.zeros(len(r))
     if variant == "full":
         g_sel = select_cf_turns(turns, s.L, selection or s.selection, s.seed).astype(np.float64)  # Eq. 11
-        q = cf_scores(turns, ctx.annotation("counterfactuals"), s.cf_min_ok)
+        q = cf_scores(turns, batch.annotation("counterfactuals"), s.cf_min_ok)
         q_mean = q["q_mean"].fill_null(np.nan).to_numpy()
         have_q = np.isfinite(q_mean)
         c_cf = np.where(have_q, r - q_mean, np.nan)  # Eq. 12, q_0 = r_{i,k}
@@ -309,32 +311,32 @@ def tcpo_credit(
         }
     if variant == "full":
         per_turn |= {"surprisal": xi, "c_cf": c_cf, "g_sel": g_sel, "eta": eta}
-    return _broadcast(ctx, turns, per_turn, notes)
+    return _broadcast(batch, turns, per_turn, notes)
 
 
 def _broadcast(
-    ctx: CreditContext, turns: pl.DataFrame, per_turn: dict[str, np.ndarray], notes: dict[str, float]
+    batch: CreditBatch, turns: pl.DataFrame, per_turn: dict[str, np.ndarray], notes: dict[str, float]
 ) -> CreditResult:
     """Per-turn values onto every assistant step of the turn (components) and its tokens (advantage)."""
     turn_row = turns.select("traj_index", "turn").with_row_index("_turn_row")
-    steps = ctx.steps.with_row_index("step_row").select("step_row", "traj_index", "turn", "is_assistant")
+    steps = batch.steps.with_row_index("step_row").select("step_row", "traj_index", "turn", "is_assistant")
     idx = steps.join(turn_row, on=["traj_index", "turn"], how="left", maintain_order="left")
     rows = idx["_turn_row"].fill_null(-1).to_numpy().astype(np.int64)
     on_turn = (rows >= 0) & idx["is_assistant"].to_numpy()
     components = {}
     for name, values in per_turn.items():
-        comp = np.full(ctx.n_steps, np.nan)
+        comp = np.full(batch.n_steps, np.nan)
         comp[on_turn] = np.asarray(values, dtype=np.float64)[rows[on_turn]]
         components[name] = comp
     adv_step = np.nan_to_num(components["a_hat"], nan=0.0)
-    return CreditResult.per_step(ctx, adv_step, components, notes=notes)
+    return CreditResult.per_step(batch, adv_step, components, notes=notes)
 
 
 # ---- registered methods: TCPO and the ablations of Tables 3 and 4 ----------------------------------
 
 
 def _scores_required(config) -> bool:
-    return config.stage("tcpo").missing_score == "error"
+    return config.settings(TCPOSettings).missing_score == "error"
 
 
 # the components each variant fills (tcpo_credit: per_turn)
@@ -357,9 +359,9 @@ TURN_SCORES = Requirement(
     requires=(TURN_SCORES,),
     components=FULL,
 )
-def tcpo(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
+def tcpo(batch: CreditBatch, settings: TCPOSettings) -> CreditResult:
     """TCPO: retrospective + hindsight + Top-L counterfactual credit, normalised per (prompt, turn), gamma^(k-1)."""
-    return tcpo_credit(ctx, settings, "full")
+    return tcpo_credit(batch, settings, "full")
 
 
 @estimator(
@@ -370,9 +372,9 @@ def tcpo(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     requires=(TURN_SCORES,),
     components=FULL,
 )
-def tcpo_random_cf(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
+def tcpo_random_cf(batch: CreditBatch, settings: TCPOSettings) -> CreditResult:
     """TCPO with Rand-L counterfactual selection (Table 4), seeded by tcpo.seed."""
-    return tcpo_credit(ctx, settings, "full", selection="random")
+    return tcpo_credit(batch, settings, "full", selection="random")
 
 
 @estimator(
@@ -383,9 +385,9 @@ def tcpo_random_cf(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     requires=(TURN_SCORES,),
     components=FULL,
 )
-def tcpo_all_cf(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
+def tcpo_all_cf(batch: CreditBatch, settings: TCPOSettings) -> CreditResult:
     """TCPO with counterfactuals on every eligible turn (Table 4, All CF)."""
-    return tcpo_credit(ctx, settings, "full", selection="all")
+    return tcpo_credit(batch, settings, "full", selection="all")
 
 
 @estimator(
@@ -395,38 +397,38 @@ def tcpo_all_cf(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
     requires=(TURN_SCORES,),
     components=RETRO_HIN,
 )
-def tcpo_retro_hin(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
+def tcpo_retro_hin(batch: CreditBatch, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Retro + Hin.': phi = c_ret + mu*c_hin (no counterfactuals)."""
-    return tcpo_credit(ctx, settings, "retro_hin")
+    return tcpo_credit(batch, settings, "retro_hin")
 
 
 @estimator(
     "tcpo_retro", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,), components=RETRO
 )
-def tcpo_retro(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
+def tcpo_retro(batch: CreditBatch, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Retro': phi = c_ret."""
-    return tcpo_credit(ctx, settings, "retro")
+    return tcpo_credit(batch, settings, "retro")
 
 
 @estimator(
     "delta_reward", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,), components=BASE
 )
-def delta_reward(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
+def delta_reward(batch: CreditBatch, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Delta reward': phi = r_{i,k} - r_{i,k-1} (r_{i,0} = 0), TCPO's Norm and gamma^(k-1)."""
-    return tcpo_credit(ctx, settings, "delta_reward")
+    return tcpo_credit(batch, settings, "delta_reward")
 
 
 @estimator(
     "turn_reward", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,), components=BASE
 )
-def turn_reward(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
+def turn_reward(batch: CreditBatch, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Turn reward': phi = r_{i,k}, TCPO's Norm and gamma^(k-1)."""
-    return tcpo_credit(ctx, settings, "turn_reward")
+    return tcpo_credit(batch, settings, "turn_reward")
 
 
 @estimator(
     "traj_reward", settings="tcpo", step_columns=("logprobs",), requires=(TURN_SCORES,), components=BASE
 )
-def traj_reward(ctx: CreditContext, settings: TCPOSettings) -> CreditResult:
+def traj_reward(batch: CreditBatch, settings: TCPOSettings) -> CreditResult:
     """Table 3 'Traj. reward' [INF]: phi = best-turn max_k r_{i,k} on every turn, TCPO's Norm and gamma^(k-1)."""
-    return tcpo_credit(ctx, settings, "traj_reward")
+    return tcpo_credit(batch, settings, "traj_reward")

@@ -19,7 +19,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from pipeline.credit.context import CreditContext, CreditResult
+from pipeline.credit.batch import CreditBatch, CreditResult
 from pipeline.credit.methods.gae import require_values
 from pipeline.credit.ops import Moments, segment_bounds, segment_discounted_cumsum, whiten
 from pipeline.credit.registry import Requirement, RoundStatistics, estimator
@@ -40,15 +40,15 @@ class TurnPPOSettings(StageSettings):
     )
 
 
-def turn_advantages(ctx: CreditContext, settings: TurnPPOSettings):
+def turn_advantages(batch: CreditBatch, settings: TurnPPOSettings):
     """Eq. 1-4 on the states (assistant steps with tokens): (state step rows h, V, r, A_h)."""
-    steps = ctx.steps
+    steps = batch.steps
     h = np.flatnonzero(steps["is_assistant"].to_numpy() & (steps["n_tokens"].to_numpy() > 0))  # the states
-    traj = ctx.step_traj[h]
-    V = require_values(ctx, steps["tok_start"].to_numpy()[h], "turn_ppo")  # Eq. 1
+    traj = batch.step_traj[h]
+    V = require_values(batch, steps["tok_start"].to_numpy()[h], "turn_ppo")  # Eq. 1
     _, last = segment_bounds(traj)
     if settings.turn_reward == "outcome":  # Eq. 2
-        r = np.where(last, ctx.rewards()[traj], 0.0)
+        r = np.where(last, batch.rewards()[traj], 0.0)
     else:
         r = steps["verifier_score"].fill_null(0.0).fill_nan(0.0).to_numpy()[h]
     V_next = np.where(last, 0.0, np.append(V[1:], 0.0))
@@ -56,12 +56,12 @@ def turn_advantages(ctx: CreditContext, settings: TurnPPOSettings):
     return h, V, r, segment_discounted_cumsum(delta, traj, settings.gamma * settings.lam)  # Eq. 4
 
 
-def turn_ppo_statistics(ctx: CreditContext, settings: TurnPPOSettings) -> dict[str, Moments]:
+def turn_ppo_statistics(batch: CreditBatch, settings: TurnPPOSettings) -> dict[str, Moments]:
     """Eq. 6's moments on this batch: A_h over the states, each weighted by its token count."""
     if not settings.whiten:
         return {}
-    h, _, _, A_turn = turn_advantages(ctx, settings)
-    return {"turn_ppo": Moments.of(A_turn, ctx.steps["n_tokens"].to_numpy()[h])}
+    h, _, _, A_turn = turn_advantages(batch, settings)
+    return {"turn_ppo": Moments.of(A_turn, batch.steps["n_tokens"].to_numpy()[h])}
 
 
 @estimator(
@@ -73,21 +73,23 @@ def turn_ppo_statistics(ctx: CreditContext, settings: TurnPPOSettings) -> dict[s
     requires=(Requirement("values", "critic values"),),
     components=("a_hat", "score"),
 )
-def turn_ppo(ctx: CreditContext, settings: TurnPPOSettings) -> CreditResult:
+def turn_ppo(batch: CreditBatch, settings: TurnPPOSettings) -> CreditResult:
     """GAE over turns, one value per turn."""
-    h, V, r, A_turn = turn_advantages(ctx, settings)
+    h, V, r, A_turn = turn_advantages(batch, settings)
     A_out = A_turn
     if settings.whiten:
         # Eq. 6: masked_whiten over the assistant tokens, where each turn's n_h tokens share A_h: the turns
         # weighted by their token counts (no per-token pass)
-        n_h = ctx.steps["n_tokens"].to_numpy()[h]
-        A_out = whiten(A_turn, ctx.moments("turn_ppo", A_turn, n_h, scope=settings.scope))
-    per_step_A = np.zeros(ctx.n_steps)
+        n_h = batch.steps["n_tokens"].to_numpy()[h]
+        A_out = whiten(A_turn, batch.moments("turn_ppo", A_turn, n_h, scope=settings.scope))
+    per_step_A = np.zeros(batch.n_steps)
     per_step_A[h] = A_out
-    per_step_ret = np.zeros(ctx.n_steps)
+    per_step_ret = np.zeros(batch.n_steps)
     per_step_ret[h] = A_turn + V  # Eq. 5
-    a_hat = np.full(ctx.n_steps, np.nan)
+    a_hat = np.full(batch.n_steps, np.nan)
     a_hat[h] = A_out
-    score = np.full(ctx.n_steps, np.nan)
+    score = np.full(batch.n_steps, np.nan)
     score[h] = r
-    return CreditResult.per_step(ctx, per_step_A, {"a_hat": a_hat, "score": score}, step_returns=per_step_ret)
+    return CreditResult.per_step(
+        batch, per_step_A, {"a_hat": a_hat, "score": score}, step_returns=per_step_ret
+    )

@@ -1,0 +1,493 @@
+"""The credit batch: the frozen, columnar view of one batch of whole groups that every estimator and refiner
+reads, and the one result type they return.
+
+`CreditBatch.from_arrow` builds everything once, whole-column, from the Arrow tables: tokens of all steps laid
+end to end in (traj_id, step_idx) order, the assistant-token mask (the loss mask), and the per-token float
+columns its methods declare (`logprobs`, `values`: `TokenFloats`, typed accessors, NaN where unknown).
+Per-step and per-trajectory columns stay in Polars frames. Per-token indices (`token_steps`, `mask_steps`, ...)
+are explicit methods that build their array on each call: a method that never asks never pays for them.
+Estimators are whole-column passes over these arrays, never Python loops over tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.credit.ops import Moments
+from pipeline.settings import StageSettings, default_settings
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
+
+S = TypeVar("S", bound=StageSettings)
+
+# the steps' per-token float list columns a batch can hold (each a `TokenFloats`)
+TOKEN_FLOAT_COLUMNS = ("logprobs", "values")
+
+
+def _flat_list_floats(arr: pa.Array, starts: np.ndarray, n_tokens: int) -> np.ndarray:
+    """A nullable list<float> column as a per-token float64 array (NaN where the list is null), for lists that
+    are not one value per token of their step (a value past its step's tokens lands where its position says)."""
+    out = np.full(n_tokens, np.nan, dtype=np.float64)
+    if arr.null_count == len(arr):
+        return out
+    values = pc.list_flatten(arr).to_numpy(zero_copy_only=False).astype(np.float64)
+    if len(values) == 0:
+        return out
+    parents = pc.list_parent_indices(arr).to_numpy()
+    lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy()
+    first = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # position of each value inside its own list
+    local = np.arange(len(values)) - first[parents]
+    out[starts[parents] + local] = values
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class TokenFloats:
+    """A per-token float column of the steps (`logprobs`, `values`), read once from its Arrow list column:
+    the lists' values as stored, end to end, and where each step's list starts in them. Read it on the
+    assistant tokens (`on_mask`), at a few token positions (`at`) or as a whole per-token array (`per_token`);
+    each gives float64, NaN where the step's list is null (unknown)."""
+
+    values: np.ndarray  # the lists' values as stored (the list array's child; float32 as written)
+    offsets: np.ndarray  # int64, n_steps + 1: step s's values are values[offsets[s]:offsets[s + 1]]
+    valid: np.ndarray  # bool per step: its list is not null
+    starts: np.ndarray  # int64 per step: its first token
+    token_counts: np.ndarray  # int64 per step: its tokens
+    mask_rows: np.ndarray  # the assistant steps with tokens: their tokens are the mask's, in order
+    # float64 per token, built by `read` only when some list is not one value per token of its step (then every
+    # accessor reads it); None when each is (the accessors read the lists)
+    dense: np.ndarray | None
+
+    @classmethod
+    def read(
+        cls,
+        col: pa.ChunkedArray | pa.Array,
+        starts: np.ndarray,
+        token_counts: np.ndarray,
+        mask_rows: np.ndarray,
+    ) -> TokenFloats:
+        arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        valid = arr.is_valid().to_numpy(zero_copy_only=False)
+        lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy()
+        aligned = np.array_equal(np.where(valid, token_counts, 0), lengths)
+        n_tokens = int(token_counts.sum())
+        return cls(
+            arr.values.to_numpy(zero_copy_only=False),
+            arr.offsets.to_numpy().astype(np.int64),
+            valid,
+            starts,
+            token_counts,
+            mask_rows,
+            None if aligned else _flat_list_floats(arr, starts, n_tokens),
+        )
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.starts[-1] + self.token_counts[-1]) if len(self.starts) else 0
+
+    def per_token(self) -> np.ndarray:
+        """The whole per-token float64 array (NaN where unknown): O(tokens), built on each call."""
+        if self.dense is not None:
+            return self.dense
+        out = np.full(self.n_tokens, np.nan, dtype=np.float64)
+        if not self.valid.any():
+            return out
+        lo, hi = int(self.offsets[0]), int(self.offsets[-1])
+        # the valid lists' values, end to end (each holds one value per token of its step)
+        flat = self.values[lo:hi][np.repeat(self.valid, np.diff(self.offsets))]
+        if len(flat):
+            out[np.repeat(self.valid, self.token_counts)] = flat.astype(np.float64)
+        return out
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """`per_token()[positions]` read from the lists, O(positions) (span-local work, a turn's first token)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if self.dense is not None:
+            return self.dense[positions]
+        if not self.valid.any():
+            return np.full(len(positions), np.nan)
+        step = np.searchsorted(self.starts, positions, side="right") - 1
+        ok = self.valid[step]
+        out = np.full(len(positions), np.nan)
+        out[ok] = self.values[self.offsets[step[ok]] + positions[ok] - self.starts[step[ok]]]
+        return out
+
+    def on_mask(self) -> np.ndarray:
+        """`per_token()[tok_mask]`: the values on the assistant tokens, in order, read from the assistant steps'
+        lists alone when each is present with one value per token (no per-token array of the whole batch)."""
+        rows = self.mask_rows
+        list_len = np.diff(self.offsets)
+        if self.valid[rows].all() and np.array_equal(list_len[rows], self.token_counts[rows]):
+            flat = self.values[int(self.offsets[0]) : int(self.offsets[-1])]
+            if len(rows) == len(self.valid):  # every list (an all-assistant batch): the values as they are
+                return flat.astype(np.float64)
+            chosen = np.zeros(len(self.valid), dtype=bool)
+            chosen[rows] = True
+            return flat[np.repeat(chosen, list_len)].astype(np.float64)
+        return self.per_token()[np.repeat(self._assistant_steps(), self.token_counts)]
+
+    def _assistant_steps(self) -> np.ndarray:
+        out = np.zeros(len(self.valid), dtype=bool)
+        out[self.mask_rows] = True
+        return out
+
+
+def _sorted_by_traj_step(steps: pa.Table) -> bool:
+    if steps.num_rows < 2:
+        return True
+    keys = pl.DataFrame(steps.select(["traj_id", "step_idx"]))
+    tid, idx = keys["traj_id"], keys["step_idx"]
+    prev_tid, prev_idx = tid.shift(1), idx.shift(1)
+    ok = (tid > prev_tid) | ((tid == prev_tid) & (idx > prev_idx))
+    return bool(ok.slice(1).all())
+
+
+def _trajectory_frame(trajectories: pa.Table) -> pl.DataFrame:
+    traj_cols = [c for c in trajectories.column_names if c != "reward_components"]
+    traj = pl.DataFrame(trajectories.select(traj_cols)).sort("traj_id")
+    if "reward_components" in trajectories.column_names:
+        # map<string, double> as list<struct<key, value>> (columnar; GDPO explodes it)
+        rc = trajectories.sort_by("traj_id").column("reward_components").combine_chunks()
+        rc = pa.ListArray.from_arrays(rc.offsets, rc.values, mask=rc.is_null())
+        traj = traj.with_columns(pl.Series("reward_components", rc))
+    return traj.with_columns(
+        pl.int_range(pl.len(), dtype=pl.Int64).alias("traj_index"),
+        pl.col("group_id").rank("dense").cast(pl.Int64).sub(1).alias("group_index"),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CreditBatch:
+    """One batch of whole groups, built once (`from_arrow`) and never changed."""
+
+    trajectories: pl.DataFrame  # one row per trajectory, sorted by traj_id; traj_index, group_index
+    steps: (
+        pl.DataFrame
+    )  # one row per step, sorted by (traj_index, step_idx); tok_start, n_tokens, is_assistant
+    tok_mask: np.ndarray  # bool per token: an assistant token (gets credit, in the loss)
+    logprobs: TokenFloats  # behaviour logprobs (steps.logprobs); all unknown unless a method declares them
+    values: TokenFloats  # critic values (steps.values); all unknown unless a method declares them
+    config: Config | None = None  # the run's settings (None: every stage's defaults)
+    annotations: Mapping[str, pl.DataFrame] = field(default_factory=dict)
+    round: int = 0
+    # batch-level statistics (whitening) by key: the round's moments, merged over every batch by the statistics
+    # pass (each estimator's declared `RoundStatistics.fn`) and given to the credit pass (None: this batch is
+    # the whole round)
+    round_stats: Mapping[str, Moments] | None = None
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_arrow(
+        cls,
+        trajectories: pa.Table,
+        steps: pa.Table,
+        columns: Collection[str] | None = None,
+        config: Config | None = None,
+        annotations: Mapping[str, pa.Table | pl.DataFrame] | None = None,
+        round_: int = 0,
+        round_stats: Mapping[str, Moments] | None = None,
+    ) -> CreditBatch:
+        """The batch of these rows. `columns`: the steps columns its methods declare
+        (registry.method_step_columns); a per-token float column (logprobs, values) is read only when declared,
+        else it is all unknown. None: every such column the table holds (in-memory tables, tests)."""
+        traj = _trajectory_frame(trajectories)
+        for name, typ in (
+            ("logprobs", pa.list_(pa.float32())),
+            ("values", pa.list_(pa.float32())),
+            ("verifier_score", pa.float64()),
+            ("turn", pa.int32()),
+        ):
+            if name not in steps.column_names:  # optional columns of in-memory tables
+                steps = steps.append_column(name, pa.nulls(steps.num_rows, typ))
+        if not _sorted_by_traj_step(steps):  # ingest and synth write steps in order: skip the big take
+            steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
+        lengths = (
+            pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+        )
+        starts = (np.cumsum(lengths) - lengths).astype(np.int64)
+        scalar_cols = [
+            c
+            for c in steps.column_names
+            if c not in ("token_ids", "token_offsets", "logprobs", "values", "round")
+        ]
+        step_frame = pl.DataFrame(steps.select(scalar_cols)).with_columns(
+            pl.Series("n_tokens", lengths), pl.Series("tok_start", starts)
+        )
+        step_frame = step_frame.join(
+            traj.select("traj_id", "traj_index", "group_index"), on="traj_id", how="left"
+        )
+        if step_frame["traj_index"].null_count():
+            bad = step_frame.filter(pl.col("traj_index").is_null())["traj_id"][0]
+            raise ValueError(f"steps: traj_id {bad!r} has no row in trajectories")
+        step_frame = step_frame.with_columns((pl.col("role") == "assistant").alias("is_assistant"))
+        is_assistant = step_frame["is_assistant"].to_numpy()
+        mask_rows = np.flatnonzero(is_assistant & (lengths > 0))
+
+        def token_floats(name: str) -> TokenFloats:
+            declared = columns is None or name in columns
+            col = steps.column(name) if declared else pa.nulls(steps.num_rows, pa.list_(pa.float32()))
+            return TokenFloats.read(col, starts, lengths, mask_rows)
+
+        anns = {
+            name: t if isinstance(t, pl.DataFrame) else pl.DataFrame(t)
+            for name, t in (annotations or {}).items()
+        }
+        return cls(
+            trajectories=traj,
+            steps=step_frame,
+            tok_mask=np.repeat(
+                is_assistant, lengths
+            ),  # runs of per-step values: sequential copies, no gathers
+            logprobs=token_floats("logprobs"),
+            values=token_floats("values"),
+            config=config,
+            annotations=anns,
+            round=round_,
+            round_stats=round_stats,
+        )
+
+    # ---- sizes and indices ----------------------------------------------------------------------
+    @property
+    def n_traj(self) -> int:
+        return self.trajectories.height
+
+    @property
+    def n_steps(self) -> int:
+        return self.steps.height
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tok_mask)
+
+    @property
+    def n_groups(self) -> int:
+        return int(self.trajectories.select(pl.col("group_index").max()).item()) + 1 if self.n_traj else 0
+
+    @property
+    def traj_group(self) -> np.ndarray:
+        return self.trajectories["group_index"].to_numpy()
+
+    @property
+    def step_traj(self) -> np.ndarray:
+        return self.steps["traj_index"].to_numpy()
+
+    @property
+    def step_tokens(self) -> np.ndarray:
+        """Tokens per step."""
+        return self.steps["n_tokens"].to_numpy()
+
+    @property
+    def step_offsets(self) -> np.ndarray:
+        """Token offsets of steps: tokens of step s are [off[s], off[s+1])."""
+        return np.concatenate([self.steps["tok_start"].to_numpy(), [self.n_tokens]]).astype(np.int64)
+
+    def token_steps(self) -> np.ndarray:
+        """int64 step row of every token: O(tokens), built on each call."""
+        return np.repeat(np.arange(self.n_steps, dtype=np.int64), self.step_tokens)
+
+    def token_trajs(self) -> np.ndarray:
+        """int64 trajectory row of every token: O(tokens), built on each call."""
+        return np.repeat(self.step_traj.astype(np.int64), self.step_tokens)
+
+    def mask_steps(self) -> np.ndarray:
+        """int64 step row of every assistant token, in order (`token_steps()[tok_mask]`)."""
+        counts = np.where(self.steps["is_assistant"].to_numpy(), self.step_tokens, 0)
+        return np.repeat(np.arange(self.n_steps, dtype=np.int64), counts)
+
+    def mask_trajs(self) -> np.ndarray:
+        """int64 trajectory row of every assistant token, in order (`token_trajs()[tok_mask]`)."""
+        counts = np.where(self.steps["is_assistant"].to_numpy(), self.step_tokens, 0)
+        return np.repeat(self.step_traj.astype(np.int64), counts)
+
+    def rewards(self) -> np.ndarray:
+        return self.trajectories["reward"].to_numpy().astype(np.float64)
+
+    # ---- settings and statistics ----------------------------------------------------------------
+    def settings(self, model: type[S]) -> S:
+        """The settings of the stage whose model is `model`: the run's, or its defaults without a config."""
+        return self.config.settings(model) if self.config is not None else model()
+
+    def settings_named(self, name: str) -> StageSettings:
+        """The settings registered as `name` (a registry link's declared settings)."""
+        return self.config.settings_named(name) if self.config is not None else default_settings(name)
+
+    def moments(
+        self, key: str, values: np.ndarray, weights: np.ndarray | None = None, scope: str = "round"
+    ) -> Moments:
+        """The moments a batch-level statistic `key` (a method's whitening) is taken over: the round's when
+        `scope="round"` (this batch's own when no round statistics were given: the batch is the round), this
+        batch's when `scope="batch"`. The round's are the merged moments of the estimator's declared statistics
+        function (registry.RoundStatistics) over every batch."""
+        if scope == "batch" or self.round_stats is None:
+            return Moments.of(values, weights)
+        if key not in self.round_stats:
+            raise ValueError(
+                f"round statistics lack {key!r} (have {sorted(self.round_stats)}): run the statistics pass "
+                "(pipeline.credit.process.batch_statistics) over every batch of the round first"
+            )
+        return self.round_stats[key]
+
+    def names(self, key: str, names: list[str], scope: str = "round") -> list[str]:
+        """The names a method finds in its batch (GDPO's reward components), or those of the whole round
+        (`scope="round"` with round statistics: recorded by its statistics function as keys `key:name`)."""
+        if scope == "batch" or self.round_stats is None:
+            return list(names)
+        prefix = f"{key}:"
+        return sorted(k[len(prefix) :] for k in self.round_stats if k.startswith(prefix))
+
+    def annotation(self, name: str) -> pl.DataFrame | None:
+        return self.annotations.get(name)
+
+    # ---- broadcasting ---------------------------------------------------------------------------
+    def broadcast_traj(self, per_traj: np.ndarray) -> np.ndarray:
+        """A per-trajectory value on every assistant token of the trajectory (0 elsewhere)."""
+        return self.broadcast_step(np.asarray(per_traj, dtype=np.float64)[self.step_traj])
+
+    def broadcast_step(self, per_step: np.ndarray) -> np.ndarray:
+        """A per-step value on every assistant token of the step (0 elsewhere)."""
+        # tokens of a step are contiguous: repeat each step's value (0 off the assistant steps) over its tokens
+        per_step = np.where(
+            self.steps["is_assistant"].to_numpy(), np.asarray(per_step, dtype=np.float64), 0.0
+        )
+        return np.repeat(per_step, self.step_tokens)
+
+    def traj_to_steps(self, per_traj: np.ndarray) -> np.ndarray:
+        return np.asarray(per_traj, dtype=np.float64)[self.step_traj]
+
+    def assistant_steps(self) -> pl.DataFrame:
+        """Assistant steps with their row index (`step_row`), in (trajectory, turn) order."""
+        return self.steps.with_row_index("step_row").filter(pl.col("is_assistant"))
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLayout:
+    """What lays a per-step or on-mask result over a batch's tokens: the mask and the steps' token counts."""
+
+    tok_mask: np.ndarray
+    step_tokens: np.ndarray
+
+    @classmethod
+    def of(cls, batch: CreditBatch) -> TokenLayout:
+        return cls(batch.tok_mask, batch.step_tokens)
+
+    def per_token(self, per_step: np.ndarray | None, on_mask: np.ndarray | None) -> np.ndarray:
+        if per_step is not None:
+            return np.repeat(per_step, self.step_tokens)
+        assert on_mask is not None
+        out = np.zeros(len(self.tok_mask))
+        out[self.tok_mask] = on_mask
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class CreditResult:
+    """Token advantages, the returns (critic targets) where the method has them, and the per-step components.
+    One type, laid out three ways by what the estimator computes (exactly one advantage field is set):
+
+    - `CreditResult.per_step(batch, step_adv, ...)`: an advantage constant over each step's tokens (GRPO, RLOO,
+      GDPO, MT-GRPO, GiGPO, turn PPO, ...), `step_returns` likewise;
+    - `CreditResult.on_mask(batch, mask_adv, ...)`: values on the assistant tokens only, in token order (GAE);
+    - `CreditResult.per_token(tok_adv, ...)`: a per-token array (the refiners).
+
+    The advantages table lays each layout straight into its float32 list columns; `adv_per_token()` /
+    `returns_per_token()` build the per-token arrays when a refiner needs them."""
+
+    components: dict[str, np.ndarray] = field(default_factory=dict)  # per step row; NaN = null
+    notes: dict[str, float] = field(default_factory=dict)  # counts for the summary (fallbacks, ...)
+    # per step row (0 on non-assistant steps): the advantage on each of the step's tokens
+    step_adv: np.ndarray | None = None
+    # on the assistant tokens (the batch's tok_mask order), 0 elsewhere
+    mask_adv: np.ndarray | None = None
+    tok_adv: np.ndarray | None = None  # per token
+    step_returns: np.ndarray | None = None  # the returns, laid out likewise (at most one; none: no returns)
+    mask_returns: np.ndarray | None = None
+    tok_returns: np.ndarray | None = None
+    layout: TokenLayout | None = None  # the batch's tokens, for the per-step and on-mask layouts
+
+    @classmethod
+    def per_step(
+        cls,
+        batch: CreditBatch,
+        step_adv: np.ndarray,
+        components: Mapping[str, np.ndarray] | None = None,
+        notes: Mapping[str, float] | None = None,
+        step_returns: np.ndarray | None = None,
+    ) -> CreditResult:
+        """A per-step advantage (and return) on every assistant token of the step (0 elsewhere)."""
+        is_asst = batch.steps["is_assistant"].to_numpy()
+        per_step = np.where(is_asst, np.asarray(step_adv, dtype=np.float64), 0.0)
+        step_ret = None
+        if step_returns is not None:
+            step_ret = np.where(is_asst, np.asarray(step_returns, dtype=np.float64), 0.0)
+        return cls(
+            dict(components or {}),
+            dict(notes or {}),
+            step_adv=per_step,
+            step_returns=step_ret,
+            layout=TokenLayout.of(batch),
+        )
+
+    @classmethod
+    def on_mask(
+        cls,
+        batch: CreditBatch,
+        mask_adv: np.ndarray,
+        components: Mapping[str, np.ndarray] | None = None,
+        notes: Mapping[str, float] | None = None,
+        mask_returns: np.ndarray | None = None,
+    ) -> CreditResult:
+        """Values on the assistant tokens (the batch's tok_mask order), 0 on the others."""
+        return cls(
+            dict(components or {}),
+            dict(notes or {}),
+            mask_adv=np.asarray(mask_adv, dtype=np.float64),
+            mask_returns=None if mask_returns is None else np.asarray(mask_returns, dtype=np.float64),
+            layout=TokenLayout.of(batch),
+        )
+
+    @classmethod
+    def per_token(
+        cls,
+        tok_adv: np.ndarray,
+        components: Mapping[str, np.ndarray] | None = None,
+        notes: Mapping[str, float] | None = None,
+        tok_returns: np.ndarray | None = None,
+    ) -> CreditResult:
+        """A per-token advantage array (0 off the assistant tokens once checked)."""
+        return cls(dict(components or {}), dict(notes or {}), tok_adv=tok_adv, tok_returns=tok_returns)
+
+    def refined(
+        self, tok_adv: np.ndarray, components: Mapping[str, np.ndarray], notes: Mapping[str, float]
+    ) -> CreditResult:
+        """A refiner's result: new per-token advantages, components and notes; this result's returns, in their
+        layout."""
+        return replace(
+            self,
+            components=dict(components),
+            notes=dict(notes),
+            step_adv=None,
+            mask_adv=None,
+            tok_adv=tok_adv,
+        )
+
+    def adv_per_token(self) -> np.ndarray:
+        """The per-token advantage array (0 off the assistant tokens): O(tokens), built on each call for the
+        per-step and on-mask layouts."""
+        if self.tok_adv is not None:
+            return self.tok_adv
+        assert self.layout is not None, "a per-step or on-mask result carries its batch's layout"
+        return self.layout.per_token(self.step_adv, self.mask_adv)
+
+    def returns_per_token(self) -> np.ndarray | None:
+        """The per-token returns (None: the method has none), built like `adv_per_token`."""
+        if self.tok_returns is not None or (self.step_returns is None and self.mask_returns is None):
+            return self.tok_returns
+        assert self.layout is not None, "a per-step or on-mask result carries its batch's layout"
+        return self.layout.per_token(self.step_returns, self.mask_returns)

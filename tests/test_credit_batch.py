@@ -1,0 +1,173 @@
+"""The credit batch: frozen, built once from Arrow with the per-token float columns its methods declare; its
+accessors (a few tokens, the assistant tokens, the whole array) give what a plain per-step reading of the lists
+gives; the per-token indices and the result layouts match their per-token definitions bit for bit."""
+
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_credit_properties import random_round
+
+from pipeline.credit.batch import CreditBatch, CreditResult, TokenFloats
+from pipeline.credit.process import advantages_table
+from pipeline.credit.registry import MethodError, _finish, method_step_columns
+
+
+def _reference(steps: pa.Table, col: str) -> np.ndarray:
+    """The per-token float64 array of a list column, step by step in Python: a step's list value i on its
+    token i (NaN where the list is null or shorter than the step)."""
+    steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
+    out: list[float] = []
+    for tokens, values in zip(
+        steps.column("token_ids").to_pylist(), steps.column(col).to_pylist(), strict=True
+    ):
+        n = len(tokens)
+        vals = [np.nan] * n if values is None else [float(v) for v in values[:n]]
+        out += vals + [np.nan] * (n - len(vals))
+    return np.array(out, dtype=np.float64)
+
+
+def _with_logprobs(steps: pa.Table, lists: list) -> pa.Table:
+    i = steps.column_names.index("logprobs")
+    return steps.set_column(i, "logprobs", pa.array(lists, pa.list_(pa.float32())))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000))
+def test_token_columns_match_a_per_step_reading(seed):
+    traj, steps = random_round(seed, max_groups=3, max_group_size=4, max_steps=6)
+    # logprobs: the values lists (null on some steps), one list per step cut short when the seed is odd (the
+    # lists are then not one value per token: the builder lays them out per token once)
+    lp = steps.column("values").to_pylist()
+    if seed % 2:
+        lp = [v[:-1] if v else v for v in lp]
+    steps = _with_logprobs(steps, lp)
+    batch = CreditBatch.from_arrow(traj, steps)
+    tokens = steps.column("token_ids").to_pylist()
+    cut = any(v is not None and len(v) != len(t) for v, t in zip(lp, tokens, strict=True))
+    assert (batch.logprobs.dense is not None) == cut  # laid out per token once, by the builder
+    if batch.n_tokens == 0:
+        return
+    rng = np.random.default_rng(seed)
+    pos = rng.integers(0, batch.n_tokens, size=min(50, batch.n_tokens))
+    for column, name in ((batch.logprobs, "logprobs"), (batch.values, "values")):
+        expect = _reference(steps, name)
+        full = column.per_token()
+        np.testing.assert_array_equal(full, expect)
+        np.testing.assert_array_equal(column.at(pos), full[pos])
+        np.testing.assert_array_equal(column.on_mask(), full[batch.tok_mask])
+    tok_step = np.repeat(np.arange(batch.n_steps), batch.steps["n_tokens"].to_numpy())
+    np.testing.assert_array_equal(batch.token_steps(), tok_step)
+    np.testing.assert_array_equal(batch.token_trajs(), batch.step_traj[tok_step])
+    np.testing.assert_array_equal(batch.mask_steps(), tok_step[batch.tok_mask])
+    np.testing.assert_array_equal(batch.mask_trajs(), batch.step_traj[tok_step][batch.tok_mask])
+    per_step = rng.normal(size=batch.n_steps)
+    per_traj = rng.normal(size=batch.n_traj)
+    np.testing.assert_array_equal(
+        batch.broadcast_step(per_step), np.where(batch.tok_mask, per_step[tok_step], 0.0)
+    )
+    np.testing.assert_array_equal(
+        batch.broadcast_traj(per_traj), np.where(batch.tok_mask, per_traj[batch.step_traj[tok_step]], 0.0)
+    )
+
+
+def test_builder_reads_only_the_declared_columns():
+    """A per-token float column its methods do not declare is all unknown (NaN): the builder never reads it."""
+    traj, steps = random_round(3, max_groups=2, max_group_size=3, max_steps=4)
+    full = CreditBatch.from_arrow(traj, steps)
+    assert np.isfinite(full.values.on_mask()).any()
+    grpo = CreditBatch.from_arrow(traj, steps, method_step_columns(["grpo"]))
+    assert np.isnan(grpo.values.per_token()).all() and np.isnan(grpo.logprobs.at(np.arange(3))).all()
+    gae = CreditBatch.from_arrow(traj, steps, method_step_columns(["gae"]))
+    np.testing.assert_array_equal(gae.values.per_token(), full.values.per_token())
+    assert np.isnan(gae.logprobs.on_mask()).all()
+
+
+def test_batch_and_result_are_frozen():
+    traj, steps = random_round(5, max_groups=2, max_group_size=2, max_steps=3)
+    batch = CreditBatch.from_arrow(traj, steps)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        batch.round = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        batch.values.dense = None  # type: ignore[misc]
+    result = CreditResult.per_step(batch, np.zeros(batch.n_steps))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.step_adv = None  # type: ignore[misc]
+
+
+def test_all_null_and_empty_columns():
+    traj = pa.table({"traj_id": ["t0"], "group_id": ["g"], "reward": [1.0]})
+    steps = pa.table(
+        {
+            "traj_id": ["t0"] * 3,
+            "step_idx": [0, 1, 2],
+            "role": ["user", "assistant", "assistant"],
+            "token_ids": pa.array([[1, 2], [3, 4, 5], [6]], pa.list_(pa.int32())),
+            "values": pa.array([None, [0.5, 0.25, 1.0], None], pa.list_(pa.float32())),
+        }
+    )
+    batch = CreditBatch.from_arrow(traj, steps)
+    np.testing.assert_array_equal(batch.values.on_mask(), [0.5, 0.25, 1.0, np.nan])
+    np.testing.assert_array_equal(batch.values.at(np.array([0, 3, 5])), [np.nan, 0.25, np.nan])
+    assert np.isnan(batch.logprobs.per_token()).all() and len(batch.logprobs.per_token()) == 6
+    assert isinstance(batch.logprobs, TokenFloats) and batch.logprobs.dense is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000))
+def test_result_layouts_lay_out_as_their_token_arrays(seed):
+    """A per-step or on-mask result gives the advantages table its per-token array gives, bit for bit, and its
+    `adv_per_token()` (what a refiner reads) is the broadcast of it."""
+    traj, steps = random_round(seed, max_groups=3, max_group_size=4, max_steps=6)
+    batch = CreditBatch.from_arrow(traj, steps)
+    rng = np.random.default_rng(seed)
+    per_step = rng.normal(size=batch.n_steps)
+    stepwise = _finish(
+        batch, CreditResult.per_step(batch, per_step, {"a_hat": per_step}, step_returns=per_step)
+    )
+    tokens = _finish(
+        batch,
+        CreditResult.per_token(
+            batch.broadcast_step(per_step), {"a_hat": per_step}, tok_returns=batch.broadcast_step(per_step)
+        ),
+    )
+    assert advantages_table(batch, "m", stepwise).equals(advantages_table(batch, "m", tokens))
+    np.testing.assert_array_equal(stepwise.adv_per_token(), tokens.adv_per_token())
+    np.testing.assert_array_equal(stepwise.returns_per_token(), tokens.returns_per_token())
+    on_mask = rng.normal(size=int(batch.tok_mask.sum()))
+    masked = _finish(batch, CreditResult.on_mask(batch, on_mask, mask_returns=on_mask))
+    full = np.zeros(batch.n_tokens)
+    full[batch.tok_mask] = on_mask
+    as_tokens = _finish(batch, CreditResult.per_token(full, tok_returns=full))
+    assert advantages_table(batch, "m", masked).equals(advantages_table(batch, "m", as_tokens))
+    # a refiner keeps its base's returns in their layout
+    refined = stepwise.refined(full, {}, {})
+    assert refined.step_adv is None and refined.step_returns is stepwise.step_returns
+    np.testing.assert_array_equal(refined.returns_per_token(), tokens.returns_per_token())
+
+
+def test_per_step_result_checks():
+    """A non-finite step advantage is an error naming the trajectory, except on a step without tokens (no token
+    carries it) or off the assistant steps (zeroed); a wrong shape is an error; a result without advantages
+    too."""
+    traj = pa.table({"traj_id": ["t0"], "group_id": ["g"], "reward": [1.0]})
+    steps = pa.table(
+        {
+            "traj_id": ["t0"] * 4,
+            "step_idx": [0, 1, 2, 3],
+            "role": ["user", "assistant", "assistant", "assistant"],
+            "token_ids": pa.array([[1, 2], [3, 4, 5], [], [6]], pa.list_(pa.int32())),
+        }
+    )
+    batch = CreditBatch.from_arrow(traj, steps)
+    ok = _finish(batch, CreditResult.per_step(batch, np.array([np.nan, 2.0, np.inf, -1.0])))
+    assert ok.adv_per_token().tolist() == [0.0, 0.0, 2.0, 2.0, 2.0, -1.0]
+    with pytest.raises(MethodError, match=r"trajectory 't0' \(token 2\)"):
+        _finish(batch, CreditResult.per_step(batch, np.array([0.0, np.nan, 0.0, 1.0])))
+    with pytest.raises(MethodError, match="3 steps|step advantages"):
+        _finish(batch, CreditResult(step_adv=np.zeros(3)))
+    with pytest.raises(MethodError, match="no advantages"):
+        _finish(batch, CreditResult())
