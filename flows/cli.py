@@ -66,6 +66,14 @@ class _App(typer.Typer):
     """Typer whose uncaught errors are one line on stderr (the traceback with --debug / CREDITFLOW_DEBUG=1)."""
 
     def __call__(self, *args, **kwargs):
+        if (
+            not args and not kwargs
+        ):  # the command line itself: the warm runner runs it when it may (flows/warm.py)
+            from flows.warm import run_via_runner
+
+            code = run_via_runner(sys.argv)
+            if code is not None:
+                raise SystemExit(code)
         try:
             return super().__call__(*args, **kwargs)
         except (SystemExit, KeyboardInterrupt):
@@ -142,6 +150,10 @@ def _root(
     _state["debug"] = debug or bool(os.environ.get("CREDITFLOW_DEBUG"))  # per invocation, not sticky
     setup_logging(log_level.lower())
     tune_allocator()
+    from flows import warm
+
+    warm.log_fallback()
+    warm.refresh_prefect()  # a command the warm runner forked: Prefect's settings and logging from its caller's
 
 
 for _mod in sorted(m.name for m in pkgutil.iter_modules(_commands.__path__)):

@@ -40,6 +40,21 @@ def command_api(
         yield url_ or url
 
 
+def _log_how_run() -> None:
+    """The flow run's log says where its command ran (flows/warm.py): via the warm runner, with the seconds its
+    caller took to hand it over (part of the round's fixed cost the flow's own clock does not see), or in its
+    own process and why."""
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    from flows.warm import describe
+
+    try:
+        get_run_logger().info("fixed cost: the command runs %s", describe())
+    except MissingContextError:  # called outside a flow run (a test of the context alone)
+        pass
+
+
 @contextmanager
 def round_execution(config: Config, lake: Lake, batches: list[str]) -> Iterator[tuple[Config, bool]]:
     """The stage phase of a round (module docstring); yields the config the round runs with (flow.processes
@@ -47,6 +62,7 @@ def round_execution(config: Config, lake: Lake, batches: list[str]) -> Iterator[
     from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
 
     tune_allocator()  # per-batch arrays stay on the heap
+    _log_how_run()
     config = workers.for_round(config, len(batches))
     if workers.use_processes(config):
         workers.warm(config.max_workers)

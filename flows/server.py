@@ -168,10 +168,19 @@ def wait_started(
             tmp.replace(state_path())
             if not ui:
                 start_idle_watchdog(proc.pid, log)
+            start_runner(info)
             return info
         time.sleep(0.1)
     kill(proc.pid, grace_s=5)
     raise RuntimeError(f"the Prefect server did not answer within {timeout_s:.0f} s; see {log}")
+
+
+def start_runner(info: ServerInfo) -> bool:
+    """The warm runner beside the server (flows/warm.py: `process` without importing Prefect each time), unless
+    one runs or runners are off; its log next to the server's."""
+    from flows.warm import ensure_runner
+
+    return ensure_runner(info.pid, state_path(), Path(info.log).with_name("runner.log"))
 
 
 def start_idle_watchdog(pid: int, log: Path) -> None:
@@ -193,6 +202,7 @@ def start(port: int | None = None, timeout_s: float = 120.0, ui: bool = True) ->
     with _start_lock():
         info = running()
         if info is not None:
+            start_runner(info)  # one that exited (its sources changed) starts again
             return info, False
         proc, url, log = launch(port, ui)
         return wait_started(proc, url, log, ui, timeout_s), True
@@ -208,6 +218,9 @@ def _is_prefect_server(pid: int) -> bool:
 
 
 def stop() -> ServerInfo | None:
+    from flows.warm import stop_runner
+
+    stop_runner()  # it would also exit within seconds of the server
     info = read_state()
     if info is None:
         return None
@@ -230,6 +243,7 @@ def use_running_server() -> str | None:
         return None
     os.environ["PREFECT_API_URL"] = info.url
     hold_in_use(state_path())
+    start_runner(info)  # this command runs in its own process: the next one need not
     return info.url
 
 

@@ -1,0 +1,272 @@
+"""The warm runner (flows/warm.py): `creditflow process` forked from a process that imported Prefect once.
+
+The runner and the CLI run as real subprocesses. A stand-in server (a `sleep` recorded in prefect.json) keeps
+the runner alive where the command stops before any flow run (a missing round, a held round lock); the flow
+itself runs in tests/test_flows_warm_server.py against a real `creditflow server start` (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows import warm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "CREDITFLOW_NO_SERVER")}
+    env.update(
+        CREDITFLOW_CACHE=str(tmp_path / "cache"),
+        CREDITFLOW_WARM_STATS=str(tmp_path / "warm.jsonl"),
+        PYTHONPATH=str(ROOT),
+    )
+    return env
+
+
+def cli(args: list[str], env: dict[str, str], **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", "from flows.cli import app; app()", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    proc = cli(args, env)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def stats(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "warm.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(check, timeout: float = 120.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def runner(tmp_path):
+    """A runner beside a stand-in server; yields (env, runner process, server stand-in)."""
+    env = _env(tmp_path)
+    services = tmp_path / "cache" / "services"
+    services.mkdir(parents=True)
+    server = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    state = services / "prefect.json"
+    # a URL nothing answers: the command's own `use_running_server` finds no API (it needs none here)
+    state.write_text(
+        json.dumps({"pid": server.pid, "url": "http://127.0.0.1:9/api", "log": "x", "started": 0})
+    )
+    log = open(tmp_path / "runner.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.warm", str(server.pid), str(state)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    sock = services / "runner" / "runner.sock"
+    try:
+        wait_for(lambda: sock.exists() or proc.poll() is not None, what="the runner's socket")
+        assert proc.poll() is None, (tmp_path / "runner.log").read_text()
+        yield env, proc, server
+    finally:
+        for p in (proc, server):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        log.close()
+
+
+@pytest.fixture
+def lake(tmp_path):
+    out = tmp_path / "lake"
+    env = {**_env(tmp_path), "CREDITFLOW_NO_SERVER": "1"}
+    made = run_cli(
+        ["synth", "--groups", "2", "--samples", "2", "--turns", "2", "--tokens", "30", "--out", str(out)], env
+    )
+    assert made.returncode == 0, made.stderr
+    return out
+
+
+def test_command_words():
+    assert warm._command(["process", "--round", "0"]) == "process"
+    assert warm._command(["--log-level", "debug", "--debug", "process"]) == "process"
+    assert warm._command(["--log-level", "process", "stats"]) == "stats"  # the level's value is no command
+    assert warm._command(["--help"]) is None
+
+
+def test_frozen_env_is_what_the_imports_read():
+    env = {
+        "PREFECT_API_URL": "u",
+        "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "INFO",  # set by the CLI per command
+        "PYTHONPATH": "p",
+        "CREDITFLOW_CACHE": "c",
+        "CREDITFLOW_DEBUG": "1",  # read per command
+        "HOME": "h",
+    }
+    assert warm.frozen_env(env) == {"PREFECT_API_URL": "u", "PYTHONPATH": "p", "CREDITFLOW_CACHE": "c"}
+
+
+def test_mismatch_names_what_differs():
+    req = {"root": str(warm.ROOT), "executable": sys.executable, "env": {"PREFECT_X": "1", "HOME": "a"}}
+    assert warm._mismatch(req, {"PREFECT_X": "1"}) is None
+    assert "PREFECT_X" in (warm._mismatch(req, {"PREFECT_X": "2"}) or "")
+    assert "PREFECT_Y" in (warm._mismatch(req, {"PREFECT_X": "1", "PREFECT_Y": "0"}) or "")
+    assert "checkout" in (warm._mismatch({**req, "root": "/elsewhere"}, {"PREFECT_X": "1"}) or "")
+    assert "interpreter" in (warm._mismatch({**req, "executable": "/x/python"}, {"PREFECT_X": "1"}) or "")
+
+
+def test_off_switches_run_in_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("CREDITFLOW_CACHE", str(tmp_path))
+    for key in ("CREDITFLOW_NO_SERVER", "CREDITFLOW_SHARED_API", "CREDITFLOW_WARM_RUNNER"):
+        monkeypatch.setenv(key, "1" if key == "CREDITFLOW_NO_SERVER" else "0")
+        assert warm.run_via_runner(["creditflow", "process", "--round", "0"]) is None
+        monkeypatch.delenv(key)
+    assert warm.run_via_runner(["creditflow", "process", "--round", "0"]) is None  # no socket
+    assert warm.WHY["why"] == "no runner"
+    assert warm.run_via_runner(["creditflow", "stats", "--round", "0"]) is None  # not a flow command
+
+
+@pytest.mark.slow
+def test_a_user_error_via_the_runner_is_one_line_and_its_status(runner, lake, tmp_path):
+    env, _proc, _server = runner
+    done = run_cli(["process", "--lake", str(lake), "--round", "7", "--methods", "grpo"], env)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"round 7 has no trajectories in {lake} (rounds there: 0); "
+        "`creditflow ingest` or `creditflow synth` writes one"
+    ]
+    started, finished = stats(tmp_path)
+    assert finished["exit"] == 1 and finished["command_pid"] == started["started"] != done.args
+    assert finished["command_cpu_s"] > 0
+    # the same command in its own process says the same
+    own = run_cli(
+        ["process", "--lake", str(lake), "--round", "7", "--methods", "grpo"],
+        {**env, "CREDITFLOW_WARM_RUNNER": "0"},
+    )
+    assert (own.returncode, own.stderr) == (done.returncode, done.stderr)
+    assert len(stats(tmp_path)) == 2  # no warm run recorded for it
+    bad = run_cli(["process", "--lake", str(lake), "--round", "0", "--methods", "nosuch"], env)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
+    assert bad.stderr.startswith("error: method 'nosuch': unknown estimator")
+    assert stats(tmp_path)[-1]["exit"] == 1
+
+
+def _held_round(lake: Path, tmp_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    """A process holding round 0's lock of `lake` until killed (a `process --wait` then waits for it)."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from warehouse.lake import Lake\n"
+            "from warehouse.locks import round_lock\n"
+            f"with round_lock(Lake({str(lake)!r}), 0):\n"
+            "    print('held', flush=True)\n"
+            "    time.sleep(600)\n",
+        ],
+        cwd=ROOT,
+        env={**env, "CREDITFLOW_NO_SERVER": "1"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def _waiting_command(lake: Path, tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
+    client = cli(["process", "--lake", str(lake), "--round", "0", "--methods", "grpo", "--wait"], env)
+    wait_for(lambda: any("started" in s for s in stats(tmp_path)), 60, "the command's start")
+    pid = next(s["started"] for s in stats(tmp_path) if "started" in s)
+    assert alive(pid) and pid != client.pid
+    assert os.getpgid(pid) == pid  # a process group of its own
+    return client, pid
+
+
+def test_kill_9_of_the_caller_kills_its_command(runner, lake, tmp_path):
+    env, proc, _server = runner
+    holder = _held_round(lake, tmp_path, env)
+    try:
+        client, pid = _waiting_command(lake, tmp_path, env)
+        client.kill()  # SIGKILL: no chance to forward anything; the runner sees its socket close
+        client.wait()
+        wait_for(lambda: not alive(pid), 30, "the orphaned command to be killed")
+        assert proc.poll() is None  # the runner serves on
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_sigterm_of_the_caller_reaches_its_command(runner, lake, tmp_path):
+    env, _proc, _server = runner
+    holder = _held_round(lake, tmp_path, env)
+    try:
+        client, pid = _waiting_command(lake, tmp_path, env)
+        client.send_signal(signal.SIGTERM)
+        client.communicate(timeout=60)
+        # forwarded: the command died of it, and so did its caller, as a command in its own process does
+        assert client.returncode == -signal.SIGTERM
+        assert stats(tmp_path)[-1]["exit"] == -signal.SIGTERM
+        assert not alive(pid)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.slow
+def test_other_settings_or_stale_sources_run_in_process_and_stale_ends_the_runner(runner, lake, tmp_path):
+    env, proc, server = runner
+    args = ["process", "--lake", str(lake), "--round", "7", "--methods", "grpo"]
+    other = run_cli(
+        args, {**env, "PREFECT_LOGGING_LEVEL": "DEBUG" if env.get("PREFECT_LOGGING_LEVEL") else "INFO"}
+    )
+    assert other.returncode == 1 and stats(tmp_path) == []  # ran in its own process
+    source = ROOT / "flows" / "display.py"  # a module the runner loaded
+    st = source.stat()
+    try:
+        os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+        stale = run_cli(args, env)
+        assert stale.returncode == 1 and "round 7 has no trajectories" in stale.stderr
+        assert stats(tmp_path) == []
+        proc.wait(timeout=30)  # the stale runner exits
+        assert "changed since the runner started" in (tmp_path / "runner.log").read_text()
+        assert not (tmp_path / "cache" / "services" / "runner" / "runner.sock").exists()
+    finally:
+        os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert server.poll() is None
+
+
+def test_the_runner_ends_with_its_server(runner):
+    _env_, proc, server = runner
+    server.kill()
+    server.wait()
+    assert proc.wait(timeout=30) == 0
