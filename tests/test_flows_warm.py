@@ -2,7 +2,7 @@
 
 The runner and the CLI run as real subprocesses. A stand-in server (a `sleep` recorded in prefect.json) keeps
 the runner alive where the command stops before any flow run (a missing round, a held round lock); the flow
-itself runs in tests/test_flows_warm_server.py against a real `creditflow server start` (slow)."""
+itself runs against a real `creditflow server start` (slow: the last test)."""
 
 from __future__ import annotations
 
@@ -270,3 +270,56 @@ def test_the_runner_ends_with_its_server(runner):
     server.kill()
     server.wait()
     assert proc.wait(timeout=30) == 0
+
+
+def _advantages(lake: Path) -> list[dict]:
+    from warehouse.lake import Lake
+
+    table = Lake(lake).read("advantages", 0)
+    return sorted(table.to_pylist(), key=lambda r: (r["method"], r["traj_id"], r["step_idx"]))
+
+
+@pytest.mark.slow
+def test_a_round_via_the_runner_matches_one_in_process(tmp_path):
+    """A real `creditflow server start` starts the runner; a new round processed through it writes the same
+    advantages as the same round processed in the command's own process, prints the same summary and says in
+    the flow run's log how it ran; `server stop` ends the runner."""
+    env = {**_env(tmp_path), "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_LOGGING_LEVEL": "INFO"}
+    lakes = [tmp_path / "lake-own", tmp_path / "lake-warm"]
+    for lake in lakes:
+        made = run_cli(["synth", "--groups", "8", "--samples", "4", "--out", str(lake), "--seed", "3"], env)
+        assert made.returncode == 0, made.stderr
+    started = run_cli(["server", "start"], env)
+    assert started.returncode == 0, started.stderr
+    try:
+        sock = tmp_path / "cache" / "services" / "runner" / "runner.sock"
+        wait_for(sock.exists, 180, "the runner beside the server")
+        args = ["--log-level", "info", "process", "--round", "0", "--methods", "grpo,gae", "--lake"]
+        own = run_cli([*args, str(lakes[0])], {**env, "CREDITFLOW_WARM_RUNNER": "0"})
+        assert own.returncode == 0, own.stderr[-3000:]
+        assert stats(tmp_path) == []
+        assert "fixed cost: the command runs in its own process" in own.stderr
+        via = run_cli([*args, str(lakes[1])], env)
+        assert via.returncode == 0, via.stderr[-3000:]
+        assert [s.get("exit") for s in stats(tmp_path)] == [None, 0]  # started, then finished
+        assert "fixed cost: the command runs via warm runner" in via.stderr
+        assert "its caller took" in via.stderr
+        rows = _advantages(lakes[1])
+        assert rows and rows == _advantages(lakes[0])
+
+        # the same tables printed (the seconds aside)
+        def shown(out: str) -> list[str]:
+            return [ln for ln in out.splitlines() if "trajectories" in ln or "grpo" in ln or "gae" in ln]
+
+        assert shown(via.stdout) == shown(own.stdout) != []
+    finally:
+        stopped = run_cli(["server", "stop"], env)
+    assert stopped.returncode == 0
+    wait_for(lambda: not warm_runner_alive(tmp_path), 30, "the runner to end with the server")
+
+
+def warm_runner_alive(tmp_path: Path) -> bool:
+    from flows.api_idle import _unused
+
+    lock = tmp_path / "cache" / "services" / "runner" / "runner.lock"
+    return lock.exists() and not _unused(lock)
