@@ -5,6 +5,7 @@ writes its parts and a `stage_runs` row, and returns a small summary (a dict). T
 
 from __future__ import annotations
 
+import os
 import time
 
 import pyarrow as pa
@@ -23,7 +24,7 @@ from pipeline.stages import NO_IO, BatchStage, StageIO, execute, get_stage
 from pipeline.stages import round_stages as round_stages
 from warehouse.lake import Lake
 from warehouse.rounds import batch_names, read_batch
-from warehouse.runlog import record_stage_run
+from warehouse.runlog import flush_stage_runs, record_stage_run
 
 
 def stage_io(config: Config) -> StageIO:
@@ -42,6 +43,61 @@ def stage_io(config: Config) -> StageIO:
             return list(pool.map(fn, *iterables))
 
     return StageIO(llm=LLMClient, map=pool_map)
+
+
+# ---- the statistics pass's reads, kept for credit ------------------------------------------------------
+# A method with a round statistic (gae, turn_ppo, gdpo) reads each batch twice: the statistics pass, then credit.
+# Where both run in one process (flows.batch.round_statistics then run_stage: the plain path, the benchmarks),
+# the statistics pass keeps what it read, keyed by the part's identity (Lake.part_stat: path, size, mtime), and
+# credit's read of the same part takes it from here (reading from disk only the columns the statistics pass did
+# not: turn, is_error, verifier_score); an entry is used once. A rewritten part has another identity: never
+# served. Bounded: an entry that would take the kept bytes past CREDITFLOW_READ_CACHE_MB (default 256; 0: off)
+# is not kept (that batch is read again).
+READ_CACHE_ENV = "CREDITFLOW_READ_CACHE_MB"
+_kept: dict[tuple, tuple[pa.Table, bool]] = {}  # part identity -> (what was read, whether every column)
+
+
+def _cache_budget() -> int:
+    try:
+        return int(float(os.environ.get(READ_CACHE_ENV, "256")) * 2**20)
+    except ValueError:
+        return 256 * 2**20
+
+
+def _part_key(lake: Lake, table: str, round_: int, batch: str) -> tuple:
+    return (lake.uri, table, int(round_), *lake.part_stat(table, round_, batch))
+
+
+def _read(
+    lake: Lake, table: str, round_: int, batch: str, columns: list[str] | None = None, keep: bool = False
+) -> pa.Table:
+    """read_batch of trajectories / steps, through the statistics pass's kept reads: `keep` keeps this read
+    (the statistics pass); otherwise a kept read of the same part is used (and dropped)."""
+    key = _part_key(lake, table, round_, batch) if (keep or _kept) else None
+    if key is not None and not keep and key in _kept and (columns is not None or _kept[key][1]):
+        got = _kept.pop(key)[0]
+        if columns is None:
+            return got
+        missing = [c for c in columns if c not in got.column_names]
+        if missing:
+            extra = read_batch(lake, table, round_, batch, columns=missing)
+            if extra.num_rows != got.num_rows:  # not the same part after all: read it whole
+                return read_batch(lake, table, round_, batch, columns=columns)
+            for name in missing:
+                got = got.append_column(extra.schema.field(name), extra.column(name))
+        return got.select(columns)
+    out = read_batch(lake, table, round_, batch, columns=columns)
+    if key is not None and keep and key[-2] >= 0:
+        used = sum(t.nbytes for t, _ in _kept.values())
+        if used + out.nbytes <= _cache_budget():
+            _kept[key] = (out, columns is None)
+    return out
+
+
+def _forget_kept(lake: Lake, round_: int) -> None:
+    """Drop the kept reads of the round (a statistics pass starting over: what it kept before is not used)."""
+    for key in [k for k in _kept if k[0] == lake.uri and k[2] == int(round_)]:
+        del _kept[key]
 
 
 def _tokens(steps: pa.Table) -> int:
@@ -104,16 +160,18 @@ def run_stage(
     config: Config,
     cache_key: str | None = None,
     round_stats: dict[str, list[float]] | None = None,
+    keep_reads: bool = False,
 ) -> dict:
     """One batch stage on one batch, from its declaration: read its inputs, call its function, write its outputs
     as parts named like the batch (per method: `<batch>.<method>`). `round_stats`: the round's merged moments
     (`process.statistics_json`) for a stage that reads them, as the flow passes them; None: read (or made)
     here from the lake. A flow task passes the lake's URI and the stage (to a worker process by name,
-    `BatchStage.__reduce__`)."""
+    `BatchStage.__reduce__`). `keep_reads`: keep the trajectories and steps read for a later stage of this
+    process (the statistics pass for credit: `round_statistics`)."""
     t0 = time.perf_counter()
     lake = Lake(lake) if isinstance(lake, str) else lake
-    traj = read_batch(lake, "trajectories", round_, batch)
-    steps = read_batch(lake, "steps", round_, batch, columns=stage.columns(config))
+    traj = _read(lake, "trajectories", round_, batch, keep=keep_reads)
+    steps = _read(lake, "steps", round_, batch, columns=stage.columns(config), keep=keep_reads)
     inputs = {key: read_batch(lake, table, round_, part) for table, part, key in stage.reads(batch, config)}
     if stage.round_statistics:
         if round_stats is not None:
@@ -156,18 +214,26 @@ def is_current(part: pa.Table, source: str) -> bool:
 def round_statistics(lake: Lake, round_: int, config: Config, batches: list[str] | None = None) -> dict:
     """The round's merged moments from every batch's `credit_stats` part, in batch order. A batch without a
     current part (`current_statistics`) gets the statistics pass first, so a plain caller of the credit stage
-    gets the round's statistics too."""
+    gets the round's statistics too; that pass keeps what it read for credit in this process (`_read`)."""
     if not statistics_methods(config):
         return {}
     batches = round_batches(lake, round_) if batches is None else batches
+    _forget_kept(lake, round_)
     parts = []
     for b in batches:
         part, source = current_statistics(lake, round_, b, config)
         if not is_current(part, source):
-            run_stage(lake, round_, b, get_stage(STATS), config, cache_key=source)
+            run_stage(lake, round_, b, get_stage(STATS), config, cache_key=source, keep_reads=True)
             part = read_batch(lake, STATS, round_, b)
         parts.append(part)
     return merge_statistics(pa.concat_tables(parts))
+
+
+def finish_round(lake: Lake, round_: int) -> int:
+    """What a round's plain caller does after its last stage: commit the run log's spooled rows (one commit
+    on a Delta lake, warehouse.runlog.flush_stage_runs; the flow's summary does it at the round's end).
+    Returns the rows committed."""
+    return flush_stage_runs(lake, round_)
 
 
 def run_batch_plain(lake: Lake, round_: int, batch: str, config: Config) -> list[dict]:

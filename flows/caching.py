@@ -120,8 +120,11 @@ def degraded_batches(lake: Lake, round_: int, stage: BatchStage, batches: set[st
     (refreshing the cache record) instead of serving it from the cache, so a re-run after the endpoint
     recovers asks again. Reads only those batches' run-log parts (one small file each), as the lake lists them."""
     from warehouse.lake import safe_part_name
-    from warehouse.runlog import TABLE
+    from warehouse.runlog import TABLE, flush_stage_runs
 
+    flush_stage_runs(
+        lake, round_, reading=True
+    )  # rows a run left spooled (a Delta lake: warehouse/runlog.py)
     wanted = {safe_part_name(f"{stage.name}.{b}") for b in batches}
     paths = [p for p in lake.parts(TABLE, round_) if lake.part_name(p) in wanted]
     if not paths:

@@ -20,6 +20,7 @@ from flows.ingest import UNREADABLE, ingest_flow
 from flows.run import run_process
 from warehouse.lake import Lake
 from warehouse.rounds import batch_names
+from warehouse.runlog import read_stage_runs
 
 METHODS = "grpo,grpo+c3,grpo+iapo"
 
@@ -64,8 +65,9 @@ def test_sigkill_mid_round_resumes_to_the_same_result(tmp_path, prefect_harness)
         proc.stderr.close()
     done_before = len(lake.parts("train_batch", 0))
     assert done_before < 3 * n, "the run finished before the kill"
-    # every batch stage that finished writes its stage_runs part last, just before Prefect's cache record
-    finished_before = len(lake.parts("stage_runs", 0))
+    # every batch stage that finished writes its stage_runs row last (on Delta to the run log's spool, which
+    # the reader commits), just before Prefect's cache record
+    finished_before = read_stage_runs(lake, 0).num_rows
 
     summary = run_process(cfg_for(lake, methods=METHODS.split(",")), 0, quiet=True)
     credit = summary["this_run"]["credit"]

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from warehouse.lake import Lake, write_options
+from warehouse.runlog import flush_stage_runs
 
 TABLE = "train_batch"
 
@@ -41,6 +42,8 @@ def _stale_batches(lake: Lake, round_: int, as_of: dict[str, Any]) -> list[str]:
     from pipeline.credit.process import CREDIT
     from pipeline.export import EXPORT
 
+    if not as_of:  # rows a run left spooled (warehouse/runlog.py); as of a version: the log then
+        flush_stage_runs(lake, round_, reading=True)
     runs = lake.read("stage_runs", round_, columns=["stage", "batch", "finished_at"], **as_of).to_pylist()
     done = {(r["stage"], r["batch"]): r["finished_at"] for r in runs}
     exported = {b: at for (stage, b), at in done.items() if stage == EXPORT}
@@ -132,6 +135,7 @@ def write_export(
     if layout != "flat" and suffix != ".npz":
         raise ExportError(f"{out}: --layout {layout} writes NumPy arrays (.npz); name the output FILE.npz")
     lake = Lake(lake_dir)
+    flush_stage_runs(lake, round_, reading=True)  # before the version: the run log's spooled rows are in it
     version = lake.version()
     batch = read_train_batch(lake, round_, method, version)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,17 +1,47 @@
 """The flow's run log in the lake: `stage_runs/round=<n>/part-<stage>.<batch>.parquet`, one row per stage
-and batch, replaced when the stage runs again, so the log always describes the outputs on disk."""
+and batch, replaced when the stage runs again, so the log always describes the outputs on disk.
+
+On a local Delta lake a row is not a commit of its own (two of a gae batch's four commits were run-log rows):
+`record_stage_run` writes it to a spool file, `LAKE/_flow/runlog/round=<n>/<stage>.<batch>~<ns>~<random>.arrow`
+(written to a temporary name and renamed: there whole or not at all, before the stage's cache record as the
+part was), and `flush_stage_runs` commits every spooled row of the round in one Delta commit, then removes the
+files it committed. Every reader of the run log flushes first (`read_stage_runs`, `prune_stale_parts`, the
+flow's summary at the round's end), so a reader sees the same rows as when each was its own commit; a run
+killed before its flush leaves its rows in the spool, and the next reader or run commits them. Flushes of one
+round hold a lock file (`round=<n>.lock`, flock) so two never commit over each other; a flush killed between its
+commit and the removal commits the same rows again (an idempotent overwrite). A hive lake and a remote Delta
+lake write each row as its part, as before."""
 
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas import stage_runs as _stage_runs  # noqa: F401  (registers the table)
-from warehouse.lake import Lake
+from warehouse.lake import Lake, LakeError, safe_part_name, temp_token
 
 TABLE = "stage_runs"
+SPOOL_DIR = "_flow/runlog"
+log = logging.getLogger(__name__)
+
+
+def spools(lake: Lake) -> bool:
+    """Whether the lake's run-log rows go through the spool (a local Delta lake: a row costs a commit there)."""
+    return getattr(lake, "format", "parquet") == "delta" and not getattr(lake, "remote", False)
+
+
+def spool_dir(lake: Lake, round_: int) -> Path:
+    return lake.root / SPOOL_DIR / f"round={int(round_)}"
 
 
 def record_stage_run(
@@ -43,10 +73,99 @@ def record_stage_run(
         "cache_key": [cache_key],
         "finished_at": [dt.datetime.now(dt.UTC)],
     }
-    lake.write_part(TABLE, round_, pa.table(row, schema=_stage_runs.SCHEMA), part=f"{stage}.{batch}")
+    table = pa.table(row, schema=_stage_runs.SCHEMA)
+    part = f"{stage}.{batch}"
+    if not spools(lake):
+        lake.write_part(TABLE, round_, table, part=part)
+        return
+    folder = spool_dir(lake, round_)
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{safe_part_name(part)}~{time.time_ns():020d}~{uuid.uuid4().hex}.arrow"  # '~': not in a part name
+    tmp = folder / f".tmp-{temp_token()}-{name}"
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    os.replace(tmp, folder / name)
+
+
+@contextmanager
+def _flush_lock(lake: Lake, round_: int) -> Iterator[None]:
+    path = lake.root / SPOOL_DIR / f"round={int(round_)}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _spooled(folder: Path) -> list[Path]:
+    """The round's spool files, oldest first (the name's nanosecond stamp: a later row of a (stage, batch)
+    replaces an earlier one)."""
+    if not folder.is_dir():
+        return []
+    files = [p for p in folder.iterdir() if p.suffix == ".arrow" and not p.name.startswith(".tmp-")]
+    return sorted(files, key=lambda p: p.name.split("~")[1:])
+
+
+def flush_stage_runs(lake: Lake, round_: int, reading: bool = False) -> int:
+    """Commit the round's spooled run-log rows (one Delta commit: the round's run log with each spooled
+    (stage, batch) row in place of its older one), then remove the spool files committed. Returns the rows
+    committed; 0 (and no commit) when nothing is spooled. A spool file that cannot be read (cut short by a
+    crash of the machine) is skipped with a warning and removed. `reading`: a reader's flush, which a lake it
+    cannot write (read-only) does not stop: it reads the rows committed so far."""
+    if not spools(lake):
+        return 0
+    folder = spool_dir(lake, round_)
+    if not _spooled(folder):
+        return 0
+    if not reading:
+        return _flush(lake, round_, folder)
+    try:
+        return _flush(lake, round_, folder)
+    except (OSError, LakeError) as exc:
+        log.warning("run log of round %s: spooled rows not committed (%s)", round_, exc)
+        return 0
+
+
+def _flush(lake: Lake, round_: int, folder: Path) -> int:
+    with _flush_lock(lake, round_):
+        files = _spooled(folder)  # again under the lock: another flush may have committed them
+        if not files:
+            return 0
+        pending: dict[str, pa.Table] = {}
+        for path in files:
+            try:
+                with pa.memory_map(str(path)) as source:
+                    row = pa.ipc.open_file(source).read_all()
+            except (OSError, pa.ArrowInvalid) as exc:
+                log.warning("run log: skipping unreadable spool file %s (%s)", path, exc)
+                continue
+            pending[path.name.split("~", 1)[0]] = row.cast(_stage_runs.SCHEMA)
+        if pending:
+            parts = _committed_parts(lake, round_)
+            parts.update(pending)
+            lake.replace_partition(TABLE, round_, parts)
+        for path in files:
+            path.unlink(missing_ok=True)
+    return len(pending)
+
+
+def _committed_parts(lake: Lake, round_: int) -> dict[str, pa.Table]:
+    """The round's committed run-log rows by part name (`stage.batch`)."""
+    runs = lake.read(TABLE, round_)
+    if runs.num_rows == 0:
+        return {}
+    runs = runs.select(_stage_runs.SCHEMA.names).cast(_stage_runs.SCHEMA)
+    names = [
+        safe_part_name(f"{s}.{b}")
+        for s, b in zip(runs.column("stage").to_pylist(), runs.column("batch").to_pylist(), strict=True)
+    ]
+    return {name: runs.slice(i, 1) for i, name in enumerate(names)}
 
 
 def read_stage_runs(lake: Lake, round_: int) -> pa.Table:
+    flush_stage_runs(lake, round_, reading=True)
     return lake.read(TABLE, round_)
 
 
@@ -63,6 +182,8 @@ def part_fingerprints(lake: Lake, round_: int, parts: list[tuple[str, str]]) -> 
 
 def prune_stale_parts(lake: Lake, round_: int, tables: list[str], batches: list[str]) -> int:
     """Delete parts of derived tables whose batch is no longer in the round (the round was re-split)."""
+    if TABLE in tables:
+        flush_stage_runs(lake, round_)
     keep = set(batches)
     removed = 0
     for table in tables:

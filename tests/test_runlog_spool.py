@@ -1,0 +1,286 @@
+"""The run log's spool on a Delta lake (warehouse/runlog.py) and the statistics pass's kept reads
+(flows/batch.py): fewer Delta commits per batch and one read of a batch where a method takes a round statistic,
+with the same run log and the same advantages as before."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flows import batch as fb
+from flows.batch import finish_round, round_batches, round_statistics, run_stage
+from pipeline.config import Config
+from pipeline.credit.process import statistics_json
+from pipeline.stages import get_stage
+from pipeline.synth import SynthSettings, generate
+from warehouse.lake import Lake
+from warehouse.rounds import write_round
+from warehouse.runlog import (
+    TABLE,
+    flush_stage_runs,
+    prune_stale_parts,
+    read_stage_runs,
+    record_stage_run,
+    spool_dir,
+)
+
+
+def delta_lake(tmp_path: Path, monkeypatch, name: str = "lake") -> Lake:
+    monkeypatch.setenv("CREDITFLOW_LAKE_FORMAT", "delta")
+    lake = Lake(tmp_path / name)
+    assert lake.format == "delta"
+    return lake
+
+
+def hive_lake(tmp_path: Path, monkeypatch, name: str = "hive") -> Lake:
+    monkeypatch.setenv("CREDITFLOW_LAKE_FORMAT", "parquet")
+    lake = Lake(tmp_path / name)
+    assert lake.format == "parquet"
+    return lake
+
+
+def version(lake: Lake) -> int:
+    t = lake._table(TABLE)  # type: ignore[attr-defined]
+    return -1 if t is None else t.version()
+
+
+def rows(lake: Lake, round_: int = 0) -> dict[tuple[str, str], float]:
+    runs = read_stage_runs(lake, round_)
+    return {
+        (s, b): sec
+        for s, b, sec in zip(
+            runs.column("stage").to_pylist(),
+            runs.column("batch").to_pylist(),
+            runs.column("seconds").to_pylist(),
+            strict=True,
+        )
+    }
+
+
+def test_delta_rows_are_spooled_and_committed_together(tmp_path, monkeypatch):
+    lake = delta_lake(tmp_path, monkeypatch)
+    for i, (stage, batch) in enumerate([("credit_stats", "b0"), ("credit_stats", "b1"), ("credit", "b0")]):
+        record_stage_run(lake, 0, stage, batch, seconds=float(i), tokens=10 * i)
+    assert version(lake) == -1  # no commit yet: the rows are in the spool
+    assert len(list(spool_dir(lake, 0).glob("*.arrow"))) == 3
+    assert rows(lake) == {("credit_stats", "b0"): 0.0, ("credit_stats", "b1"): 1.0, ("credit", "b0"): 2.0}
+    assert version(lake) == 0  # the three rows: one commit (the table's first)
+    assert not list(spool_dir(lake, 0).glob("*.arrow"))
+    assert flush_stage_runs(lake, 0) == 0 and version(lake) == 0  # nothing spooled: no commit
+    # a stage run again replaces its row; the others stay
+    record_stage_run(lake, 0, "credit", "b0", seconds=7.0)
+    record_stage_run(lake, 0, "credit", "b1", seconds=8.0)
+    assert flush_stage_runs(lake, 0) == 2 and version(lake) == 1
+    assert rows(lake) == {
+        ("credit_stats", "b0"): 0.0,
+        ("credit_stats", "b1"): 1.0,
+        ("credit", "b0"): 7.0,
+        ("credit", "b1"): 8.0,
+    }
+    assert len(lake.parts(TABLE, 0)) == 4  # one part per (stage, batch), as before
+
+
+def test_the_later_of_two_spooled_rows_wins(tmp_path, monkeypatch):
+    lake = delta_lake(tmp_path, monkeypatch)
+    record_stage_run(lake, 0, "credit", "b0", seconds=1.0)
+    record_stage_run(lake, 0, "credit", "b0", seconds=2.0)
+    assert rows(lake) == {("credit", "b0"): 2.0}
+
+
+def test_a_flush_killed_before_removing_its_files_commits_the_same_rows_again(tmp_path, monkeypatch):
+    lake = delta_lake(tmp_path, monkeypatch)
+    record_stage_run(lake, 0, "credit", "b0", seconds=1.0, warnings=["endpoint down"])
+    record_stage_run(lake, 0, "export", "b0", seconds=2.0)
+    saved = tmp_path / "saved"
+    shutil.copytree(spool_dir(lake, 0), saved)
+    first = read_stage_runs(lake, 0).sort_by("stage")
+    shutil.copytree(saved, spool_dir(lake, 0), dirs_exist_ok=True)  # as if killed before the unlink
+    assert flush_stage_runs(lake, 0) == 2
+    again = read_stage_runs(lake, 0).sort_by("stage")
+    assert again.equals(first)
+    assert again.column("warnings").to_pylist() == [["endpoint down"], []]
+
+
+def test_an_unreadable_spool_file_is_skipped(tmp_path, monkeypatch, caplog):
+    lake = delta_lake(tmp_path, monkeypatch)
+    record_stage_run(lake, 0, "credit", "b0", seconds=1.0)
+    record_stage_run(lake, 0, "credit", "b1", seconds=2.0)
+    cut = sorted(spool_dir(lake, 0).glob("credit.b1~*.arrow"))[0]
+    cut.write_bytes(cut.read_bytes()[:20])  # a machine crash cut it short
+    assert rows(lake) == {("credit", "b0"): 1.0}
+    assert "unreadable spool file" in caplog.text
+    assert not list(spool_dir(lake, 0).glob("*.arrow"))
+
+
+def test_rounds_are_spooled_apart(tmp_path, monkeypatch):
+    lake = delta_lake(tmp_path, monkeypatch)
+    record_stage_run(lake, 0, "credit", "b0", seconds=1.0)
+    record_stage_run(lake, 1, "credit", "b0", seconds=2.0)
+    assert rows(lake, 1) == {("credit", "b0"): 2.0}
+    assert len(list(spool_dir(lake, 0).glob("*.arrow"))) == 1  # round 0's row waits for its own flush
+    assert rows(lake, 0) == {("credit", "b0"): 1.0}
+
+
+def test_prune_sees_spooled_rows_of_a_vanished_batch(tmp_path, monkeypatch):
+    lake = delta_lake(tmp_path, monkeypatch)
+    record_stage_run(lake, 0, "credit", "b0", seconds=1.0)
+    record_stage_run(lake, 0, "credit", "b9", seconds=2.0)
+    assert prune_stale_parts(lake, 0, [TABLE], ["b0"]) == 1
+    assert rows(lake) == {("credit", "b0"): 1.0}
+
+
+def test_hive_and_remote_lakes_write_each_row_as_its_part(tmp_path, monkeypatch):
+    lake = hive_lake(tmp_path, monkeypatch)
+    record_stage_run(lake, 0, "credit", "b0", seconds=1.0)
+    assert not (lake.root / "_flow" / "runlog").exists()
+    assert [lake.part_name(p) for p in lake.parts(TABLE, 0)] == ["credit.b0"]
+    assert rows(lake) == {("credit", "b0"): 1.0}
+
+
+def test_a_read_only_lake_reads_the_committed_rows(tmp_path, monkeypatch):
+    lake = delta_lake(tmp_path, monkeypatch)
+    record_stage_run(lake, 0, "credit", "b0", seconds=1.0)
+    flush_stage_runs(lake, 0)
+    record_stage_run(lake, 0, "credit", "b1", seconds=2.0)
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(lake, "replace_partition", refuse)
+    assert rows(lake) == {("credit", "b0"): 1.0}  # a reader is not stopped
+    with pytest.raises(PermissionError):
+        flush_stage_runs(lake, 0)  # a writer's flush is
+    assert len(list(spool_dir(lake, 0).glob("*.arrow"))) == 1  # kept for the next flush
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["credit", "export"]), st.sampled_from(["b0", "b1", "b2"]), st.booleans()),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_the_log_holds_the_last_row_of_each_stage_and_batch(tmp_path_factory, monkeypatch, ops):
+    """Whatever the order of records and flushes: the log holds each (stage, batch)'s last row, and a flush
+    makes at most one commit."""
+    lake = delta_lake(tmp_path_factory.mktemp("p"), monkeypatch)
+    want: dict[tuple[str, str], float] = {}
+    for i, (stage, batch, flush) in enumerate(ops):
+        record_stage_run(lake, 0, stage, batch, seconds=float(i))
+        want[(stage, batch)] = float(i)
+        if flush:
+            before = version(lake)
+            flush_stage_runs(lake, 0)
+            assert version(lake) == before + 1
+    assert rows(lake) == want
+
+
+# ---- the statistics pass's kept reads ----------------------------------------------------------------
+
+
+def synth_lake(tmp_path: Path, monkeypatch, fmt: str, name: str) -> Lake:
+    monkeypatch.setenv("CREDITFLOW_LAKE_FORMAT", fmt)
+    lake = Lake(tmp_path / name)
+    traj, steps = generate(SynthSettings(groups=6, samples=4, turns=4, tokens=30, seed=3, round=0))
+    write_round(lake, 0, traj, steps, batch_groups=2)
+    return lake
+
+
+def credit_round(lake: Lake, method: str) -> pa.Table:
+    """The round as a plain caller runs it: statistics pass, credit per batch, the run log's flush."""
+    cfg = Config(lake=str(lake.root), methods=[method])
+    batches = round_batches(lake, 0)
+    stats = round_statistics(lake, 0, cfg, batches)
+    for b in batches:
+        run_stage(lake, 0, b, get_stage("credit"), cfg, round_stats=statistics_json(stats) if stats else None)
+    finish_round(lake, 0)
+    adv = lake.read("advantages", 0)
+    return adv.sort_by([("method", "ascending"), ("traj_id", "ascending"), ("step_idx", "ascending")])
+
+
+@pytest.mark.parametrize("fmt", ["delta", "parquet"])
+@pytest.mark.parametrize("method", ["gae", "turn_ppo", "gdpo"])
+def test_kept_reads_give_the_same_advantages(tmp_path, monkeypatch, fmt, method):
+    kept = synth_lake(tmp_path, monkeypatch, fmt, "kept")
+    plain = synth_lake(tmp_path, monkeypatch, fmt, "plain")
+    served: list[tuple[str, list[str] | None]] = []
+    real = fb.read_batch
+
+    def counted(lake, table, round_, batch, columns=None):
+        if table in ("trajectories", "steps"):
+            served.append((table, columns))
+        return real(lake, table, round_, batch, columns=columns)
+
+    monkeypatch.setattr(fb, "read_batch", counted)
+    got = credit_round(kept, method)
+    assert not fb._kept  # every kept read was used by credit
+    n = len(round_batches(kept, 0))
+    # each batch's trajectories read once; its steps once whole, then only the columns the statistics pass
+    # did not read (credit's turn, is_error, verifier_score...)
+    assert sum(t == "trajectories" for t, _ in served) == n
+    steps = [c for t, c in served if t == "steps"]
+    assert len(steps) == 2 * n and all(c is not None for c in steps)
+    assert all("token_ids" in c for c in steps[:n]) and not any("token_ids" in c for c in steps[n:]), steps
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "0")
+    want = credit_round(plain, method)
+    assert got.num_rows == want.num_rows > 0
+    assert got.drop_columns(["_part"] if "_part" in got.column_names else []).equals(
+        want.drop_columns(["_part"] if "_part" in want.column_names else [])
+    )
+    runs = read_stage_runs(kept, 0)
+    assert sorted(set(runs.column("stage").to_pylist())) == ["credit", "credit_stats"]
+
+
+def test_a_rewritten_part_is_never_served_from_the_kept_reads(tmp_path, monkeypatch):
+    lake = synth_lake(tmp_path, monkeypatch, "parquet", "lake")
+    b = round_batches(lake, 0)[0]
+    first = fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
+    assert len(fb._kept) == 1
+    path = lake.partition_dir("steps", 0) / f"part-{b}.parquet"
+    steps = lake.read("steps", 0, parts=[path])
+    lake.write_part("steps", 0, steps.slice(0, 3).drop_columns(["round"]), part=b)  # the batch re-ingested
+    again = fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"])
+    assert again.num_rows == 3 != first.num_rows
+    fb._kept.clear()
+
+
+def test_the_kept_reads_are_bounded(tmp_path, monkeypatch):
+    lake = synth_lake(tmp_path, monkeypatch, "parquet", "lake")
+    b = round_batches(lake, 0)[0]
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "0")
+    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
+    assert not fb._kept
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "64")
+    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
+    assert len(fb._kept) == 1
+    # credit asks for more columns than were kept: the rest is read from disk, in the order asked
+    got = fb._read(lake, "steps", 0, b, columns=["turn", "traj_id", "token_ids"])
+    want = lake.read(
+        "steps",
+        0,
+        columns=["turn", "traj_id", "token_ids"],
+        parts=[lake.partition_dir("steps", 0) / f"part-{b}.parquet"],
+    )
+    assert got.column_names == ["turn", "traj_id", "token_ids"] and got.equals(want)
+    assert not fb._kept
+    assert pc.sum(pc.list_value_length(got.column("token_ids"))).as_py() > 0
+
+
+def test_a_kept_column_subset_is_not_served_to_a_read_of_every_column(tmp_path, monkeypatch):
+    lake = synth_lake(tmp_path, monkeypatch, "parquet", "lake")
+    b = round_batches(lake, 0)[0]
+    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
+    whole = fb._read(lake, "steps", 0, b)  # a stage that reads every column (detect)
+    assert "turn" in whole.column_names and len(fb._kept) == 1  # read from disk; the kept read stays
+    fb._read(lake, "trajectories", 0, b, keep=True)
+    assert fb._read(lake, "trajectories", 0, b).equals(
+        lake.read("trajectories", 0, parts=[lake.partition_dir("trajectories", 0) / f"part-{b}.parquet"])
+    )
+    fb._kept.clear()
