@@ -92,6 +92,7 @@ def worker_engine(lake_dir: Path, round_: int, method: str, batch_scope: bool = 
     estimate, write the advantages part and the stage_runs row). With `batch_scope`, a method whose statistics
     span the round by default takes them per batch (`scope: batch`: no statistics pass, the work of the code
     before #22)."""
+    import flows.batch as fb
     from flows.batch import round_batches, round_statistics
     from pipeline.config import Config
     from pipeline.credit.process import statistics_json
@@ -121,6 +122,7 @@ def worker_engine(lake_dir: Path, round_: int, method: str, batch_scope: bool = 
     tokens = 0
     for b in batches:
         tokens += _credit_batch(lake, round_, b, cfg, round_stats)["tokens"]
+    getattr(fb, "finish_round", lambda *_: 0)(lake, round_)  # the run log's spooled rows: one commit (Delta)
     return {"seconds": time.perf_counter() - t0, "tokens": tokens, "rss_mb": peak_rss_mb()}
 
 
