@@ -22,13 +22,11 @@ from warehouse.lake import Lake
 log = logging.getLogger(__name__)
 
 
-def _process(config: Config, round_: int):
-    from flows.process_round import process_round_flow
-    from flows.runners import make_task_runner
+def _process(config: Config, round_: int) -> dict:
+    """The round's summary, processed as every run is (flows.run.process_checked_round: under its lock)."""
+    from flows.run import process_checked_round
 
-    return process_round_flow.with_options(task_runner=make_task_runner(config))(
-        round_=round_, config=config, return_state=True
-    )
+    return process_checked_round(config, Lake(config.lake), round_)
 
 
 def poll_incoming(
@@ -81,13 +79,12 @@ def incoming_flow(config: Config | dict) -> dict:
         write_ledger(lake, ledger)
         try:
             ingest_flow([str(entry)], config.serve.incoming_format, round_, config)
-            state = _process(config, round_)
-            summary = state.result()
+            summary = _process(config, round_)
             if config.track:
                 from flows.trackers import track_round
 
                 track_round(config, round_, summary)
-            status, folder = state.name, "done"
+            status, folder = summary["state"], "done"
         except Exception as exc:  # one bad drop must not stop the others
             logger.error("incoming %s (round %d) failed: %s", entry.name, round_, exc)
             status, folder = f"failed: {type(exc).__name__}: {exc}"[:500], "failed"
@@ -124,4 +121,11 @@ def pending_rounds(config: Config) -> list[int]:
 def process_pending_flow(config: Config | dict) -> dict[int, str]:
     """Process every round of the lake whose credit is incomplete (the cron deployment)."""
     config = as_config(config)
-    return {round_: _process(config, round_).name for round_ in pending_rounds(config)}
+    states = {}
+    for round_ in pending_rounds(config):
+        try:
+            states[round_] = _process(config, round_)["state"]
+        except Exception as exc:  # one failed round must not stop the others
+            get_run_logger().error("round %d failed: %s", round_, exc)
+            states[round_] = "Failed"
+    return states

@@ -4,9 +4,9 @@ then the round's stats.
 Each stage (its declaration, pipeline.stages.BatchStage) is one Prefect task mapped over the batches (aligned
 parts of whole groups) on the configured task runner (flows/runners.py); batch b's stage gets batch b's previous
 stage's future as `upstream`, so it waits only for that one (Prefect resolves it). Tasks call
-flows.batch.run_stage and return small summaries; the outputs are the lake's tables. The flow holds the round's
-lock (re-entrant: `creditflow process` holds it already) and runs its stages inside `round_execution`
-(flows/execution.py). Caching (flows/caching.py)
+flows.batch.run_stage and return small summaries; the outputs are the lake's tables. Whoever runs it holds the
+round's lock (flows.run.process_checked_round: the CLI, the loop, serve); the flow runs its stages inside
+`round_execution` (flows/execution.py). Caching (flows/caching.py)
 makes a re-run of a finished round do no work and an interrupted round resume at the missing batches. LLM
 stages retry with exponential backoff; a stage that degraded (endpoint down, fallbacks used) completes with
 warnings, and the flow run ends in the state `CompletedWithWarnings` instead of failing."""
@@ -39,7 +39,6 @@ from pipeline.config import Config
 from pipeline.credit.process import STATS, statistics_json
 from pipeline.stages import BatchStage
 from warehouse.lake import Lake
-from warehouse.locks import round_lock
 from warehouse.runlog import prune_stale_parts
 
 WARNING_STATE = "CompletedWithWarnings"
@@ -192,20 +191,17 @@ def process_round_flow(round_: int, config: Config | dict):
     config = as_config(config)
     _tag_run(config)
     lake = Lake(config.lake)
-    # one run per (lake, round): a second one stops with one line naming the holder, or waits for it
-    # (flow.lock_wait_s) and finds its work cached (warehouse/locks.py; a no-op when this process's command
-    # holds it, flows.run); cleanup removes only the leftovers of writers that are gone, never a live run's
-    # temporary files
-    with round_lock(lake, round_, wait_s=config.flow.lock_wait_s, on_wait=get_run_logger().warning):
-        lake.cleanup()
-        batches = round_batches(lake, round_)
-        prune_stale_parts(lake, round_, list(derived_tables()), batches)
-        # worker processes, result storage, the API's priority (flows/execution.py)
-        with round_execution(config, lake, batches) as (config, idle_api):
-            run = _run_stages(lake, round_, batches, config)
-        # again at the end: a writer of a killed run may still have been exiting when the round started
-        lake.cleanup()
-        summary = round_stats_task(lake.uri, round_)
+    # the caller holds the round's lock (flows.run.process_checked_round); cleanup removes only the leftovers
+    # of writers that are gone, never a live run's temporary files
+    lake.cleanup()
+    batches = round_batches(lake, round_)
+    prune_stale_parts(lake, round_, list(derived_tables()), batches)
+    # worker processes, result storage, the API's priority (flows/execution.py)
+    with round_execution(config, lake, batches) as (config, idle_api):
+        run = _run_stages(lake, round_, batches, config)
+    # again at the end: a writer of a killed run may still have been exiting when the round started
+    lake.cleanup()
+    summary = round_stats_task(lake.uri, round_)
     summary["this_run"] = run
     summary["wall_seconds"] = round(time.perf_counter() - t0, 3)
     # the round's fixed cost: its wall time less the stages' own work (orchestration, cache keys, the API's

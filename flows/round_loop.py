@@ -86,12 +86,13 @@ def loop_rounds(config: Config, start_round: int | None, rounds: int | None) -> 
 def process_step(config: Config, round_: int, log: Log) -> dict:
     """The round's process: its preconditions (a method that lacks its inputs stops the loop with one line),
     then process_round_flow under the round's lock."""
-    from flows.run import check_preconditions, process_checked_round, require_round
+    from flows.run import check_preconditions, process_checked_round, quiet_run_failures, require_round
     from warehouse.lake import Lake
 
     lake = Lake(config.lake)
     require_round(lake, round_)
     config, skipped = check_preconditions(config, lake, round_)
+    quiet_run_failures()
     summary = process_checked_round(config, lake, round_, skipped)
     log(f"[loop] round {round_}: processed ({summary['state']}) in {summary['seconds']}s")
     return summary

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -141,21 +144,19 @@ def run_process(
         console.print(f"[yellow]skipped {len(skipped.methods)} method(s), their inputs are missing:")
         for line in skipped:
             console.print(f"[yellow]  - {line}", soft_wrap=True)
-    import sys
-
-    from warehouse.locks import round_lock
-
-    # one run per (lake, round), held from the up-to-date check to the flow's end (the flow's own lock finds it
-    # held by this process): another run stops here with one line, or (`--wait`) waits, saying so on stderr
-    def waiting(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    with round_lock(lake, round_, wait_s=cfg.flow.lock_wait_s, on_wait=waiting):
-        summary = _up_to_date(cfg, lake, round_, skipped, quiet) if fast else None
-        if summary is not None:
-            return summary
-        summary = _run_flow(cfg, lake, round_, skipped, quiet)
-    if quiet:
+    # the round's lock is held from the up-to-date check to the flow's end: another run stops with one line,
+    # or (`--wait`) waits, saying so once on stderr
+    summary = process_checked_round(
+        cfg,
+        lake,
+        round_,
+        skipped,
+        progress=cfg.flow.progress and not quiet,
+        on_wait=_say_on_stderr,
+        served=(lambda: _up_to_date(cfg, lake, round_, skipped, quiet)) if fast else None,
+        api=_command_api(cfg, lake, round_, quiet),
+    )
+    if quiet or summary.get("up_to_date"):
         return summary
     from flows.process_round import WARNING_STATE
     from flows.summary import print_round
@@ -170,6 +171,27 @@ def run_process(
     return summary
 
 
+def _say_on_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _command_api(cfg: Config, lake, round_: int, quiet: bool) -> Iterator[None]:
+    """The API the command's flow reports to, entered only when the flow runs (an up-to-date round starts no
+    Prefect): `creditflow server start`'s or the one an earlier command left running; else one started now
+    for this command and the next ones (flows/server.py), coming up while the worker processes and imports
+    start."""
+    from flows.execution import command_api
+
+    def say(line: str) -> None:
+        if not quiet:
+            console.print(line, soft_wrap=True, highlight=False)
+
+    quiet_run_failures()
+    with command_api(cfg, say, while_starting=lambda: prepare(cfg, lake, round_)):
+        yield
+
+
 def _up_to_date(cfg: Config, lake, round_: int, skipped: Skipped, quiet: bool) -> dict | None:
     """The round's summary when it is up to date (flows/uptodate.py), printed; None: the flow runs."""
     from flows.uptodate import UP_TO_DATE, up_to_date_summary
@@ -181,20 +203,6 @@ def _up_to_date(cfg: Config, lake, round_: int, skipped: Skipped, quiet: bool) -
         print_round(summary, lake, title=f"creditflow process: round {round_}")
         console.print(UP_TO_DATE.format(round=round_), soft_wrap=True)
     return summary
-
-
-def _run_flow(cfg: Config, lake, round_: int, skipped: Skipped, quiet: bool) -> dict:
-    """The flow on the command's API: `creditflow server start`'s or the one an earlier command left running;
-    else one started now for this command and the next ones (flows/server.py), coming up while the worker
-    processes and imports start."""
-    from flows.execution import command_api
-
-    def say(line: str) -> None:
-        if not quiet:
-            console.print(line, soft_wrap=True, highlight=False)
-
-    with command_api(cfg, say, while_starting=lambda: prepare(cfg, lake, round_)):
-        return process_checked_round(cfg, lake, round_, skipped, progress=cfg.flow.progress and not quiet)
 
 
 def over_failure_share(summary: dict, share: float) -> list[str]:
@@ -250,21 +258,54 @@ def round_parameters(parameters: dict) -> dict:
 
 
 def process_checked_round(
-    cfg: Config, lake, round_: int, skipped: Skipped | None = None, progress: bool = False
+    cfg: Config,
+    lake,
+    round_: int,
+    skipped: Skipped | None = None,
+    progress: bool = False,
+    *,
+    on_wait: Callable[[str], None] | None = None,
+    served: Callable[[], dict | None] | None = None,
+    api: AbstractContextManager | None = None,
 ) -> dict:
     """`process_round_flow` on the configured task runner for a round `check_preconditions` passed (`skipped`:
-    its lines for the methods it dropped), within the command's API (flows.execution.command_api); returns the
-    flow's summary with its state, methods and seconds. `run_process` (the CLI) and the round loop's process
-    step both run a round here."""
-    from contextlib import nullcontext
+    its lines for the methods it dropped); returns the flow's summary with its state, methods and seconds.
+    Every way creditflow processes a round comes here: `creditflow process`, the round loop, serve's incoming
+    and process-pending flows.
 
+    This is where the round's lock is taken (warehouse/locks.py; one run per (lake, round)): a second run stops
+    with RoundBusy naming the holder, or waits `flow.lock_wait_s`, `on_wait` getting one line (default: the
+    flow run's log). Held for `served` (the command's up-to-date check: a summary served from the lake, and
+    no flow runs) and `api` (the context the flow reports to, entered only when the flow runs), so no other
+    run takes the round between the check and the flow."""
+    from warehouse.locks import round_lock
+
+    with round_lock(lake, round_, wait_s=cfg.flow.lock_wait_s, on_wait=on_wait or _flow_log_warning):
+        summary = served() if served is not None else None
+        if summary is not None:
+            return summary
+        with api if api is not None else nullcontext():
+            return _flow_summary(cfg, lake, round_, skipped, progress)
+
+
+def _flow_log_warning(line: str) -> None:
+    """A line in the current flow run's log (the loop's, serve's), else this module's logger."""
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        get_run_logger().warning(line)
+    except MissingContextError:
+        log.warning(line)
+
+
+def _flow_summary(cfg: Config, lake, round_: int, skipped: Skipped | None, progress: bool) -> dict:
+    """The flow's run (its progress bars on the terminal) and its summary, the preconditions' skips recorded."""
     from flows.process_round import process_round_flow
     from flows.progress import rich_progress
     from flows.runners import make_task_runner
 
     t0 = time.perf_counter()
-    # the flow holds the round's lock (one run per (lake, round), whoever starts it: the CLI, serve, the loop)
-    quiet_run_failures()
     flow_ = process_round_flow.with_options(task_runner=make_task_runner(cfg))
     setattr(flow_, "serialize_parameters", round_parameters)  # noqa: B010  (this run's flow object only)
     with rich_progress(console) if progress else nullcontext():

@@ -151,20 +151,14 @@ def up_to_date_summary(
     config: Config, lake: Lake, round_: int, skipped: list[str] | tuple = ()
 ) -> dict | None:
     """The round summary from the lake (what the flow would return, every stage cached) when the round is up
-    to date, else None (the caller runs the flow). Holds the round's lock while it looks: a run in progress
-    on the round means not up to date (the caller then waits for it or stops, as without this check)."""
-    from warehouse.locks import RoundBusy, round_lock
-
+    to date, else None (the caller runs the flow). Called under the round's lock (flows.run.process_checked_round
+    holds it from this check to the flow's end), so no run is in progress on the round while it looks."""
     t0 = time.perf_counter()
-    try:
-        with round_lock(lake, round_):
-            why = not_up_to_date(lake, round_, config)
-            if why is None:
-                from flows.summary import round_summary
+    why = not_up_to_date(lake, round_, config)
+    if why is None:
+        from flows.summary import round_summary
 
-                summary = round_summary(lake, round_)
-    except RoundBusy:
-        why = "another run holds the round"
+        summary = round_summary(lake, round_)
     if why is not None:
         log.info("round %s: running the flow: %s", round_, why)
         return None

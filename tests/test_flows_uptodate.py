@@ -109,7 +109,8 @@ def test_code_change_degraded_stage_stale_part_and_busy_round_fall_through(
         assert "changed" in (not_up_to_date(lake, 0, cfg) or "")
     assert not_up_to_date(lake, 0, cfg) is None
 
-    # another process holds the round: not up to date for this run (it waits or stops, as without the check)
+    # another process holds the round: the check is never asked (it runs under the round's lock, taken in one
+    # place: flows.run.process_checked_round), the run stops naming the holder (or waits: --wait)
     holder = subprocess.Popen(
         [
             sys.executable,
@@ -123,9 +124,13 @@ def test_code_change_degraded_stage_stale_part_and_busy_round_fall_through(
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        from flows.uptodate import up_to_date_summary
+        from flows.run import process_checked_round
+        from warehouse.locks import RoundBusy
 
-        assert up_to_date_summary(cfg, lake, 0) is None
+        asked: list[int] = []
+        with pytest.raises(RoundBusy, match="round 0 of .* is being processed by"):
+            process_checked_round(cfg, lake, 0, served=lambda: asked.append(1) or None)
+        assert not asked
     finally:
         holder.kill()
         holder.wait()
