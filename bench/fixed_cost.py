@@ -22,12 +22,17 @@ new lake since #25).
     python bench/fixed_cost.py                          # baseline: the commit before this session's work
     python bench/fixed_cost.py --baseline 865894d --reps 3
     python bench/fixed_cost.py --baseline 1d506bc --reps 5 --only server   # issue 36's rows only: a new small
-                                    # round with an API up, and the no-op (no large round, no ephemeral API)
+                                    # round with no API up (cold), with an API up (through the warm runner
+                                    # where the tree has one), and the no-op (no large round, no ephemeral API)
+
+A tree with the warm runner (flows/warm.py) runs "new round, API up" in the runner's fork: its CPU row adds the
+command's CPU the runner reports ($CREDITFLOW_WARM_STATS) to the caller's, and a row gives the split.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -51,6 +56,7 @@ def has_force(tree: Path) -> bool:
 
 
 CPU: dict[tuple[str, str], list[float]] = {}
+WARM: dict[str, list[dict]] = {}  # per tree: the warm runner's record of each "server new" it ran
 
 
 def timed(key: tuple[str, str], times: dict, tree: Path, args: list[str], env: dict[str, str]) -> None:
@@ -183,12 +189,36 @@ def main() -> None:
             if k[0] == name
         )
 
-    def server_rows(name: str, tree: Path, proc: list[str], lake: Path, es: dict[str, str]) -> None:
-        """A new small round with a server up, then the same command again (the no-op, server up)."""
+    def server_rows(
+        name: str, tree: Path, proc: list[str], lake: Path, es: dict[str, str], cold: Path | None = None
+    ) -> None:
+        """(`cold`: a new small round with no API up first: the machine's first command.) A new small round
+        with a server up (through the warm runner where the tree has one: waited for after `server start`),
+        then the same command again (the no-op, server up)."""
         es = {k: v for k, v in es.items() if k != "CREDITFLOW_NO_SERVER"}
+        stats = Path(es["CREDITFLOW_CACHE"]) / "warm.jsonl"
+        es = {**es, "CREDITFLOW_WARM_STATS": str(stats)}
+        if cold is not None:
+            try:
+                timed((name, "shared first"), times, tree, [*proc, "--lake", str(cold)], es)
+            finally:
+                run_cli(tree, ["server", "stop"], es)
         run_cli(tree, ["server", "start"], es)
         try:
+            if (tree / "flows" / "warm.py").exists():
+                sock = Path(es["CREDITFLOW_CACHE"]) / "services" / "runner" / "runner.sock"
+                deadline = time.monotonic() + 180
+                while not sock.exists() and time.monotonic() < deadline:
+                    time.sleep(0.2)
+            seen = len(stats.read_text().splitlines()) if stats.exists() else 0
             timed((name, "server new"), times, tree, [*proc, "--lake", str(lake)], es)
+            warm_rows = (
+                [json.loads(x) for x in stats.read_text().splitlines()[seen:]] if stats.exists() else []
+            )
+            done = [r for r in warm_rows if "exit" in r]
+            if done:  # run by the warm runner: its command's CPU is not a child of this process
+                CPU[(name, "server new")][-1] += done[-1]["command_cpu_s"]
+                WARM.setdefault(name, []).append(done[-1])
             timed((name, "server"), times, tree, [*proc, "--lake", str(lake)], es)
         finally:
             run_cli(tree, ["server", "stop"], es)
@@ -207,10 +237,17 @@ def main() -> None:
                 times.setdefault((name, "import"), []).append(import_time(tree, e))
                 if args.only == "server":
                     synth(tree, small3, args.small, e)
+                    synth(tree, small2, args.small, e)
                     server_rows(
-                        name, tree, proc, small3, {**e, "CREDITFLOW_CACHE": str(work / f"cache-{name}-{rep}")}
+                        name,
+                        tree,
+                        proc,
+                        small3,
+                        {**e, "CREDITFLOW_CACHE": str(work / f"cache-{name}-{rep}")},
+                        cold=small2,
                     )
                     shutil.rmtree(small3, ignore_errors=True)
+                    shutil.rmtree(small2, ignore_errors=True)
                     print(f"rep {rep + 1} {name}: " + shown_rep(name), flush=True)
                     continue
                 synth(tree, small, args.small, e)
@@ -282,7 +319,10 @@ def main() -> None:
     for what, label in [
         ("import", "import of the CLI module"),
         ("first", "process, new small round, ephemeral API per command (CREDITFLOW_NO_SERVER=1)"),
-        ("shared first", "process, new small round, no API up (a sharing tree starts it: once per machine)"),
+        (
+            "shared first",
+            "process, new small round, no API up (**cold**: a sharing tree starts it, once per machine)",
+        ),
         ("server new", "process, new small round, an API up: **issue 36's <= 2 s**"),
         ("noop", "process again (round unchanged): **what a no-op costs**, no server"),
         ("server", "process again, `creditflow server start` up"),
@@ -299,6 +339,19 @@ def main() -> None:
             return "-"
         return f"{(min(times[(name, 'big')]) - min(flow)) / big_tokens * 1e6:.2f}"
 
+    for name in trees:
+        runs = WARM.get(name) or []
+        if runs:
+
+            def mm(key: str, runs: list[dict] = runs) -> str:
+                values = [float(r[key]) for r in runs if r.get(key) is not None]
+                return f"{min(values):.2f} / {statistics.median(values):.2f}" if values else "-"
+
+            lines.append(
+                f"| {name}: new small round via the warm runner ({len(runs)} of {args.reps}): the caller's CPU "
+                f"{mm('client_cpu_s')}, the command's CPU in the runner {mm('command_cpu_s')}, the caller's "
+                f"seconds before the hand-over {mm('client_s')} | | |"
+            )
     if args.only == "all":
         lines.append(
             "| per-token cost: (large - the flow's no-op) / tokens, us "

@@ -272,6 +272,34 @@ PRELOAD = (
 )
 
 
+# what a small round's `process` imported on top of PRELOAD (found by diffing sys.modules around the command):
+# Prefect's engines, anyio's backend, the SQL views of the credit table, the stage settings of the loop
+PRELOAD_RUN = (
+    "prefect.engine",
+    "prefect.flow_engine",
+    "prefect.task_engine",
+    "prefect.concurrency.context",
+    "prefect.concurrency._sync",
+    "prefect.concurrency.v1.context",
+    "prefect._internal.control_listener",
+    "prefect.telemetry.run_telemetry",
+    "prefect.utilities.visualization",
+    "anyio._backends._asyncio",
+    "anyio.streams.memory",
+    "anyio.streams.stapled",
+    "anyio.streams.tls",
+    "warehouse.views",
+    "deltalake.fs",
+    "trainer.loop",
+    "trainer.train",
+    "pipeline.credit.preconditions",
+    "pyarrow.acero",
+    "encodings.idna",
+    "rich._emoji_codes",
+    "typer._click.decorators",
+)
+
+
 def _preload() -> None:
     import importlib
 
@@ -280,9 +308,14 @@ def _preload() -> None:
     from pipeline.config import _load_stage_modules
 
     _load_stage_modules()  # every stage package and the credit methods (polars)
-    for name in ("deltalake", "warehouse.delta_lake", "duckdb"):
+    for name in ("deltalake", "warehouse.delta_lake", "duckdb", *PRELOAD_RUN):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    # pyarrow (26) imports pandas at its first conversion of Python or NumPy values (pa.array, pa.scalar: its
+    # pandas shim), ~0.3 s of CPU: done here once, not in every command
+    import pyarrow as pa
+
+    pa.array([0])
 
 
 def _native_threads() -> list[str]:
@@ -319,19 +352,28 @@ def _stale(sources: dict[str, tuple[int, int]]) -> str | None:
 
 
 def _server_alive(server_pid: int, state: Path) -> bool:
-    try:
-        os.kill(server_pid, 0)
-    except ProcessLookupError:
+    if not _alive(server_pid):
         return False
-    except PermissionError:
-        pass
     try:
         return json.loads(state.read_text()).get("pid") == server_pid
     except (OSError, ValueError, AttributeError):
         return False
 
 
-def serve(server_pid: int, state: Path) -> int:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # an exited child of someone not yet reaped is done too
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def serve(server_pid: int, state: Path, after: int = 0) -> int:
     """The runner's life (module docstring): returns its exit status."""
     folder = runner_dir()
     if not _private_dir(folder, create=True):
@@ -343,6 +385,10 @@ def serve(server_pid: int, state: Path) -> int:
     except BlockingIOError:
         return 0  # another runner serves this folder
     _SERVING["on"] = True
+    # a runner a command started imports only once that command is done: its imports (2-4 s of CPU) would
+    # compete with the command's round on a small machine (the command runs in its own process anyway)
+    while after and _alive(after):
+        time.sleep(0.2)
     t0 = time.perf_counter()
     _preload()
     import threading
@@ -661,7 +707,7 @@ def ensure_runner(server_pid: int, state: Path, log_path: Path) -> bool:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
         subprocess.Popen(
-            [sys.executable, "-m", "flows.warm", str(server_pid), str(state)],
+            [sys.executable, "-m", "flows.warm", str(server_pid), str(state), str(os.getpid())],
             cwd=str(ROOT),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -688,7 +734,7 @@ def stop_runner() -> None:
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    return serve(int(argv[0]), Path(argv[1]))
+    return serve(int(argv[0]), Path(argv[1]), int(argv[2]) if len(argv) > 2 else 0)
 
 
 if __name__ == "__main__":  # `python -m flows.warm`: run as the importable module, not a copy named __main__
