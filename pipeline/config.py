@@ -148,10 +148,6 @@ class Config(BaseModel):
             raise ConfigError(f"unknown stage '{name}'; known: {sorted(SETTINGS_MODELS)}")
         return self._validated(name, model)
 
-    def stage(self, name: str) -> Any:
-        """Deprecated: `settings(Model)` (typed) or `settings_named(name)`."""
-        return self.settings_named(name)
-
     def _validated(self, name: str, model: type[S]) -> S:
         try:
             return model(**self.stages.get(name, {}))
