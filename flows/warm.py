@@ -361,14 +361,11 @@ def _server_alive(server_pid: int, state: Path) -> bool:
 
 
 def _alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie, not yet reaped by its parent, has)."""
+    from flows.api_idle import _alive as exists
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # an exited child of someone not yet reaped is done too
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return exists(pid) and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
 
