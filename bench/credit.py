@@ -85,6 +85,11 @@ def _warm_imports() -> None:
     pa.array([0])
 
 
+def _delta_commits(lake_dir: Path) -> int:
+    """Commits in the lake's Delta logs (0 for a hive lake): the engine's commits per batch are the difference."""
+    return sum(1 for _ in Path(lake_dir).glob("*/_delta_log/*.json"))
+
+
 def worker_engine(lake_dir: Path, round_: int, method: str, batch_scope: bool = False) -> dict:
     """The user path, as the flow runs it: the statistics pass on every batch first where a method takes a
     statistic over the round (flows.batch.round_statistics), then flows.batch.credit_batch per batch with the
@@ -115,7 +120,8 @@ def worker_engine(lake_dir: Path, round_: int, method: str, batch_scope: bool = 
         shutil.rmtree(lake.partition_dir("credit_stats", round_), ignore_errors=True)
     else:  # a Delta lake (--formats parquet,delta)
         lake.delete_parts("credit_stats", round_)
-    t0 = time.perf_counter()
+    commits = _delta_commits(lake_dir)
+    t0, c0 = time.perf_counter(), time.process_time()
     batches = round_batches(lake, round_)
     stats = round_statistics(lake, round_, cfg, batches)
     round_stats = statistics_json(stats) if stats else None
@@ -123,7 +129,14 @@ def worker_engine(lake_dir: Path, round_: int, method: str, batch_scope: bool = 
     for b in batches:
         tokens += _credit_batch(lake, round_, b, cfg, round_stats)["tokens"]
     getattr(fb, "finish_round", lambda *_: 0)(lake, round_)  # the run log's spooled rows: one commit (Delta)
-    return {"seconds": time.perf_counter() - t0, "tokens": tokens, "rss_mb": peak_rss_mb()}
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {
+        "seconds": seconds,
+        "cpu_s": cpu,
+        "commits_per_batch": (_delta_commits(lake_dir) - commits) / len(batches),
+        "tokens": tokens,
+        "rss_mb": peak_rss_mb(),
+    }
 
 
 def worker_compute(lake_dir: Path, round_: int, method: str) -> dict:
@@ -170,19 +183,20 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
     cols = method_step_columns([method])
     if getattr(lake, "format", "parquet") == "delta":
         return _delta_floor(lake, round_, method, cols)
-    seconds = 0.0
+    seconds = cpu = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for b in round_batches(lake, round_):
             adv = pq.read_table(
                 lake.partition_dir("advantages", round_) / f"part-{_method_part(b, method)}.parquet"
             )
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             pq.read_table(lake.partition_dir("steps", round_) / f"part-{b}.parquet", columns=cols)
             pq.read_table(lake.partition_dir("trajectories", round_) / f"part-{b}.parquet")
             pq.write_table(adv, Path(tmp) / "adv.parquet", **write_options(adv.schema))
             seconds += time.perf_counter() - t0
+            cpu += time.process_time() - c0
             del adv
-    return {"seconds": seconds, "rss_mb": peak_rss_mb(), "columns": cols}
+    return {"seconds": seconds, "cpu_s": cpu, "rss_mb": peak_rss_mb(), "columns": cols}
 
 
 def _delta_floor(lake, round_: int, method: str, cols: list[str]) -> dict:
@@ -204,11 +218,11 @@ def _delta_floor(lake, round_: int, method: str, cols: list[str]) -> dict:
         flt = (pads.field("round") == round_) & (pads.field("_part") == name)
         return ds.to_table(columns=columns, filter=flt)
 
-    seconds = 0.0
+    seconds = cpu = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for b in round_batches(lake, round_):
             adv = part("advantages", _method_part(b, method))
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             part("steps", b, cols)
             part("trajectories", b)
             write_deltalake(
@@ -220,8 +234,9 @@ def _delta_floor(lake, round_: int, method: str, cols: list[str]) -> dict:
                 writer_properties=writer_properties(adv.schema) if writer_properties else None,
             )
             seconds += time.perf_counter() - t0
+            cpu += time.process_time() - c0
             del adv
-    return {"seconds": seconds, "rss_mb": peak_rss_mb(), "columns": cols}
+    return {"seconds": seconds, "cpu_s": cpu, "rss_mb": peak_rss_mb(), "columns": cols}
 
 
 def _long_batch(trajectories: int, tokens: int, turns: int, seed: int = 0):
@@ -495,11 +510,17 @@ def main() -> None:
         row = [m]
         for side in roots:
             row += [_pair(g(f"{side} engine")), _ratio(g(f"{side} engine"), g("floor"))]
+            row += [_ratio(g(f"{side} engine"), g("floor"), key="cpu_s")]
         row += [_pair(g("floor"))]
         if "delta" in formats:
             for side in roots:
                 row += [_pair(g(f"{side} delta")), _ratio(g(f"{side} delta"), g("delta floor"))]
+                row += [_ratio(g(f"{side} delta"), g("delta floor"), key="cpu_s")]
             row += [_pair(g("delta floor"))]
+            row += [
+                f"{statistics.median(r['commits_per_batch'] for r in runs[f'{side} delta']):.2f}"
+                for side in roots
+            ]
         if not args.no_compute:
             row += [_pair(g(f"{side} compute")) for side in roots]
             row += [f"{ref_s / min(r['seconds'] for r in runs['after compute']):.0f}"]
@@ -517,12 +538,13 @@ def main() -> None:
         rows.append(row)
     headers = ["method"]
     for side in roots:
-        headers += [f"{side}: wall s", f"{side}: x floor"]
+        headers += [f"{side}: wall s", f"{side}: x floor", f"{side}: x floor CPU"]
     headers += ["I/O floor s"]
     if "delta" in formats:
         for side in roots:
-            headers += [f"Delta {side}: wall s", f"Delta {side}: x floor"]
+            headers += [f"Delta {side}: wall s", f"Delta {side}: x floor", f"Delta {side}: x floor CPU"]
         headers += ["Delta I/O floor s"]
+        headers += [f"Delta {side}: commits per batch" for side in roots]
     if not args.no_compute:
         headers += [f"{side}: compute s (no I/O)" for side in roots] + ["reference / compute (after)"]
     headers += [f"{side}: peak MB (tree)" for side in roots]
@@ -584,7 +606,7 @@ def main() -> None:
         "",
         f'Cells: min / median of {args.reps} repetitions, each its own subprocess; "before" is the code of the '
         f'baseline worktree{base}, "after" this checkout, interleaved cell by cell on the same lake. x floor: '
-        "engine / I/O floor (min / min, median / median). Peak MB (tree): the most of the worker's process tree "
+        "engine / I/O floor (min / min, median / median); x floor CPU: the same of the timed region's CPU time (time.process_time: every thread of the worker; less sensitive to the load than wall time). Delta commits per batch: the entries the engine's timed region added to the Delta logs, over the batches (median). Peak MB (tree): the most of the worker's process tree "
         "(summed resident sets sampled every 20 ms, or the worker's own VmHWM where more; bench/_common.py), the "
         "largest over the repetitions. Both checkouts' engine workers import what every process of a round "
         "imports once (the credit and stage modules, pandas through pyarrow's first pa.array) before the clock "
