@@ -10,7 +10,8 @@ import pkgutil
 from pipeline.ingest.core import IngestResult, Reject, SourceRecord, StepDraft, TrajectoryDraft, ingest
 from pipeline.ingest.registry import ADAPTERS, AdapterSpec, adapter, get_adapter, register_adapter
 
-# the modules of the ingest machinery; every other module of the package is an adapter
+# the modules of the ingest machinery; every other module of the package is an adapter (or, as verl_records, an
+# adapter's helper: importing it registers nothing)
 _MACHINERY = ("checks", "core", "readers", "records", "registry", "tables")
 for _mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _mod not in _MACHINERY and not _mod.startswith("_"):
