@@ -94,12 +94,13 @@ class CreditflowGRPOTrainer(GRPOTrainer):
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        # transformers leaves `_signature_columns` unannotated (`= None` in Trainer.__init__); mypy's inferred
-        # type for it depends on the order it checks the modules in, so read and write it through the instance dict
-        columns: list[str] | None = vars(self).get("_signature_columns")
+        # transformers leaves `_signature_columns` unannotated (`= None` in Trainer.__init__), and where trl is
+        # not installed (CI's gates run before the frameworks are) the base class is Any: through the instance
+        # dict the code type-checks the same either way
+        columns: list[str] | None = self.__dict__.get("_signature_columns")
         assert columns is not None  # the call above set it
         if "creditflow_row" not in columns:
-            vars(self)["_signature_columns"] = [*columns, "creditflow_row"]
+            self.__dict__["_signature_columns"] = [*columns, "creditflow_row"]
 
     def _logps(self, model, out: dict) -> torch.Tensor:
         """Per-token log-probabilities of the completion tokens under `model`, without gradient."""
