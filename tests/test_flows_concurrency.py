@@ -116,7 +116,7 @@ def test_round_lock_names_its_holder_and_dies_with_it(tmp_path):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cleanup_keeps_a_live_runs_temporary_files(tmp_path, monkeypatch, fmt):
-    from warehouse.lake import temp_token
+    from warehouse.tempfiles import temp_token
 
     monkeypatch.setenv(FORMAT_ENV, fmt)
     lake = Lake(tmp_path / "lake")
@@ -299,7 +299,7 @@ def test_cleanup_judges_another_hosts_temporary_files_by_age(tmp_path, monkeypat
     """A lake on a shared filesystem: a temp name carries its writer's machine, and a process id of another
     machine means nothing here (the same number may be a dead process here, or a live unrelated one), so
     another host's files stay until they are over a day old; this host's are judged by their process."""
-    from warehouse.lake import STALE_OTHER_HOST_S, host_name, temp_token
+    from warehouse.tempfiles import STALE_OTHER_HOST_S, host_name, temp_token
 
     monkeypatch.setenv(FORMAT_ENV, "parquet")
     lake = Lake(tmp_path / "lake")

@@ -30,7 +30,8 @@ import duckdb
 import pyarrow.parquet as pq
 
 from schemas import TABLES
-from warehouse.lake import Lake, LakeError, temp_token
+from warehouse.lake import Lake, LakeError
+from warehouse.tempfiles import temp_token
 from warehouse.views import VIEWS
 
 if TYPE_CHECKING:

@@ -43,9 +43,9 @@ from warehouse.lake import (
     safe_part_name,
     split_generation,
     tag_generation,
-    temp_token,
     write_options,
 )
+from warehouse.tempfiles import temp_token
 
 PART = "_part"
 EMPTY_PARTS = (

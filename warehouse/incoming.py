@@ -12,7 +12,8 @@ import shutil
 import time
 from pathlib import Path
 
-from warehouse.lake import Lake, temp_token
+from warehouse.lake import Lake
+from warehouse.tempfiles import temp_token
 
 LEDGER = "_flow/incoming.json"
 SKIP = {"done", "failed"}

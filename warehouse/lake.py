@@ -9,12 +9,10 @@ one rename. The `round` column lives in the path, not in the files."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
 import shutil
-import socket
 import time
 import uuid
 from collections.abc import Iterable
@@ -24,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas import TABLES
+from warehouse.tempfiles import fsync_dir, stale_temp, temp_token
 
 COMPRESSION = "zstd"
 
@@ -45,68 +44,6 @@ def write_options(schema: pa.Schema) -> dict:
 
 
 _PART_NAME = re.compile(r"^[A-Za-z0-9_.=+-]+$")
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@functools.cache
-def host_name() -> str:
-    """This machine's name as it goes into temporary names (a safe alphabet, no '@')."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "host"
-
-
-def temp_token() -> str:
-    """The middle of a temporary name: this process's id, this machine's name and a random part
-    (`.tmp-<pid>@<host>@<hex>-...`), so that `Lake.cleanup` of one run never removes the files another live
-    run is writing, on this machine or (a lake on a shared filesystem) on another."""
-    return f"{os.getpid()}@{host_name()}@{uuid.uuid4().hex}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return pid > 0
-    return True
-
-
-STALE_UNOWNED_S = 3600.0
-STALE_OTHER_HOST_S = 24 * 3600.0  # a process id of another machine cannot be asked: only age tells
-_OWNED = re.compile(r"(\d{1,7})@([A-Za-z0-9._-]{1,64})@")
-
-
-def _stale(path: Path, prefix: str) -> bool:
-    """A leftover: its writer's process on this machine is gone; a file of another machine's writer (a shared
-    filesystem) only when over a day old; a name without a process id when over an hour old. (A name of the
-    older form `<pid>-<hex>` names no machine: its process id is taken as this machine's.)"""
-    rest = path.name[len(prefix) :]
-    owned = _OWNED.match(rest)
-    if owned:
-        if owned.group(2) == host_name():
-            return not _alive(int(owned.group(1)))
-        return _older_than(path, STALE_OTHER_HOST_S)
-    pid, sep, _ = rest.partition("-")
-    if sep and pid.isdigit() and len(pid) <= 7:
-        return not _alive(int(pid))
-    return _older_than(path, STALE_UNOWNED_S)
-
-
-def _older_than(path: Path, seconds: float) -> bool:
-    try:
-        return time.time() - path.stat().st_mtime > seconds
-    except FileNotFoundError:
-        return False
 
 
 def safe_part_name(name: str) -> str:
@@ -325,7 +262,7 @@ class Lake:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
     def write_part(self, table_name: str, round_: int, table: pa.Table, part: str = "0") -> Path:
         """Atomically write (or replace) one part of a (table, round) partition."""
@@ -360,7 +297,7 @@ class Lake:
                 old = self.table_dir(table_name) / f".old-{temp_token()}"
                 os.replace(final, old)
             os.replace(staging, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         finally:
@@ -392,7 +329,7 @@ class Lake:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, journal)
-        _fsync_dir(folder)
+        fsync_dir(folder)
         fault_point("publish-journal")
         self._apply_journal(journal)
 
@@ -407,7 +344,7 @@ class Lake:
                     old = final.parent / f".old-{temp_token()}"
                     os.replace(final, old)
                 os.replace(staging, final)
-                _fsync_dir(final.parent)
+                fsync_dir(final.parent)
                 if old is not None:
                     shutil.rmtree(old, ignore_errors=True)
             if k == 0:
@@ -428,7 +365,7 @@ class Lake:
             if match is None or not name.endswith(".json"):
                 continue
             journal = folder / name
-            if not _stale(journal, match.group(0)):
+            if not stale_temp(journal, match.group(0)):
                 continue
             try:
                 self._apply_journal(journal)
@@ -460,11 +397,11 @@ class Lake:
             return
         self.roll_forward()  # a dead writer's staged folders that its journal names are moved in, not removed
         for p in self.root.rglob(".tmp-*"):
-            if _stale(p, ".tmp-"):
+            if stale_temp(p, ".tmp-"):
                 p.unlink(missing_ok=True)
         for prefix in (".staging-", ".old-"):
             for p in self.root.glob(f"*/{prefix}*"):
-                if _stale(p, prefix):
+                if stale_temp(p, prefix):
                     shutil.rmtree(p, ignore_errors=True)
 
     # ---- reads ---------------------------------------------------------------------------------

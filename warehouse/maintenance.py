@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from warehouse.lake import Lake, LakeError, _stale
+from warehouse.lake import Lake, LakeError
+from warehouse.tempfiles import stale_temp
 
 if TYPE_CHECKING:
     from warehouse.delta_lake import DeltaLake
@@ -91,9 +92,9 @@ def _leftovers(root: Path) -> list[Path]:
     """The stale temporary files and staging folders under a local lake (what `Lake.cleanup` removes)."""
     if not root.exists():
         return []
-    found = [p for p in root.rglob(".tmp-*") if p.is_file() and _stale(p, ".tmp-")]
+    found = [p for p in root.rglob(".tmp-*") if p.is_file() and stale_temp(p, ".tmp-")]
     for prefix in (".staging-", ".old-"):
-        found += [p for p in root.glob(f"*/{prefix}*") if _stale(p, prefix)]
+        found += [p for p in root.glob(f"*/{prefix}*") if stale_temp(p, prefix)]
     return found
 
 

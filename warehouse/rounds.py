@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas import TABLES
-from warehouse.lake import PUBLISH_DIR, Lake, fault_point, new_generation, temp_token
+from warehouse.lake import PUBLISH_DIR, Lake, fault_point, new_generation
+from warehouse.tempfiles import temp_token
 
 T = TypeVar("T")
 

@@ -28,7 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas import stage_runs as _stage_runs  # noqa: F401  (registers the table)
-from warehouse.lake import Lake, LakeError, safe_part_name, temp_token
+from warehouse.lake import Lake, LakeError, safe_part_name
+from warehouse.tempfiles import temp_token
 
 TABLE = "stage_runs"
 SPOOL_DIR = "_flow/runlog"

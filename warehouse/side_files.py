@@ -13,7 +13,8 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from warehouse.lake import Lake, temp_token
+from warehouse.lake import Lake
+from warehouse.tempfiles import temp_token
 
 
 def _storage(lake: Lake) -> tuple[pafs.FileSystem, str]:
