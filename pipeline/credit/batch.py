@@ -88,6 +88,20 @@ class TokenFloats:
             None if aligned else _flat_list_floats(arr, starts, n_tokens),
         )
 
+    @classmethod
+    def unknown(cls, starts: np.ndarray, token_counts: np.ndarray, mask_rows: np.ndarray) -> TokenFloats:
+        """A column no method of the batch declares: every list null (NaN on every token), nothing read."""
+        n = len(starts)
+        return cls(
+            np.zeros(0, np.float32),
+            np.zeros(n + 1, np.int64),
+            np.zeros(n, bool),
+            starts,
+            token_counts,
+            mask_rows,
+            None,
+        )
+
     @property
     def n_tokens(self) -> int:
         return int(self.starts[-1] + self.token_counts[-1]) if len(self.starts) else 0
@@ -122,21 +136,15 @@ class TokenFloats:
     def on_mask(self) -> np.ndarray:
         """`per_token()[tok_mask]`: the values on the assistant tokens, in order, read from the assistant steps'
         lists alone when each is present with one value per token (no per-token array of the whole batch)."""
-        rows = self.mask_rows
-        list_len = np.diff(self.offsets)
+        rows, list_len = self.mask_rows, np.diff(self.offsets)
+        chosen = np.zeros(len(self.valid), dtype=bool)
+        chosen[rows] = True  # the assistant steps with tokens: their tokens are the mask's, in order
         if self.valid[rows].all() and np.array_equal(list_len[rows], self.token_counts[rows]):
             flat = self.values[int(self.offsets[0]) : int(self.offsets[-1])]
             if len(rows) == len(self.valid):  # every list (an all-assistant batch): the values as they are
                 return flat.astype(np.float64)
-            chosen = np.zeros(len(self.valid), dtype=bool)
-            chosen[rows] = True
             return flat[np.repeat(chosen, list_len)].astype(np.float64)
-        return self.per_token()[np.repeat(self._assistant_steps(), self.token_counts)]
-
-    def _assistant_steps(self) -> np.ndarray:
-        out = np.zeros(len(self.valid), dtype=bool)
-        out[self.mask_rows] = True
-        return out
+        return self.per_token()[np.repeat(chosen, self.token_counts)]
 
 
 def _sorted_by_traj_step(steps: pa.Table) -> bool:
@@ -231,9 +239,9 @@ class CreditBatch:
         mask_rows = np.flatnonzero(is_assistant & (lengths > 0))
 
         def token_floats(name: str) -> TokenFloats:
-            declared = columns is None or name in columns
-            col = steps.column(name) if declared else pa.nulls(steps.num_rows, pa.list_(pa.float32()))
-            return TokenFloats.read(col, starts, lengths, mask_rows)
+            if columns is None or name in columns:
+                return TokenFloats.read(steps.column(name), starts, lengths, mask_rows)
+            return TokenFloats.unknown(starts, lengths, mask_rows)
 
         anns = {
             name: t if isinstance(t, pl.DataFrame) else pl.DataFrame(t)
