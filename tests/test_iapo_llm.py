@@ -8,7 +8,7 @@ import polars as pl
 import pyarrow as pa
 
 from flows.batch import stage_io
-from pipeline.annotate.llm import PROMPT_VERSION, SYSTEM_PROMPT, build_transcript
+from pipeline.annotate.llm_prompt import PROMPT_VERSION, SYSTEM_PROMPT, build_transcript
 from pipeline.annotate.settings import LLMAnnotatorSettings
 from pipeline.config import Config
 from pipeline.stages import execute, load_stages

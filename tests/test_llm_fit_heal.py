@@ -188,7 +188,8 @@ def _longest_and_its_size(real_data):
     of its whole request and of the request's fixed part (instructions without a transcript)."""
     from llm_standin import StandIn
 
-    from pipeline.annotate.llm import _split_trajectories, build_messages, build_transcript
+    from pipeline.annotate.llm import _split_trajectories
+    from pipeline.annotate.llm_prompt import build_messages, build_transcript
     from pipeline.annotate.settings import LLMAnnotatorSettings
 
     _, steps = _tau_steps(real_data, longest=True)
@@ -558,7 +559,8 @@ def test_a_reask_that_outgrows_the_context_is_not_split(llm_standin, real_data, 
     window stays one parse failure; it is not split into more windows."""
     from llm_standin import StandIn
 
-    from pipeline.annotate.llm import _split_trajectories, build_messages, build_transcript
+    from pipeline.annotate.llm import _split_trajectories
+    from pipeline.annotate.llm_prompt import build_messages, build_transcript
     from pipeline.annotate.settings import LLMAnnotatorSettings
 
     _, steps = _tau_steps(real_data)
