@@ -323,3 +323,38 @@ def warm_runner_alive(tmp_path: Path) -> bool:
 
     lock = tmp_path / "cache" / "services" / "runner" / "runner.lock"
     return lock.exists() and not _unused(lock)
+
+
+def test_a_runner_a_command_started_imports_after_that_command(tmp_path):
+    """Started by a command (flows.server.start_runner from `process`), the runner waits for that command to
+    exit before its imports: it does not compete with the command's own round for the CPU."""
+    env = _env(tmp_path)
+    services = tmp_path / "cache" / "services"
+    services.mkdir(parents=True)
+    server = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    launcher = subprocess.Popen(["sleep", "600"])
+    state = services / "prefect.json"
+    state.write_text(
+        json.dumps({"pid": server.pid, "url": "http://127.0.0.1:9/api", "log": "x", "started": 0})
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.warm", str(server.pid), str(state), str(launcher.pid)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    sock = services / "runner" / "runner.sock"
+    try:
+        wait_for(lambda: warm_runner_alive(tmp_path), 60, "the runner's lock")
+        time.sleep(2.0)
+        assert not sock.exists()  # still waiting for its launcher
+        launcher.kill()
+        launcher.wait()
+        wait_for(sock.exists, 120, "the runner's socket once its launcher is gone")
+    finally:
+        for p in (proc, server, launcher):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
