@@ -9,8 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer.collect import Codec, CollectSettings, collect, collect_to_lake  # noqa: E402
+from trainer.collect import CollectSettings, collect, collect_to_lake  # noqa: E402
 from trainer.envs.search_qa import questions  # noqa: E402
+from trainer.generation import Codec  # noqa: E402
 
 
 @pytest.fixture(scope="module")

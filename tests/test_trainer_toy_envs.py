@@ -110,7 +110,7 @@ def test_tcpo_counterfactual_replay_from_the_pre_turn_state():
 
 @pytest.mark.parametrize("name", TOYS)
 def test_vocabulary_is_closed_and_tokenizes(name, tmp_path):
-    from trainer.collect import Codec
+    from trainer.generation import Codec
     from trainer.tiny import word_tokenizer_json
 
     env = make_env(name)

@@ -25,7 +25,8 @@ def policy_server():
 
 def test_collect_against_vllm(policy_server, lake, tmp_path):
     from pipeline.llm.types import LLMSettings
-    from trainer.collect import Codec, CollectSettings, collect_to_lake
+    from trainer.collect import CollectSettings, collect_to_lake
+    from trainer.generation import Codec
 
     model_dir = service.default_model_dir()
     s = CollectSettings(env="search_qa", prompts=2, samples=2, turns=2, max_new_tokens=32, temperature=1.0)

@@ -14,7 +14,7 @@ TCPO requires). Models are loaded once per folder and kept (a few, least recentl
 Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions (messages, n, temperature, top_p,
 max_tokens, seed, logprobs). The prompt is the messages' contents tokenized one by one and concatenated: the
 collect stage's text layout (no chat template), so an alternative is sampled from exactly the context the
-rollout saw. Sampling is trainer.collect.LocalGenerator (the same sampler as the local collect backend).
+rollout saw. Sampling is trainer.generation.LocalGenerator (the same sampler as the local collect backend).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class PolicyServer:
         return f"http://{self.host}:{self.port}/v1"
 
     def generator(self, folder: Path):
-        from trainer.collect import Codec, LocalGenerator
+        from trainer.generation import Codec, LocalGenerator
 
         key = (str(folder), (folder / "config.json").stat().st_mtime)
         if key in self._models:

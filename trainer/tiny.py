@@ -81,8 +81,8 @@ def format_prior(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.collect import Codec
     from trainer.envs import make_env, make_toy_env
+    from trainer.generation import Codec
 
     codec = Codec(model_dir)
     probe = make_toy_env(env_name)
