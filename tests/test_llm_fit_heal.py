@@ -101,18 +101,18 @@ def test_without_counting_the_server_answers_400(llm_standin, tmp_path):
     ],
 )
 def test_a_servers_context_refusal_is_read_as_too_long(message, prompt, context):
-    from trainer.llm.client import _context_exceeded
+    from trainer.llm.responses import context_exceeded
 
     class Refusal(Exception):
         def __init__(self, message):
             super().__init__(message)
             self.message = message
 
-    err = _context_exceeded(Refusal(message))
+    err = context_exceeded(Refusal(message))
     assert (
         err is not None and err.kind == "too_long" and (err.prompt_tokens, err.context) == (prompt, context)
     )
-    assert _context_exceeded(Refusal("Error code: 400 - unknown field 'foo'")) is None
+    assert context_exceeded(Refusal("Error code: 400 - unknown field 'foo'")) is None
 
 
 def test_an_endpoint_without_tokenize_is_asked_once(llm_standin, tmp_path):

@@ -55,7 +55,6 @@ import functools
 import hashlib
 import itertools
 import json
-import re
 import threading
 import time
 import uuid
@@ -64,95 +63,26 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from pipeline.llm.types import (
     CallRecord,
     ChatResult,
-    Choice,
     CompletionResult,
     LLMError,
     LLMRequest,
     LLMSettings,
-    Usage,
     default_cache_dir,
     normalize_endpoint,
 )
+from trainer.llm.responses import (
+    context_exceeded,
+    parse_chat,
+    parse_completion,
+    retry_after_s,
+    status_message,
+)
+from trainer.llm.structured import response_format_parts, schema_instruction, validate_output
 
 CACHE_VERSION = 1
-
-# ---------------------------------------------------------------------------------------------------------
-# structured output helpers
-
-
-@functools.lru_cache(maxsize=64)
-def _model_schema(model_cls: type[BaseModel]) -> dict[str, Any]:
-    """A pydantic model's JSON schema, built once per class (it costs milliseconds per call)."""
-    return model_cls.model_json_schema()
-
-
-_VALIDATORS: dict[str, Any] = {}
-
-
-def _schema_validator(schema: dict[str, Any]):
-    """A compiled jsonschema validator per schema (checking the schema itself once, not per answer)."""
-    key = json.dumps(schema, sort_keys=True)
-    validator = _VALIDATORS.get(key)
-    if validator is None:
-        import jsonschema
-
-        cls = jsonschema.validators.validator_for(schema)
-        cls.check_schema(schema)
-        validator = _VALIDATORS[key] = cls(schema)
-    return validator
-
-
-def _response_format_parts(response_format: Any) -> tuple[str, dict[str, Any] | None, Any]:
-    """-> (name, JSON schema or None for json_object, validator) from a pydantic class / schema / OpenAI dict."""
-    if isinstance(response_format, type) and issubclass(response_format, BaseModel):
-        return response_format.__name__, _model_schema(response_format), response_format
-    if isinstance(response_format, dict):
-        if response_format.get("type") == "json_schema":
-            js = response_format.get("json_schema") or {}
-            return js.get("name", "output"), js.get("schema") or {}, None
-        if response_format.get("type") == "json_object":
-            return "output", None, None
-        return "output", response_format, None
-    raise TypeError(f"response_format must be a pydantic model class or a dict, not {type(response_format)}")
-
-
-def _validate_output(text: str, schema: dict[str, Any] | None, model_cls: Any) -> tuple[Any, str | None]:
-    body = text.strip()
-    if body.startswith("```"):  # a fenced block from a model without constrained decoding
-        body = body.strip("`")
-        if body.startswith("json"):
-            body = body[4:]
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return None, f"not JSON: {exc.msg} at char {exc.pos}"
-    if model_cls is not None:
-        try:
-            return model_cls.model_validate(obj).model_dump(mode="json"), None
-        except Exception as exc:  # pydantic.ValidationError
-            return None, f"schema: {str(exc).splitlines()[0]}"
-    if schema:
-        try:
-            _schema_validator(schema).validate(obj)
-        except ImportError:
-            pass
-        except Exception as exc:  # jsonschema.ValidationError
-            return None, f"schema: {getattr(exc, 'message', str(exc))}"
-    return obj, None
-
-
-def _schema_instruction(schema: dict[str, Any] | None) -> str:
-    if schema is None:
-        return "Answer with one JSON object only, no other text."
-    return "Answer with one JSON object only, no other text, that satisfies this JSON schema:\n" + json.dumps(
-        schema, sort_keys=True
-    )
-
 
 # ---------------------------------------------------------------------------------------------------------
 # the client
@@ -468,7 +398,7 @@ class LLMClient:
         model = await self.model_name()
         rf_key = None
         if response_format is not None:
-            name, schema, _ = _response_format_parts(response_format)
+            name, schema, _ = response_format_parts(response_format)
             rf_key = {"name": name, "schema": schema}
         key = _hash(
             {
@@ -738,7 +668,7 @@ class LLMClient:
         structured = None
         req = dict(params)
         if response_format is not None:
-            name, schema, model_cls = _response_format_parts(response_format)
+            name, schema, model_cls = response_format_parts(response_format)
             mode = self.settings.structured_output
             use_server = mode == "json_schema" or (mode == "auto" and endpoint not in self._no_json_schema)
             if use_server:
@@ -755,7 +685,7 @@ class LLMClient:
             if kind == "chat":
                 messages = content["messages"]
                 if response_format is not None and structured is None:
-                    messages = [{"role": "system", "content": _schema_instruction(schema)}, *messages]
+                    messages = [{"role": "system", "content": schema_instruction(schema)}, *messages]
                     structured = "prompted"
                 try:
                     await self._check_fit(endpoint, model, {"messages": messages}, req, body)
@@ -767,13 +697,13 @@ class LLMClient:
                     if (
                         structured != "json_schema"
                         or self.settings.structured_output != "auto"
-                        or _context_exceeded(exc) is not None
+                        or context_exceeded(exc) is not None
                     ):
                         raise  # a request over the context is no sign that json_schema is unsupported
                     # the server cannot do constrained decoding: remember, fall back to a prompted request
                     self._no_json_schema.add(endpoint)
                     req.pop("response_format", None)
-                    messages = [{"role": "system", "content": _schema_instruction(schema)}, *messages]
+                    messages = [{"role": "system", "content": schema_instruction(schema)}, *messages]
                     structured = "prompted"
                     del exc
                     await self._check_fit(endpoint, model, {"messages": messages}, req, body)
@@ -781,29 +711,29 @@ class LLMClient:
                     raw = await client.chat.completions.create(
                         model=model, messages=messages, extra_body=body or None, **req
                     )
-                res = _parse_chat(raw)
+                res = parse_chat(raw)
             else:
                 await self._check_fit(endpoint, model, {"prompt": content["prompt"]}, req, body)
                 self.calls_made += 1
                 raw = await client.completions.create(
                     model=model, prompt=content["prompt"], extra_body=body or None, **req
                 )
-                res = _parse_completion(raw, echo=bool(params.get("echo")))
+                res = parse_completion(raw, echo=bool(params.get("echo")))
         except openai.APITimeoutError as exc:
             raise LLMError("timeout", f"no answer within {self.settings.timeout_s}s") from exc
         except openai.APIConnectionError as exc:
             raise LLMError("connection", str(exc) or type(exc).__name__) from exc
         except openai.RateLimitError as exc:
-            err = LLMError("rate_limit", _status_message(exc), status=exc.status_code)
-            err.retry_after = _retry_after(exc)
+            err = LLMError("rate_limit", status_message(exc), status=exc.status_code)
+            err.retry_after = retry_after_s(exc)
             raise err from exc
         except openai.APIStatusError as exc:
-            too_long = _context_exceeded(exc) if exc.status_code in (400, 413, 422) else None
+            too_long = context_exceeded(exc) if exc.status_code in (400, 413, 422) else None
             if too_long is not None:  # a server without /tokenize refused the prompt as too long
                 too_long.status = exc.status_code
                 raise too_long from exc
             kind_ = "server" if exc.status_code >= 500 else "client"
-            raise LLMError(kind_, _status_message(exc), status=exc.status_code) from exc
+            raise LLMError(kind_, status_message(exc), status=exc.status_code) from exc
         except (openai.APIResponseValidationError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise LLMError("malformed", f"unreadable response: {type(exc).__name__}: {exc}") from exc
         res.latency_s = time.perf_counter() - t0
@@ -812,167 +742,8 @@ class LLMClient:
         if response_format is not None:
             res.structured = structured
             for c in res.choices:
-                c.parsed, c.parse_error = _validate_output(c.text, schema, model_cls)
+                c.parsed, c.parse_error = validate_output(c.text, schema, model_cls)
         return res
-
-
-def _retry_after(exc: Any) -> float | None:
-    """Seconds from a 429's Retry-After header (delta-seconds form), if any."""
-    headers: Any = getattr(getattr(exc, "response", None), "headers", None) or {}
-    try:
-        return float(headers.get("retry-after"))
-    except (TypeError, ValueError):
-        return None
-
-
-_CONTEXT_IS = re.compile(r"maximum context length is (\d+)", re.IGNORECASE)
-_PROMPT_IS = re.compile(
-    r"(?:request has|resulted in|you requested) (\d+) (?:input )?tokens|(\d+) (?:input tokens|in the messages)",
-    re.IGNORECASE,
-)
-
-
-def _context_exceeded(exc: Any) -> LLMError | None:
-    """A server's answer that the request exceeds its context (vLLM and OpenAI: "This model's maximum context
-    length is N tokens. However, your request has M input tokens" or "... you requested T tokens (M in the
-    messages, K in the completion)") as a `too_long` error with the server's figures, so that a stage splits
-    its request as it does for one the client counted itself (an endpoint without /tokenize). With no prompt
-    count in the message, the prompt is taken as the whole context (it does not fit; a lower bound). None:
-    another 4xx."""
-    msg = getattr(exc, "message", None) or str(exc)
-    found = _CONTEXT_IS.search(msg)
-    if found is None:
-        return None
-    context = int(found.group(1))
-    counts = [int(g) for m in _PROMPT_IS.finditer(msg) for g in m.groups() if g]
-    in_messages = re.search(r"(\d+) in the messages", msg)
-    prompt = int(in_messages.group(1)) if in_messages else (counts[0] if counts else context)
-    err = LLMError("too_long", f"the server refused it: {msg[:300]}")
-    err.prompt_tokens, err.context = prompt, context
-    return err
-
-
-def _status_message(exc: Any) -> str:
-    msg = getattr(exc, "message", None) or str(exc)
-    return f"HTTP {exc.status_code}: {msg}"[:500]
-
-
-def _token_ids_from_strings(tokens: list[str] | None) -> list[int] | None:
-    """vLLM's `return_tokens_as_token_ids` renders tokens as 'token_id:123'."""
-    if not tokens or not all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
-        return None
-    try:
-        return [int(t.split(":", 1)[1]) for t in tokens]
-    except ValueError:
-        return None
-
-
-def _extra(obj: Any, name: str) -> Any:
-    val = getattr(obj, name, None)
-    if val is None:
-        extra = getattr(obj, "model_extra", None) or {}
-        val = extra.get(name)
-    return val
-
-
-def _usage(raw: Any) -> Usage:
-    u = getattr(raw, "usage", None)
-    if u is None:
-        return Usage()
-    return Usage(prompt_tokens=int(u.prompt_tokens or 0), completion_tokens=int(u.completion_tokens or 0))
-
-
-def _parse_chat(raw: Any) -> ChatResult:
-    if not getattr(raw, "choices", None) and not isinstance(getattr(raw, "choices", None), list):
-        raise ValueError("response has no choices")
-    choices = []
-    for ch in sorted(raw.choices, key=lambda c: c.index or 0):
-        tokens = lps = tops = None
-        lp = getattr(ch, "logprobs", None)
-        content = getattr(lp, "content", None) if lp is not None else None
-        if content is not None:
-            tokens = [c.token for c in content]
-            lps = [c.logprob for c in content]
-            if any(getattr(c, "top_logprobs", None) for c in content):
-                tops = [{t.token: t.logprob for t in (c.top_logprobs or [])} for c in content]
-        ids = _extra(ch, "token_ids") or _token_ids_from_strings(tokens)
-        choices.append(
-            Choice(
-                text=ch.message.content or "",
-                token_ids=list(ids) if ids is not None else None,
-                token_logprobs=lps,
-                tokens=tokens,
-                top_logprobs=tops,
-                finish_reason=ch.finish_reason,
-            )
-        )
-    return ChatResult(choices=choices, usage=_usage(raw))
-
-
-def _parse_completion(raw: Any, echo: bool) -> CompletionResult:
-    if not isinstance(getattr(raw, "choices", None), list):
-        raise ValueError("response has no choices")
-    usage = _usage(raw)
-    choices = []
-    for ch in sorted(raw.choices, key=lambda c: c.index or 0):
-        lp = getattr(ch, "logprobs", None)
-        tokens = list(lp.tokens) if lp is not None and lp.tokens is not None else None
-        lps = list(lp.token_logprobs) if lp is not None and lp.token_logprobs is not None else None
-        tops = None
-        if lp is not None and lp.top_logprobs:
-            tops = [dict(t or {}) for t in lp.top_logprobs]
-        ids = _extra(ch, "token_ids") or _token_ids_from_strings(tokens)
-        choices.append(
-            Choice(
-                text=ch.text or "",
-                token_ids=list(ids) if ids is not None else None,
-                token_logprobs=lps,
-                tokens=tokens,
-                top_logprobs=tops,
-                finish_reason=ch.finish_reason,
-            )
-        )
-    res = CompletionResult(choices=choices, usage=usage)
-    if raw.choices:
-        ch0 = sorted(raw.choices, key=lambda c: c.index or 0)[0]
-        pids = _extra(ch0, "prompt_token_ids")
-        if pids is not None:
-            res.prompt_token_ids = list(pids)
-        plp = _extra(ch0, "prompt_logprobs")
-        if plp is not None:  # vLLM: [None, {token_id: {logprob, rank, decoded_token}}, ...]
-            vals: list[float | None] = []
-            toks: list[str] = []
-            ids_: list[int] = []
-            for i, entry in enumerate(plp):
-                if not entry:
-                    vals.append(None)
-                    toks.append("")
-                    ids_.append(res.prompt_token_ids[i] if res.prompt_token_ids else -1)
-                    continue
-                chosen_id = (
-                    res.prompt_token_ids[i]
-                    if res.prompt_token_ids and i < len(res.prompt_token_ids)
-                    else None
-                )
-                key_ = (
-                    str(chosen_id) if chosen_id is not None and str(chosen_id) in entry else next(iter(entry))
-                )
-                info = entry[key_]
-                vals.append(float(info["logprob"]) if isinstance(info, dict) else float(info))
-                toks.append(info.get("decoded_token", "") if isinstance(info, dict) else "")
-                ids_.append(int(key_))
-            res.prompt_logprobs = vals
-            res.prompt_tokens = toks
-            if res.prompt_token_ids is None:
-                res.prompt_token_ids = ids_
-        elif echo and choices and choices[0].token_logprobs is not None:
-            k = usage.prompt_tokens or 0
-            if k:
-                res.prompt_logprobs = choices[0].token_logprobs[:k]
-                res.prompt_tokens = (choices[0].tokens or [])[:k] or None
-                if res.prompt_token_ids is None and choices[0].token_ids and len(choices[0].token_ids) >= k:
-                    res.prompt_token_ids = choices[0].token_ids[:k]
-    return res
 
 
 def _service_endpoints() -> list[str]:
