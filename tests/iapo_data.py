@@ -9,7 +9,8 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
+from pipeline.credit.result import CreditResult
 
 EDGE_SIGN = {"input": 1, "success_utilization": 1, "failed_utilization": -1}
 

@@ -14,10 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import Config
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.methods.c3 import C3Settings, c3
 from pipeline.credit.process import process_batch
 from pipeline.credit.registry import run_methods
+from pipeline.credit.result import CreditResult
 from pipeline.detect import detect_spans
 
 

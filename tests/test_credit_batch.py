@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_credit_properties import random_round
 
-from pipeline.credit.batch import CreditBatch, CreditResult, TokenFloats
+from pipeline.credit.batch import CreditBatch, TokenFloats
 from pipeline.credit.process import advantages_table
 from pipeline.credit.registry import MethodError, _finish, method_step_columns
+from pipeline.credit.result import CreditResult
 
 
 def _reference(steps: pa.Table, col: str) -> np.ndarray:

@@ -96,8 +96,9 @@ def test_a_component_the_estimator_does_not_declare_is_an_error():
     it (a schema that lacked it dropped it silently before)."""
     from credit_rounds import random_round
 
-    from pipeline.credit.batch import CreditBatch, CreditResult
+    from pipeline.credit.batch import CreditBatch
     from pipeline.credit.registry import ESTIMATORS, MethodError, estimator, run_methods
+    from pipeline.credit.result import CreditResult
 
     def undeclared(ctx, settings):
         return CreditResult.per_step(

@@ -6,7 +6,7 @@ import importlib
 import pkgutil
 
 from pipeline.credit import methods as _methods
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.registry import (
     ESTIMATORS,
     REFINERS,
@@ -16,6 +16,7 @@ from pipeline.credit.registry import (
     refiner,
     run_methods,
 )
+from pipeline.credit.result import CreditResult
 
 for _m in sorted(m.name for m in pkgutil.iter_modules(_methods.__path__)):
     importlib.import_module(f"pipeline.credit.methods.{_m}")

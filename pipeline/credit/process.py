@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.config import Config
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.ops import Moments
 from pipeline.credit.registry import (
     method_settings,
@@ -24,6 +24,7 @@ from pipeline.credit.registry import (
     run_methods,
     statistics_step_columns,
 )
+from pipeline.credit.result import CreditResult
 from pipeline.stages import NO_IO, StageIO, StageOutput, batch_stage, method_key
 from schemas.advantages import COMPONENT_FIELDS, COMPONENTS
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.ops import Moments
+from pipeline.credit.result import CreditResult
 
 
 @dataclass(frozen=True)

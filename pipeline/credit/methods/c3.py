@@ -15,8 +15,9 @@ import polars as pl
 from pydantic import Field
 
 import pipeline.detect  # noqa: F401  (registers the "detect" settings the spans come from)
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.registry import refiner
+from pipeline.credit.result import CreditResult
 from pipeline.settings import StageSettings, register_settings
 
 

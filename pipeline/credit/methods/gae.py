@@ -27,9 +27,10 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.ops import Moments, segment_bounds, segment_discounted_cumsum, whiten
 from pipeline.credit.registry import MethodError, Requirement, RoundStatistics, estimator
+from pipeline.credit.result import CreditResult
 from pipeline.settings import StageSettings, register_settings
 
 

@@ -20,9 +20,10 @@ import numpy as np
 import polars as pl
 from pydantic import Field
 
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.ops import Moments, group_normalize, whiten
 from pipeline.credit.registry import RoundStatistics, estimator
+from pipeline.credit.result import CreditResult
 from pipeline.settings import StageSettings, register_settings
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import polars as pl
 from pydantic import Field
 
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.ops import (
     group_moments,
     group_normalize,
@@ -32,6 +32,7 @@ from pipeline.credit.ops import (
     segment_start_rows,
 )
 from pipeline.credit.registry import estimator
+from pipeline.credit.result import CreditResult
 from pipeline.settings import StageSettings, register_settings
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 from pydantic import Field
 
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.ops import group_normalize
 from pipeline.credit.registry import estimator
+from pipeline.credit.result import CreditResult
 from pipeline.settings import StageSettings, register_settings
 
 

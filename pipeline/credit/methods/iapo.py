@@ -22,9 +22,10 @@ import polars as pl
 from pydantic import Field
 
 import pipeline.annotate.settings  # noqa: F401  (registers the annotators' settings with the engine)
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.ops import group_moments, segment_bounds
 from pipeline.credit.registry import MethodError, refiner
+from pipeline.credit.result import CreditResult
 from pipeline.settings import StageSettings, register_settings
 
 EDGE_SIGN = {"input": 1, "success_utilization": 1, "failed_utilization": -1}

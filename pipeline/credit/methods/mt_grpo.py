@@ -21,9 +21,10 @@ import numpy as np
 import polars as pl
 from pydantic import Field
 
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.ops import group_normalize, segment_start_rows
 from pipeline.credit.registry import MethodError, estimator
+from pipeline.credit.result import CreditResult
 from pipeline.settings import StageSettings, register_settings
 
 

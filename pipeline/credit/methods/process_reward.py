@@ -17,12 +17,13 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.methods.c3 import span_token_ranges
 from pipeline.credit.methods.gae import GAEAdvantages, GAESettings, gae_advantages, gae_result
 from pipeline.credit.methods.grpo import GRPOSettings, grpo_traj_advantage
 from pipeline.credit.ops import Moments, segment_discounted_cumsum, whiten
 from pipeline.credit.registry import Requirement, RoundStatistics, estimator
+from pipeline.credit.result import CreditResult
 from pipeline.settings import StageSettings, register_settings
 
 

@@ -14,9 +14,10 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.ops import group_moments
 from pipeline.credit.registry import estimator
+from pipeline.credit.result import CreditResult
 from pipeline.settings import StageSettings, register_settings
 
 

@@ -41,9 +41,10 @@ import numpy as np
 import polars as pl
 from pydantic import Field
 
-from pipeline.credit.batch import CreditBatch, CreditResult
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.ops import group_normalize
 from pipeline.credit.registry import Requirement, estimator
+from pipeline.credit.result import CreditResult
 from pipeline.settings import StageSettings, register_settings
 
 Selection = Literal["top", "random", "all"]
