@@ -25,8 +25,8 @@ new lake since #25).
                                     # round with no API up (cold), with an API up (through the warm runner
                                     # where the tree has one), and the no-op (no large round, no ephemeral API)
 
-A tree with the warm runner (flows/warm.py) runs "new round, API up" in the runner's fork: its CPU row adds the
-command's CPU the runner reports ($CREDITFLOW_WARM_STATS) to the caller's, and a row gives the split.
+A tree with the warm runner (flows/warm.py) runs the rows with a server up in the runner's fork: their CPU adds
+the command's CPU the runner reports ($CREDITFLOW_WARM_STATS) to the caller's, and a row per tree gives the split.
 """
 
 from __future__ import annotations
@@ -210,16 +210,16 @@ def main() -> None:
                 deadline = time.monotonic() + 180
                 while not sock.exists() and time.monotonic() < deadline:
                     time.sleep(0.2)
-            seen = len(stats.read_text().splitlines()) if stats.exists() else 0
-            timed((name, "server new"), times, tree, [*proc, "--lake", str(lake)], es)
-            warm_rows = (
-                [json.loads(x) for x in stats.read_text().splitlines()[seen:]] if stats.exists() else []
-            )
-            done = [r for r in warm_rows if "exit" in r]
-            if done:  # run by the warm runner: its command's CPU is not a child of this process
-                CPU[(name, "server new")][-1] += done[-1]["command_cpu_s"]
-                WARM.setdefault(name, []).append(done[-1])
-            timed((name, "server"), times, tree, [*proc, "--lake", str(lake)], es)
+            for what in ("server new", "server"):
+                seen = len(stats.read_text().splitlines()) if stats.exists() else 0
+                timed((name, what), times, tree, [*proc, "--lake", str(lake)], es)
+                rows = (
+                    [json.loads(x) for x in stats.read_text().splitlines()[seen:]] if stats.exists() else []
+                )
+                done = [r for r in rows if "exit" in r]
+                if done:  # run by the warm runner: its command's CPU is not a child of this process
+                    CPU[(name, what)][-1] += done[-1]["command_cpu_s"]
+                    WARM.setdefault(f"{name}: {what}", []).append(done[-1])
         finally:
             run_cli(tree, ["server", "stop"], es)
 
@@ -339,7 +339,7 @@ def main() -> None:
             return "-"
         return f"{(min(times[(name, 'big')]) - min(flow)) / big_tokens * 1e6:.2f}"
 
-    for name in trees:
+    for name in (f"{tree}: {what}" for tree in trees for what in ("server new", "server")):
         runs = WARM.get(name) or []
         if runs:
 
@@ -348,7 +348,7 @@ def main() -> None:
                 return f"{min(values):.2f} / {statistics.median(values):.2f}" if values else "-"
 
             lines.append(
-                f"| {name}: new small round via the warm runner ({len(runs)} of {args.reps}): the caller's CPU "
+                f"| {name} via the warm runner ({len(runs)} of {args.reps}): the caller's CPU "
                 f"{mm('client_cpu_s')}, the command's CPU in the runner {mm('command_cpu_s')}, the caller's "
                 f"seconds before the hand-over {mm('client_s')} | | |"
             )
