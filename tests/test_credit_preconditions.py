@@ -46,13 +46,31 @@ def test_a_setting_that_handles_the_gap_lifts_the_requirement():
 
 
 def test_only_the_needed_flags_are_queried():
-    from pipeline.credit.preconditions import required_columns, step_flags_sql
+    from pipeline.credit.preconditions import required_columns
 
     assert required_columns(["grpo", "grpo+iapo+c3", "rloo"], Config()) == set()  # no query at all
     assert required_columns(["grpo", "tcpo", "gae+c3"], Config()) == {"verifier_score", "values"}
     assert required_columns(["gae_pr", "turn_ppo"], Config()) == {"values"}
-    sql = step_flags_sql(3, {"values"})
-    assert '"values" IS NOT NULL AS has_values' in sql and "verifier_score" not in sql and "round = 3" in sql
+
+
+def test_step_flags_by_hand_and_a_column_the_table_lacks():
+    import pyarrow as pa
+
+    from pipeline.credit.preconditions import step_flags
+
+    steps = pa.table(
+        {
+            "traj_id": ["a", "a", "b"],
+            "role": ["user", "assistant", "assistant"],
+            "token_offsets": pa.array([[0, 1], [2, 3, 4], []], pa.list_(pa.int32())),
+            "verifier_score": pa.array([None, 0.5, None], pa.float64()),
+        }
+    )
+    got = step_flags(steps, {"verifier_score", "values"}).to_pydict()  # `values`: in no part of an older lake
+    assert got["n_tokens"] == [2, 3, 0]
+    assert got["has_verifier_score"] == [False, True, False]
+    assert got["has_values"] == [False, False, False]
+    assert set(got) == {"traj_id", "role", "n_tokens", "has_verifier_score", "has_values"}
 
 
 def test_every_declared_stage_is_a_registered_method():
@@ -152,6 +170,30 @@ def test_process_stops_before_any_work_with_one_line(fireact_lake):
     assert grouped[0].startswith("gae, gae+c3: need critic values") and len(grouped) == 2
     with pytest.raises(SystemExit, match="no method left"):
         check_preconditions(cfg.model_copy(update={"methods": ["tcpo"]}), lake, 0, skip_unmet=True)
+
+
+def test_a_lake_whose_steps_never_held_the_column_reads_it_as_missing(tmp_path, real_data, monkeypatch):
+    """An older (hive) lake: its steps parts have no `values` column at all (not a null one)."""
+    import pyarrow.parquet as pq
+
+    from flows.run import check_preconditions
+    from pipeline.ingest import ingest
+    from warehouse.lake import FORMAT_ENV, Lake
+    from warehouse.rounds import write_round
+
+    monkeypatch.setenv(FORMAT_ENV, "parquet")
+    path = next((real_data / "fireact_hotpotqa").glob("*.json"))
+    res = ingest("react", [(path.name, path.read_text())])
+    lake = Lake(tmp_path / "lake")
+    write_round(lake, 0, res.trajectories, res.steps)
+    assert lake.format == "parquet"
+    for part in lake.parts("steps", 0):
+        table = pq.read_table(part)
+        pq.write_table(table.drop_columns(["values"]), part)
+    cfg = Config(lake=str(lake.root), methods=["grpo", "gae"])
+    kept, skipped = check_preconditions(cfg, lake, 0, skip_unmet=True)
+    assert kept.methods == ["grpo"]
+    assert skipped == ["gae: need critic values (steps.values), missing on 500 of 500 trajectories"]
 
 
 def test_cli_process_one_line_and_nonzero_exit(fireact_lake):

@@ -6,9 +6,8 @@ returns every method whose requirement some trajectory does not meet, with the m
 trajectories affected. `creditflow process` runs it before any work: it stops with one line per unmet method,
 or, with `--skip-unmet`, computes the other methods and records what it skipped in the round's summary.
 
-The step flags (one row per step; `step_flags` computes them from the round's steps columns in Arrow,
-`step_flags_sql` the same in DuckDB; only the ones the methods need, and no read at all when no method has a
-requirement): traj_id, role, n_tokens, and has_<column> per required column
+The step flags (one row per step; `step_flags` computes them from the round's steps columns in Arrow, only
+the ones the methods need, and no read at all when no method has a requirement): traj_id, role, n_tokens, and has_<column> per required column
 (has_verifier_score, has_values, has_logprobs).
 """
 
@@ -55,22 +54,16 @@ def grouped_lines(problems: list[Unmet]) -> list[str]:
 FLAG_OF = {"verifier_score": "has_verifier_score", "values": "has_values", "logprobs": "has_logprobs"}
 
 
-def step_flags_sql(round_: int, columns) -> str:
-    """DuckDB SQL of the step flags for these steps columns (see the module doc)."""
-    flags = "".join(f', "{c}" IS NOT NULL AS {FLAG_OF[c]}' for c in sorted(columns))
-    return (
-        f"SELECT traj_id, role, len(token_offsets) AS n_tokens{flags} FROM steps WHERE round = {int(round_)}"
-    )
-
-
 def steps_columns(columns) -> list[str]:
     """The steps columns `step_flags` reads for these required columns."""
     return ["traj_id", "role", "token_offsets", *sorted(columns)]
 
 
 def step_flags(steps, columns):
-    """The step flags of `step_flags_sql` from an Arrow table of the round's steps (`steps_columns(columns)`):
-    `len(token_offsets)` and `column IS NOT NULL` per column, whole-column (no DuckDB connection)."""
+    """The step flags from an Arrow table of the round's steps (`steps_columns(columns)`): `len(token_offsets)`
+    and `column IS NOT NULL` per column, whole-column. A required column the table lacks (an older lake whose
+    parts never held it) is null on every step, so its flag is false everywhere."""
+    import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -79,7 +72,9 @@ def step_flags(steps, columns):
         "role": steps.column("role"),
         "n_tokens": pc.list_value_length(steps.column("token_offsets")),
     }
-    flags.update({FLAG_OF[c]: pc.is_valid(steps.column(c)) for c in sorted(columns)})
+    for c in sorted(columns):
+        held = c in steps.column_names
+        flags[FLAG_OF[c]] = pc.is_valid(steps.column(c)) if held else pa.array(np.zeros(steps.num_rows, bool))
     return pa.table(flags)
 
 
