@@ -209,9 +209,12 @@ def _delta_floor(lake, round_: int, method: str, cols: list[str]) -> dict:
     from flows.batch import round_batches
 
     try:  # the lake's Parquet options for delta-rs (zstd, dictionaries for string columns only)
-        from warehouse.delta_lake import writer_properties
-    except ImportError:  # a baseline checkout from before them: delta-rs's defaults
-        writer_properties = None
+        from warehouse.delta_store import writer_properties
+    except ImportError:  # a checkout from before #35's split of warehouse/delta_lake.py
+        try:
+            from warehouse.delta_lake import writer_properties
+        except ImportError:  # a baseline checkout from before them: delta-rs's defaults
+            writer_properties = None
 
     def part(table: str, name: str, columns=None):
         ds = DeltaTable(lake.table_uri(table)).to_pyarrow_dataset()

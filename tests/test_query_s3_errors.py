@@ -12,7 +12,7 @@ from test_lake_s3 import bucket, s3_endpoint, s3_env  # noqa: F401 - the fixture
 from typer.testing import CliRunner
 
 from flows.cli import app
-from warehouse.delta_lake import describe_store_error
+from warehouse.delta_store import describe_store_error
 
 runner = CliRunner()
 

@@ -1,7 +1,7 @@
 """Small files a lake keeps beside its tables (the trackers' run ids), in the lake's own storage: the lake's
 folder for a local lake, the bucket for an object-store lake (`s3://`, `gs://`), so every machine that works
 on the lake sees the same file. (Side state that is per machine, such as round locks and caches, lives in the
-local state dir instead: `warehouse.delta_lake.state_dir`.)
+local state dir instead: `warehouse.delta_store.state_dir`.)
 
 A local write is atomic (temp file, rename); an object-store PUT replaces the object whole."""
 
@@ -21,7 +21,7 @@ def _storage(lake: Lake) -> tuple[pafs.FileSystem, str]:
     """The filesystem of the lake's storage and the lake's path in it."""
     if not getattr(lake, "remote", False):
         return pafs.LocalFileSystem(), str(lake.root)
-    from warehouse.delta_lake import storage_options
+    from warehouse.delta_store import storage_options
 
     url = urlparse(lake.uri)
     path = f"{url.netloc}{url.path}".rstrip("/")

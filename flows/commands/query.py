@@ -88,7 +88,7 @@ def register(app: typer.Typer) -> None:
             typer.secho(f"query failed: {exc}; raise --timeout to let it run longer", fg="red", err=True)
             raise typer.Exit(2) from exc
         except OSError as exc:  # object storage (delta-rs's "Generic S3 error"): what failed, in one line
-            from warehouse.delta_lake import describe_store_error
+            from warehouse.delta_store import describe_store_error
 
             typer.secho(f"query failed: {describe_store_error(str(lake), exc)}", fg="red", err=True)
             raise typer.Exit(1) from None
