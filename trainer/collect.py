@@ -249,17 +249,7 @@ def collect(
     t0 = time.perf_counter()
     episodes = start_episodes(s, round_, codec)
     env0 = episodes[0].env if episodes else None
-    client = None
-    if backend == "local":
-        generator: Any = LocalGenerator(model_dir, codec, s.device, s.threads)
-    elif backend == "vllm":
-        from trainer.llm.client import LLMClient, LLMSettings
-
-        ls = (llm_settings or LLMSettings()).model_copy(update={"cache": False})
-        client = LLMClient(ls)
-        generator = ServerGenerator(client)
-    else:
-        raise ValueError(f"unknown backend {backend!r}: vllm | local")
+    generator, client = _generator(backend, model_dir, codec, s, llm_settings)
     t_load = time.perf_counter() - t0
     gen_s = env_s = 0.0
     turn = 0
@@ -271,16 +261,7 @@ def collect(
         budgets = [min(s.max_new_tokens, s.max_context - len(e.context)) for e in active]
         t1 = time.perf_counter()
         if backend == "local":
-            gens: list[Generation] = []
-            for b in range(0, len(active), s.local_batch):
-                chunk = active[b : b + s.local_batch]
-                gens += generator.generate(
-                    [e.context for e in chunk],
-                    budgets[b : b + s.local_batch],
-                    s.temperature,
-                    s.top_p,
-                    _seed(s.seed, round_, turn, b),
-                )
+            gens = _local_turn(generator, active, budgets, s, round_, turn)
         else:
             assert env0 is not None  # `active` is not empty, so neither is `episodes`
             gens = generator.generate(
@@ -301,24 +282,66 @@ def collect(
     trajectories, steps = to_tables(
         episodes, s, round_, backend, policy_version=s.policy_version or Path(model_dir).name
     )
+    times = {"load_s": t_load, "generate_s": gen_s, "env_s": env_s, "seconds": time.perf_counter() - t0}
+    stats = _collect_stats(episodes, backend, turn, times)
+    calls = client.records_table() if client is not None else None
+    return CollectResult(trajectories, steps, stats, calls)
+
+
+def _generator(
+    backend: str, model_dir: str | Path, codec: Codec, s: CollectSettings, llm_settings
+) -> tuple[Any, Any]:
+    """The backend's generator, and the LLM client of the vllm backend (None for local)."""
+    if backend == "local":
+        return LocalGenerator(model_dir, codec, s.device, s.threads), None
+    if backend == "vllm":
+        from trainer.llm.client import LLMClient, LLMSettings
+
+        ls = (llm_settings or LLMSettings()).model_copy(update={"cache": False})
+        client = LLMClient(ls)
+        return ServerGenerator(client), client
+    raise ValueError(f"unknown backend {backend!r}: vllm | local")
+
+
+def _local_turn(
+    generator: LocalGenerator,
+    active: list[Episode],
+    budgets: list[int],
+    s: CollectSettings,
+    round_: int,
+    turn: int,
+) -> list[Generation]:
+    """One turn of the local backend: the active episodes in batches of `local_batch`, one seed per batch."""
+    gens: list[Generation] = []
+    for b in range(0, len(active), s.local_batch):
+        chunk = active[b : b + s.local_batch]
+        gens += generator.generate(
+            [e.context for e in chunk],
+            budgets[b : b + s.local_batch],
+            s.temperature,
+            s.top_p,
+            _seed(s.seed, round_, turn, b),
+        )
+    return gens
+
+
+def _collect_stats(episodes: list[Episode], backend: str, turns: int, times: dict[str, float]) -> dict:
+    """The collect's summary: episodes, groups, turns, generated tokens, the seconds per phase, the mean
+    reward, errors and truncations."""
     n_gen = int(sum(len(st["token_ids"]) for e in episodes for st in e.steps if st["role"] == "assistant"))
-    stats = {
+    gen_s = times["generate_s"]
+    return {
         "backend": backend,
         "episodes": len(episodes),
         "groups": len({e.group_id for e in episodes}),
-        "turns": turn,
+        "turns": turns,
         "generated_tokens": n_gen,
-        "load_s": round(t_load, 3),
-        "generate_s": round(gen_s, 3),
-        "env_s": round(env_s, 3),
-        "seconds": round(time.perf_counter() - t0, 3),
+        **{k: round(v, 3) for k, v in times.items()},
         "gen_tokens_per_s": round(n_gen / gen_s, 1) if gen_s > 0 else None,
         "mean_reward": float(np.mean([e.env.reward() for e in episodes])) if episodes else 0.0,
         "errors": int(sum(e.errors for e in episodes)),
         "truncated": int(sum(e.truncated for e in episodes)),
     }
-    calls = client.records_table() if client is not None else None
-    return CollectResult(trajectories, steps, stats, calls)
 
 
 def to_tables(
