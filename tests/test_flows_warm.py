@@ -165,6 +165,8 @@ def test_a_user_error_via_the_runner_is_one_line_and_its_status(runner, lake, tm
         f"round 7 has no trajectories in {lake} (rounds there: 0); "
         "`creditflow ingest` or `creditflow synth` writes one"
     ]
+    # (a project file edited while the test runs makes the runner stale: its log says so)
+    assert len(stats(tmp_path)) == 2, (tmp_path / "runner.log").read_text()
     started, finished = stats(tmp_path)
     assert finished["exit"] == 1 and finished["command_pid"] == started["started"] != done.args
     assert finished["command_cpu_s"] > 0
