@@ -138,65 +138,8 @@ def decode(raw: Any, n_tokens: int, trained: np.ndarray) -> tuple[dict, list[dic
     _need(isinstance(rec, dict) and rec.get("v") == VERSION, f"not a version-{VERSION} step record")
     traj, steps = rec.get("trajectory"), rec.get("steps")
     _need(isinstance(traj, dict) and isinstance(steps, list), "no trajectory / steps")
-    out = []
-    total = 0
-    for k, s in enumerate(steps):
-        w = f"steps[{k}]"
-        _need(isinstance(s, dict), f"{w} is not an object")
-        _need(s.get("role") in ROLES, f"{w}.role is not one of {sorted(ROLES)}")
-        n = s.get("n")
-        _need(isinstance(n, int) and not isinstance(n, bool) and n >= 0, f"{w}.n is not a token count")
-        _int_or_none(s.get("turn"), f"{w}.turn")
-        _need(isinstance(s.get("content"), str), f"{w}.content is not text")
-        _need(isinstance(s.get("is_error"), bool), f"{w}.is_error is not a boolean")
-        _need(s.get("tool_call_id") is None or isinstance(s["tool_call_id"], str), f"{w}.tool_call_id")
-        calls = s.get("tool_calls")
-        _need(
-            calls is None
-            or (
-                isinstance(calls, list)
-                and all(
-                    isinstance(c, dict) and all(c.get(f) is None or isinstance(c.get(f), str) for f in c)
-                    for c in calls
-                )
-            ),
-            f"{w}.tool_calls is not a list of {{id, name, arguments}} texts",
-        )
-        offsets = s.get("offsets")
-        _need(
-            isinstance(offsets, list)
-            and len(offsets) == n
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets),
-            f"{w}.offsets is not a list of {n} integers",
-        )
-        score = s.get("verifier_score")
-        _need(
-            score is None or (isinstance(score, (int, float)) and not isinstance(score, bool)), f"{w}.score"
-        )
-        _need(s.get("logprob_source") is None or isinstance(s["logprob_source"], str), f"{w}.logprob_source")
-        _need(isinstance(s.get("has_logprobs", False), bool), f"{w}.has_logprobs is not a boolean")
-        out.append(
-            {
-                "role": s["role"],
-                "turn": s.get("turn"),
-                "n": n,
-                "content": s["content"],
-                "is_error": s["is_error"],
-                "tool_call_id": s.get("tool_call_id"),
-                "tool_calls": [
-                    {"id": c.get("id"), "name": c.get("name"), "arguments": c.get("arguments")} for c in calls
-                ]
-                if calls is not None
-                else None,
-                "offsets": offsets,
-                "verifier_score": None if score is None else float(score),
-                "values": _floats(s.get("values"), n, f"{w}.values"),
-                "logprob_source": s.get("logprob_source"),
-                "logprobs": _floats(s.get("logprobs"), n, f"{w}.logprobs"),
-                "has_logprobs": bool(s.get("has_logprobs", False)),
-            }
-        )
-        total += n
+    out = [_step(s, f"steps[{k}]") for k, s in enumerate(steps)]
+    total = sum(s["n"] for s in out)
     _need(total >= n_tokens, f"its steps hold {total} tokens, the row more ({n_tokens})")
     cut = None
     if total > n_tokens:  # the export cut the response (verl's response_length): the steps up to the cut
@@ -206,10 +149,70 @@ def decode(raw: Any, n_tokens: int, trained: np.ndarray) -> tuple[dict, list[dic
         np.array_equal(want, np.asarray(trained, dtype=bool)),
         "its assistant steps are not the row's response_mask",
     )
+    fields = {**_trajectory_fields(traj), "cut": cut}
+    return fields, out
+
+
+def _step(s: Any, w: str) -> dict:
+    """One step of a record, checked (`w` names it in the error: `steps[k]`), as the step dict decode returns."""
+    _need(isinstance(s, dict), f"{w} is not an object")
+    _need(s.get("role") in ROLES, f"{w}.role is not one of {sorted(ROLES)}")
+    n = s.get("n")
+    _need(isinstance(n, int) and not isinstance(n, bool) and n >= 0, f"{w}.n is not a token count")
+    _int_or_none(s.get("turn"), f"{w}.turn")
+    _need(isinstance(s.get("content"), str), f"{w}.content is not text")
+    _need(isinstance(s.get("is_error"), bool), f"{w}.is_error is not a boolean")
+    _need(s.get("tool_call_id") is None or isinstance(s["tool_call_id"], str), f"{w}.tool_call_id")
+    calls = s.get("tool_calls")
+    _need(
+        calls is None
+        or (
+            isinstance(calls, list)
+            and all(
+                isinstance(c, dict) and all(c.get(f) is None or isinstance(c.get(f), str) for f in c)
+                for c in calls
+            )
+        ),
+        f"{w}.tool_calls is not a list of {{id, name, arguments}} texts",
+    )
+    offsets = s.get("offsets")
+    _need(
+        isinstance(offsets, list)
+        and len(offsets) == n
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets),
+        f"{w}.offsets is not a list of {n} integers",
+    )
+    score = s.get("verifier_score")
+    _need(score is None or (isinstance(score, (int, float)) and not isinstance(score, bool)), f"{w}.score")
+    _need(s.get("logprob_source") is None or isinstance(s["logprob_source"], str), f"{w}.logprob_source")
+    _need(isinstance(s.get("has_logprobs", False), bool), f"{w}.has_logprobs is not a boolean")
+    return {
+        "role": s["role"],
+        "turn": s.get("turn"),
+        "n": n,
+        "content": s["content"],
+        "is_error": s["is_error"],
+        "tool_call_id": s.get("tool_call_id"),
+        "tool_calls": [
+            {"id": c.get("id"), "name": c.get("name"), "arguments": c.get("arguments")} for c in calls
+        ]
+        if calls is not None
+        else None,
+        "offsets": offsets,
+        "verifier_score": None if score is None else float(score),
+        "values": _floats(s.get("values"), n, f"{w}.values"),
+        "logprob_source": s.get("logprob_source"),
+        "logprobs": _floats(s.get("logprobs"), n, f"{w}.logprobs"),
+        "has_logprobs": bool(s.get("has_logprobs", False)),
+    }
+
+
+def _trajectory_fields(traj: dict) -> dict:
+    """The record's trajectory fields, checked (reward finite or none; text fields text or none)."""
     reward = traj.get("reward")
     _need(reward is None or isinstance(reward, (int, float)) and not isinstance(reward, bool), "reward")
     _need(reward is None or math.isfinite(reward), "reward is not finite")
-    fields = {
+    return {
         "sample_idx": _int_or_none(traj.get("sample_idx"), "sample_idx"),
         "reward": None if reward is None else float(reward),
         "policy_version": traj.get("policy_version") if isinstance(traj.get("policy_version"), str) else None,
@@ -217,9 +220,7 @@ def decode(raw: Any, n_tokens: int, trained: np.ndarray) -> tuple[dict, list[dic
         "source": traj.get("source") if isinstance(traj.get("source"), str) else None,
         "meta": traj.get("meta") if isinstance(traj.get("meta"), str) else None,
         "reward_components": _components(traj.get("reward_components")),
-        "cut": cut,
     }
-    return fields, out
 
 
 def _cut(steps: list[dict], n_tokens: int) -> list[dict]:
