@@ -396,38 +396,15 @@ class LLMClient:
     ) -> Any:
         params = {k: v for k, v in params.items() if v is not None}
         model = await self.model_name()
-        rf_key = None
-        if response_format is not None:
-            name, schema, _ = response_format_parts(response_format)
-            rf_key = {"name": name, "schema": schema}
-        key = _hash(
-            {
-                "v": CACHE_VERSION,
-                "model": model,
-                "kind": kind,
-                "content": content,
-                "params": params,
-                "response_format": rf_key,
-                "extra": extra_body or {},
-            }
-        )
+        key = _request_key(model, kind, content, params, response_format, extra_body)
         t0 = time.perf_counter()
-        result_cls = ChatResult if kind == "chat" else CompletionResult
         if use_cache:
-            hit = self._cache_get(key)
-            if hit is not None:
-                res = result_cls.model_validate(hit["result"])
-                res = res.model_copy(update={"cached": True, "latency_s": time.perf_counter() - t0})
+            res = await self._answered(key, kind, t0)
+            if res is not None:
                 self._record(self._make_record(kind, purpose, res.endpoint, model, key, res, None, 0, params))
                 return res
         st = self._state()
         if use_cache:
-            sent = st.inflight.get(key)
-            if sent is not None:  # the same request is already on its way: share its answer
-                res = await asyncio.shield(sent)
-                res = res.model_copy(update={"cached": True})
-                self._record(self._make_record(kind, purpose, res.endpoint, model, key, res, None, 0, params))
-                return res
             fut = asyncio.get_running_loop().create_future()
             st.inflight[key] = fut
         try:
@@ -472,6 +449,20 @@ class LLMClient:
                 fut.set_result(res)
         self._record(self._make_record(kind, purpose, res.endpoint, model, key, res, None, attempts, params))
         return res
+
+    async def _answered(self, key: str, kind: str, t0: float) -> Any:
+        """The answer a request already has, marked cached: from the on-disk cache, or shared with the same
+        request on its way in this loop (its answer awaited); None: it must be sent."""
+        hit = self._cache_get(key)
+        if hit is not None:
+            result_cls = ChatResult if kind == "chat" else CompletionResult
+            res = result_cls.model_validate(hit["result"])
+            return res.model_copy(update={"cached": True, "latency_s": time.perf_counter() - t0})
+        sent = self._state().inflight.get(key)
+        if sent is not None:  # the same request is already on its way: share its answer
+            res = await asyncio.shield(sent)
+            return res.model_copy(update={"cached": True})
+        return None
 
     def _make_record(self, kind, purpose, endpoint, model, key, res, err, attempts, params, latency=None):
         return CallRecord(
@@ -744,6 +735,32 @@ class LLMClient:
             for c in res.choices:
                 c.parsed, c.parse_error = validate_output(c.text, schema, model_cls)
         return res
+
+
+def _request_key(
+    model: str,
+    kind: str,
+    content: dict[str, Any],
+    params: dict[str, Any],
+    response_format: Any,
+    extra_body: dict[str, Any] | None,
+) -> str:
+    """The cache key of a request: the model, the whole request, its sampling parameters and schema."""
+    rf_key = None
+    if response_format is not None:
+        name, schema, _ = response_format_parts(response_format)
+        rf_key = {"name": name, "schema": schema}
+    return _hash(
+        {
+            "v": CACHE_VERSION,
+            "model": model,
+            "kind": kind,
+            "content": content,
+            "params": params,
+            "response_format": rf_key,
+            "extra": extra_body or {},
+        }
+    )
 
 
 def _service_endpoints() -> list[str]:
