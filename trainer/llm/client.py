@@ -74,11 +74,10 @@ from pipeline.llm.types import (
     normalize_endpoint,
 )
 from trainer.llm.responses import (
+    as_llm_error,
     context_exceeded,
     parse_chat,
     parse_completion,
-    retry_after_s,
-    status_message,
 )
 from trainer.llm.structured import response_format_parts, schema_instruction, validate_output
 
@@ -638,6 +637,27 @@ class LLMClient:
             err.endpoint = endpoint
             raise err
 
+    def _structured_request(
+        self, req: dict[str, Any], response_format: Any, endpoint: str
+    ) -> tuple[Any, Any, Any]:
+        """(schema, model class, how the answer is structured) of a request's `response_format`; sets the
+        server's json_schema parameter in `req` where the endpoint does constrained decoding (`structured_output`;
+        an endpoint found without it is prompted instead: `structured` None here, "prompted" once sent)."""
+        if response_format is None:
+            return None, None, None
+        name, schema, model_cls = response_format_parts(response_format)
+        mode = self.settings.structured_output
+        if not (mode == "json_schema" or (mode == "auto" and endpoint not in self._no_json_schema)):
+            return schema, model_cls, None
+        if schema is None:
+            req["response_format"] = {"type": "json_object"}
+        else:
+            req["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": name[:64], "schema": schema},
+            }
+        return schema, model_cls, "json_schema"
+
     async def _call_once(
         self,
         st: _LoopState,
@@ -655,22 +675,8 @@ class LLMClient:
         body = dict(extra_body or {})
         if self.settings.vllm_extras:
             body.setdefault("return_token_ids", True)
-        schema = model_cls = None
-        structured = None
         req = dict(params)
-        if response_format is not None:
-            name, schema, model_cls = response_format_parts(response_format)
-            mode = self.settings.structured_output
-            use_server = mode == "json_schema" or (mode == "auto" and endpoint not in self._no_json_schema)
-            if use_server:
-                if schema is None:
-                    req["response_format"] = {"type": "json_object"}
-                else:
-                    req["response_format"] = {
-                        "type": "json_schema",
-                        "json_schema": {"name": name[:64], "schema": schema},
-                    }
-                structured = "json_schema"
+        schema, model_cls, structured = self._structured_request(req, response_format, endpoint)
         t0 = time.perf_counter()
         try:
             if kind == "chat":
@@ -710,23 +716,16 @@ class LLMClient:
                     model=model, prompt=content["prompt"], extra_body=body or None, **req
                 )
                 res = parse_completion(raw, echo=bool(params.get("echo")))
-        except openai.APITimeoutError as exc:
-            raise LLMError("timeout", f"no answer within {self.settings.timeout_s}s") from exc
-        except openai.APIConnectionError as exc:
-            raise LLMError("connection", str(exc) or type(exc).__name__) from exc
-        except openai.RateLimitError as exc:
-            err = LLMError("rate_limit", status_message(exc), status=exc.status_code)
-            err.retry_after = retry_after_s(exc)
-            raise err from exc
-        except openai.APIStatusError as exc:
-            too_long = context_exceeded(exc) if exc.status_code in (400, 413, 422) else None
-            if too_long is not None:  # a server without /tokenize refused the prompt as too long
-                too_long.status = exc.status_code
-                raise too_long from exc
-            kind_ = "server" if exc.status_code >= 500 else "client"
-            raise LLMError(kind_, status_message(exc), status=exc.status_code) from exc
-        except (openai.APIResponseValidationError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise LLMError("malformed", f"unreadable response: {type(exc).__name__}: {exc}") from exc
+        except (
+            openai.APIConnectionError,  # a timeout too
+            openai.APIStatusError,
+            openai.APIResponseValidationError,
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+        ) as exc:
+            raise as_llm_error(exc, self.settings.timeout_s) from exc
         res.latency_s = time.perf_counter() - t0
         res.endpoint = endpoint
         res.model = model

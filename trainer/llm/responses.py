@@ -173,3 +173,27 @@ def parse_completion(raw: Any, echo: bool) -> CompletionResult:
                 if res.prompt_token_ids is None and choices[0].token_ids and len(choices[0].token_ids) >= k:
                     res.prompt_token_ids = choices[0].token_ids[:k]
     return res
+
+
+def as_llm_error(exc: BaseException, timeout_s: float) -> LLMError:
+    """An error of one call (the openai client's, or an unreadable response) as the LLMError it means: timeout,
+    connection, rate_limit (with its Retry-After), too_long (a server's context refusal), server / client (the
+    status), malformed."""
+    import openai
+
+    if isinstance(exc, openai.APITimeoutError):
+        return LLMError("timeout", f"no answer within {timeout_s}s")
+    if isinstance(exc, openai.APIConnectionError):
+        return LLMError("connection", str(exc) or type(exc).__name__)
+    if isinstance(exc, openai.RateLimitError):
+        err = LLMError("rate_limit", status_message(exc), status=exc.status_code)
+        err.retry_after = retry_after_s(exc)
+        return err
+    if isinstance(exc, openai.APIStatusError):
+        too_long = context_exceeded(exc) if exc.status_code in (400, 413, 422) else None
+        if too_long is not None:  # a server without /tokenize refused the prompt as too long
+            too_long.status = exc.status_code
+            return too_long
+        kind = "server" if exc.status_code >= 500 else "client"
+        return LLMError(kind, status_message(exc), status=exc.status_code)
+    return LLMError("malformed", f"unreadable response: {type(exc).__name__}: {exc}")
