@@ -220,106 +220,130 @@ def annotate_trajectory(
     """One trajectory's steps (in step order) -> ({turn: (error_kind, u_dir)}, [edges]).
 
     An edge is (src_turn, dst_turn, type, info_unit, binding)."""
-    nodes: dict[int, list] = {}  # turn -> [error_kind, u_dir]
-    edges: dict[tuple[int, int, str], tuple[str, str]] = {}
-    system_values: set[str] = set()
-    # sources: (key, order, kind, values); key = ("action", turn) or ("user", step_idx)
-    sources: list[tuple[tuple, int, str, set[str]]] = []
-    call_info: dict[str, tuple[int, str, str]] = {}  # call id -> (turn, name, canonical args)
-    errored_calls: list[tuple[int, str, str]] = []
-    pending_errors: list[int] = []
-    last_action: int | None = None
-    last_calls: list[str] = []
-
-    def mark_error(turn: int, kind: str) -> None:
-        node = nodes.get(turn)
-        if node is not None and node[0] == "none":
-            node[0] = kind
-            pending_errors.append(turn)
-
-    def add_edge(i: int, j: int, typ: str, info: str, binding: str) -> None:
-        key = (i, j, typ)
-        if key not in edges and i < j:
-            edges[key] = (info[: s.max_info_chars], binding[: s.max_info_chars])
-
+    walk = _Walk(s)
     for order, row in enumerate(rows):
         role = row["role"]
         content = row["content"] or ""
         if role == "system":
-            system_values |= text_values(content, s)
-            continue
-        if role == "user":
-            if last_action is not None and s.rejections and _REJECTION.search(content):
-                mark_error(last_action, "rejection")
-            key = ("action", last_action) if last_action is not None else ("user", order)
-            sources.append((key, order, "user", observation_values(content, s)))
-            continue
-        if role == "tool":
-            call = call_info.get(row.get("tool_call_id") or "")
-            owner = call[0] if call else (row.get("turn") if row.get("turn") in nodes else last_action)
-            if owner is None:
-                continue
-            if row.get("is_error") or _ERROR_TEXT.match(content):
-                mark_error(owner, "tool")
-                if call is not None:
-                    errored_calls.append(call)
-                elif len(last_calls) == 1 and last_calls[0] in call_info:
-                    errored_calls.append(call_info[last_calls[0]])
-                continue
-            sources.append((("action", owner), order, "tool", observation_values(content, s)))
-            continue
-        if role != "assistant":
-            continue
+            walk.system_values |= text_values(content, s)
+        elif role == "user":
+            walk.user(order, content)
+        elif role == "tool":
+            walk.tool(order, row, content)
+        elif role == "assistant":
+            walk.assistant(row, content)
+    return {t: (k, u) for t, (k, u) in walk.nodes.items()}, [
+        (i, j, t, *walk.edges[(i, j, t)]) for (i, j, t) in sorted(walk.edges)
+    ]
+
+
+class _Walk:
+    """The state of one trajectory's walk in step order: its actions (nodes), edges, the values each source
+    offers, the tool calls made and those that failed, the errors still waiting for a recovery."""
+
+    def __init__(self, s: RulesAnnotatorSettings) -> None:
+        self.s = s
+        self.nodes: dict[int, list] = {}  # turn -> [error_kind, u_dir]
+        self.edges: dict[tuple[int, int, str], tuple[str, str]] = {}
+        self.system_values: set[str] = set()
+        # sources: (key, order, kind, values); key = ("action", turn) or ("user", step_idx)
+        self.sources: list[tuple[tuple, int, str, set[str]]] = []
+        self.call_info: dict[str, tuple[int, str, str]] = {}  # call id -> (turn, name, canonical args)
+        self.errored_calls: list[tuple[int, str, str]] = []
+        self.pending_errors: list[int] = []
+        self.last_action: int | None = None
+        self.last_calls: list[str] = []
+
+    def mark_error(self, turn: int, kind: str) -> None:
+        node = self.nodes.get(turn)
+        if node is not None and node[0] == "none":
+            node[0] = kind
+            self.pending_errors.append(turn)
+
+    def add_edge(self, i: int, j: int, typ: str, info: str, binding: str) -> None:
+        key = (i, j, typ)
+        if key not in self.edges and i < j:
+            self.edges[key] = (info[: self.s.max_info_chars], binding[: self.s.max_info_chars])
+
+    def user(self, order: int, content: str) -> None:
+        """A user message: a rejection marks the action before it; its values are a source (the action
+        that elicited it, else the message itself)."""
+        if self.last_action is not None and self.s.rejections and _REJECTION.search(content):
+            self.mark_error(self.last_action, "rejection")
+        key = ("action", self.last_action) if self.last_action is not None else ("user", order)
+        self.sources.append((key, order, "user", observation_values(content, self.s)))
+
+    def tool(self, order: int, row: dict, content: str) -> None:
+        """A tool result: an error marks the action that made the call (and remembers the failed call);
+        otherwise its values are a source of that action."""
+        call = self.call_info.get(row.get("tool_call_id") or "")
+        owner = call[0] if call else (row.get("turn") if row.get("turn") in self.nodes else self.last_action)
+        if owner is None:
+            return
+        if row.get("is_error") or _ERROR_TEXT.match(content):
+            self.mark_error(owner, "tool")
+            if call is not None:
+                self.errored_calls.append(call)
+            elif len(self.last_calls) == 1 and self.last_calls[0] in self.call_info:
+                self.errored_calls.append(self.call_info[self.last_calls[0]])
+            return
+        self.sources.append((("action", owner), order, "tool", observation_values(content, self.s)))
+
+    def assistant(self, row: dict, content: str) -> None:
+        """An action: recovery edges from the errors before it, the units its calls and text bind, covered by
+        the earlier sources."""
+        s = self.s
         turn = row.get("turn")
         if turn is None:
-            continue
+            return
         turn = int(turn)
-        nodes[turn] = ["none", 0]
+        self.nodes[turn] = ["none", 0]
         # failed use: the first action after an observable error falls back because of it
         if s.recovery_edges:
-            for i in pending_errors:
+            for i in self.pending_errors:
                 if i < turn:
-                    add_edge(i, turn, "failed_utilization", "error trace", "recovery")
-        pending_errors = [i for i in pending_errors if i >= turn]
-        # bound units
+                    self.add_edge(i, turn, "failed_utilization", "error trace", "recovery")
+        self.pending_errors = [i for i in self.pending_errors if i >= turn]
+        bound = self._call_units(turn, row.get("tool_calls") or [])
+        if row.get("is_error") and self.nodes[turn][0] == "none":
+            self.nodes[turn][0] = "schema"
+            self.pending_errors.append(turn)
+        if s.text_values:
+            for v in text_values(_strip_tool_calls(content), s):
+                bound.setdefault(v, "text")
+        for v in self.system_values:
+            bound.pop(v, None)
+        if bound and self.sources:
+            _cover(turn, bound, self.sources, self.nodes, self.add_edge)
+        self.last_action = turn
+
+    def _call_units(self, turn: int, calls: list[dict]) -> dict[str, str]:
+        """The units an action's tool calls bind (value -> `name.path`); arguments that are not JSON mark it a
+        schema error; a call repeating a failed one (same name and arguments) gets its failed-use edge."""
         bound: dict[str, str] = {}
-        calls = row.get("tool_calls") or []
-        last_calls = []
+        self.last_calls = []
         for n_call, call in enumerate(calls):
             name = call.get("name") or ""
             raw = call.get("arguments") or ""
             cid = call.get("id") or f"{turn}:{n_call}"
             canon = canonical_arguments(raw)
-            call_info[cid] = (turn, name, canon)
-            last_calls.append(cid)
+            self.call_info[cid] = (turn, name, canon)
+            self.last_calls.append(cid)
             try:
                 args = json.loads(raw) if raw.strip() else {}
             except ValueError:
-                nodes[turn][0] = "schema"
-                pending_errors.append(turn)
+                self.nodes[turn][0] = "schema"
+                self.pending_errors.append(turn)
                 args = None
             if args is not None:
                 for path, leaf in json_leaves(args):
-                    for v in _leaf_values(leaf, s):
+                    for v in _leaf_values(leaf, self.s):
                         bound.setdefault(v, f"{name}.{path}" if path else name)
-            if s.repeat_edges:
-                for i, n2, c2 in errored_calls:
+            if self.s.repeat_edges:
+                for i, n2, c2 in self.errored_calls:
                     if i < turn and n2 == name and c2 == canon:
-                        add_edge(i, turn, "failed_utilization", f"{name}({canon})", f"repeat {name}")
-        if row.get("is_error") and nodes[turn][0] == "none":
-            nodes[turn][0] = "schema"
-            pending_errors.append(turn)
-        if s.text_values:
-            for v in text_values(_strip_tool_calls(content), s):
-                bound.setdefault(v, "text")
-        for v in system_values:
-            bound.pop(v, None)
-        if bound and sources:
-            _cover(turn, bound, sources, nodes, add_edge)
-        last_action = turn
-    return {t: (k, u) for t, (k, u) in nodes.items()}, [
-        (i, j, t, *edges[(i, j, t)]) for (i, j, t) in sorted(edges)
-    ]
+                        self.add_edge(i, turn, "failed_utilization", f"{name}({canon})", f"repeat {name}")
+        return bound
 
 
 def _cover(turn: int, bound: dict[str, str], sources, nodes, add_edge) -> None:
