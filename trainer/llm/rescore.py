@@ -90,19 +90,60 @@ def rescore_steps(
     }
     if steps.num_rows == 0:
         return steps, stats
-    role = steps.column("role").to_pylist()
-    lp_col = steps.column("logprobs")
     need = np.asarray(pc.equal(steps.column("role"), "assistant").to_numpy(zero_copy_only=False), dtype=bool)
     if not force:
-        need &= np.asarray(pc.is_null(lp_col).to_numpy(zero_copy_only=False), dtype=bool)
+        need &= np.asarray(pc.is_null(steps.column("logprobs")).to_numpy(zero_copy_only=False), dtype=bool)
     if not need.any():
         return steps, stats
 
-    traj = steps.column("traj_id").to_pylist()
-    order = np.lexsort((steps.column("step_idx").to_numpy(), np.asarray(traj, dtype=object).astype(str)))
     content = steps.column("content").to_pylist()
     token_ids = steps.column("token_ids").to_pylist()
     offsets = steps.column("token_offsets").to_pylist()
+    jobs = _jobs(steps, need, tok, mode, settings, stats, content, token_ids)
+
+    from pipeline.llm.types import LLMError, LLMRequest
+
+    reqs = [
+        LLMRequest.complete(
+            j.prompt, echo=True, logprobs=0, max_tokens=1, temperature=0.0, purpose=settings.purpose
+        )
+        for j in jobs
+    ]
+    results = client.run_batch(reqs)
+    new_lp: dict[int, list[float]] = {}
+    model = None
+    for job, res in zip(jobs, results, strict=True):
+        if isinstance(res, LLMError):
+            stats["failed"] += len(job.rows)
+            continue
+        model = res.model or model
+        got = _job_logprobs(job, res, mode, content, offsets)
+        if got is None:
+            stats["failed"] += len(job.rows)
+            continue
+        new_lp.update(got)
+    if not new_lp:
+        return steps, stats
+    source = f"rescore:{model or client.settings.model or 'unknown'}"
+    return _with_logprobs(steps, new_lp, token_ids, source, stats), stats
+
+
+def _jobs(
+    steps: pa.Table,
+    need: np.ndarray,
+    tok,
+    mode: str,
+    settings: RescoreSettings,
+    stats: dict,
+    content,
+    token_ids,
+) -> list[_Job]:
+    """The requests of the trajectories with a step to rescore: one per trajectory (its steps in order), or,
+    where token ids exceed `max_context`, one per assistant step with its context cut on the left (a step
+    that alone does not fit is counted too long)."""
+    role = steps.column("role").to_pylist()
+    traj = steps.column("traj_id").to_pylist()
+    order = np.lexsort((steps.column("step_idx").to_numpy(), np.asarray(traj, dtype=object).astype(str)))
     header_cache: dict[str, list[int]] = {}
 
     def hdr_ids(r: str) -> list[int]:
@@ -143,54 +184,43 @@ def rescore_steps(
                         stats["failed"] += 1
                     else:
                         jobs.append(job)
+    return jobs
 
-    from pipeline.llm.types import LLMError, LLMRequest
 
-    reqs = [
-        LLMRequest.complete(
-            j.prompt, echo=True, logprobs=0, max_tokens=1, temperature=0.0, purpose=settings.purpose
-        )
-        for j in jobs
-    ]
-    results = client.run_batch(reqs)
-    new_lp: dict[int, list[float]] = {}
-    model = None
-    for job, res in zip(jobs, results, strict=True):
-        if isinstance(res, LLMError):
-            stats["failed"] += len(job.rows)
-            continue
-        model = res.model or model
-        ch = res.choices[0]
-        if mode == "ids":
-            n_prompt = len(job.prompt)
-            plp = (
-                res.prompt_logprobs
-                if res.prompt_logprobs is not None
-                else (ch.token_logprobs or [])[:n_prompt]
-            )
-            if len(plp) < n_prompt:
-                stats["failed"] += len(job.rows)
-                continue
-            for r, start, length in job.spans:
-                vals = plp[start : start + length]
-                new_lp[r] = [float("nan") if v is None else float(v) for v in vals]
-        else:
-            toks_lp = ch.token_logprobs or []
-            text_off = _text_offsets(ch)
-            if text_off is None:
-                stats["failed"] += len(job.rows)
-                continue
-            n_prompt = len(job.prompt)
-            lp_arr = np.array([np.nan if v is None else v for v in toks_lp], dtype=np.float64)
-            off_arr = np.asarray(text_off, dtype=np.int64)
-            keep = off_arr < n_prompt
-            lp_arr, off_arr = lp_arr[keep], off_arr[keep]
-            for r, char_start, _ in job.spans:
-                new_lp[r] = _sum_by_span(lp_arr, off_arr, char_start, list(offsets[r]), len(content[r]))
-    if not new_lp:
-        return steps, stats
-    source = f"rescore:{model or client.settings.model or 'unknown'}"
-    lp_list = lp_col.to_pylist()
+def _job_logprobs(job: _Job, res, mode: str, content, offsets) -> dict[int, list[float]] | None:
+    """The logprobs of a job's rescored steps from its echoed completion (ids: the prompt's token logprobs;
+    text: the server's tokens summed over each step's token spans); None: the answer cannot give them."""
+    ch = res.choices[0]
+    out: dict[int, list[float]] = {}
+    if mode == "ids":
+        n_prompt = len(job.prompt)
+        plp = res.prompt_logprobs if res.prompt_logprobs is not None else (ch.token_logprobs or [])[:n_prompt]
+        if len(plp) < n_prompt:
+            return None
+        for r, start, length in job.spans:
+            vals = plp[start : start + length]
+            out[r] = [float("nan") if v is None else float(v) for v in vals]
+        return out
+    toks_lp = ch.token_logprobs or []
+    text_off = _text_offsets(ch)
+    if text_off is None:
+        return None
+    n_prompt = len(job.prompt)
+    lp_arr = np.array([np.nan if v is None else v for v in toks_lp], dtype=np.float64)
+    off_arr = np.asarray(text_off, dtype=np.int64)
+    keep = off_arr < n_prompt
+    lp_arr, off_arr = lp_arr[keep], off_arr[keep]
+    for r, char_start, _ in job.spans:
+        out[r] = _sum_by_span(lp_arr, off_arr, char_start, list(offsets[r]), len(content[r]))
+    return out
+
+
+def _with_logprobs(
+    steps: pa.Table, new_lp: dict[int, list[float]], token_ids, source: str, stats: dict
+) -> pa.Table:
+    """`steps` with the rescored rows' logprobs and logprob_source set (a row whose count of logprobs is not
+    its count of tokens is counted failed and left as it was)."""
+    lp_list = steps.column("logprobs").to_pylist()
     src_list = steps.column("logprob_source").to_pylist()
     for r, vals in new_lp.items():
         if len(vals) != len(token_ids[r]):
@@ -204,12 +234,11 @@ def rescore_steps(
         steps.schema.field("logprobs"),
         pa.array(lp_list, steps.schema.field("logprobs").type),
     )
-    out = out.set_column(
+    return out.set_column(
         out.schema.get_field_index("logprob_source"),
         out.schema.field("logprob_source"),
         pa.array(src_list, out.schema.field("logprob_source").type),
     )
-    return out, stats
 
 
 def _build_job(rows, pieces, need, mode, upto, max_context: int | None = None) -> _Job | None:
