@@ -151,171 +151,186 @@ def train(
 ) -> pa.Table:
     """One policy update on the batch; saves the new checkpoint to out_dir; returns train_metrics rows."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     s = settings or TrainSettings()
     torch.manual_seed(s.seed)
-    device = torch.device(
-        "cuda" if (s.device == "auto" and torch.cuda.is_available()) or s.device == "cuda" else "cpu"
-    )
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     seqs, info = load_batch(batch_path, s.max_seq_len)
     if not seqs:
         raise ValueError(f"{batch_path}: empty batch")
-    # transformers types PreTrainedModel.to as functools.wraps(nn.Module.to) of its own (self, *args) method: a
-    # _Wrapped that mypy does not bind, so `device` reads as `self` (the same below and in collect.py)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype)
-    model = model.to(device)  # type: ignore[arg-type]
-    ref = None
-    if s.kl_coef > 0:
-        ref = (
-            AutoModelForCausalLM.from_pretrained(str(ref_model_dir or model_dir), torch_dtype=dtype)
-            .to(device)  # type: ignore[arg-type]  # PreTrainedModel.to's _Wrapped type (above)
-            .eval()
-        )
-    vhead = ValueHead(model.config.hidden_size, device, torch.float32) if s.value_head else None
-    if vhead is not None and any(q.returns is None for q in seqs):
-        raise ValueError("value_head needs a batch with `returns` (export a gae method)")
-    params = list(model.parameters()) + (list(vhead.linear.parameters()) if vhead else [])
-    optim = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
-
-    def forward(idx: list[int], with_grad: bool):
-        L = max(len(seqs[i].input_ids) for i in idx)
-        ids = torch.from_numpy(_pad([seqs[i].input_ids for i in idx], L, np.int64)).to(device)
-        attn = torch.from_numpy(_pad([np.ones_like(seqs[i].input_ids) for i in idx], L, np.int64)).to(device)
-        from trainer.losses import token_logprobs_and_entropy
-
-        ctx = torch.enable_grad() if with_grad else torch.no_grad()
-        with ctx:
-            out = model(input_ids=ids, attention_mask=attn, output_hidden_states=vhead is not None)
-            logp, ent = token_logprobs_and_entropy(out.logits, ids)
-            vpred = vhead(out.hidden_states[-1].float()) if vhead is not None else None
-        return ids, attn, L, logp, ent, vpred
-
-    # old logprobs: from the batch, or recomputed with the current weights before any update
-    recompute = [
-        i
-        for i, q in enumerate(seqs)
-        if s.old_logprobs == "recompute" or (s.old_logprobs == "auto" and not q.has_logprobs)
-    ]
-    model.eval()
-    for mb in pack_micro_batches([len(seqs[i].input_ids) for i in recompute], s.token_budget):
-        idx = [recompute[j] for j in mb]
-        _, _, _, logp, _, _ = forward(idx, with_grad=False)
-        for r, i in enumerate(idx):
-            seqs[i].old_logprobs = logp[r, : len(seqs[i].input_ids)].float().cpu().numpy()
-    model.train()
-
-    from trainer.losses import aggregate, kl_penalty, policy_loss, value_loss
-
+    run = _Update(s, seqs, model_dir, ref_model_dir)
+    run.recompute_old_logprobs()
     rng = np.random.default_rng(s.seed)
     rows = []
     step = 0
     for epoch in range(s.epochs):
         order = rng.permutation(len(seqs))
         for start in range(0, len(order), s.mini_batch_seqs):
-            t0 = time.perf_counter()
             mini = [int(i) for i in order[start : start + s.mini_batch_seqs]]
-            norm_tokens = float(max(sum(seqs[i].loss_mask.sum() for i in mini), 1.0))
-            norm_seqs = float(max(sum(1 for i in mini if seqs[i].loss_mask.any()), 1))
-            micro = pack_micro_batches([len(seqs[i].input_ids) for i in mini], s.token_budget)
-            optim.zero_grad(set_to_none=True)
-            agg = {"loss": 0.0, "pg": 0.0, "vf": 0.0, "kl": 0.0, "clip": 0.0, "akl": 0.0, "ent": 0.0}
-            for mb in micro:
-                idx = [mini[j] for j in mb]
-                ids, attn, L, logp, ent, vpred = forward(idx, with_grad=True)
-                mask = torch.from_numpy(_pad([seqs[i].loss_mask for i in idx], L, np.float32)).to(device)
-                old = torch.from_numpy(_pad([seqs[i].old_logprobs for i in idx], L, np.float32)).to(device)
-                adv = torch.from_numpy(_pad([seqs[i].advantages for i in idx], L, np.float32)).to(device)
-                pg, clip_frac, approx_kl = policy_loss(
-                    logp,
-                    old,
-                    adv,
-                    mask,
-                    s.clip_low,
-                    s.clip_high,
-                    s.dual_clip,
-                    s.loss_agg,
-                    norm_tokens,
-                    norm_seqs,
-                )
-                loss = pg
-                share = float(mask.sum().item()) / norm_tokens
-                if ref is not None:
-                    with torch.no_grad():
-                        from trainer.losses import token_logprobs_and_entropy
-
-                        ref_logp, _ = token_logprobs_and_entropy(
-                            ref(input_ids=ids, attention_mask=attn).logits, ids
-                        )
-                    kl = aggregate(
-                        kl_penalty(logp, ref_logp, s.kl_kind), mask, s.loss_agg, norm_tokens, norm_seqs
-                    )
-                    loss = loss + s.kl_coef * kl
-                    agg["kl"] += float(kl.item())
-                ent_m = aggregate(ent, mask, "token-mean", norm_tokens)
-                if s.entropy_coef:
-                    loss = loss - s.entropy_coef * ent_m
-                if vhead is not None:
-                    vals = torch.from_numpy(
-                        _pad(
-                            [v if (v := seqs[i].values) is not None else np.zeros(1) for i in idx],
-                            L,
-                            np.float32,
-                        )
-                    ).to(device)
-                    # every row has returns (checked where vhead is made): the filter only narrows the type
-                    rets_rows = [ret for i in idx if (ret := seqs[i].returns) is not None]
-                    rets = torch.from_numpy(_pad(rets_rows, L, np.float32)).to(device)
-                    vf = value_loss(vpred, vals, rets, mask, s.clip_value, s.loss_agg, norm_tokens, norm_seqs)
-                    loss = loss + s.vf_coef * vf
-                    agg["vf"] += float(vf.item())
-                loss.backward()
-                agg["loss"] += float(loss.item())
-                agg["pg"] += float(pg.item())
-                agg["clip"] += float(clip_frac.item()) * share
-                agg["akl"] += float(approx_kl.item()) * share
-                agg["ent"] += float(ent_m.item())
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
-            optim.step()
-            gn = float(grad_norm.item())
             rows.append(
                 {
                     "round": int(info["round"] or 0),
                     "method": info["method"],
                     "step": step,
                     "epoch": epoch,
-                    "micro_batches": len(micro),
-                    "sequences": len(mini),
-                    "tokens": int(norm_tokens),
-                    "loss": agg["loss"],
-                    "pg_loss": agg["pg"],
-                    "vf_loss": agg["vf"] if vhead is not None else None,
-                    "kl": agg["kl"] if ref is not None else None,
-                    "clip_frac": agg["clip"],
-                    "approx_kl": agg["akl"],
-                    "entropy": agg["ent"],
-                    "grad_norm": gn if math.isfinite(gn) else float("nan"),
-                    "lr": s.lr,
-                    "seconds": time.perf_counter() - t0,
+                    **run.mini_batch(mini),
                 }
             )
             step += 1
             if progress is not None:
                 progress(step)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
-    try:
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(out_dir))
-    except Exception:  # noqa: BLE001 - a model folder without a tokenizer is still a valid checkpoint
-        pass
-    if vhead is not None:
-        import torch as _t
-
-        _t.save(vhead.linear.state_dict(), out_dir / "value_head.pt")
+    run.save(Path(out_dir), model_dir)
     from schemas.train_metrics import SPEC
 
     return SPEC.conform(pa.Table.from_pylist(rows))
+
+
+class _Update:
+    """One policy update in progress: the policy (and the frozen reference for the KL term, the value head),
+    its optimizer, the batch's sequences and the device."""
+
+    def __init__(self, s: TrainSettings, seqs: list, model_dir: str | Path, ref_model_dir: str | Path | None):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.s, self.seqs, self.torch = s, seqs, torch
+        self.device = torch.device(
+            "cuda" if (s.device == "auto" and torch.cuda.is_available()) or s.device == "cuda" else "cpu"
+        )
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        # transformers types PreTrainedModel.to as functools.wraps(nn.Module.to) of its own (self, *args) method: a
+        # _Wrapped that mypy does not bind, so `device` reads as `self` (the same below and in collect.py)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype)
+        self.model = model.to(self.device)  # type: ignore[arg-type]
+        self.ref = None
+        if s.kl_coef > 0:
+            self.ref = (
+                AutoModelForCausalLM.from_pretrained(str(ref_model_dir or model_dir), torch_dtype=dtype)
+                .to(self.device)  # type: ignore[arg-type]  # PreTrainedModel.to's _Wrapped type (above)
+                .eval()
+            )
+        self.vhead = (
+            ValueHead(self.model.config.hidden_size, self.device, torch.float32) if s.value_head else None
+        )
+        if self.vhead is not None and any(q.returns is None for q in seqs):
+            raise ValueError("value_head needs a batch with `returns` (export a gae method)")
+        self.params = list(self.model.parameters()) + (
+            list(self.vhead.linear.parameters()) if self.vhead else []
+        )
+        self.optim = torch.optim.AdamW(self.params, lr=s.lr, weight_decay=s.weight_decay)
+
+    def _padded(self, arrays: list, L: int, dtype):
+        return self.torch.from_numpy(_pad(arrays, L, dtype)).to(self.device)
+
+    def forward(self, idx: list[int], with_grad: bool):
+        from trainer.losses import token_logprobs_and_entropy
+
+        seqs, torch = self.seqs, self.torch
+        L = max(len(seqs[i].input_ids) for i in idx)
+        ids = self._padded([seqs[i].input_ids for i in idx], L, np.int64)
+        attn = self._padded([np.ones_like(seqs[i].input_ids) for i in idx], L, np.int64)
+        ctx = torch.enable_grad() if with_grad else torch.no_grad()
+        with ctx:
+            out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=self.vhead is not None)
+            logp, ent = token_logprobs_and_entropy(out.logits, ids)
+            vpred = self.vhead(out.hidden_states[-1].float()) if self.vhead is not None else None
+        return ids, attn, L, logp, ent, vpred
+
+    def recompute_old_logprobs(self) -> None:
+        """Old logprobs: from the batch, or recomputed with the current weights before any update."""
+        s, seqs = self.s, self.seqs
+        recompute = [
+            i
+            for i, q in enumerate(seqs)
+            if s.old_logprobs == "recompute" or (s.old_logprobs == "auto" and not q.has_logprobs)
+        ]
+        self.model.eval()
+        for mb in pack_micro_batches([len(seqs[i].input_ids) for i in recompute], s.token_budget):
+            idx = [recompute[j] for j in mb]
+            _, _, _, logp, _, _ = self.forward(idx, with_grad=False)
+            for r, i in enumerate(idx):
+                seqs[i].old_logprobs = logp[r, : len(seqs[i].input_ids)].float().cpu().numpy()
+        self.model.train()
+
+    def mini_batch(self, mini: list[int]) -> dict:
+        """One optimizer step over a mini-batch (its micro-batches' gradients summed); its metrics row."""
+        s, seqs, torch = self.s, self.seqs, self.torch
+        t0 = time.perf_counter()
+        norm_tokens = float(max(sum(seqs[i].loss_mask.sum() for i in mini), 1.0))
+        norm_seqs = float(max(sum(1 for i in mini if seqs[i].loss_mask.any()), 1))
+        micro = pack_micro_batches([len(seqs[i].input_ids) for i in mini], s.token_budget)
+        self.optim.zero_grad(set_to_none=True)
+        agg = {"loss": 0.0, "pg": 0.0, "vf": 0.0, "kl": 0.0, "clip": 0.0, "akl": 0.0, "ent": 0.0}
+        for mb in micro:
+            self._micro_batch([mini[j] for j in mb], norm_tokens, norm_seqs, agg)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, s.grad_clip)
+        self.optim.step()
+        gn = float(grad_norm.item())
+        return {
+            "micro_batches": len(micro),
+            "sequences": len(mini),
+            "tokens": int(norm_tokens),
+            "loss": agg["loss"],
+            "pg_loss": agg["pg"],
+            "vf_loss": agg["vf"] if self.vhead is not None else None,
+            "kl": agg["kl"] if self.ref is not None else None,
+            "clip_frac": agg["clip"],
+            "approx_kl": agg["akl"],
+            "entropy": agg["ent"],
+            "grad_norm": gn if math.isfinite(gn) else float("nan"),
+            "lr": s.lr,
+            "seconds": time.perf_counter() - t0,
+        }
+
+    def _micro_batch(self, idx: list[int], norm_tokens: float, norm_seqs: float, agg: dict) -> None:
+        """The loss of one micro-batch (policy, KL to the reference, entropy, value), its gradient added."""
+        from trainer.losses import aggregate, kl_penalty, policy_loss, token_logprobs_and_entropy, value_loss
+
+        s, seqs, torch = self.s, self.seqs, self.torch
+        ids, attn, L, logp, ent, vpred = self.forward(idx, with_grad=True)
+        mask = self._padded([seqs[i].loss_mask for i in idx], L, np.float32)
+        old = self._padded([seqs[i].old_logprobs for i in idx], L, np.float32)
+        adv = self._padded([seqs[i].advantages for i in idx], L, np.float32)
+        pg, clip_frac, approx_kl = policy_loss(
+            logp, old, adv, mask, s.clip_low, s.clip_high, s.dual_clip, s.loss_agg, norm_tokens, norm_seqs
+        )
+        loss = pg
+        share = float(mask.sum().item()) / norm_tokens
+        if self.ref is not None:
+            with torch.no_grad():
+                ref_logp, _ = token_logprobs_and_entropy(
+                    self.ref(input_ids=ids, attention_mask=attn).logits, ids
+                )
+            kl = aggregate(kl_penalty(logp, ref_logp, s.kl_kind), mask, s.loss_agg, norm_tokens, norm_seqs)
+            loss = loss + s.kl_coef * kl
+            agg["kl"] += float(kl.item())
+        ent_m = aggregate(ent, mask, "token-mean", norm_tokens)
+        if s.entropy_coef:
+            loss = loss - s.entropy_coef * ent_m
+        if self.vhead is not None:
+            vals = self._padded(
+                [v if (v := seqs[i].values) is not None else np.zeros(1) for i in idx], L, np.float32
+            )
+            # every row has returns (checked where vhead is made): the filter only narrows the type
+            rets = self._padded([ret for i in idx if (ret := seqs[i].returns) is not None], L, np.float32)
+            vf = value_loss(vpred, vals, rets, mask, s.clip_value, s.loss_agg, norm_tokens, norm_seqs)
+            loss = loss + s.vf_coef * vf
+            agg["vf"] += float(vf.item())
+        loss.backward()
+        agg["loss"] += float(loss.item())
+        agg["pg"] += float(pg.item())
+        agg["clip"] += float(clip_frac.item()) * share
+        agg["akl"] += float(approx_kl.item()) * share
+        agg["ent"] += float(ent_m.item())
+
+    def save(self, out_dir: Path, model_dir: str | Path) -> None:
+        """The new checkpoint (the tokenizer copied where the model folder has one; the value head beside)."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(str(out_dir), safe_serialization=True)
+        try:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(out_dir))
+        except Exception:  # noqa: BLE001 - a model folder without a tokenizer is still a valid checkpoint
+            pass
+        if self.vhead is not None:
+            self.torch.save(self.vhead.linear.state_dict(), out_dir / "value_head.pt")
