@@ -51,17 +51,20 @@ def stage_io(config: Config) -> StageIO:
 # the statistics pass keeps what it read, keyed by the part's identity (Lake.part_stat: path, size, mtime), and
 # credit's read of the same part takes it from here (reading from disk only the columns the statistics pass did
 # not: turn, is_error, verifier_score); an entry is used once. A rewritten part has another identity: never
-# served. Bounded: an entry that would take the kept bytes past CREDITFLOW_READ_CACHE_MB (default 256; 0: off)
-# is not kept (that batch is read again).
+# served. Bounded: an entry that would take the kept bytes past CREDITFLOW_READ_CACHE_MB is not kept (that batch
+# is read again). Off by default (0): measured in a fresh process (bench/credit.py's engine worker, 128 groups,
+# load ~3), it saved the second read (0.28 -> 0.18 s for gae's 2 batches) but gae's compute ran slower beside the
+# kept tables (CPU 0.65-0.76 s with, 0.49-0.54 s without on hive; turn_ppo 0.26-0.32 s against 0.34-0.36 s;
+# gae on Delta 0.61-0.91 against 0.66-0.93): not the net gain that would justify holding a round's columns.
 READ_CACHE_ENV = "CREDITFLOW_READ_CACHE_MB"
 _kept: dict[tuple, tuple[pa.Table, bool]] = {}  # part identity -> (what was read, whether every column)
 
 
 def _cache_budget() -> int:
     try:
-        return int(float(os.environ.get(READ_CACHE_ENV, "256")) * 2**20)
+        return int(float(os.environ.get(READ_CACHE_ENV, "0")) * 2**20)
     except ValueError:
-        return 256 * 2**20
+        return 0
 
 
 def _part_key(lake: Lake, table: str, round_: int, batch: str) -> tuple:

@@ -208,6 +208,7 @@ def credit_round(lake: Lake, method: str) -> pa.Table:
 @pytest.mark.parametrize("fmt", ["delta", "parquet"])
 @pytest.mark.parametrize("method", ["gae", "turn_ppo", "gdpo"])
 def test_kept_reads_give_the_same_advantages(tmp_path, monkeypatch, fmt, method):
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "256")
     kept = synth_lake(tmp_path, monkeypatch, fmt, "kept")
     plain = synth_lake(tmp_path, monkeypatch, fmt, "plain")
     served: list[tuple[str, list[str] | None]] = []
@@ -239,6 +240,7 @@ def test_kept_reads_give_the_same_advantages(tmp_path, monkeypatch, fmt, method)
 
 
 def test_a_rewritten_part_is_never_served_from_the_kept_reads(tmp_path, monkeypatch):
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "256")
     lake = synth_lake(tmp_path, monkeypatch, "parquet", "lake")
     b = round_batches(lake, 0)[0]
     first = fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
@@ -254,6 +256,9 @@ def test_a_rewritten_part_is_never_served_from_the_kept_reads(tmp_path, monkeypa
 def test_the_kept_reads_are_bounded(tmp_path, monkeypatch):
     lake = synth_lake(tmp_path, monkeypatch, "parquet", "lake")
     b = round_batches(lake, 0)[0]
+    monkeypatch.delenv(fb.READ_CACHE_ENV, raising=False)
+    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
+    assert not fb._kept  # off by default
     monkeypatch.setenv(fb.READ_CACHE_ENV, "0")
     fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
     assert not fb._kept
@@ -274,6 +279,7 @@ def test_the_kept_reads_are_bounded(tmp_path, monkeypatch):
 
 
 def test_a_kept_column_subset_is_not_served_to_a_read_of_every_column(tmp_path, monkeypatch):
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "256")
     lake = synth_lake(tmp_path, monkeypatch, "parquet", "lake")
     b = round_batches(lake, 0)[0]
     fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
