@@ -449,7 +449,7 @@ class LLMClient:
         self._record(self._make_record(kind, purpose, res.endpoint, model, key, res, None, attempts, params))
         return res
 
-    async def _answered(self, key: str, kind: str, t0: float) -> Any:
+    async def _answered(self, key: str, kind: str, t0: float) -> ChatResult | CompletionResult | None:
         """The answer a request already has, marked cached: from the on-disk cache, or shared with the same
         request on its way in this loop (its answer awaited); None: it must be sent."""
         hit = self._cache_get(key)
@@ -639,7 +639,7 @@ class LLMClient:
 
     def _structured_request(
         self, req: dict[str, Any], response_format: Any, endpoint: str
-    ) -> tuple[Any, Any, Any]:
+    ) -> tuple[dict[str, Any] | None, Any, str | None]:
         """(schema, model class, how the answer is structured) of a request's `response_format`; sets the
         server's json_schema parameter in `req` where the endpoint does constrained decoding (`structured_output`;
         an endpoint found without it is prompted instead: `structured` None here, "prompted" once sent)."""
