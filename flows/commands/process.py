@@ -18,6 +18,16 @@ def register(app: typer.Typer) -> None:
     app.command("export")(export_cmd)
 
 
+def _flow_sets(no_cache: bool, allow_degraded: bool, wait: bool, wait_s: float | None) -> list[str]:
+    """process's flags as the `flow.*` settings they stand for (after the user's own --set)."""
+    sets = ["flow.cache=false"] if no_cache else []
+    if allow_degraded:
+        sets.append("flow.allow_degraded=true")
+    if wait or wait_s is not None:
+        sets.append(f"flow.lock_wait_s={'inf' if wait_s is None else wait_s}")
+    return sets
+
+
 def process_cmd(
     lake: str | None = typer.Option(None, "--lake", help="lake folder or file:// URL (config: lake)"),
     round_: int = typer.Option(..., "--round", help="round to process"),
@@ -80,15 +90,9 @@ def process_cmd(
     from flows.config import load_config
     from flows.run import run_process
 
-    if no_cache:
-        sets = [*sets, "flow.cache=false"]
-    if allow_degraded:
-        sets = [*sets, "flow.allow_degraded=true"]
-    if wait or wait_s is not None:
-        sets = [*sets, f"flow.lock_wait_s={'inf' if wait_s is None else wait_s}"]
     cfg = load_config(
         config,
-        sets,
+        [*sets, *_flow_sets(no_cache, allow_degraded, wait, wait_s)],
         lake=lake,
         methods=_methods(methods),
         annotator=annotator,
