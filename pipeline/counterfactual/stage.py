@@ -206,9 +206,6 @@ def _verify_alternatives(
 ) -> StageOutput:
     """The parser of the counterfactual requests' answers: each alternative re-verified (the verifiers run in
     the flow's parallel map), one row per (turn, alternative)."""
-    from pipeline.counterfactual.env import make_env, score_from_snapshot
-    from pipeline.verifiers import verify
-
     results, recs = reply.results, reply.records
     warnings: list[str] = []
     notes["llm_wall_s"] = reply.wall_s
@@ -223,86 +220,8 @@ def _verify_alternatives(
             f"{unfit} selected turns have a history longer than the context: not sent (hindsight)"
         )
 
-    # ---- verification ---------------------------------------------------------------------------------
-    def score_turn(job, res):
-        t, meta, _, prior = job
-        info = traj_info[t["traj_id"]]
-        base = {"round": round_, "traj_id": t["traj_id"], "turn": int(t["turn"]), "surprisal": t["xi"]}
-        if isinstance(res, LLMError) or not isinstance(getattr(res, "choices", None), list):
-            err = str(res)[:500]
-            return [
-                {
-                    **base,
-                    "alt_idx": m,
-                    "text": None,
-                    "score": None,
-                    "sampler": "llm",
-                    "verifier": None,
-                    "status": "sample_failed",
-                    "error": err,
-                }
-                for m in range(1, M + 1)
-            ]
-        sampler = f"{res.model}@{res.endpoint}"
-        texts = [c.text for c in res.choices[:M]]
-        rows = []
-        vrows: list[tuple[float | None, str | None, str, str | None]]
-        env_err: str | None
-        try:
-            env = make_env(meta)
-        except KeyError as exc:
-            env, env_err = None, str(exc)
-        else:
-            env_err = None
-        if env is not None:
-            try:
-                scores = score_from_snapshot(env, meta, prior, texts)
-                vrows = [(s, f"env:{env.name}", "ok", None) for s in scores]
-            except Exception as exc:  # noqa: BLE001 - recorded, the turn falls back to hindsight
-                vrows = [(None, f"env:{env.name}", "verify_failed", f"{type(exc).__name__}: {exc}")] * len(
-                    texts
-                )
-        elif env_err is not None:
-            vrows = [(None, None, "verify_failed", env_err)] * len(texts)
-        else:
-            vrows = []
-            for text in texts:
-                v = verify(text, info["action_format"], meta)
-                vrows.append(
-                    (
-                        v.score if v.ok else None,
-                        v.verifier,
-                        "ok" if v.ok else "verify_failed",
-                        v.error if not v.ok else (v.error[:500] if v.error else None),
-                    )
-                )
-        for m, (text, (score, vname, status, v_err)) in enumerate(zip(texts, vrows, strict=True), start=1):
-            rows.append(
-                {
-                    **base,
-                    "alt_idx": m,
-                    "text": text,
-                    "score": score,
-                    "sampler": sampler,
-                    "verifier": vname,
-                    "status": status,
-                    "error": v_err,
-                }
-            )
-        for m in range(len(texts) + 1, M + 1):  # the server returned fewer than M choices
-            rows.append(
-                {
-                    **base,
-                    "alt_idx": m,
-                    "text": None,
-                    "score": None,
-                    "sampler": sampler,
-                    "verifier": None,
-                    "status": "sample_failed",
-                    "error": f"only {len(texts)} choices",
-                }
-            )
-        return rows
+    def score_turn(job, res) -> list[dict]:
+        return _score_turn(job, res, traj_info, round_, M)
 
     t0 = time.perf_counter()
     per_turn = io.map(score_turn, jobs, results)  # the flow's parallel map (cs.verify_workers threads)
@@ -316,3 +235,75 @@ def _verify_alternatives(
     if failed_turns:
         warnings.append(f"{failed_turns} selected turns have no usable alternative (hindsight fallback)")
     return StageOutput({"counterfactuals": table}, notes, warnings)
+
+
+def _score_turn(job, res, traj_info: dict, round_: int, M: int) -> list[dict]:
+    """One selected turn's M alternatives as rows, each re-verified; a failed request, or fewer choices than M,
+    gives `sample_failed` rows."""
+    t, meta, _, prior = job
+    base = {"round": round_, "traj_id": t["traj_id"], "turn": int(t["turn"]), "surprisal": t["xi"]}
+    if isinstance(res, LLMError) or not isinstance(getattr(res, "choices", None), list):
+        err = str(res)[:500]
+        return [_alt_row(base, m, None, None, "llm", None, "sample_failed", err) for m in range(1, M + 1)]
+    sampler = f"{res.model}@{res.endpoint}"
+    texts = [c.text for c in res.choices[:M]]
+    vrows = _verified(texts, meta, prior, traj_info[t["traj_id"]]["action_format"])
+    rows = [
+        _alt_row(base, m, text, score, sampler, vname, status, v_err)
+        for m, (text, (score, vname, status, v_err)) in enumerate(zip(texts, vrows, strict=True), start=1)
+    ]
+    short = f"only {len(texts)} choices"  # the server returned fewer than M choices
+    return rows + [
+        _alt_row(base, m, None, None, sampler, None, "sample_failed", short)
+        for m in range(len(texts) + 1, M + 1)
+    ]
+
+
+def _verified(
+    texts: list[str], meta: dict, prior, action_format
+) -> list[tuple[float | None, str | None, str, str | None]]:
+    """(score, verifier, status, error) of each alternative: scored from the turn's env snapshot where the task
+    has an env (an env that cannot be made, or fails, fails them all), else by the action format's verifier."""
+    from pipeline.counterfactual.env import make_env, score_from_snapshot
+    from pipeline.verifiers import verify
+
+    env_err: str | None
+    try:
+        env = make_env(meta)
+    except KeyError as exc:
+        env, env_err = None, str(exc)
+    else:
+        env_err = None
+    if env is not None:
+        try:
+            scores = score_from_snapshot(env, meta, prior, texts)
+            return [(s, f"env:{env.name}", "ok", None) for s in scores]
+        except Exception as exc:  # noqa: BLE001 - recorded, the turn falls back to hindsight
+            return [(None, f"env:{env.name}", "verify_failed", f"{type(exc).__name__}: {exc}")] * len(texts)
+    if env_err is not None:
+        return [(None, None, "verify_failed", env_err)] * len(texts)
+    vrows: list[tuple[float | None, str | None, str, str | None]] = []
+    for text in texts:
+        v = verify(text, action_format, meta)
+        vrows.append(
+            (
+                v.score if v.ok else None,
+                v.verifier,
+                "ok" if v.ok else "verify_failed",
+                v.error if not v.ok else (v.error[:500] if v.error else None),
+            )
+        )
+    return vrows
+
+
+def _alt_row(base: dict, m: int, text, score, sampler, verifier, status: str, error) -> dict:
+    return {
+        **base,
+        "alt_idx": m,
+        "text": text,
+        "score": score,
+        "sampler": sampler,
+        "verifier": verifier,
+        "status": status,
+        "error": error,
+    }
