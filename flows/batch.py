@@ -53,9 +53,10 @@ def stage_io(config: Config) -> StageIO:
 # not: turn, is_error, verifier_score); an entry is used once. A rewritten part has another identity: never
 # served. Bounded: an entry that would take the kept bytes past CREDITFLOW_READ_CACHE_MB is not kept (that batch
 # is read again). Off by default (0): measured in a fresh process (bench/credit.py's engine worker, 128 groups,
-# load ~3), it saved the second read (0.28 -> 0.18 s for gae's 2 batches) but gae's compute ran slower beside the
-# kept tables (CPU 0.65-0.76 s with, 0.49-0.54 s without on hive; turn_ppo 0.26-0.32 s against 0.34-0.36 s;
-# gae on Delta 0.61-0.91 against 0.66-0.93): not the net gain that would justify holding a round's columns.
+# 2 batches, load 3-6) it saves the second read (0.28 -> 0.18 s for gae) but the engine's CPU on against off was
+# within the noise: gae hive 0.44 / 0.52 s against 0.50 / 0.55 (min / median of 6), in another set of 4 0.65-0.76
+# against 0.49-0.54; gae Delta 0.61-0.91 against 0.66-0.93; turn_ppo hive 0.26-0.32 against 0.34-0.36 (see
+# bench/results/credit.md): no clear gain for holding a round's columns in memory.
 READ_CACHE_ENV = "CREDITFLOW_READ_CACHE_MB"
 _kept: dict[tuple, tuple[pa.Table, bool]] = {}  # part identity -> (what was read, whether every column)
 
