@@ -65,8 +65,6 @@ def query_cmd(
 ) -> None:
     """Run SQL over the lake and print (or save) the result."""
     import duckdb
-    import pyarrow.csv as pacsv
-    import pyarrow.parquet as pq
 
     from flows.run import require_lake
     from warehouse.catalog import QueryTimeout, query
@@ -98,6 +96,14 @@ def query_cmd(
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         typer.secho(f"query failed: {first}", fg="red", err=True)
         raise typer.Exit(2) from exc
+    _write_result(result, fmt, out, limit)
+
+
+def _write_result(result, fmt: Format, out: Path | None, limit: int) -> None:
+    """The query's result as asked: a Parquet, CSV or JSON file (or CSV / JSON on stdout), else a table."""
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
     if fmt is Format.parquet:
         if out is None:
             typer.secho("--format parquet needs --out FILE", fg="red", err=True)
