@@ -82,6 +82,17 @@ def ingest_cmd(
     except (FileNotFoundError, PickleRefused) as exc:
         typer.secho(f"cannot read sources: {exc}", fg="red", err=True)
         raise typer.Exit(2) from None
+    print_kv(f"ingest {fmt}", _ingest_summary(fmt, run))
+    console.print(f"written: {run.lake} (trajectories, steps, quarantine; round={round_})", soft_wrap=True)
+    quarantined = run.result.quarantine.num_rows
+    if strict and quarantined:
+        console.print(f"[red]--strict: {quarantined} record(s) quarantined[/red]")
+        raise typer.Exit(1)
+
+
+def _ingest_summary(fmt: str, run) -> dict:
+    """What one ingest read and wrote, as the command prints it: records, trajectories, groups, steps, tool
+    errors, tokens, quarantined records by reason, parts written."""
     result, parts = run.result, run.parts
     steps = result.steps
     roles = steps.column("role").to_pylist()
@@ -106,8 +117,4 @@ def ingest_cmd(
     if result.stats.get("offsets_approximate"):
         summary["approximate token offsets"] = result.stats["offsets_approximate"]
     summary["parts written"] = len(parts)
-    print_kv(f"ingest {fmt}", summary)
-    console.print(f"written: {run.lake} (trajectories, steps, quarantine; round={round_})", soft_wrap=True)
-    if strict and result.quarantine.num_rows:
-        console.print(f"[red]--strict: {result.quarantine.num_rows} record(s) quarantined[/red]")
-        raise typer.Exit(1)
+    return summary
