@@ -150,10 +150,11 @@ def _root(
     _state["debug"] = debug or bool(os.environ.get("CREDITFLOW_DEBUG"))  # per invocation, not sticky
     setup_logging(log_level.lower())
     tune_allocator()
-    from flows import warm
+    from flows.warm import log_fallback
+    from flows.warm_command import refresh_prefect
 
-    warm.log_fallback()
-    warm.refresh_prefect()  # a command the warm runner forked: Prefect's settings and logging from its caller's
+    log_fallback()
+    refresh_prefect()  # a command the warm runner forked: Prefect's settings and logging from its caller's
 
 
 for _mod in sorted(m.name for m in pkgutil.iter_modules(_commands.__path__)):

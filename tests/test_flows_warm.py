@@ -1,4 +1,4 @@
-"""The warm runner (flows/warm.py): `creditflow process` forked from a process that imported Prefect once.
+"""The warm runner (flows/warm*.py): `creditflow process` forked from a process that imported Prefect once.
 
 The runner and the CLI run as real subprocesses. A stand-in server (a `sleep` recorded in prefect.json) keeps
 the runner alive where the command stops before any flow run (a missing round, a held round lock); the flow
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import warm
+from flows import warm, warm_runner, warm_wire
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def runner(tmp_path):
     )
     log = open(tmp_path / "runner.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.warm", str(server.pid), str(state)],
+        [sys.executable, "-m", "flows.warm_runner", str(server.pid), str(state)],
         cwd=ROOT,
         env=env,
         stdout=log,
@@ -133,16 +133,18 @@ def test_frozen_env_is_what_the_imports_read():
         "CREDITFLOW_DEBUG": "1",  # read per command
         "HOME": "h",
     }
-    assert warm.frozen_env(env) == {"PREFECT_API_URL": "u", "PYTHONPATH": "p", "CREDITFLOW_CACHE": "c"}
+    assert warm_wire.frozen_env(env) == {"PREFECT_API_URL": "u", "PYTHONPATH": "p", "CREDITFLOW_CACHE": "c"}
 
 
 def test_mismatch_names_what_differs():
-    req = {"root": str(warm.ROOT), "executable": sys.executable, "env": {"PREFECT_X": "1", "HOME": "a"}}
-    assert warm._mismatch(req, {"PREFECT_X": "1"}) is None
-    assert "PREFECT_X" in (warm._mismatch(req, {"PREFECT_X": "2"}) or "")
-    assert "PREFECT_Y" in (warm._mismatch(req, {"PREFECT_X": "1", "PREFECT_Y": "0"}) or "")
-    assert "checkout" in (warm._mismatch({**req, "root": "/elsewhere"}, {"PREFECT_X": "1"}) or "")
-    assert "interpreter" in (warm._mismatch({**req, "executable": "/x/python"}, {"PREFECT_X": "1"}) or "")
+    req = {"root": str(warm_wire.ROOT), "executable": sys.executable, "env": {"PREFECT_X": "1", "HOME": "a"}}
+    assert warm_runner._mismatch(req, {"PREFECT_X": "1"}) is None
+    assert "PREFECT_X" in (warm_runner._mismatch(req, {"PREFECT_X": "2"}) or "")
+    assert "PREFECT_Y" in (warm_runner._mismatch(req, {"PREFECT_X": "1", "PREFECT_Y": "0"}) or "")
+    assert "checkout" in (warm_runner._mismatch({**req, "root": "/elsewhere"}, {"PREFECT_X": "1"}) or "")
+    assert "interpreter" in (
+        warm_runner._mismatch({**req, "executable": "/x/python"}, {"PREFECT_X": "1"}) or ""
+    )
 
 
 def test_off_switches_run_in_process(tmp_path, monkeypatch):
@@ -152,7 +154,7 @@ def test_off_switches_run_in_process(tmp_path, monkeypatch):
         assert warm.run_via_runner(["creditflow", "process", "--round", "0"]) is None
         monkeypatch.delenv(key)
     assert warm.run_via_runner(["creditflow", "process", "--round", "0"]) is None  # no socket
-    assert warm.WHY["why"] == "no runner"
+    assert warm_wire.WHY["why"] == "no runner"
     assert warm.run_via_runner(["creditflow", "stats", "--round", "0"]) is None  # not a flow command
 
 
@@ -340,7 +342,7 @@ def test_a_runner_a_command_started_imports_after_that_command(tmp_path):
         json.dumps({"pid": server.pid, "url": "http://127.0.0.1:9/api", "log": "x", "started": 0})
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.warm", str(server.pid), str(state), str(launcher.pid)],
+        [sys.executable, "-m", "flows.warm_runner", str(server.pid), str(state), str(launcher.pid)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,

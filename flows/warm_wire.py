@@ -1,0 +1,86 @@
+"""The warm runner's shared wire protocol and state (flows/warm.py describes the runner): the settings a caller
+and the runner must agree on, the runner's private folder and socket, newline-delimited JSON messages, and the
+per-process records of how a command runs. Standard library only: the caller imports it before anything heavy."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+OFF_ENV = "CREDITFLOW_WARM_RUNNER"  # "0": never use a runner
+STATS_ENV = "CREDITFLOW_WARM_STATS"  # a file the caller appends one JSON line to per warm run (bench/)
+COMMANDS = ("process",)  # the commands that import Prefect for a flow run
+ROOT = Path(__file__).resolve().parents[1]  # the checkout whose modules the runner loaded
+# set by the CLI itself per invocation (flows.cli.setup_logging), refreshed in the forked command
+PER_COMMAND_ENV = ("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL",)
+# CREDITFLOW_* variables read when a module is imported (a fork keeps the runner's value)
+IMPORT_TIME_ENV = ("CREDITFLOW_CACHE", "CREDITFLOW_LOG_LEVEL")
+HEADER_LIMIT = 16 << 20
+
+# in a command forked by the runner: {"client_s": seconds its caller ran before the hand-over, "runner": pid}
+VIA: dict[str, float] = {}
+# in a command that runs in its own process: {"why": the reason no runner ran it}
+WHY: dict[str, str] = {}
+SERVING = {"on": False}  # this process is a runner (or forked from one): never connect to a runner
+
+
+def disabled(env: dict[str, str] | os._Environ) -> bool:
+    """Runners are off in this environment (the test suite, no shared API, or turned off)."""
+    return env.get("CREDITFLOW_NO_SERVER") == "1" or "0" in (
+        env.get("CREDITFLOW_SHARED_API"),
+        env.get(OFF_ENV),
+    )
+
+
+def runner_dir() -> Path:
+    """The runner's private folder beside the server's record (flows.server.state_path's folder); computed
+    here without importing flows.server (which imports httpx and the vLLM service module)."""
+    root = Path(os.environ.get("CREDITFLOW_CACHE", Path.home() / ".cache" / "creditflow"))
+    return root / "services" / "runner"
+
+
+def socket_path() -> Path:
+    return runner_dir() / "runner.sock"
+
+
+def frozen_env(env: dict[str, str] | os._Environ) -> dict[str, str]:
+    """The part of an environment the runner's imports froze: a caller whose part differs runs in-process."""
+    return {
+        k: v
+        for k, v in env.items()
+        if (k.startswith(("PREFECT_", "PYTHON")) and k not in PER_COMMAND_ENV) or k in IMPORT_TIME_ENV
+    }
+
+
+def private_dir(path: Path, create: bool) -> bool:
+    """The folder exists (created when asked), is this user's, and no one else may enter it."""
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
+        os.chmod(path, 0o700)
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and st.st_mode & 0o077 == 0
+
+
+def send(sock: socket.socket, msg: dict) -> None:
+    sock.sendall(json.dumps(msg).encode() + b"\n")
+
+
+class Lines:
+    """Newline-delimited JSON messages from a stream socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.buf = sock, b""
+
+    def next(self) -> dict | None:
+        while b"\n" not in self.buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
