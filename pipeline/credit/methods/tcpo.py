@@ -238,16 +238,37 @@ def tcpo_credit(
     turns = retro_hindsight_frame(turns, s.tau)
     r = turns["r"].to_numpy().astype(np.float64)
     k = turns["turn"].to_numpy().astype(np.int64)
+    retro = _retro_credit(turns, r, s)
+    hin = _hindsight_credit(turns, notes)
+    cf = _counterfactual_credit(batch, turns, r, s, variant, selection, notes)
+    c_del = hin["c_hin"] + cf["g_sel"] * cf["eta"] * (np.nan_to_num(cf["c_cf"]) - hin["c_hin"])  # Eq. 14
+    phi = _turn_signal(turns, r, retro["c_ret"], hin["c_hin"], c_del, s.mu, variant)
+    phi_norm, a_turn = _normalized_advantage(turns, k, phi, s, notes)
 
-    # -- retrospective credit (3.0.1) ---------------------------------------------------------------
+    per_turn = {"score": r, "a_hat": a_turn, "phi": phi, "phi_norm": phi_norm}
+    if variant in ("retro", "retro_hin", "full"):
+        per_turn |= retro
+    if variant in ("retro_hin", "full"):
+        per_turn |= hin | {"c_del": c_del if variant == "full" else hin["c_hin"]}
+    if variant == "full":
+        per_turn |= cf
+    return _broadcast(batch, turns, per_turn, notes)
+
+
+def _retro_credit(turns: pl.DataFrame, r: np.ndarray, s: TCPOSettings) -> dict[str, np.ndarray]:
+    """Retrospective credit (3.0.1): m_best, delta and c_ret per turn."""
     m_best = turns["m_best"].to_numpy()
     delta = turns["delta"].to_numpy()
     i_succ = (m_best >= s.tau).astype(np.float64)  # Eq. 3
     i_keep = i_succ * (delta == 0.0) * (r >= m_best)  # Eq. 4
     regression = i_succ * np.maximum(m_best - r, 0.0)
     c_ret = s.alpha_plus * delta + s.alpha_keep * i_keep - s.alpha_minus * regression  # Eq. 5
+    return {"m_best": m_best, "delta": delta, "c_ret": c_ret}
 
-    # -- hindsight delayed credit: leave-one-out mean over eligible same-prompt same-turn peers ---------
+
+def _hindsight_credit(turns: pl.DataFrame, notes: dict[str, float]) -> dict[str, np.ndarray]:
+    """Hindsight delayed credit: leave-one-out mean over eligible same-prompt same-turn peers (b_gate,
+    u_future, c_hin per turn); counts the gated turns without a peer in `notes`."""
     b_gate = turns["b_gate"].to_numpy()
     u_future = turns["u_future"].to_numpy()
     n_peers = turns["_n_b"].to_numpy() - b_gate  # eligible peers j != i
@@ -257,8 +278,20 @@ def tcpo_credit(
     )  # Eq. 8
     c_hin = np.where((b_gate > 0) & (n_peers > 0), u_future - np.nan_to_num(u_bar_peers), 0.0)  # Eq. 9
     notes["hindsight_no_peer"] = float(((b_gate > 0) & (n_peers == 0)).sum())
+    return {"b_gate": b_gate, "u_future": u_future, "c_hin": c_hin}
 
-    # -- counterfactual credit with the non-degeneracy gate ---------------------------------------------
+
+def _counterfactual_credit(
+    batch: CreditBatch,
+    turns: pl.DataFrame,
+    r: np.ndarray,
+    s: TCPOSettings,
+    variant: Variant,
+    selection: str | None,
+    notes: dict[str, float],
+) -> dict[str, np.ndarray]:
+    """Counterfactual credit with the non-degeneracy gate (surprisal, c_cf, g_sel, eta per turn): computed for
+    the full variant only (c_cf NaN, g_sel and eta 0 otherwise); its counts go to `notes`."""
     xi = turns["xi"].fill_null(np.nan).to_numpy().astype(np.float64)
     c_cf = np.full(len(r), np.nan)
     g_sel = np.zeros(len(r))
@@ -276,43 +309,43 @@ def tcpo_credit(
         notes["cf_missing_fallback"] = float(((g_sel > 0) & ~have_q).sum())
         notes["cf_degenerate"] = float(((g_sel > 0) & have_q & (eta == 0)).sum())
         notes["cf_used"] = float(eta.sum())
-    c_del = c_hin + g_sel * eta * (np.nan_to_num(c_cf) - c_hin)  # Eq. 14
+    return {"surprisal": xi, "c_cf": c_cf, "g_sel": g_sel, "eta": eta}
 
-    # -- the variant's raw turn signal phi --------------------------------------------------------------
+
+def _turn_signal(
+    turns: pl.DataFrame,
+    r: np.ndarray,
+    c_ret: np.ndarray,
+    c_hin: np.ndarray,
+    c_del: np.ndarray,
+    mu: float,
+    variant: Variant,
+) -> np.ndarray:
+    """The variant's raw turn signal phi."""
     if variant == "traj_reward":  # [INF] best-turn reward max_k r_{i,k} on every turn
-        phi = turns.select(pl.col("r").max().over("traj_index"))["r"].to_numpy()
-    elif variant == "turn_reward":
-        phi = r.copy()
-    elif variant == "delta_reward":  # r_{i,k} - r_{i,k-1}, r_{i,0} = 0
-        phi = r - turns.select(pl.col("r").shift(1).over("traj_index").fill_null(0.0))["r"].to_numpy()
-    elif variant == "retro":
-        phi = c_ret
-    elif variant == "retro_hin":
-        phi = c_ret + s.mu * c_hin
-    else:
-        phi = c_ret + s.mu * c_del  # Eq. 15
+        return turns.select(pl.col("r").max().over("traj_index"))["r"].to_numpy()
+    if variant == "turn_reward":
+        return r.copy()
+    if variant == "delta_reward":  # r_{i,k} - r_{i,k-1}, r_{i,0} = 0
+        return r - turns.select(pl.col("r").shift(1).over("traj_index").fill_null(0.0))["r"].to_numpy()
+    if variant == "retro":
+        return c_ret
+    if variant == "retro_hin":
+        return c_ret + mu * c_hin
+    return c_ret + mu * c_del  # Eq. 15
 
-    # -- Norm within (prompt, turn), early-turn prior, broadcast ----------------------------------------
+
+def _normalized_advantage(
+    turns: pl.DataFrame, k: np.ndarray, phi: np.ndarray, s: TCPOSettings, notes: dict[str, float]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Norm within (prompt, turn) and the early-turn prior: (phi_norm, a_hat) per turn."""
     key = turns["group_index"].to_numpy().astype(np.int64) * (int(k.max()) + 1) + k
     _, prompt_turn = np.unique(key, return_inverse=True)
     # Eq. 16: z-score within (prompt, turn), unbiased std; skipped below 2 members; constant gives exactly 0
     phi_norm = group_normalize(phi, prompt_turn.reshape(-1), eps=s.norm_eps, singleton="keep")
     notes["norm_skipped_turns"] = float((turns["n_peers_all"].to_numpy() < 2).sum())
     a_turn = s.gamma ** (k - 1).astype(np.float64) * phi_norm  # Eq. 17
-
-    per_turn = {"score": r, "a_hat": a_turn, "phi": phi, "phi_norm": phi_norm}
-    if variant in ("retro", "retro_hin", "full"):
-        per_turn |= {"m_best": m_best, "delta": delta, "c_ret": c_ret}
-    if variant in ("retro_hin", "full"):
-        per_turn |= {
-            "b_gate": b_gate,
-            "u_future": u_future,
-            "c_hin": c_hin,
-            "c_del": c_del if variant == "full" else c_hin,
-        }
-    if variant == "full":
-        per_turn |= {"surprisal": xi, "c_cf": c_cf, "g_sel": g_sel, "eta": eta}
-    return _broadcast(batch, turns, per_turn, notes)
+    return phi_norm, a_turn
 
 
 def _broadcast(
