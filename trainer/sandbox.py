@@ -304,26 +304,9 @@ def _relay(
     sel = selectors.DefaultSelector()
     outcome: Outcome | None = None
     try:
-        for cmd, payload, cwd in zip(cmds, payloads, cwds, strict=True):
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
-                cwd=cwd,
-                start_new_session=True,
-            )
-            side = _Side(proc, payload)
-            sides.append(side)
-            stdin, stdout, stderr = _pipes(proc)
-            for pipe in (stdin, stdout, stderr):
-                os.set_blocking(pipe.fileno(), False)
-            sel.register(stdout, selectors.EVENT_READ, (side, "out"))
-            sel.register(stderr, selectors.EVENT_READ, (side, "err"))
+        _start_sides(cmds, payloads, env, cwds, sel, sides)
         cand, ref = sides
-        hello = busy = False
-        queued: list[bytes] = []
+        proto = _Protocol()
         memory_at = 0.0
         while outcome is None:
             now = time.monotonic()
@@ -339,90 +322,20 @@ def _relay(
                         f"more than {limits.mem_bytes} bytes resident in one sandbox's processes",
                     )
                     break
-            if cand.gone(now) and (not hello or busy or queued):
+            if cand.gone(now) and (not proto.hello or proto.busy or proto.queued):
                 outcome = Outcome(None, "crash", cand.why())
                 break
             if ref.gone(now):
                 outcome = Outcome(None, "reference_error", f"the reference run ended early ({ref.why()})")
                 break
-            if hello and not busy and queued:
-                cand.send(queued.pop(0) + b"\n")
-                busy = True
-            for side in sides:  # a descriptor waits for writing only while there is something to write
-                stdin = _pipes(side.proc)[0]
-                registered = stdin in sel.get_map()
-                if side.pending and not registered:
-                    sel.register(stdin, selectors.EVENT_WRITE, (side, "in"))
-                elif not side.pending and registered:
-                    sel.unregister(stdin)
-            for key, _ in sel.select(timeout=min(0.05, max(0.0, deadline - now))):
-                side, kind = key.data
-                if kind == "in":
-                    if not side.pending:
-                        continue
-                    try:
-                        n = os.write(key.fd, side.pending[: 1 << 16])
-                    except (BrokenPipeError, OSError):
-                        n = len(side.pending)
-                    side.pending = side.pending[n:]
-                    continue
-                chunk = os.read(key.fd, 1 << 16)
-                if not chunk:
-                    sel.unregister(key.fileobj)
-                    if kind == "out":
-                        side.stdout_eof = True
-                    continue
-                side.total += len(chunk)
-                if kind == "out":
-                    side.out += chunk
-                elif len(side.err) < STDERR_KEEP:
-                    side.err += chunk[: STDERR_KEEP - len(side.err)]
-                if side.total > limits.output_bytes:
-                    outcome = Outcome(
-                        None, "output_limit", f"more than {limits.output_bytes} bytes of output"
-                    )
-                    break
-            if outcome is not None:
-                break
-            for line in cand.lines():
-                if not hello:
-                    try:
-                        first = json.loads(line)
-                    except (ValueError, RecursionError):
-                        first = None
-                    if not isinstance(first, dict) or "program_error" not in first:
-                        outcome = Outcome(None, "crash", "the candidate's process did not start its protocol")
-                    elif first["program_error"]:
-                        outcome = Outcome({"program_error": str(first["program_error"])[:500], "units": []})
-                    hello = True
-                elif busy:
-                    ref.send(line + b"\n")
-                    busy = False
-                else:
-                    outcome = Outcome(None, "crash", "the candidate's process wrote outside an answer")
-                if outcome is not None:
-                    break
-            if outcome is not None:
-                break
-            for line in ref.lines():
-                if not line.startswith(b'{"done": '):
-                    if hello and not busy and not queued:
-                        cand.send(line + b"\n")
-                        busy = True
-                    else:
-                        queued.append(line)
-                    continue
-                try:
-                    doc = json.loads(line)["done"]
-                except (ValueError, RecursionError, KeyError, TypeError):
-                    doc = None
-                if not isinstance(doc, dict):
-                    outcome = Outcome(None, "reference_error", "the reference run sent no document")
-                elif doc.get("program_error"):
-                    outcome = Outcome(None, "reference_error", str(doc["program_error"])[:500])
-                else:
-                    outcome = Outcome(doc)
-                break
+            if proto.hello and not proto.busy and proto.queued:
+                cand.send(proto.queued.pop(0) + b"\n")
+                proto.busy = True
+            outcome = _pump(sel, sides, deadline, now, limits)
+            if outcome is None:
+                outcome = _from_candidate(cand, ref, proto)
+            if outcome is None:
+                outcome = _from_reference(ref, cand, proto)
     finally:
         sel.close()
         for side in sides:
@@ -434,6 +347,125 @@ def _relay(
                 except OSError:
                     pass
     return outcome if outcome is not None else Outcome(None, "crash", "no outcome")
+
+
+class _Protocol:
+    """Where the relay stands: the candidate said hello, a call of the reference awaits its answer (busy), the
+    reference's calls not yet passed on (queued)."""
+
+    def __init__(self) -> None:
+        self.hello = False
+        self.busy = False
+        self.queued: list[bytes] = []
+
+
+def _start_sides(
+    cmds: list[list[str]], payloads: list[bytes], env: dict, cwds: list[str], sel, sides: list[_Side]
+) -> None:
+    """Start the candidate and the reference (each its own session), pipes non-blocking, their output watched;
+    each side is added to `sides` as soon as it runs, so the caller stops it whatever happens next."""
+    for cmd, payload, cwd in zip(cmds, payloads, cwds, strict=True):
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        side = _Side(proc, payload)
+        sides.append(side)
+        stdin, stdout, stderr = _pipes(proc)
+        for pipe in (stdin, stdout, stderr):
+            os.set_blocking(pipe.fileno(), False)
+        sel.register(stdout, selectors.EVENT_READ, (side, "out"))
+        sel.register(stderr, selectors.EVENT_READ, (side, "err"))
+
+
+def _pump(sel, sides: list[_Side], deadline: float, now: float, limits: SandboxSettings) -> Outcome | None:
+    """One round of I/O: what is pending goes to each side's stdin, what each wrote is read (stderr kept up to
+    STDERR_KEEP); an Outcome when a side wrote more than `output_bytes`."""
+    for side in sides:  # a descriptor waits for writing only while there is something to write
+        stdin = _pipes(side.proc)[0]
+        registered = stdin in sel.get_map()
+        if side.pending and not registered:
+            sel.register(stdin, selectors.EVENT_WRITE, (side, "in"))
+        elif not side.pending and registered:
+            sel.unregister(stdin)
+    for key, _ in sel.select(timeout=min(0.05, max(0.0, deadline - now))):
+        side, kind = key.data
+        if kind == "in":
+            if not side.pending:
+                continue
+            try:
+                n = os.write(key.fd, side.pending[: 1 << 16])
+            except (BrokenPipeError, OSError):
+                n = len(side.pending)
+            side.pending = side.pending[n:]
+            continue
+        chunk = os.read(key.fd, 1 << 16)
+        if not chunk:
+            sel.unregister(key.fileobj)
+            if kind == "out":
+                side.stdout_eof = True
+            continue
+        side.total += len(chunk)
+        if kind == "out":
+            side.out += chunk
+        elif len(side.err) < STDERR_KEEP:
+            side.err += chunk[: STDERR_KEEP - len(side.err)]
+        if side.total > limits.output_bytes:
+            return Outcome(None, "output_limit", f"more than {limits.output_bytes} bytes of output")
+    return None
+
+
+def _from_candidate(cand: _Side, ref: _Side, proto: _Protocol) -> Outcome | None:
+    """The candidate's lines: first its hello (a program error ends the run), then one answer per call of the
+    reference, passed on; anything else is a crash."""
+    for line in cand.lines():
+        outcome = None
+        if not proto.hello:
+            try:
+                first = json.loads(line)
+            except (ValueError, RecursionError):
+                first = None
+            if not isinstance(first, dict) or "program_error" not in first:
+                outcome = Outcome(None, "crash", "the candidate's process did not start its protocol")
+            elif first["program_error"]:
+                outcome = Outcome({"program_error": str(first["program_error"])[:500], "units": []})
+            proto.hello = True
+        elif proto.busy:
+            ref.send(line + b"\n")
+            proto.busy = False
+        else:
+            outcome = Outcome(None, "crash", "the candidate's process wrote outside an answer")
+        if outcome is not None:
+            return outcome
+    return None
+
+
+def _from_reference(ref: _Side, cand: _Side, proto: _Protocol) -> Outcome | None:
+    """The reference's lines: a call goes to the candidate (or waits its turn); `{"done": ...}` ends the run
+    with the reference's document."""
+    for line in ref.lines():
+        if not line.startswith(b'{"done": '):
+            if proto.hello and not proto.busy and not proto.queued:
+                cand.send(line + b"\n")
+                proto.busy = True
+            else:
+                proto.queued.append(line)
+            continue
+        try:
+            doc = json.loads(line)["done"]
+        except (ValueError, RecursionError, KeyError, TypeError):
+            doc = None
+        if not isinstance(doc, dict):
+            return Outcome(None, "reference_error", "the reference run sent no document")
+        if doc.get("program_error"):
+            return Outcome(None, "reference_error", str(doc["program_error"])[:500])
+        return Outcome(doc)
+    return None
 
 
 def _execute_checked(cand_job: dict, ref_job: dict, limits: SandboxSettings) -> Outcome:
