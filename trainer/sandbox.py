@@ -325,7 +325,7 @@ def _relay(
             if cand.gone(now) and (not proto.hello or proto.busy or proto.queued):
                 outcome = Outcome(None, "crash", cand.why())
                 break
-            if ref.gone(now):
+            if ref.gone(now) and proto.done is None:
                 outcome = Outcome(None, "reference_error", f"the reference run ended early ({ref.why()})")
                 break
             if proto.hello and not proto.busy and proto.queued:
@@ -336,6 +336,8 @@ def _relay(
                 outcome = _from_candidate(cand, ref, proto)
             if outcome is None:
                 outcome = _from_reference(ref, cand, proto)
+            if outcome is None and proto.hello and proto.done is not None:
+                outcome = _document(proto.done)
     finally:
         sel.close()
         for side in sides:
@@ -351,12 +353,18 @@ def _relay(
 
 class _Protocol:
     """Where the relay stands: the candidate said hello, a call of the reference awaits its answer (busy), the
-    reference's calls not yet passed on (queued)."""
+    reference's calls not yet passed on (queued), the reference's final line held until the hello (done).
+
+    The outcome never depends on which side is faster: no call reaches the candidate and no document of the
+    reference is accepted before the candidate's hello, and a program error in the hello always wins. (A
+    program that does not run defines nothing the reference can ask for, so the reference's tests fail on
+    their own, with NameError, and its document may come first.)"""
 
     def __init__(self) -> None:
         self.hello = False
         self.busy = False
         self.queued: list[bytes] = []
+        self.done: bytes | None = None
 
 
 def _start_sides(
@@ -447,8 +455,10 @@ def _from_candidate(cand: _Side, ref: _Side, proto: _Protocol) -> Outcome | None
 
 def _from_reference(ref: _Side, cand: _Side, proto: _Protocol) -> Outcome | None:
     """The reference's lines: a call goes to the candidate (or waits its turn); `{"done": ...}` ends the run
-    with the reference's document."""
+    with the reference's document, once the candidate has said hello (until then it is held, see _Protocol)."""
     for line in ref.lines():
+        if proto.done is not None:
+            return Outcome(None, "reference_error", "the reference run wrote after its document")
         if not line.startswith(b'{"done": '):
             if proto.hello and not proto.busy and not proto.queued:
                 cand.send(line + b"\n")
@@ -456,16 +466,24 @@ def _from_reference(ref: _Side, cand: _Side, proto: _Protocol) -> Outcome | None
             else:
                 proto.queued.append(line)
             continue
-        try:
-            doc = json.loads(line)["done"]
-        except (ValueError, RecursionError, KeyError, TypeError):
-            doc = None
-        if not isinstance(doc, dict):
-            return Outcome(None, "reference_error", "the reference run sent no document")
-        if doc.get("program_error"):
-            return Outcome(None, "reference_error", str(doc["program_error"])[:500])
-        return Outcome(doc)
+        if not proto.hello:
+            proto.done = line
+            continue
+        return _document(line)
     return None
+
+
+def _document(line: bytes) -> Outcome:
+    """The outcome of the reference's final line `{"done": document}`."""
+    try:
+        doc = json.loads(line)["done"]
+    except (ValueError, RecursionError, KeyError, TypeError):
+        doc = None
+    if not isinstance(doc, dict):
+        return Outcome(None, "reference_error", "the reference run sent no document")
+    if doc.get("program_error"):
+        return Outcome(None, "reference_error", str(doc["program_error"])[:500])
+    return Outcome(doc)
 
 
 def _execute_checked(cand_job: dict, ref_job: dict, limits: SandboxSettings) -> Outcome:
