@@ -172,3 +172,46 @@ def test_per_step_result_checks():
         _finish(batch, CreditResult(step_adv=np.zeros(3)))
     with pytest.raises(MethodError, match="no advantages"):
         _finish(batch, CreditResult())
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(0, 10_000),
+    st.sampled_from(["step", "mask", "token"]),
+    st.sampled_from(["step", "mask", "token"]),
+)
+def test_token_columns_of_any_two_layouts_are_their_float32_token_arrays(seed, adv_layout, ret_layout):
+    """token_adv and token_returns, built over one offsets array (in one scatter pass when they share a layout,
+    #36), are each the float64 per-token array cast to float32 and cut at the steps, whatever the two layouts."""
+    traj, steps = random_round(seed, max_groups=3, max_group_size=4, max_steps=6)
+    batch = CreditBatch.from_arrow(traj, steps)
+    rng = np.random.default_rng(seed)
+    n_mask = int(batch.tok_mask.sum())
+    asst = batch.steps["is_assistant"].to_numpy()
+
+    def layout(kind: str) -> tuple[dict, np.ndarray]:
+        if kind == "step":
+            v = np.where(asst, rng.normal(size=batch.n_steps), 0.0)
+            return {"step": v}, np.repeat(v, batch.step_tokens)
+        full = np.zeros(batch.n_tokens)
+        full[batch.tok_mask] = rng.normal(size=n_mask)
+        return ({"mask": full[batch.tok_mask]} if kind == "mask" else {"token": full}), full
+
+    adv, adv_full = layout(adv_layout)
+    ret, ret_full = layout(ret_layout)
+    result = CreditResult(
+        {},
+        {},
+        step_adv=adv.get("step"),
+        mask_adv=adv.get("mask"),
+        tok_adv=adv.get("token"),
+        step_returns=ret.get("step"),
+        mask_returns=ret.get("mask"),
+        tok_returns=ret.get("token"),
+    )
+    table = advantages_table(batch, "m", result)
+    offsets = batch.step_offsets
+    for name, full in (("token_adv", adv_full), ("token_returns", ret_full)):
+        want = [full[a:b].astype(np.float32).tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+        assert table.column(name).type == pa.list_(pa.float32())
+        assert table.column(name).to_pylist() == want
