@@ -71,3 +71,12 @@ def test_the_same_program_gives_the_same_result_every_run(name):
         assert len(first["errors"]) == 2 and all(
             "NameError" in e and "'add'" in e for e in first["errors"]
         ), first
+
+
+@needs_bwrap
+def test_a_program_that_hangs_at_import_times_out_even_when_the_tests_need_nothing_from_it():
+    """The reference's document waits for the hello: a program stuck at import is a timeout, not the
+    reference's NameErrors (which it was when the reference happened to finish first)."""
+    limits = DEFAULT_LIMITS.model_copy(update={"wall_s": 1.5, "cpu_s": 5})
+    out = run_tests("while True:\n    pass\n", tests=TESTS, limits=limits)
+    assert out == {"passed": 0, "total": 2, "errors": [], "timeout": True, "crash": None}
