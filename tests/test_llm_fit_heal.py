@@ -335,7 +335,7 @@ def test_restarts_are_bounded(llm_standin, tmp_path):
     )
     (res,) = client.run_batch([LLMRequest.chat([{"role": "user", "content": "q"}], max_tokens=4)])
     assert isinstance(res, LLMError) and res.kind == "server" and sup.generation == 0
-    assert not client._cache_get(res.request_hash)
+    assert not client._responses.get(res.request_hash)
 
 
 def _sleeper() -> subprocess.Popen:

@@ -78,3 +78,24 @@ def schema_instruction(schema: dict[str, Any] | None) -> str:
     return "Answer with one JSON object only, no other text, that satisfies this JSON schema:\n" + json.dumps(
         schema, sort_keys=True
     )
+
+
+def structured_request(
+    req: dict[str, Any], response_format: Any, constrained: bool
+) -> tuple[dict[str, Any] | None, Any, str | None]:
+    """(schema, model class, how the answer is structured) of a request's `response_format`; with `constrained`
+    (the endpoint does constrained decoding, as far as is known) sets the server's json_schema parameter in
+    `req` ("json_schema"), else the request is to be prompted instead (None here, "prompted" once sent)."""
+    if response_format is None:
+        return None, None, None
+    name, schema, model_cls = response_format_parts(response_format)
+    if not constrained:
+        return schema, model_cls, None
+    if schema is None:
+        req["response_format"] = {"type": "json_object"}
+    else:
+        req["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": name[:64], "schema": schema},
+        }
+    return schema, model_cls, "json_schema"
