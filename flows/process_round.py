@@ -13,6 +13,8 @@ warnings, and the flow run ends in the state `CompletedWithWarnings` instead of 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +44,30 @@ from warehouse.lake import Lake
 from warehouse.runlog import prune_stale_parts
 
 WARNING_STATE = "CompletedWithWarnings"
+
+
+def unjoined_heartbeats() -> None:
+    """A flow run's end no longer waits for its heartbeat thread. Prefect's sync flow engine starts a daemon
+    thread that sends the run's heartbeats (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, default 180 s: with a server up
+    it stays on) and sleeps in 1 s steps; at the run's end it sets the thread's stop event and joins it, which
+    waits for the current step: 0-1 s of every round's wall time (0.5 s on average; it was the largest wall
+    item of a new small round with a server up, issue 36). Prefect's async engine already leaves the thread
+    unjoined (`join_on_exit=False`); so does the sync one now. The heartbeats sent are the same: the thread
+    checks the stop event before each heartbeat and ends at its next step. Applied once per process, when
+    this module is imported (before any round's flow run); left alone on a Prefect without that parameter."""
+    import prefect.flow_engine as engine
+
+    send = engine._send_heartbeats
+    if getattr(send, "creditflow_unjoined", False):
+        return
+    if "join_on_exit" not in inspect.signature(send).parameters:
+        return
+    unjoined = functools.partial(send, join_on_exit=False)
+    unjoined.creditflow_unjoined = True  # type: ignore[attr-defined]
+    engine._send_heartbeats = unjoined
+
+
+unjoined_heartbeats()
 
 
 @task(task_run_name="{stage}-{batch}", persist_result=True, result_serializer="json")

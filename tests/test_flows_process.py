@@ -498,3 +498,55 @@ def test_settings_scope_builds_the_derived_settings_once(monkeypatch):
         with settings_scope({PREFECT_LOCAL_STORAGE_PATH: f"/tmp/creditflow-{i}"}):
             pass
     assert len(runners._scopes) == runners.SETTINGS_SCOPES_KEPT
+
+
+class _HeartbeatEngine:
+    """What prefect.flow_engine._send_heartbeats reads of a flow run engine: heartbeats on (30 s, Prefect's
+    minimum), a run with no state yet (the thread keeps beating), its heartbeats counted."""
+
+    heartbeat_seconds = 30
+    flow_run = None
+
+    def __init__(self) -> None:
+        import logging
+        import threading
+
+        self.logger = logging.getLogger("test.heartbeats")
+        self.sent = threading.Event()
+
+    def _build_heartbeat_event_template(self):
+        return {"prefect.resource.id": "prefect.flow-run.test"}, []
+
+    def _emit_flow_run_heartbeat(self, resource, related) -> None:
+        self.sent.set()
+
+
+def test_flow_run_end_does_not_wait_for_the_heartbeat_thread(monkeypatch):
+    """Importing the flow module makes the sync flow engine leave its heartbeat thread unjoined (as Prefect's
+    async engine does): a run's end no longer waits up to 1 s for the thread's sleep step. Heartbeats are still
+    sent, the thread ends at its next step, and Prefect's own function joins (the contrast: the patch is what
+    changed it)."""
+    import threading
+
+    import prefect.flow_engine as engine
+
+    import flows.process_round as process_round
+
+    send = engine._send_heartbeats
+    assert getattr(send, "creditflow_unjoined", False)
+    process_round.unjoined_heartbeats()  # once per process: a second call leaves it as it is
+    assert engine._send_heartbeats is send
+    joined: list[threading.Thread] = []
+    monkeypatch.setattr(threading.Thread, "join", lambda self, timeout=None: joined.append(self))
+    fake = _HeartbeatEngine()
+    before = set(threading.enumerate())
+    with engine._send_heartbeats(fake):  # type: ignore[arg-type]
+        assert fake.sent.wait(30)  # the first heartbeat is sent as the run starts
+        (thread,) = set(threading.enumerate()) - before
+    assert joined == []
+    with send.func(fake):  # type: ignore[attr-defined]  (Prefect's own: joins its thread)
+        pass
+    assert len(joined) == 1
+    monkeypatch.undo()
+    thread.join(5)  # the unjoined thread saw the stop event at its next 1 s step
+    assert not thread.is_alive()
