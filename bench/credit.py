@@ -473,7 +473,10 @@ def main() -> None:
     formats = [f for f in args.formats.split(",") if f]
     delta_dir = lake_dir.parent / f"{lake_dir.name}-delta"
     if "delta" in formats and not (delta_dir / "steps" / "_delta_log").exists():
-        from warehouse.delta_lake import migrate
+        try:
+            from warehouse.delta_migrate import migrate
+        except ImportError:  # a checkout from before #35's split of warehouse/delta_lake.py
+            from warehouse.delta_lake import migrate
 
         t0 = time.perf_counter()
         migrate(lake_dir, delta_dir)

@@ -19,7 +19,8 @@ pytest.importorskip("deltalake")
 
 from flows.cli import app  # noqa: E402
 from warehouse.catalog import connect, query  # noqa: E402
-from warehouse.delta_lake import DeltaLake, migrate  # noqa: E402
+from warehouse.delta_lake import DeltaLake  # noqa: E402
+from warehouse.delta_migrate import migrate  # noqa: E402
 from warehouse.lake import FORMAT_ENV, Lake, LakeError  # noqa: E402
 from warehouse.rounds import batch_names, read_batch, write_round  # noqa: E402
 

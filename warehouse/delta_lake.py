@@ -12,7 +12,10 @@ so two runs writing the same part both finish with the same result. On S3, commi
 
 The lake version is one token naming every table's Delta version (`trajectories=3,steps=3,advantages=12`);
 `read(..., as_of=...)` and `warehouse.catalog.connect(as_of=...)` read the lake as of such a token or an ISO
-timestamp. Credentials and endpoints: see `storage_options`."""
+timestamp. Credentials and endpoints: see `storage_options`.
+
+The class delegates its read side (versions, datasets, `read`) to `warehouse.delta_read` and the generations of
+a round's ingest to `warehouse.delta_generations`; `warehouse.delta_migrate` converts a hive lake to Delta."""
 
 from __future__ import annotations
 
@@ -25,7 +28,11 @@ from pathlib import Path, PurePosixPath
 
 import pyarrow as pa
 
+from warehouse import delta_generations, delta_read
 from warehouse.delta_store import (
+    EMPTY_PARTS,
+    PART,
+    arrow_table,
     describe_store_error,
     rust_panics_quiet,
     state_dir,
@@ -34,7 +41,6 @@ from warehouse.delta_store import (
 )
 from warehouse.lake import (
     BACKENDS,
-    FOLLOWERS,
     GEN_SEP,
     INGEST_TABLES,
     Lake,
@@ -47,25 +53,12 @@ from warehouse.lake import (
 )
 from warehouse.tempfiles import temp_token
 
-PART = "_part"
-EMPTY_PARTS = (
-    "_empty_parts"  # (tbl, round, part) of the parts written with no rows (Delta keeps no file for them)
-)
 PARTITION_BY = ["round", PART]
 COMMIT_RETRIES = 20
 
 
 _LOADED = threading.local()  # per thread: {lake URI: {table: DeltaTable kept up to date}} (`_open_tables`)
 KEPT_LAKES = 8  # lakes whose tables a thread keeps loaded (a test session opens hundreds)
-
-
-def _arrow(obj) -> pa.Table:
-    if isinstance(obj, pa.Table):
-        return obj
-    if hasattr(obj, "__arrow_c_stream__"):  # deltalake's arro3 tables: read through the C stream interface
-        # (pa.table() would first import pandas, 0.4 s, only to ask whether obj is a DataFrame)
-        return pa.RecordBatchReader.from_stream(obj).read_all()
-    return pa.table(obj)
 
 
 def _read_only_fs(path: Path) -> bool:
@@ -182,78 +175,11 @@ class DeltaLake(Lake):
         return t
 
     def _actions(self, table: str) -> pa.Table | None:
-        """The table's live files that a reader sees: all of them, but for the tables of a round's ingest only
-        those of the round's generation (`visible`), their `partition._part` the part's name without it."""
-        acts = self._raw_actions(table)
-        if acts is None or table not in INGEST_TABLES or acts.num_rows == 0:
-            return acts
-        gens = self.generations()
-        t = self._table(table)
-        key = (t.version(), tuple(sorted(gens.items())))
-        kept = getattr(t, "_creditflow_visible", None)
-        if kept is not None and kept[0] == key:
-            return kept[1]
-        keep, names = self._visible_names(
-            acts.column("partition.round").to_pylist(), acts.column(f"partition.{PART}").to_pylist(), gens
-        )
-        index = acts.schema.get_field_index(f"partition.{PART}")
-        out = acts.set_column(index, f"partition.{PART}", pa.array(names, pa.string())).filter(
-            pa.array(keep, pa.bool_())
-        )
-        t._creditflow_visible = (key, out)
-        return out
-
-    @staticmethod
-    def _visible_names(rounds: list, stored: list, gens: dict[int, str]) -> tuple[list[bool], list[str]]:
-        keep, names = [], []
-        for r, name in zip(rounds, stored, strict=True):
-            base, gen = split_generation(name)
-            keep.append(gen == gens.get(int(r), ""))
-            names.append(base)
-        return keep, names
+        return delta_generations.visible_actions(self, table)
 
     def generations(self, as_of=None) -> dict[int, str]:
-        """Round -> the generation of the round's ingest that readers see: the newest among the round's
-        `trajectories` parts (their data files and empty parts). A round's ingest writes its steps and
-        quarantine parts tagged with a new generation (invisible), then replaces the round's trajectories
-        with parts of that generation in one commit (the publish), then drops the older generations: a
-        kill or a full disk before the publish leaves the previous generation what every reader sees."""
-        if as_of is not None:
-            t = self.table_at("trajectories", as_of)
-            if t is None:
-                return {}
-            acts = _arrow(t.get_add_actions(flatten=True))
-            empty: list[tuple[int, str]] = []
-        else:
-            acts = self._raw_actions("trajectories")
-            if acts is None:
-                return {}
-            empty = self._raw_empty("trajectories")
-            t, side = self._table("trajectories"), self._table(EMPTY_PARTS)
-            key = (t.version(), side.version() if side is not None else -1)
-            kept = getattr(t, "_creditflow_gens", None)
-            if kept is not None and kept[0] == key:
-                return kept[1]
-            gens = self._generations(acts, empty)
-            t._creditflow_gens = (key, gens)
-            return gens
-        return self._generations(acts, empty)
-
-    @staticmethod
-    def _generations(acts: pa.Table | None, empty: list[tuple[int, str]]) -> dict[int, str]:
-        pairs: list[tuple[int, str]] = list(empty)
-        if acts is not None and acts.num_rows:
-            pairs += zip(
-                (int(r) for r in acts.column("partition.round").to_pylist()),
-                acts.column(f"partition.{PART}").to_pylist(),
-                strict=True,
-            )
-        gens: dict[int, str] = {}
-        for r, name in pairs:
-            gen = split_generation(name)[1]
-            if gen > gens.get(r, ""):
-                gens[r] = gen
-        return gens
+        """Round -> the generation of the round's ingest that readers see (`warehouse.delta_generations`)."""
+        return delta_generations.generations(self, as_of)
 
     def _raw_actions(self, table: str) -> pa.Table | None:
         """The table's live files (its log's add actions) at its latest version, as Arrow; kept with the loaded
@@ -265,7 +191,7 @@ class DeltaLake(Lake):
         kept = getattr(t, "_creditflow_actions", None)
         if kept is not None and kept[0] == version:
             return kept[1]
-        acts = _arrow(t.get_add_actions(flatten=True))
+        acts = arrow_table(t.get_add_actions(flatten=True))
         t._creditflow_actions = (version, acts)
         return acts
 
@@ -298,42 +224,11 @@ class DeltaLake(Lake):
     def version(self) -> str:
         return ",".join(f"{t}={v}" for t, v in sorted(self.tables().items()))
 
-    @staticmethod
-    def parse_version(token: str) -> dict[str, int] | dt.datetime:
-        """`table=v,...` (a token from `version()`) or an ISO timestamp."""
-        token = token.strip()
-        if "=" in token:
-            out = {}
-            for item in token.split(","):
-                name, _, v = item.partition("=")
-                try:
-                    out[name.strip()] = int(v)
-                except ValueError:
-                    raise LakeError(f"lake version {token!r}: {item!r} is not table=<int>") from None
-            return out
-        try:
-            when = dt.datetime.fromisoformat(token)
-        except ValueError:
-            raise LakeError(
-                f"lake version {token!r}: give a token from `export` (table=v,...) or an ISO timestamp"
-            ) from None
-        return when if when.tzinfo else when.replace(tzinfo=dt.UTC)
+    parse_version = staticmethod(delta_read.parse_version)
 
     def table_at(self, table: str, as_of: str | dict | dt.datetime | None):
         """The Delta table as of a lake version (None: absent then)."""
-        if as_of is None:
-            return self._table(table)
-        spec = self.parse_version(as_of) if isinstance(as_of, str) else as_of
-        if isinstance(spec, dict):
-            return self._table(table, spec[table]) if table in spec else None
-        t = self._table(table, fresh=True)
-        if t is None:
-            return None
-        try:
-            t.load_as_version(spec)
-        except Exception:  # noqa: BLE001 - created after that time
-            return None
-        return t
+        return delta_read.table_at(self, table, as_of)
 
     # ---- reads -----------------------------------------------------------------------------------
     def rounds(self, table: str) -> list[int]:
@@ -402,32 +297,10 @@ class DeltaLake(Lake):
         return safe_part_name(part) in self.part_names(table, round_)
 
     def part_stat(self, table: str, round_: int, part: str) -> tuple[str, int, int]:
-        """(id, bytes, newest file's modification time in ns) of a part from the Delta log (-1: absent)."""
-        name = safe_part_name(part)
-        ident = f"{self.table_uri(table)}/round={int(round_)}/part-{name}"
-        acts = self._actions(table)
-        if acts is None or acts.num_rows == 0:
-            return (f"{ident}:empty", 0, 0) if name in self._empty_names(table, round_) else (ident, -1, 0)
-        import pyarrow.compute as pc
-
-        mask = pc.and_(
-            pc.equal(acts.column("partition.round").cast(pa.int64()), int(round_)),
-            pc.equal(acts.column(f"partition.{PART}"), name),
-        )
-        mine = acts.filter(mask)
-        if mine.num_rows == 0:
-            return (f"{ident}:empty", 0, 0) if name in self._empty_names(table, round_) else (ident, -1, 0)
-        mtime = pc.max(mine.column("modification_time").cast(pa.int64())).as_py()
-        paths = ",".join(sorted(mine.column("path").to_pylist()))
-        return (f"{ident}:{paths}", int(pc.sum(mine.column("size_bytes")).as_py()), int(mtime) * 1_000_000)
+        return delta_read.part_stat(self, table, round_, part)
 
     def count_rows(self, table: str, round_: int) -> int:
-        acts = self._actions(table)
-        if acts is None or acts.num_rows == 0:
-            return 0
-        rounds = acts.column("partition.round").to_pylist()
-        counts = acts.column("num_records").to_pylist()
-        return sum(int(c or 0) for r, c in zip(rounds, counts, strict=True) if int(r) == int(round_))
+        return delta_read.count_rows(self, table, round_)
 
     def native_fs(self, table: str):
         """A local table's folder as Arrow's native file system. delta-rs's default is a Python file system
@@ -440,112 +313,10 @@ class DeltaLake(Lake):
         return pafs.SubTreeFileSystem(str(self.root / table), pafs.LocalFileSystem())
 
     def dataset(self, table: str, as_of=None):
-        """The table as a pyarrow dataset (None when absent): what DuckDB scans. A table of a round's ingest:
-        only the files of each round's visible generation (`generations`)."""
-        t = self.table_at(table, as_of)
-        if t is None:
-            return None
-        if self.remote:
-            ds = t.to_pyarrow_dataset()
-        else:  # Arrow's own file system, not delta-rs's Python one (`native_fs`)
-            ds = t.to_pyarrow_dataset(filesystem=self.native_fs(table))
-        if table not in INGEST_TABLES:
-            return ds
-        import pyarrow.dataset as pads
+        """The table as a pyarrow dataset of the visible generation (None when absent): what DuckDB scans."""
+        return delta_read.dataset(self, table, as_of)
 
-        gens = self.generations(as_of)
-        fragments = []
-        for fragment in ds.get_fragments():
-            keys = pads.get_partition_keys(fragment.partition_expression)
-            if split_generation(str(keys.get(PART, "")))[1] == gens.get(int(keys.get("round", -1)), ""):
-                fragments.append(fragment)
-        return pads.FileSystemDataset(fragments, ds.schema, ds.format, ds.filesystem)
-
-    def read(
-        self,
-        table_name: str,
-        round_: int | Iterable[int] | None = None,
-        columns: list[str] | None = None,
-        parts: list[Path] | None = None,
-        as_of=None,
-    ) -> pa.Table:
-        import pyarrow.dataset as pads
-
-        from schemas import TABLES
-
-        spec = TABLES.get(table_name)
-        if not self.remote and as_of is None and parts is not None and isinstance(round_, int):
-            fast = self._read_files(table_name, round_, [self.part_name(p) for p in parts], columns)
-            if fast is not None:
-                return spec.conform(fast) if spec is not None and columns is None else fast
-        ds = self.dataset(table_name, as_of)
-        if ds is None:
-            if spec is None:
-                return pa.table({})
-            empty = spec.empty()
-            return empty.select(columns) if columns else empty
-        flt = None
-        if round_ is not None:
-            rounds = [int(round_)] if isinstance(round_, int) else [int(r) for r in round_]
-            flt = pads.field("round").isin(pa.array(rounds, pa.int32()))
-        if parts is not None:
-            names = [self.part_name(p) for p in parts]
-            if (
-                table_name in INGEST_TABLES
-            ):  # stored with their generation (the dataset holds the visible one)
-                names = [tag_generation(n, g) for n in names for g in {"", *self.generations(as_of).values()}]
-            cond = pads.field(PART).isin(pa.array(names, pa.string()))
-            flt = cond if flt is None else flt & cond
-        file_cols = None
-        if columns is not None:
-            missing = [c for c in columns if c not in ds.schema.names]
-            if missing:
-                raise KeyError(
-                    f"table {table_name!r}: no column {', '.join(map(repr, missing))}; "
-                    f"columns: {', '.join(n for n in ds.schema.names if n != PART)}"
-                )
-            file_cols = list(columns)
-        out = ds.to_table(columns=file_cols, filter=flt)
-        if PART in out.column_names:
-            out = out.drop([PART])
-        if spec is not None:
-            if columns is None:
-                out = spec.conform(out)
-            else:
-                out = out.select(columns)
-        return out
-
-    def _read_files(self, table: str, round_: int, names: list[str], columns: list[str] | None):
-        """A local batch read without a dataset: the parts' data files from the Delta log, read one by one
-        like hive parts (a dataset scan costs ~2x more per batch). None: take the dataset path."""
-        from urllib.parse import unquote
-
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
-
-        acts = self._actions(table)
-        if acts is None or acts.num_rows == 0:
-            return None
-        mask = pc.and_(
-            pc.equal(acts.column("partition.round").cast(pa.int64()), int(round_)),
-            pc.is_in(acts.column(f"partition.{PART}"), value_set=pa.array(names, pa.string())),
-        )
-        paths = acts.filter(mask).column("path").to_pylist()
-        if not paths:
-            return None
-        file_cols = None if columns is None else [c for c in columns if c != "round"]
-        pieces = []
-        try:
-            for rel in sorted(paths):
-                with pq.ParquetFile(self.root / table / unquote(rel)) as pf:
-                    if file_cols is not None and not set(file_cols) <= set(pf.schema_arrow.names):
-                        return None  # an older part without a column: the dataset reads it as nulls
-                    t = pf.read(columns=file_cols)
-                pieces.append(t.append_column("round", pa.array([int(round_)] * t.num_rows, pa.int32())))
-        except (OSError, pa.ArrowInvalid):
-            return None
-        out = pa.concat_tables(pieces, promote_options="permissive")
-        return out if columns is None else out.select(columns)
+    read = delta_read.read  # Lake.read: a method of this class, defined there
 
     # ---- writes ----------------------------------------------------------------------------------
     def _frame(self, table_name: str, round_: int, part: str, table: pa.Table) -> pa.Table:
@@ -665,31 +436,8 @@ class DeltaLake(Lake):
         return self.partition_dir(table_name, round_)
 
     def drop_generations(self, round_: int, keep: str) -> None:
-        """Remove the follower tables' parts of the round stored with another generation than `keep` (left by
-        an earlier ingest of the round, or by one killed before its publish): no reader sees them."""
-        other = f"{PART} NOT LIKE '%{GEN_SEP}{keep}'" if keep else f"{PART} LIKE '%{GEN_SEP}%'"
-        for table_name in FOLLOWERS:
-            t = self._table(table_name)
-            acts = self._raw_actions(table_name)
-            if t is not None and acts is not None and acts.num_rows:
-                self.check_writable(table_name)
-                stale = [
-                    n
-                    for r, n in zip(
-                        acts.column("partition.round").to_pylist(),
-                        acts.column(f"partition.{PART}").to_pylist(),
-                        strict=True,
-                    )
-                    if int(r) == int(round_) and split_generation(n)[1] != keep
-                ]
-                if stale:
-                    with rust_panics_quiet():
-                        t.delete(f"round = {int(round_)} AND {other}")
-                    self.last_versions[table_name] = t.version()
-            if any(
-                r == int(round_) and split_generation(n)[1] != keep for r, n in self._raw_empty(table_name)
-            ):
-                self._set_empty(table_name, round_, [], f" AND {other.replace(PART, 'part')}")
+        """Remove the follower tables' parts of the round of other generations than `keep` (no reader sees them)."""
+        delta_generations.drop_generations(self, round_, keep)
 
     def delete_parts(self, table_name: str, round_: int, prefix: str = "") -> int:
         names = [n for n in self.part_names(table_name, round_) if n.startswith(prefix)]
@@ -720,40 +468,3 @@ class DeltaLake(Lake):
 
 
 BACKENDS["delta"] = DeltaLake
-
-
-def migrate(src: str | os.PathLike, dest: str | os.PathLike | None = None) -> dict[str, int]:
-    """Convert a hive-Parquet lake to Delta without re-ingesting: every (table, round, part) is written to
-    the Delta lake at `dest` (default: in place, table by table through a temporary folder, so a table is
-    either old or new). Returns rows per table. The side state (locks, caches, ledgers) stays."""
-    import shutil
-
-    from schemas import TABLES
-
-    old = Lake(src)
-    if old.format != "parquet":
-        raise LakeError(f"lake {src}: already {old.format}")
-    if not old.exists():
-        raise LakeError(f"no lake at {src} (no table folders there); check --lake")
-    in_place = dest is None
-    counts: dict[str, int] = {}
-    names = [t for t in TABLES if old.rounds(t)]
-    for table in names:
-        target_root = old.root / f".migrate-{temp_token()}" if dest is None else dest  # None: in place
-        new = DeltaLake(target_root)
-        n = 0
-        for r in old.rounds(table):
-            parts = {old.part_name(p): old.read(table, r, parts=[p]) for p in old.parts(table, r)}
-            new.replace_partition(table, r, parts)
-            n += sum(t.num_rows for t in parts.values())
-        counts[table] = n
-        if in_place:
-            backup = old.root / f".old-{temp_token()}-{table}"
-            os.replace(old.table_dir(table), backup)
-            os.replace(Path(target_root) / table, old.table_dir(table))
-            shutil.rmtree(backup, ignore_errors=True)
-            shutil.rmtree(target_root, ignore_errors=True)
-    marker = old.root if in_place else None
-    if marker is not None:
-        (marker / "_format").write_text("delta\n", encoding="utf-8")
-    return counts

@@ -19,6 +19,20 @@ import pyarrow as pa
 from warehouse.lake import write_options
 
 STATE_ENV = "CREDITFLOW_STATE_DIR"  # local folder for a remote lake's locks, caches and flow results
+PART = "_part"  # the partition column of a lake table's Delta table: the part's name (after `round`)
+EMPTY_PARTS = (
+    "_empty_parts"  # (tbl, round, part) of the parts written with no rows (Delta keeps no file for them)
+)
+
+
+def arrow_table(obj) -> pa.Table:
+    """A table delta-rs returns as an Arrow table."""
+    if isinstance(obj, pa.Table):
+        return obj
+    if hasattr(obj, "__arrow_c_stream__"):  # deltalake's arro3 tables: read through the C stream interface
+        # (pa.table() would first import pandas, 0.4 s, only to ask whether obj is a DataFrame)
+        return pa.RecordBatchReader.from_stream(obj).read_all()
+    return pa.table(obj)
 
 
 def storage_options(uri: str) -> dict[str, str]:

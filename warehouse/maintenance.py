@@ -40,7 +40,7 @@ class Removed:
 
 def _delta_tables(lake: DeltaLake) -> list[str]:
     from schemas import TABLES
-    from warehouse.delta_lake import EMPTY_PARTS
+    from warehouse.delta_store import EMPTY_PARTS
 
     return [t for t in (*TABLES, EMPTY_PARTS) if lake._table(t) is not None]
 
@@ -128,7 +128,7 @@ def compact(lake: Lake, dry_run: bool = False) -> list[Removed]:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from warehouse.delta_lake import PART
+    from warehouse.delta_store import PART
 
     delta = cast("DeltaLake", lake)  # a Delta lake (checked above)
     out = []

@@ -53,7 +53,7 @@ def migrate_cmd(
     the old or the new one at any time). Parts, rounds and rows are kept."""
     from flows.display import print_kv
     from flows.run import require_lake
-    from warehouse.delta_lake import migrate
+    from warehouse.delta_migrate import migrate
     from warehouse.lake import LakeError
 
     require_lake(lake)
