@@ -60,6 +60,7 @@ from flows.warm_wire import (
     runner_dir,
     send,
     socket_path,
+    unix_address,
 )
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,8 @@ def run_via_runner(argv: list[str]) -> int | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(2.0)
-        sock.connect(str(path))
+        with unix_address(path) as address:
+            sock.connect(address)
         client_s = _started_s()
         header = {
             "argv": list(argv),

@@ -18,7 +18,17 @@ import time
 from pathlib import Path
 
 from flows.warm_command import run_command
-from flows.warm_wire import HEADER_LIMIT, ROOT, SERVING, Lines, frozen_env, private_dir, runner_dir, send
+from flows.warm_wire import (
+    HEADER_LIMIT,
+    ROOT,
+    SERVING,
+    Lines,
+    frozen_env,
+    private_dir,
+    runner_dir,
+    send,
+    unix_address,
+)
 
 POLL_S = 2.0
 
@@ -176,7 +186,8 @@ def serve(server_pid: int, state: Path, after: int = 0) -> int:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))
+    with unix_address(path) as address:
+        listener.bind(address)
     listener.listen(16)
     listener.settimeout(POLL_S)
     print(

@@ -4,9 +4,11 @@ per-process records of how a command runs. Standard library only: the caller imp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 OFF_ENV = "CREDITFLOW_WARM_RUNNER"  # "0": never use a runner
@@ -43,6 +45,24 @@ def runner_dir() -> Path:
 
 def socket_path() -> Path:
     return runner_dir() / "runner.sock"
+
+
+SUN_PATH_MAX = 107  # sockaddr_un.sun_path: 108 bytes with the terminating NUL
+
+
+@contextlib.contextmanager
+def unix_address(path: Path) -> Iterator[str]:
+    """An address for the socket file `path` that fits sun_path: the path itself, or, where it is longer (a
+    deep HOME, CREDITFLOW_CACHE or TMPDIR), the same file reached through an O_PATH descriptor of its folder,
+    `/proc/self/fd/N/<name>` (Linux), closed when the bind or connect is done."""
+    if len(os.fsencode(str(path))) <= SUN_PATH_MAX:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
 
 
 def frozen_env(env: dict[str, str] | os._Environ) -> dict[str, str]:

@@ -362,3 +362,33 @@ def test_a_runner_a_command_started_imports_after_that_command(tmp_path):
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+def test_a_socket_path_longer_than_sun_path_still_binds_and_connects(tmp_path):
+    """A deep CREDITFLOW_CACHE / HOME / TMPDIR puts the runner's socket past sun_path's 108 bytes (a clean-clone
+    CI's pytest folders did): bind and connect go through the folder's O_PATH descriptor instead."""
+    import socket
+
+    from flows.warm_wire import SUN_PATH_MAX, unix_address
+
+    folder = tmp_path / ("d" * 60) / ("e" * 60)
+    folder.mkdir(parents=True)
+    path = folder / "runner.sock"
+    assert len(str(path)) > SUN_PATH_MAX
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as plain, pytest.raises(OSError):
+        plain.bind(str(path))  # what the runner did before
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with unix_address(path) as address:
+        listener.bind(address)
+    listener.listen(1)
+    assert path.exists()  # the socket file is where the runner's callers look for it
+    caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with unix_address(path) as address:
+        caller.connect(address)
+    conn, _ = listener.accept()
+    caller.sendall(b"hello")
+    assert conn.recv(5) == b"hello"
+    for s in (conn, caller, listener):
+        s.close()
+    with unix_address(Path("/run/cf/runner.sock")) as address:  # a path that fits is used as it is
+        assert address == "/run/cf/runner.sock"
