@@ -110,13 +110,19 @@ def _show_version(value: bool) -> None:
         raise typer.Exit()
 
 
+CONSOLE_LEVEL_ENV = "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"
+_CONSOLE_LEVEL_SET: dict[str, str] = {}  # the value setup_logging last put there itself
+
+
 def setup_logging(level: str) -> None:
     """The library's loggers at INFO (Prefect's API handler forwards them inside runs) with one terminal
     handler at `level`; Prefect's own terminal handler at `level` unless the environment set it."""
     numeric = getattr(logging, level.upper())
-    os.environ["PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"] = os.environ.get(
-        "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", level.upper()
-    )
+    # the user's own setting wins; one this function made for an earlier command of the same process (tests,
+    # a library caller) does not stick: it is what a subprocess started from here would otherwise inherit
+    current = os.environ.get(CONSOLE_LEVEL_ENV)
+    if current is None or current == _CONSOLE_LEVEL_SET.get(CONSOLE_LEVEL_ENV):
+        os.environ[CONSOLE_LEVEL_ENV] = _CONSOLE_LEVEL_SET[CONSOLE_LEVEL_ENV] = level.upper()
     handler = logging.StreamHandler(sys.stderr)
     handler.setLevel(numeric)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S"))

@@ -4,6 +4,7 @@ traceback with --debug); no command creates a lake it was not asked to create; C
 import csv
 import io
 import json
+import os
 
 import pyarrow as pa
 import pytest
@@ -170,3 +171,27 @@ def test_a_missing_tokenizer_is_named(capsys, tmp_path):
         missing,
     )
     assert code != 0 and str(missing) in _one_line(err)
+
+
+def test_a_console_level_the_cli_set_for_one_command_does_not_stick(monkeypatch):
+    """setup_logging puts the command's --log-level into PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL for Prefect; a
+    second command in the same process (a test worker, a library caller) gets its own level, and a subprocess
+    started after it inherits that, not the first command's. A level the user set stays theirs."""
+    import logging
+
+    import flows.cli as cli
+
+    monkeypatch.delenv(cli.CONSOLE_LEVEL_ENV, raising=False)
+    monkeypatch.setattr(cli, "_CONSOLE_LEVEL_SET", {})
+    for name in cli.PACKAGES:  # setup_logging adds a handler and sets levels: restore them after the test
+        logger = logging.getLogger(name)
+        monkeypatch.setattr(logger, "handlers", list(logger.handlers))
+        monkeypatch.setattr(logger, "level", logger.level)
+        monkeypatch.setattr(logger, "propagate", logger.propagate)
+    cli.setup_logging("warning")
+    assert os.environ[cli.CONSOLE_LEVEL_ENV] == "WARNING"
+    cli.setup_logging("info")
+    assert os.environ[cli.CONSOLE_LEVEL_ENV] == "INFO"
+    monkeypatch.setenv(cli.CONSOLE_LEVEL_ENV, "ERROR")  # the user's own
+    cli.setup_logging("debug")
+    assert os.environ[cli.CONSOLE_LEVEL_ENV] == "ERROR"

@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "CREDITFLOW_NO_SERVER")}
+    # what an earlier in-process command of this test worker set for itself is not the subprocess's to inherit
+    dropped = ("PREFECT_API_URL", "CREDITFLOW_NO_SERVER", "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(
         CREDITFLOW_CACHE=str(tmp_path / "cache"),
         CREDITFLOW_WARM_STATS=str(tmp_path / "warm.jsonl"),
