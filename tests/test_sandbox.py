@@ -9,10 +9,13 @@ given tests checked against LDB's own execution feedback, HumanEval check()) sco
 from __future__ import annotations
 
 import ast
+import contextlib
+import ctypes
 import json
 import os
 import random
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -60,18 +63,135 @@ def meta_with(tests):
     return {"verifier": "code_tests", "tests": tests}
 
 
-def nobody_processes() -> list[int]:
-    pids = []
+NOBODY = "65534"
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _process_table() -> dict[int, tuple[str, str, int]]:
+    """pid -> (uid, state, parent pid) of every process this /proc shows."""
+    table = {}
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
                 status = (p / "status").read_text()
             except OSError:
                 continue
-            uid = next((ln.split()[1] for ln in status.splitlines() if ln.startswith("Uid:")), None)
-            if uid == "65534":
-                pids.append(int(p.name))
-    return pids
+            fields = dict(ln.split(":", 1) for ln in status.splitlines() if ":" in ln)
+            try:
+                uid, state, ppid = fields["Uid"].split()[0], fields["State"].split()[0], int(fields["PPid"])
+            except (KeyError, IndexError, ValueError):
+                continue
+            table[int(p.name)] = (uid, state, ppid)
+    return table
+
+
+def nobody_processes(root: int | None = None) -> list[int]:
+    """The live (not zombie) uid-65534 processes that descend from `root` (this process by default), found by
+    walking each one's parent chain. The sandboxes of other processes (another xdist worker, another user of
+    the machine) are not counted. A sandbox process orphaned out of this process's tree reparents to init and
+    is missed, unless this process adopts orphans while the check runs: see the `reaper` fixture."""
+    root = os.getpid() if root is None else root
+    table = _process_table()
+
+    def descends(pid: int) -> bool:
+        # a parent chain is no longer than the table (this bounds a loop through a pid reused mid-scan)
+        for _ in range(len(table)):
+            pid = table[pid][2] if pid in table else 0
+            if pid == root:
+                return True
+            if pid <= 1:
+                return False
+        return False
+
+    return sorted(
+        pid for pid, (uid, state, _) in table.items() if uid == NOBODY and state != "Z" and descends(pid)
+    )
+
+
+def _subreaper(on: bool) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+@pytest.fixture
+def reaper():
+    """For one test this process adopts the orphans of its descendants (PR_SET_CHILD_SUBREAPER), so a sandbox
+    process that outlived its bwrap stays in this process's tree and nobody_processes() sees it. Afterwards the
+    uid-65534 processes left in the tree are killed and the adopted ones reaped (a failed check leaves none)."""
+    _subreaper(True)
+    try:
+        yield
+    finally:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            table = _process_table()
+            left = [pid for pid in nobody_processes() if pid in table]
+            adopted = [p for p, (uid, _, ppid) in table.items() if uid == NOBODY and ppid == os.getpid()]
+            if not left and not adopted:
+                break
+            for pid in left:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            for pid in adopted:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.02)
+        _subreaper(False)
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="starting a uid-65534 process needs root")
+
+
+def _nobody(script: str, **kw) -> subprocess.Popen:
+    """`sh -c script` as uid/gid 65534 (no supplementary groups), stdout piped."""
+    return subprocess.Popen(
+        ["sh", "-c", script],
+        user=65534,
+        group=65534,
+        extra_groups=[],
+        stdout=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+LONG_SLEEP = "sleep 30 </dev/null >/dev/null 2>&1 &"
+
+
+@needs_root
+def test_nobody_processes_sees_what_this_process_leaked(reaper):
+    """A uid-65534 child, grandchild and orphaned grandchild of this process count as leaked."""
+    child = _nobody("exec sleep 30")
+    parent = _nobody(LONG_SLEEP + " echo $!; wait")
+    grandchild = int(parent.stdout.readline())
+    orphaner = _nobody(LONG_SLEEP + " echo $!")
+    orphan = int(orphaner.communicate(timeout=10)[0])  # its shell exited: this process adopted the sleep
+    try:
+        assert _process_table()[orphan][2] == os.getpid()
+        assert {child.pid, parent.pid, grandchild, orphan} <= set(nobody_processes())
+        child.kill()
+        child.wait(timeout=5)
+        assert child.pid not in nobody_processes() and grandchild in nobody_processes()
+    finally:
+        for proc in (child, parent):
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@needs_root
+def test_nobody_processes_ignores_a_uid_65534_process_outside_this_process_tree():
+    """Another sandbox on the machine (another xdist worker's, another user's) is not this test's leak: a
+    uid-65534 process orphaned out of this process's tree (not a subreaper here) is running but not counted."""
+    orphaner = _nobody(LONG_SLEEP + " echo $!", start_new_session=True)
+    foreign = int(orphaner.communicate(timeout=10)[0])
+    try:
+        uid, state, ppid = _process_table()[foreign]
+        assert uid == NOBODY and state != "Z" and ppid not in (os.getpid(), orphaner.pid)
+        assert foreign not in nobody_processes()
+        assert foreign in nobody_processes(root=1)  # the whole machine's walk does find it
+    finally:
+        os.kill(foreign, signal.SIGKILL)
 
 
 # ---- the score is decided outside the sandbox ------------------------------------------------------------
@@ -484,7 +604,7 @@ def obs():
 
 @needs_bwrap
 @pytest.mark.parametrize("hang", [False, True])
-def test_wall_limit_holds_with_a_setsid_child_on_the_pipes(hang):
+def test_wall_limit_holds_with_a_setsid_child_on_the_pipes(hang, reaper):
     prog = (
         "import os, time, subprocess, sys\n"
         "if os.fork() == 0:\n"
@@ -507,7 +627,7 @@ def test_wall_limit_holds_with_a_setsid_child_on_the_pipes(hang):
 
 
 @needs_bwrap
-def test_fork_bomb_is_capped_and_cleaned_up():
+def test_fork_bomb_is_capped_and_cleaned_up(reaper):
     prog = (
         "import os\n"
         "n = 0\n"
@@ -626,7 +746,7 @@ def test_memory_limit():
 
 
 @needs_bwrap
-def test_memory_limit_holds_for_the_whole_sandbox():
+def test_memory_limit_holds_for_the_whole_sandbox(reaper):
     """Issue #33: RLIMIT_AS is per process; 5 children x 900 MB took 3.96 GB with mem_bytes = 1 GiB. The
     caller sums the resident memory of each sandbox's process tree and kills it past mem_bytes."""
     limits = FAST.model_copy(update={"mem_bytes": 256 << 20})
@@ -890,7 +1010,8 @@ def test_a_forged_colliding_answer_does_not_stall_anyone():
 
 
 # ---- the relay's outcome does not depend on which sandbox is faster (was tests/test_sandbox_protocol.py: in
-# this file so that under `--dist loadfile` its many sandboxes never run beside the nobody_processes() checks)
+# this file so that under `--dist loadfile` its many sandboxes never run beside the nobody_processes() checks,
+# which since count only this process's tree)
 # The two-sandbox relay's outcome does not depend on which sandbox is faster (trainer.sandbox._relay).
 #
 # A program that does not run (a syntax error, an exception at import) defines nothing the reference can ask
