@@ -51,19 +51,18 @@ def stage_io(config: Config) -> StageIO:
 # the statistics pass keeps what it read, keyed by the part's identity (Lake.part_stat: path, size, mtime), and
 # credit's read of the same part takes it from here (reading from disk only the columns the statistics pass did
 # not: turn, is_error, verifier_score); an entry is used once. A rewritten part has another identity: never
-# served. Bounded: an entry that would take the kept bytes past CREDITFLOW_READ_CACHE_MB is not kept (that batch
-# is read again). Off by default (0): measured in a fresh process (bench/credit.py's engine worker, 128 groups,
-# 2 batches, load 3-6) it saves the second read (0.28 -> 0.18 s for gae) but the engine's CPU on against off was
-# within the noise: gae hive 0.44 / 0.52 s against 0.50 / 0.55 (min / median of 6), in another set of 4 0.65-0.76
-# against 0.49-0.54; gae Delta 0.61-0.91 against 0.66-0.93; turn_ppo hive 0.26-0.32 against 0.34-0.36 (see
-# bench/results/credit.md): no clear gain for holding a round's columns in memory.
+# served. Bounded: an entry that would take the kept bytes past CREDITFLOW_READ_CACHE_MB (default 256; 0 turns
+# it off) is not kept (that batch is read again); a 64-group batch of 3.1M tokens keeps ~21 MB for gae. The
+# flow's tasks never keep (their statistics pass is its own task). Measured (bench/results/credit.md, #36
+# "kept reads on by default"): the second read of the steps was 70-240 ms of a 2-batch gae round's 0.40-0.71 s.
 READ_CACHE_ENV = "CREDITFLOW_READ_CACHE_MB"
+READ_CACHE_MB = 256  # the default bound
 _kept: dict[tuple, tuple[pa.Table, bool]] = {}  # part identity -> (what was read, whether every column)
 
 
 def _cache_budget() -> int:
     try:
-        return int(float(os.environ.get(READ_CACHE_ENV, "0")) * 2**20)
+        return int(float(os.environ.get(READ_CACHE_ENV, str(READ_CACHE_MB))) * 2**20)
     except ValueError:
         return 0
 
@@ -98,10 +97,10 @@ def _read(
     return out
 
 
-def _forget_kept(lake: Lake, round_: int) -> None:
-    """Drop the kept reads of the round (a statistics pass starting over: what it kept before is not used)."""
-    for key in [k for k in _kept if k[0] == lake.uri and k[2] == int(round_)]:
-        del _kept[key]
+def _forget_kept() -> None:
+    """Drop every kept read (a statistics pass starting: what an earlier one kept and no credit used is not
+    held on to)."""
+    _kept.clear()
 
 
 def _tokens(steps: pa.Table) -> int:
@@ -222,7 +221,7 @@ def round_statistics(lake: Lake, round_: int, config: Config, batches: list[str]
     if not statistics_methods(config):
         return {}
     batches = round_batches(lake, round_) if batches is None else batches
-    _forget_kept(lake, round_)
+    _forget_kept()
     parts = []
     for b in batches:
         part, source = current_statistics(lake, round_, b, config)

@@ -258,8 +258,12 @@ def test_the_kept_reads_are_bounded(tmp_path, monkeypatch):
     b = round_batches(lake, 0)[0]
     monkeypatch.delenv(fb.READ_CACHE_ENV, raising=False)
     fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
-    assert not fb._kept  # off by default
-    monkeypatch.setenv(fb.READ_CACHE_ENV, "0")
+    assert len(fb._kept) == 1  # on by default (READ_CACHE_MB)
+    fb._kept.clear()
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "0")  # off
+    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
+    assert not fb._kept
+    monkeypatch.setenv(fb.READ_CACHE_ENV, str(1 / 2**20))  # one byte: the batch does not fit, it is not kept
     fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
     assert not fb._kept
     monkeypatch.setenv(fb.READ_CACHE_ENV, "64")
