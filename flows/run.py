@@ -115,22 +115,14 @@ def check_preconditions(cfg: Config, lake, round_: int, skip_unmet: bool = False
 
 def round_step_flags(lake, round_: int, columns):
     """The round's step flags (pipeline.credit.preconditions): its steps columns read from the lake's parts
-    in Arrow, no DuckDB catalog of every table. A required column no part holds (an older lake) is left out of
-    the read, and `step_flags` reads it as null on every step."""
+    in Arrow, no DuckDB catalog of every table. A required column no part holds (an older lake), which the
+    parts' schemas tell (`Lake.columns`: footers or the Delta log, no column data), is left out of the read,
+    and `step_flags` reads it as null on every step."""
     from pipeline.credit.preconditions import step_flags, steps_columns
 
     parts = lake.parts("steps", round_)
-    try:
-        steps = lake.read("steps", round_, columns=steps_columns(columns), parts=parts)
-    except KeyError:  # which of the required columns are held: one read each, on this rare path only
-        held = set()
-        for c in columns:
-            try:
-                lake.read("steps", round_, columns=[c], parts=parts)
-                held.add(c)
-            except KeyError:
-                pass
-        steps = lake.read("steps", round_, columns=steps_columns(held), parts=parts)
+    held = set(lake.columns("steps", round_, parts))
+    steps = lake.read("steps", round_, columns=steps_columns(set(columns) & held), parts=parts)
     return step_flags(steps, columns)
 
 

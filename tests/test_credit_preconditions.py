@@ -196,6 +196,32 @@ def test_a_lake_whose_steps_never_held_the_column_reads_it_as_missing(tmp_path, 
     assert skipped == ["gae: need critic values (steps.values), missing on 500 of 500 trajectories"]
 
 
+def test_a_column_no_part_holds_is_never_read_to_find_out(tmp_path, real_data, monkeypatch):
+    """The older-lake check takes the parts' schemas (Lake.columns), not reads: one read of the steps, of
+    the held columns only (before: a read with `values` that failed, then one read per required column)."""
+    import pyarrow.parquet as pq
+
+    from flows.run import round_step_flags
+    from pipeline.ingest import ingest
+    from warehouse.lake import FORMAT_ENV, Lake
+    from warehouse.rounds import write_round
+
+    monkeypatch.setenv(FORMAT_ENV, "parquet")
+    path = next((real_data / "fireact_hotpotqa").glob("*.json"))
+    res = ingest("react", [(path.name, path.read_text())])
+    lake = Lake(tmp_path / "lake")
+    write_round(lake, 0, res.trajectories, res.steps)
+    for part in lake.parts("steps", 0):
+        pq.write_table(pq.read_table(part).drop_columns(["values"]), part)
+    reads = []
+    real_read = lake.read
+    monkeypatch.setattr(lake, "read", lambda *a, **k: reads.append(k.get("columns")) or real_read(*a, **k))
+    got = round_step_flags(lake, 0, {"values", "verifier_score"})
+    assert reads == [["traj_id", "role", "token_offsets", "verifier_score"]]
+    assert got.column_names == ["traj_id", "role", "n_tokens", "has_values", "has_verifier_score"]
+    assert not any(got.column("has_values").to_pylist()) and got.num_rows == res.steps.num_rows
+
+
 def test_cli_process_one_line_and_nonzero_exit(fireact_lake):
     from typer.testing import CliRunner
 

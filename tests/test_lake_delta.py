@@ -9,6 +9,8 @@ import pickle
 import shutil
 
 import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +20,7 @@ from typer.testing import CliRunner
 pytest.importorskip("deltalake")
 
 from flows.cli import app  # noqa: E402
+from schemas import TABLES  # noqa: E402
 from warehouse.catalog import connect, query  # noqa: E402
 from warehouse.delta_lake import DeltaLake  # noqa: E402
 from warehouse.delta_migrate import migrate  # noqa: E402
@@ -277,3 +280,28 @@ def test_delta_parts_are_written_with_the_hive_lakes_parquet_options(tmp_path):
     dictionary = {name for name, c in columns.items() if any("DICTIONARY" in e for e in c.encodings)}
     assert dictionary == {"traj_id"}, columns.keys()
     assert lake.read("experiments", 0).sort_by("traj_id").select(t.column_names).equals(t)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "delta"])
+def test_columns_are_what_read_accepts_from_the_schema_alone(tmp_path, fmt, monkeypatch):
+    """Lake.columns (the older-lake check of the preconditions) names exactly the columns `read` accepts for a
+    round: hive from the round's part footers (a column one part lacks is there, one no part of the round
+    holds is not), Delta from the table's schema (a column another round brought reads as nulls). No column
+    data is read: the footers and the log only (ParquetFile.read fails the test)."""
+    lake = _hive(tmp_path / "l") if fmt == "parquet" else DeltaLake(tmp_path / "l")
+    lake.write_part("extra", 0, pa.table({"x": [1, 2], "y": ["a", "b"]}), part="a")
+    lake.write_part("extra", 0, pa.table({"x": [3], "z": [1.5]}), part="b")
+    lake.write_part("extra", 1, pa.table({"x": [4], "w": [True]}), part="a")
+    want = {"parquet": ["x", "y", "z", "round"], "delta": ["x", "y", "z", "round", "w"]}[fmt]
+    assert lake.columns("extra", 0) == want
+    assert lake.columns("extra", 1) == (["x", "w", "round"] if fmt == "parquet" else want)
+    assert lake.columns("trajectories", 5) == list(TABLES["trajectories"].schema.names)  # no parts: its own
+    parts = lake.parts("extra", 0)
+    for c in ["x", "y", "z", "w", "round", "nope"]:
+        try:
+            got = lake.read("extra", 0, columns=[c], parts=parts)
+        except KeyError:
+            got = None
+        assert (got is not None) == (c in want), c
+    monkeypatch.setattr(pq.ParquetFile, "read", lambda *a, **k: pytest.fail("column data read"))
+    assert lake.columns("extra", 0, parts) == want

@@ -405,6 +405,20 @@ class Lake:
                     shutil.rmtree(p, ignore_errors=True)
 
     # ---- reads ---------------------------------------------------------------------------------
+    def columns(self, table_name: str, round_: int, parts: list[Path] | None = None) -> list[str]:
+        """The columns `read` finds in a round's parts (`round` included), from the parts' Parquet footers: no
+        column data is read. A column some part holds is there (`read` gives the other parts nulls); one no
+        part holds is not. Without parts: the table's own columns (`read` gives an empty table of them)."""
+        files = parts if parts is not None else self.parts(table_name, round_)
+        if not files:
+            spec = TABLES.get(table_name)
+            return list(spec.schema.names) if spec is not None else []
+        names: dict[str, None] = {}
+        for f in files:
+            names.update(dict.fromkeys(pq.read_schema(f).names))
+        names["round"] = None
+        return list(names)
+
     def read(
         self,
         table_name: str,
