@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from flows import batch as fb
 from flows.batch import finish_round, round_batches, round_statistics, run_stage
 from pipeline.config import Config
+from pipeline.credit import process
+from pipeline.credit.batch import CreditBatch
 from pipeline.credit.process import statistics_json
 from pipeline.stages import get_stage
 from pipeline.synth import SynthSettings, generate
@@ -220,17 +222,27 @@ def test_kept_reads_give_the_same_advantages(tmp_path, monkeypatch, fmt, method)
         return real(lake, table, round_, batch, columns=columns)
 
     monkeypatch.setattr(fb, "read_batch", counted)
+    built = []
+    real_build = CreditBatch.from_arrow.__func__  # type: ignore[attr-defined]
+
+    def counted_build(cls, *args, **kwargs):
+        built.append(kwargs.get("round_stats"))
+        return real_build(cls, *args, **kwargs)
+
+    monkeypatch.setattr(CreditBatch, "from_arrow", classmethod(counted_build))
     got = credit_round(kept, method)
-    assert not fb._kept  # every kept read was used by credit
+    assert not fb._kept and not process._kept_batches  # every kept read and batch was used by credit
     n = len(round_batches(kept, 0))
-    # each batch's trajectories read once; its steps once whole, then only the columns the statistics pass
-    # did not read (credit's turn, is_error, verifier_score...)
+    # each batch's trajectories and steps read once (the statistics pass reads credit's columns too: credit's
+    # read is served whole), and its credit batch built once, by the statistics pass
     assert sum(t == "trajectories" for t, _ in served) == n
     steps = [c for t, c in served if t == "steps"]
-    assert len(steps) == 2 * n and all(c is not None for c in steps)
-    assert all("token_ids" in c for c in steps[:n]) and not any("token_ids" in c for c in steps[n:]), steps
-    monkeypatch.setenv(fb.READ_CACHE_ENV, "0")
+    assert len(steps) == n and all(c is not None and "turn" in c and "token_ids" in c for c in steps), steps
+    assert built == [None] * n
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "0")  # the recompute path: read and built again by credit
+    built.clear()
     want = credit_round(plain, method)
+    assert len(built) == 2 * n and all(b is not None for b in built[n:])
     assert got.num_rows == want.num_rows > 0
     assert got.drop_columns(["_part"] if "_part" in got.column_names else []).equals(
         want.drop_columns(["_part"] if "_part" in want.column_names else [])
@@ -294,3 +306,33 @@ def test_a_kept_column_subset_is_not_served_to_a_read_of_every_column(tmp_path, 
         lake.read("trajectories", 0, parts=[lake.partition_dir("trajectories", 0) / f"part-{b}.parquet"])
     )
     fb._kept.clear()
+
+
+def test_the_catalog_shows_a_killed_runs_spooled_rows(tmp_path, monkeypatch):
+    """A run killed before its flush leaves its rows in the spool; `creditflow query` (the DuckDB catalog:
+    stage_runs and the views over it) commits them before it registers the tables, as the other readers do.
+    A query as of an earlier version reads that version and flushes nothing."""
+    from warehouse.catalog import query
+
+    lake = delta_lake(tmp_path, monkeypatch)
+    record_stage_run(lake, 0, "credit", "b0", seconds=1.0, tokens=5)
+    flush_stage_runs(lake, 0)
+    before = lake.version()
+    record_stage_run(lake, 0, "credit", "b1", seconds=2.0, tokens=7)  # then the run is killed: no flush
+    record_stage_run(lake, 3, "export", "b0", seconds=4.0, tokens=1)
+    assert len(list(spool_dir(lake, 0).glob("*.arrow"))) == 1
+    old = query(str(lake.root), "SELECT batch FROM stage_runs ORDER BY batch", as_of=before)
+    assert old.column("batch").to_pylist() == ["b0"]
+    assert len(list(spool_dir(lake, 0).glob("*.arrow"))) == 1  # a query of the past commits nothing
+    runs = query(str(lake.root), "SELECT round, stage, batch, tokens FROM stage_runs ORDER BY round, batch")
+    assert runs.to_pylist() == [
+        {"round": 0, "stage": "credit", "batch": "b0", "tokens": 5},
+        {"round": 0, "stage": "credit", "batch": "b1", "tokens": 7},
+        {"round": 3, "stage": "export", "batch": "b0", "tokens": 1},
+    ]
+    summary = query(str(lake.root), "SELECT round, stage, batches, tokens, seconds FROM stage_summary")
+    assert summary.to_pylist() == [
+        {"round": 0, "stage": "credit", "batches": 2, "tokens": 12, "seconds": 3.0},
+        {"round": 3, "stage": "export", "batches": 1, "tokens": 1, "seconds": 4.0},
+    ]
+    assert not list(spool_dir(lake, 0).glob("*.arrow")) and not list(spool_dir(lake, 3).glob("*.arrow"))

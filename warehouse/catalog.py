@@ -89,7 +89,11 @@ def table_view_sql(lake: Lake, table: str) -> str:
 
 def _delta_catalog(lake: DeltaLake, con: duckdb.DuckDBPyConnection, as_of=None) -> None:
     """A Delta lake's tables as Arrow datasets registered on this connection (no path is stored anywhere;
-    object storage is read by delta-rs/Arrow, not by a DuckDB extension)."""
+    object storage is read by delta-rs/Arrow, not by a DuckDB extension). The latest lake's spooled run-log
+    rows are committed first, as every reader of the run log does (warehouse.runlog): a run killed before its
+    flush shows its rows in `stage_runs` and the views over it."""
+    if as_of is None:
+        flush_spooled_runs(lake)
     for table in TABLES:
         ds = lake.dataset(table, as_of)
         if ds is None:
@@ -101,6 +105,18 @@ def _delta_catalog(lake: DeltaLake, con: duckdb.DuckDBPyConnection, as_of=None) 
         con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS SELECT * EXCLUDE (_part) FROM _delta_{table}")
     for view in VIEWS.values():
         con.execute(f"CREATE OR REPLACE TEMP VIEW {view.name} AS {view.sql}")
+
+
+def flush_spooled_runs(lake: Lake) -> int:
+    """Commit the run-log rows spooled for any round (a reader's flush: a lake it cannot write is read as
+    committed); returns the rows committed. Nothing to do (a folder listing) on a lake that spools none."""
+    from warehouse.runlog import SPOOL_DIR, flush_stage_runs, spools
+
+    root = lake.root / SPOOL_DIR
+    if not spools(lake) or not root.is_dir():
+        return 0
+    rounds = [p.name.split("=", 1)[1] for p in root.iterdir() if p.is_dir() and p.name.startswith("round=")]
+    return sum(flush_stage_runs(lake, int(r), reading=True) for r in sorted(rounds) if r.isdigit())
 
 
 def build_catalog(lake: Lake, con: duckdb.DuckDBPyConnection, as_of=None) -> None:
