@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -14,7 +15,10 @@ import pyarrow.compute as pc
 from flows.caching import stage_cache_key
 from pipeline.config import Config
 from pipeline.credit.process import (
+    CREDIT,
     STATS,
+    forget_credit_batches,
+    keeping_credit_batches,
     merge_statistics,
     statistics_from_json,
     statistics_methods,
@@ -48,9 +52,10 @@ def stage_io(config: Config) -> StageIO:
 # ---- the statistics pass's reads, kept for credit ------------------------------------------------------
 # A method with a round statistic (gae, turn_ppo, gdpo) reads each batch twice: the statistics pass, then credit.
 # Where both run in one process (flows.batch.round_statistics then run_stage: the plain path, the benchmarks),
-# the statistics pass keeps what it read, keyed by the part's identity (Lake.part_stat: path, size, mtime), and
-# credit's read of the same part takes it from here (reading from disk only the columns the statistics pass did
-# not: turn, is_error, verifier_score); an entry is used once. A rewritten part has another identity: never
+# the statistics pass reads the steps columns credit reads too and keeps what it read, keyed by the part's
+# identity (Lake.part_stat: path, size, mtime), and credit's read of the same part takes it from here (the very
+# table when the columns are the same: credit then starts from the credit batch the statistics pass built,
+# pipeline.credit.process.keeping_credit_batches; columns it lacks are read from disk); an entry is used once. A rewritten part has another identity: never
 # served. Bounded: an entry that would take the kept bytes past CREDITFLOW_READ_CACHE_MB (default 256; 0 turns
 # it off) is not kept (that batch is read again); a 64-group batch of 3.1M tokens keeps ~21 MB for gae. The
 # flow's tasks never keep (their statistics pass is its own task). Measured (bench/results/credit.md, #36
@@ -67,6 +72,11 @@ def _cache_budget() -> int:
         return 0
 
 
+def _room() -> bool:
+    """Whether the kept reads have room left (a read past it is not kept)."""
+    return sum(t.nbytes for t, _ in _kept.values()) < _cache_budget()
+
+
 def _part_key(lake: Lake, table: str, round_: int, batch: str) -> tuple:
     return (lake.uri, table, int(round_), *lake.part_stat(table, round_, batch))
 
@@ -79,7 +89,7 @@ def _read(
     key = _part_key(lake, table, round_, batch) if (keep or _kept) else None
     if key is not None and not keep and key in _kept and (columns is not None or _kept[key][1]):
         got = _kept.pop(key)[0]
-        if columns is None:
+        if columns is None or got.column_names == columns:  # the very table (credit's kept batch: its key)
             return got
         missing = [c for c in columns if c not in got.column_names]
         if missing:
@@ -169,12 +179,18 @@ def run_stage(
     as parts named like the batch (per method: `<batch>.<method>`). `round_stats`: the round's merged moments
     (`process.statistics_json`) for a stage that reads them, as the flow passes them; None: read (or made)
     here from the lake. A flow task passes the lake's URI and the stage (to a worker process by name,
-    `BatchStage.__reduce__`). `keep_reads`: keep the trajectories and steps read for a later stage of this
-    process (the statistics pass for credit: `round_statistics`)."""
+    `BatchStage.__reduce__`). `keep_reads`: keep the trajectories and steps read (with the steps columns credit
+    reads too) and the credit batch the stage builds, for credit in this process (the statistics pass:
+    `round_statistics`)."""
     t0 = time.perf_counter()
     lake = Lake(lake) if isinstance(lake, str) else lake
+    columns = stage.columns(config)
+    if keep_reads and columns is not None and _room():  # credit's columns too, in its order: served whole
+        wanted = get_stage(CREDIT).columns(config) or []
+        columns = [*wanted, *(c for c in columns if c not in wanted)]
     traj = _read(lake, "trajectories", round_, batch, keep=keep_reads)
-    steps = _read(lake, "steps", round_, batch, columns=stage.columns(config), keep=keep_reads)
+    steps = _read(lake, "steps", round_, batch, columns=columns, keep=keep_reads)
+    kept = keep_reads and any(t is steps for t, _ in _kept.values())
     inputs = {key: read_batch(lake, table, round_, part) for table, part, key in stage.reads(batch, config)}
     if stage.round_statistics:
         if round_stats is not None:
@@ -182,7 +198,8 @@ def run_stage(
         elif statistics_methods(config):
             inputs[STATS] = statistics_table(round_statistics(lake, round_, config), round_)
     io = stage_io(config) if stage.calls_llm(config) else NO_IO
-    out = execute(stage.fn(traj, steps, config, inputs, io=io), io)  # an LLM stage's requests: sent here
+    with keeping_credit_batches() if kept else nullcontext():  # the statistics pass's batch, kept for credit
+        out = execute(stage.fn(traj, steps, config, inputs, io=io), io)  # an LLM stage's requests: sent here
     source = None
     if stage.records_source:
         source = cache_key or stage_cache_key(lake.uri, round_, batch, stage, config)
@@ -222,6 +239,7 @@ def round_statistics(lake: Lake, round_: int, config: Config, batches: list[str]
         return {}
     batches = round_batches(lake, round_) if batches is None else batches
     _forget_kept()
+    forget_credit_batches()
     parts = []
     for b in batches:
         part, source = current_statistics(lake, round_, b, config)

@@ -9,6 +9,10 @@ ours, so the result does not depend on how the round was cut into parts."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import polars as pl
 import pyarrow as pa
@@ -183,23 +187,83 @@ def process_batch(
     """All methods on one batch: {method: advantages table}, {method: summary notes}. `round_stats`: the merged
     statistics of the round (None: this batch is the whole round). A group whose rewards could overflow is
     left out (no advantages; the note `quarantined_groups` counts them): one bad group never fails the round."""
-    quarantined = overflow_groups(trajectories)
-    if quarantined:
-        trajectories, steps = _without_groups(trajectories, steps, quarantined)
-    # the credit batch: built once, whole-column, with the steps columns the methods' registrations declare
-    batch = CreditBatch.from_arrow(
-        trajectories,
-        steps,
-        method_step_columns(methods),
-        config=config,
-        annotations=annotations,
-        round_=round_,
-        round_stats=round_stats,
-    )
+    kept = _kept_batch(trajectories, steps, methods, config, annotations, round_)
+    if kept is not None:  # the statistics pass of this process built it from these very tables
+        quarantined = kept.quarantined
+        batch = dataclasses.replace(kept.batch, round_stats=round_stats)
+    else:
+        quarantined = overflow_groups(trajectories)
+        if quarantined:
+            trajectories, steps = _without_groups(trajectories, steps, quarantined)
+        # the credit batch: built once, whole-column, with the steps columns the methods' registrations declare
+        batch = CreditBatch.from_arrow(
+            trajectories,
+            steps,
+            method_step_columns(methods),
+            config=config,
+            annotations=annotations,
+            round_=round_,
+            round_stats=round_stats,
+        )
     results = run_methods(batch, methods)
     tables = {m: advantages_table(batch, m, r) for m, r in results.items()}
     extra = {"quarantined_groups": float(len(quarantined))} if quarantined else {}
     return tables, {m: {**r.notes, **extra} for m, r in results.items()}
+
+
+# ---- the statistics pass's credit batch, kept for credit in the same process ------------------------------
+# A plain caller (flows.batch.round_statistics, then the credit stage per batch: the benchmarks, run_batch_plain)
+# builds each batch twice, once per pass. Within `keeping_credit_batches()` the statistics pass builds it with
+# the steps columns credit declares too and keeps it, keyed by the Arrow tables it was given (held here, so their
+# identity stands); process_batch of those very tables (flows.batch serves credit the statistics pass's kept
+# reads) starts from it with the round's statistics in place of building it again. Only without annotations
+# (neither pass reads any: gae, turn_ppo, gdpo) and with the same settings and round; each kept batch is used
+# once; anything else builds its own, as before.
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeptBatch:
+    trajectories: pa.Table  # the tables the statistics pass was given
+    steps: pa.Table
+    batch: CreditBatch  # built from them (less the quarantined groups), without round statistics
+    columns: frozenset[str]  # the steps columns it was built with
+    quarantined: list[str]
+
+
+_kept_batches: dict[tuple[int, int], _KeptBatch] = {}
+_keeping = False
+
+
+@contextmanager
+def keeping_credit_batches() -> Iterator[None]:
+    """Within: the statistics pass keeps the credit batch it builds for credit (see above)."""
+    global _keeping
+    _keeping = True
+    try:
+        yield
+    finally:
+        _keeping = False
+
+
+def forget_credit_batches() -> None:
+    """Drop every kept credit batch (a statistics pass starting over)."""
+    _kept_batches.clear()
+
+
+def _kept_batch(
+    trajectories: pa.Table,
+    steps: pa.Table,
+    methods: list[str],
+    config: Config | None,
+    annotations: dict[str, pa.Table] | None,
+    round_: int,
+) -> _KeptBatch | None:
+    kept = _kept_batches.pop((id(trajectories), id(steps)), None)
+    if kept is None or kept.trajectories is not trajectories or kept.steps is not steps or annotations:
+        return None
+    batch = kept.batch
+    same = batch.round == round_ and batch.config == config
+    return kept if same and set(method_step_columns(methods)) <= kept.columns else None
 
 
 def batch_statistics(
@@ -218,17 +282,21 @@ def batch_statistics(
     stages = round_statistics_methods(methods, config)
     if not stages:
         return {}
+    given = trajectories, steps
     quarantined = overflow_groups(trajectories)
     if quarantined:  # the same groups as process_batch leaves out
         trajectories, steps = _without_groups(trajectories, steps, quarantined)
+    columns = statistics_step_columns([s.name for s in stages])
+    keep = _keeping and not annotations  # kept for credit: built with the float columns credit declares too
+    if keep:
+        columns += [c for c in method_step_columns(config.methods) if c not in columns]
     batch = CreditBatch.from_arrow(
-        trajectories,
-        steps,
-        statistics_step_columns([s.name for s in stages]),
-        config=config,
-        annotations=annotations,
-        round_=round_,
+        trajectories, steps, columns, config=config, annotations=annotations, round_=round_
     )
+    if keep:
+        _kept_batches[(id(given[0]), id(given[1]))] = _KeptBatch(
+            *given, batch, frozenset(columns), quarantined
+        )
     out = {stage.name: Moments() for stage in stages}
     for stage in stages:
         assert stage.statistics is not None  # round_statistics_methods: the estimators that declare one
