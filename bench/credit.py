@@ -319,6 +319,7 @@ def worker_verl(size: str, method: str, reps: int, gamma: float, lam: float) -> 
         t0 = time.perf_counter()
         core.compute_gae_advantage_return(rewards, values, mask, gamma=gamma, lam=lam)
         times["verl"].append(time.perf_counter() - t0)
+        time.sleep(0.5)  # untimed: let torch's OpenMP threads stop spinning before the next repetition's ours
     out = {k: min(v) for k, v in times.items() if v}
     out |= {f"{k}_median": statistics.median(v) for k, v in times.items() if v}
     out |= {"tokens": n_traj * n_tok, "torch_threads": torch.get_num_threads(), "rss_mb": peak_rss_mb()}
