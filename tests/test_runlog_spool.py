@@ -187,10 +187,14 @@ def test_the_log_holds_the_last_row_of_each_stage_and_batch(tmp_path_factory, mo
 # ---- the statistics pass's kept reads ----------------------------------------------------------------
 
 
-def synth_lake(tmp_path: Path, monkeypatch, fmt: str, name: str) -> Lake:
+def synth_lake(tmp_path: Path, monkeypatch, fmt: str, name: str, overflow: bool = False) -> Lake:
     monkeypatch.setenv("CREDITFLOW_LAKE_FORMAT", fmt)
     lake = Lake(tmp_path / name)
     traj, steps = generate(SynthSettings(groups=6, samples=4, turns=4, tokens=30, seed=3, round=0))
+    if overflow:  # one group's rewards past SAFE_MAGNITUDE: left out by both passes (quarantined_groups)
+        group = traj.column("group_id")[0]
+        reward = pc.if_else(pc.equal(traj.column("group_id"), group), 1e300, traj.column("reward"))
+        traj = traj.set_column(traj.schema.get_field_index("reward"), "reward", reward)
     write_round(lake, 0, traj, steps, batch_groups=2)
     return lake
 
@@ -249,6 +253,27 @@ def test_kept_reads_give_the_same_advantages(tmp_path, monkeypatch, fmt, method)
     )
     runs = read_stage_runs(kept, 0)
     assert sorted(set(runs.column("stage").to_pylist())) == ["credit", "credit_stats"]
+
+
+def test_a_kept_batch_leaves_out_the_same_overflowing_group(tmp_path, monkeypatch):
+    """The statistics pass's kept credit batch has the overflowing group left out, as credit's own build does:
+    same advantages, same quarantined_groups note, on the kept path and the recompute path."""
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "256")
+    kept = synth_lake(tmp_path, monkeypatch, "parquet", "kept", overflow=True)
+    got = credit_round(kept, "gae")
+    assert not process._kept_batches
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "0")
+    plain = synth_lake(tmp_path, monkeypatch, "parquet", "plain", overflow=True)
+    want = credit_round(plain, "gae")
+    assert 0 < got.num_rows < kept.read("steps", 0).num_rows  # the group's steps have no advantages
+    assert got.equals(want)
+
+    def notes(lake):
+        runs = read_stage_runs(lake, 0)
+        cols = [runs.column(c).to_pylist() for c in ("stage", "batch", "notes")]
+        return sorted((b, dict(n)) for s, b, n in zip(*cols, strict=True) if s == "credit")
+
+    assert notes(kept) == notes(plain) and any(n.get("gae.quarantined_groups") == 1.0 for _, n in notes(kept))
 
 
 def test_a_rewritten_part_is_never_served_from_the_kept_reads(tmp_path, monkeypatch):
