@@ -107,6 +107,9 @@ def group_normalize(
     raise ValueError(f"group_normalize: singleton {singleton!r} (verl | zero | keep)")
 
 
+BLOCK = 1 << 15  # elements per block of elementwise passes fused block by block (256 KiB of float64)
+
+
 @dataclass(frozen=True)
 class Moments:
     """Sufficient statistics of a (weighted) sample that merge exactly across batches: the total weight `n`
@@ -166,16 +169,29 @@ def whiten(
     var_eps: float = 1e-8,
     std_eps: float = 0.0,
     min_count: float = 1.0,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """(x - mean) / (sqrt(var + var_eps) + std_eps), var Bessel-corrected, over `moments` (default: the values'
     own, weighted by `weights`). verl's masked_whiten is var_eps=1e-8 over the mask's tokens; GDPO's batch
-    normalisation (TRL) var_eps=0, std_eps=eps. Fewer than `min_count` entries (of weight): x unchanged."""
+    normalisation (TRL) var_eps=0, std_eps=eps. Fewer than `min_count` entries (of weight): x unchanged.
+    `out=values` whitens a float64 array in place (no second array of its size)."""
     values = np.asarray(values, dtype=np.float64)
     m = Moments.of(values, weights) if moments is None else moments
     if m.n == 0.0 or m.n < min_count:
-        return values.copy()
-    out = values - m.mean
-    out /= np.sqrt(m.var() + var_eps) + std_eps
+        if out is None:
+            return values.copy()
+        out[...] = values
+        return out
+    mean, scale = m.mean, np.sqrt(m.var() + var_eps) + std_eps
+    if values.ndim != 1:
+        out = np.subtract(values, mean, out=out)
+        out /= scale
+        return out
+    if out is None:
+        out = np.empty(len(values))
+    for i in range(0, len(values), BLOCK):  # the two passes fused block by block (a block stays in cache)
+        o = np.subtract(values[i : i + BLOCK], mean, out=out[i : i + BLOCK])
+        o /= scale
     return out
 
 
@@ -184,37 +200,52 @@ _COMPILED_RECURSION_MIN = 1 << 16  # below this the scan's few passes cost less 
 
 def segment_discounted_cumsum(values: np.ndarray, segments: np.ndarray, discount: float) -> np.ndarray:
     """y_t = sum_{s >= t in t's segment} discount^(s - t) x_s, for contiguous segments (e.g. the assistant
-    tokens of one trajectory, in order). Segments of like lengths: the recursion per segment row in compiled
-    code (O(n)); otherwise (padding would cost more than 4x the data) a log-step (Hillis-Steele) scan:
-    ceil(log2(longest segment)) whole-array passes, every step adding only two terms (no cancellation)."""
+    tokens of one trajectory, in order): `runs_discounted_cumsum` over the runs of equal segment ids."""
+    x = np.asarray(values, dtype=np.float64)
+    if len(x) == 0:
+        return x.copy()
+    first, _ = segment_bounds(segments)
+    return runs_discounted_cumsum(x, np.diff(np.append(np.flatnonzero(first), len(x))), discount)
+
+
+def runs_discounted_cumsum(
+    values: np.ndarray, lengths: np.ndarray, discount: float, out: np.ndarray | None = None
+) -> np.ndarray:
+    """y_t = sum_{s >= t in t's run} discount^(s - t) x_s, the values cut into consecutive runs of `lengths`
+    (positive, summing to len(values)): `segment_discounted_cumsum` without a per-position segment array.
+    Runs of like lengths: the recursion y_t = x_t + discount * y_{t+1} per run in compiled code (O(n));
+    otherwise (padding would cost more than 4x the data) a log-step (Hillis-Steele) scan: ceil(log2(longest
+    run)) whole-array passes, every step adding only two terms (no cancellation). `out`: a float64 array of
+    len(values) to write y into (it may be `values` itself)."""
     x = np.asarray(values, dtype=np.float64)
     n = len(x)
     if n == 0:
-        return x.copy()
-    first, _ = segment_bounds(segments)
-    bounds = np.append(np.flatnonzero(first), n)
-    lengths = np.diff(bounds)
+        return x.copy() if out is None else out
+    lengths = np.asarray(lengths, dtype=np.int64)
+    bounds = np.append(0, np.cumsum(lengths))
     longest = int(lengths.max())
     if len(lengths) * longest <= 4 * n and (float(discount) == 1.0 or n >= _COMPILED_RECURSION_MIN):
-        # y_t = x_t + discount * y_{t+1}: the recursion itself, in compiled code, O(n): np.cumsum when
-        # undiscounted, else scipy's IIR filter 1 / (1 - discount z^-1) (the same sequential multiply-adds in the
-        # same order as verl's loop over positions), along rows of the data reversed: each row one segment from
-        # its last position, the rows in reverse segment order; a shorter row is zero padded after its data
-        back = x[::-1]  # read only: the compiled passes write new arrays
-        if bool((lengths == longest).all()):  # segments of one length: the rows are a view of the data
-            rows, real = back.reshape(len(lengths), longest), None
+        # one run per row, in order; a shorter row zero padded after its data (a zero tail adds 0 to the row's
+        # last value: y_T = x_T)
+        y = x.copy() if out is None else out
+        if y is not x and out is not None:
+            np.copyto(y, x)
+        if bool((lengths == longest).all()):  # runs of one length: the rows are a view of the data
+            rows, real = y.reshape(len(lengths), longest), None
         else:
             rows = np.zeros((len(lengths), longest))
-            real = np.arange(longest)[None, :] < lengths[::-1, None]
-            rows[real] = back
+            real = np.arange(longest)[None, :] < lengths[:, None]
+            rows[real] = x
         if float(discount) == 1.0:
-            out = np.cumsum(rows, axis=1)
+            np.cumsum(rows[:, ::-1], axis=1, out=rows[:, ::-1])  # y_t = y_{t+1} + x_t, from each row's end
         else:
-            from scipy.signal import lfilter  # here, not at module level: scipy.signal costs ~0.3 s to import
-
-            out = np.asarray(lfilter([1.0], [1.0, -float(discount)], rows, axis=1))
-        return (out.reshape(n) if real is None else out[real])[::-1]
-    y = x.copy()  # the scan adds in place
+            _backward_recursion(rows, float(discount))
+        if real is not None:
+            y[:] = rows[real]
+        return y
+    y = x.copy() if out is None else out  # the scan adds in place
+    if y is not x and out is not None:
+        np.copyto(y, x)
     remaining = np.repeat(bounds[1:], lengths) - np.arange(n)  # positions left in the segment, incl. self
     coef, d = float(discount), 1
     while d < longest:
@@ -224,3 +255,23 @@ def segment_discounted_cumsum(values: np.ndarray, segments: np.ndarray, discount
         np.add(y[:-d], term, out=y[:-d], where=remaining[:-d] > d)
         coef, d = coef * coef, d * 2
     return y
+
+
+def _backward_recursion(rows: np.ndarray, discount: float) -> None:
+    """rows[:, t] += discount * rows[:, t + 1] from each row's end, in place (rows: C-contiguous float64): the
+    rows are the columns of a Fortran-ordered matrix B, and y solves the unit upper bidiagonal system
+    y_t - discount * y_{t+1} = x_t, one right-hand side per row, by LAPACK's banded triangular solve (dtbtrs:
+    back substitution, y_t = x_t - (-discount) y_{t+1}, the same multiply-add as verl's loop; the BLAS may fuse it
+    into one rounding)."""
+    from scipy.linalg.lapack import dtbtrs  # here: scipy.linalg costs ~0.15 s to import
+
+    length = rows.shape[1]
+    ab = np.empty((2, length), order="F")  # banded storage: row 0 the superdiagonal (ab[0, 0] unused)
+    ab[0] = -discount
+    ab[1] = 1.0  # the diagonal (unit: not read)
+    b = rows.T  # Fortran-ordered (length, runs): each column one run, contiguous
+    solved, info = dtbtrs(ab, b, uplo="U", trans="N", diag="U", overwrite_b=1)
+    if info != 0:  # (a unit triangular system is never singular)
+        raise FloatingPointError(f"dtbtrs info {info}")
+    if not np.shares_memory(solved, rows):  # (f2py solved a copy)
+        rows[...] = solved.T

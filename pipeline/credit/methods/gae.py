@@ -28,7 +28,7 @@ import numpy as np
 from pydantic import Field
 
 from pipeline.credit.batch import CreditBatch
-from pipeline.credit.ops import Moments, segment_bounds, segment_discounted_cumsum, whiten
+from pipeline.credit.ops import BLOCK, Moments, runs_discounted_cumsum, segment_bounds, whiten
 from pipeline.credit.registry import MethodError, Requirement, RoundStatistics, estimator
 from pipeline.credit.result import CreditResult
 from pipeline.settings import StageSettings, register_settings
@@ -129,19 +129,26 @@ def gae_advantages(
             run = np.cumsum(first) - 1  # the trajectory run of each assistant step
             end = np.cumsum(lengths)  # exclusive end of each assistant step's tokens
             returns *= np.power(gamma, np.repeat(end[last][run], lengths) - 1 - np.arange(n))
-        A = returns - V
+        A = np.subtract(returns, V, out=V)  # into V's array (on_mask's own copy, not read again)
     else:
-        run = np.cumsum(first) - 1
-        T = np.cumsum(lengths)[last] - 1  # the last assistant token of each trajectory
-        # Eq. 2, delta_t = r_t + gamma V_{t+1} - V_t, in place (r: R on each trajectory's last token, Eq. 1;
-        # V_{T+1} = 0)
+        traj_tokens = np.add.reduceat(lengths, np.flatnonzero(first))  # each trajectory's assistant tokens
+        T = np.cumsum(traj_tokens) - 1  # the last assistant token of each trajectory
+        # Eq. 2, delta_t = r_t + gamma V_{t+1} - V_t (r: R on each trajectory's last token, Eq. 1; V_{T+1} = 0):
+        # gamma V_{t+1} - V_t block by block (the two passes fused), then (0 - V_T) + R at each T
         delta = np.empty(n)
-        np.multiply(V[1:], gamma, out=delta[:-1])
-        delta[T] = 0.0
-        delta -= V
-        delta[T] += R[last]
-        A = segment_discounted_cumsum(delta, np.repeat(run, lengths), gamma * lam)  # Eq. 3
-        returns = A + V  # Eq. 4
+        for i in range(0, n, BLOCK):
+            e = min(i + BLOCK, n)
+            d = delta[i:e]
+            if e == n:
+                d[-1] = 0.0  # (the last position is a T: set below)
+                np.multiply(V[i + 1 : e], gamma, out=d[:-1])
+            else:
+                np.multiply(V[i + 1 : e + 1], gamma, out=d)
+            d -= V[i:e]
+        delta[T] = np.subtract(0.0, V[T]) + R[last]
+        # Eq. 3, into delta's array (in order: the passes below run on forward, contiguous arrays)
+        A = runs_discounted_cumsum(delta, traj_tokens, gamma * lam, out=delta)
+        returns = np.add(A, V, out=V)  # Eq. 4, into V's array (on_mask's own copy, not read again)
     return GAEAdvantages(A, returns, a, lengths, last, R)
 
 
@@ -165,5 +172,6 @@ def gae_credit(
     g = gae_advantages(batch, settings, key, rewards)
     A = g.A
     if settings.whiten and len(A):
-        A = whiten(A, batch.moments(key, A, scope=settings.scope))  # Eq. 5
+        # Eq. 5, in place: g.A is this call's own array (g keeps the returns, computed before)
+        A = whiten(A, batch.moments(key, A, scope=settings.scope), out=A)
     return gae_result(batch, g, A)
