@@ -74,6 +74,11 @@ class _App(typer.Typer):
             code = run_via_runner(sys.argv)
             if code is not None:
                 raise SystemExit(code)
+            from flows.api_launch import prelaunch
+
+            prelaunch(
+                sys.argv
+            )  # no API up: it starts now, beside this command's imports (flows/api_launch.py)
         try:
             return super().__call__(*args, **kwargs)
         except (SystemExit, KeyboardInterrupt):

@@ -18,70 +18,27 @@ is not set and it answers its health check: flow runs, task runs and logs then s
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from flows.api_idle import hold_in_use, idle_limit
-from trainer.llm.service import cache_root, free_port, kill, pid_alive
-
-STATE = "prefect.json"
-
-
-@dataclass(frozen=True)
-class ServerInfo:
-    pid: int
-    url: str  # the API URL, http://127.0.0.1:PORT/api
-    log: str
-    started: float
-    ui: bool = True  # False: the API alone, started by a command (`shared_api`)
-
-
-def state_path() -> Path:
-    return cache_root() / "services" / STATE
-
-
-def read_state() -> ServerInfo | None:
-    try:
-        return ServerInfo(**json.loads(state_path().read_text()))
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def healthy(url: str, timeout: float = 1.0) -> bool:
-    """The API answers its health check. A plain-HTTP URL (every server recorded here: 127.0.0.1) is asked
-    with the standard library: `httpx.get` builds a client and its SSL context per call, ~25 ms of CPU, which a
-    command polling a starting API every 0.1 s paid 10 times a second of waiting (7-8 s of CPU for the 30 s
-    start of the first command on a busy machine); ~0.2 ms here."""
-    import http.client
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url.rstrip("/") + "/health")
-    if parts.scheme != "http" or not parts.hostname:
-        return _healthy_httpx(url, timeout)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
-    try:
-        conn.request("GET", parts.path)
-        return conn.getresponse().status == 200
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
-
-
-def _healthy_httpx(url: str, timeout: float) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(url.rstrip("/") + "/health", timeout=timeout).status_code == 200
-    except httpx.HTTPError:
-        return False
+from flows.api_launch import (
+    API_APP,
+    ServerInfo,
+    StartLock,
+    drop_prelaunched,
+    healthy,
+    launch,
+    read_state,
+    state_path,
+    take_prelaunched,
+)
+from trainer.llm.service import kill, pid_alive
 
 
 def running() -> ServerInfo | None:
@@ -90,87 +47,6 @@ def running() -> ServerInfo | None:
     if info is None or not pid_alive(info.pid) or not healthy(info.url):
         return None
     return info
-
-
-API_APP = "prefect.server.api.server:create_app"  # what Prefect's ephemeral API server runs (uvicorn)
-# the API's task-run recorder writes task runs in batches (up to 100 events, flushed every second) instead of
-# one database transaction per state event: a round's task runs send three events each
-API_ENV = {
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
-}
-
-
-def _server_command(port: int, ui: bool) -> list[str]:
-    if ui:
-        return [
-            sys.executable,
-            "-m",
-            "prefect",
-            "server",
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ]
-    import importlib.util
-
-    spec = importlib.util.find_spec("prefect")  # its folder, without importing Prefect (a second of CPU)
-    app_dir = Path(next(iter(spec.submodule_search_locations or []))).parent if spec else Path(".")
-    return [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "--app-dir",
-        str(app_dir),
-        "--factory",
-        API_APP,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "error",
-        "--lifespan",
-        "on",
-    ]
-
-
-@contextlib.contextmanager
-def _start_lock():
-    """One command at a time starts a server (two `process` started together share one)."""
-    path = state_path().with_suffix(".lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:  # closing it releases the lock
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        yield
-
-
-def launch(port: int | None = None, ui: bool = True) -> tuple[subprocess.Popen, str, Path]:
-    """Start a server process in the background (its own session: it outlives this command, stopped as a
-    group); returns (process, API URL, log). `wait_started` waits for it and records it."""
-    port = port or free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    log = state_path().with_name("prefect-server.log")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    if ui:
-        env["PREFECT_UI_ENABLED"] = env.get("PREFECT_UI_ENABLED", "true")
-    else:
-        env.update({"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1"})
-        env.update({k: v for k, v in API_ENV.items() if k not in os.environ})
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            _server_command(port, ui),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-    return proc, url, log
 
 
 def wait_started(
@@ -193,7 +69,7 @@ def wait_started(
         tmp.replace(state_path())
         if not ui:
             start_idle_watchdog(proc.pid, log)
-        start_runner(info)
+        start_runner(info)  # it imports once this command has exited (flows/warm_runner.py)
         return info
     kill(proc.pid, grace_s=5)
     raise RuntimeError(f"the Prefect server did not answer within {timeout_s:.0f} s; see {log}")
@@ -223,7 +99,7 @@ def start_idle_watchdog(pid: int, log: Path) -> None:
 
 def start(port: int | None = None, timeout_s: float = 120.0, ui: bool = True) -> tuple[ServerInfo, bool]:
     """Start the server in the background unless one is running; returns (info, started_now)."""
-    with _start_lock():
+    with StartLock():
         info = running()
         if info is not None:
             start_runner(info)  # one that exited (its sources changed) starts again
@@ -289,14 +165,19 @@ class SharedAPI:
     waited for with `url()` (the command prepares its round meanwhile)."""
 
     def __init__(self) -> None:
-        self._lock = _start_lock()
-        self._lock.__enter__()  # released once the server answers (or failed): a second command then finds it
+        self.info: ServerInfo | None = None
+        self._proc: subprocess.Popen | None = None
+        early = take_prelaunched()  # launched by the CLI's first lines (flows/api_launch.py), lock held
+        if early is not None:
+            self._lock, self._proc, self._url, self._log = early.lock, early.proc, early.url, early.log
+            return
+        self._lock = StartLock()
+        self._lock.acquire()  # released once the server answers (or failed): a second command then finds it
         self.info = running()
-        self._proc = None
         if self.info is None:
             self._proc, self._url, self._log = launch(ui=False)
         else:
-            self._lock.__exit__(None, None, None)
+            self._lock.release()
 
     @property
     def started_here(self) -> bool:
@@ -309,7 +190,7 @@ class SharedAPI:
             try:
                 self.info = wait_started(self._proc, self._url, self._log, ui=False)
             finally:
-                self._lock.__exit__(None, None, None)
+                self._lock.release()
         os.environ["PREFECT_API_URL"] = self.info.url
         hold_in_use(state_path())
         return self.info.url
@@ -318,7 +199,10 @@ class SharedAPI:
 def shared_api() -> SharedAPI | None:
     """The recorded server when it answers, else one started now and left running for the next command; None
     when this process has an API named (PREFECT_API_URL) or keeps Prefect's ephemeral one (`shares_api`)."""
-    return SharedAPI() if shares_api() else None
+    if shares_api():
+        return SharedAPI()
+    drop_prelaunched()  # the Prefect profile names an API: the one launched first thing is not needed
+    return None
 
 
 def api_url(say=None, while_starting=None) -> str | None:

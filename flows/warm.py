@@ -55,6 +55,7 @@ from flows.warm_wire import (
     VIA,
     WHY,
     Lines,
+    command_name,
     disabled,
     private_dir,
     runner_dir,
@@ -64,17 +65,6 @@ from flows.warm_wire import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def _command(argv: list[str]) -> str | None:
-    """The sub-command of a creditflow argv (the first word after the root options)."""
-    args = iter(argv)
-    for arg in args:
-        if arg == "--log-level":
-            next(args, None)
-        elif not arg.startswith("-"):
-            return arg
-    return None
 
 
 def _started_s() -> float | None:
@@ -91,7 +81,7 @@ def _started_s() -> float | None:
 def run_via_runner(argv: list[str]) -> int | None:
     """Run `argv` (the CLI's sys.argv) in the warm runner when one is up and may run it; returns the command's
     exit status, or None: run it in this process (module docstring: when)."""
-    if SERVING["on"] or _command(argv[1:]) not in COMMANDS:
+    if SERVING["on"] or command_name(argv[1:]) not in COMMANDS:
         return None
     env = os.environ
     if disabled(env):

@@ -28,6 +28,17 @@ WHY: dict[str, str] = {}
 SERVING = {"on": False}  # this process is a runner (or forked from one): never connect to a runner
 
 
+def command_name(argv: list[str]) -> str | None:
+    """The sub-command of a creditflow argv without the program (the first word after the root options)."""
+    args = iter(argv)
+    for arg in args:
+        if arg == "--log-level":
+            next(args, None)
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
 def disabled(env: dict[str, str] | os._Environ) -> bool:
     """Runners are off in this environment (the test suite, no shared API, or turned off)."""
     return env.get("CREDITFLOW_NO_SERVER") == "1" or "0" in (
@@ -36,11 +47,16 @@ def disabled(env: dict[str, str] | os._Environ) -> bool:
     )
 
 
+def services_folder() -> Path:
+    """$CREDITFLOW_CACHE/services, where the machine's API and its runner are recorded (trainer.llm.service's
+    cache_root), without importing the service module (httpx, pydantic)."""
+    return Path(os.environ.get("CREDITFLOW_CACHE", Path.home() / ".cache" / "creditflow")) / "services"
+
+
 def runner_dir() -> Path:
     """The runner's private folder beside the server's record (flows.server.state_path's folder); computed
     here without importing flows.server (which imports httpx and the vLLM service module)."""
-    root = Path(os.environ.get("CREDITFLOW_CACHE", Path.home() / ".cache" / "creditflow"))
-    return root / "services" / "runner"
+    return services_folder() / "runner"
 
 
 def socket_path() -> Path:

@@ -120,10 +120,12 @@ def lake(tmp_path):
 
 
 def test_command_words():
-    assert warm._command(["process", "--round", "0"]) == "process"
-    assert warm._command(["--log-level", "debug", "--debug", "process"]) == "process"
-    assert warm._command(["--log-level", "process", "stats"]) == "stats"  # the level's value is no command
-    assert warm._command(["--help"]) is None
+    from flows.warm_wire import command_name
+
+    assert command_name(["process", "--round", "0"]) == "process"
+    assert command_name(["--log-level", "debug", "--debug", "process"]) == "process"
+    assert command_name(["--log-level", "process", "stats"]) == "stats"  # the level's value is no command
+    assert command_name(["--help"]) is None
 
 
 def test_frozen_env_is_what_the_imports_read():
