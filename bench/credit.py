@@ -305,7 +305,10 @@ def worker_verl(size: str, method: str, reps: int, gamma: float, lam: float) -> 
     # the credit batch (#35), or a --baseline tree's CreditContext; both take these keywords
     batch_type = getattr(credit, "CreditBatch", None) or credit.CreditContext
     ctx = batch_type.from_arrow(trajs, steps, config=cfg)
-    run_methods(ctx, [method])  # warm-up (the first call's one-off costs)
+    # warm-up: the first call's one-off costs, both ways (a first process_batch took 0.45 s against 0.03 s
+    # after for turn_ppo: its arrays landing on memory this VM had never touched)
+    run_methods(ctx, [method])
+    process_batch(trajs, steps, [method], cfg)
     times: dict[str, list[float]] = {"verl": [], "estimate": [], "arrow": []}
     for _ in range(reps):
         # ours first: torch's OpenMP threads keep spinning for a while after verl's call returns, which slowed
