@@ -5,6 +5,7 @@ with the same run log and the same advantages as before."""
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -361,3 +362,24 @@ def test_the_catalog_shows_a_killed_runs_spooled_rows(tmp_path, monkeypatch):
         {"round": 3, "stage": "export", "batches": 1, "tokens": 1, "seconds": 4.0},
     ]
     assert not list(spool_dir(lake, 0).glob("*.arrow")) and not list(spool_dir(lake, 3).glob("*.arrow"))
+
+
+def test_only_the_keeping_threads_statistics_pass_keeps_its_batch():
+    traj, steps = generate(SynthSettings(groups=2, samples=2, turns=2, tokens=10, seed=1, round=0))
+    cfg = Config(methods=["gae"])
+    other: list[int] = []
+
+    def statistics_pass() -> None:
+        process.batch_statistics(traj, steps, ["gae"], cfg)
+        other.append(len(process._kept_batches))
+
+    with process.keeping_credit_batches():
+        thread = threading.Thread(target=statistics_pass)  # a flow's thread runner, at the same time
+        thread.start()
+        thread.join()
+        assert other == [0]
+        process.batch_statistics(traj, steps, ["gae"], cfg)
+    assert len(process._kept_batches) == 1
+    process.batch_statistics(traj, steps, ["gae"], cfg)  # after the block: nothing more kept
+    assert len(process._kept_batches) == 1
+    process.forget_credit_batches()

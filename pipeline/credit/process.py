@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import numpy as np
 import polars as pl
@@ -231,18 +232,18 @@ class _KeptBatch:
 
 
 _kept_batches: dict[tuple[int, int], _KeptBatch] = {}
-_keeping = False
+_keeping: ContextVar[bool] = ContextVar("keeping_credit_batches", default=False)  # this thread's call only
 
 
 @contextmanager
 def keeping_credit_batches() -> Iterator[None]:
-    """Within: the statistics pass keeps the credit batch it builds for credit (see above)."""
-    global _keeping
-    _keeping = True
+    """Within: the statistics pass keeps the credit batch it builds for credit (see above); a statistics pass of
+    another thread at the same time (a flow's thread runner) keeps nothing."""
+    token = _keeping.set(True)
     try:
         yield
     finally:
-        _keeping = False
+        _keeping.reset(token)
 
 
 def forget_credit_batches() -> None:
@@ -287,7 +288,9 @@ def batch_statistics(
     if quarantined:  # the same groups as process_batch leaves out
         trajectories, steps = _without_groups(trajectories, steps, quarantined)
     columns = statistics_step_columns([s.name for s in stages])
-    keep = _keeping and not annotations  # kept for credit: built with the float columns credit declares too
+    keep = (
+        _keeping.get() and not annotations
+    )  # kept for credit: built with the float columns credit declares too
     if keep:
         columns += [c for c in method_step_columns(config.methods) if c not in columns]
     batch = CreditBatch.from_arrow(
