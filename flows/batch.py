@@ -190,7 +190,8 @@ def run_stage(
         columns = [*wanted, *(c for c in columns if c not in wanted)]
     traj = _read(lake, "trajectories", round_, batch, keep=keep_reads)
     steps = _read(lake, "steps", round_, batch, columns=columns, keep=keep_reads)
-    kept = keep_reads and any(t is steps for t, _ in _kept.values())
+    held = [t for t, _ in _kept.values()]
+    kept = keep_reads and any(t is steps for t in held) and any(t is traj for t in held)  # both: its key
     inputs = {key: read_batch(lake, table, round_, part) for table, part, key in stage.reads(batch, config)}
     if stage.round_statistics:
         if round_stats is not None:
