@@ -69,3 +69,32 @@ def test_large_batch_takes_the_compiled_path_and_agrees_with_the_scan() -> None:
     end = int(lengths[0])
     assert compiled[end - 1] == x[end - 1]
     assert compiled[end - 2] == pytest.approx(x[end - 2] + 0.99 * 0.95 * x[end - 1], rel=1e-15)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 200),
+    block=st.sampled_from([1, 3, 8, 64, 1 << 16]),
+    scale=st.sampled_from([1e-3, 1.0, 1e6]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_moments_of_blocks_matches_moments_of(n: int, block: int, scale: float, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n) * scale + rng.standard_normal() * scale
+    target = rng.standard_normal(n)
+    before = target.copy()
+    old = ops.MOMENTS_BLOCK
+    ops.MOMENTS_BLOCK = block
+    try:
+        got = ops.moments_of_blocks(x, add_to=target)
+        constant = ops.moments_of_blocks(np.full(n, x[0]))
+    finally:
+        ops.MOMENTS_BLOCK = old
+    want = ops.Moments.of(x)
+    assert got.n == want.n
+    assert got.mean == pytest.approx(want.mean, rel=1e-12, abs=1e-12 * scale)
+    assert got.m2 == pytest.approx(want.m2, rel=1e-10, abs=1e-12 * scale * scale)
+    # the first pass added the values into `add_to`
+    np.testing.assert_array_equal(target, before + x)
+    # a constant sample: its value exactly, no spread (whitening gives exactly 0)
+    assert (constant.mean, constant.m2) == (x[0], 0.0)

@@ -162,6 +162,33 @@ class Moments:
         return out
 
 
+MOMENTS_BLOCK = 1 << 16  # values per block of `moments_of_blocks` (512 KiB of float64)
+
+
+def moments_of_blocks(values: np.ndarray, add_to: np.ndarray | None = None) -> Moments:
+    """`Moments.of(values)` (unweighted, 1-d float64) in two read passes block by block, no array of the values'
+    size allocated: sum(x - ref) with ref = values[0], then sum((x - mean)^2); each block's sum pairwise (NumPy),
+    then the blocks' partial sums. (To rounding the same as `Moments.of`; a constant sample exactly: mean == its
+    value, m2 == 0.) `add_to`: the first pass also adds the values into it, in place (one read for both)."""
+    n = len(values)
+    if n == 0:
+        return Moments()
+    ref = float(values[0])
+    buf = np.empty(min(n, MOMENTS_BLOCK))
+    starts = range(0, n, MOMENTS_BLOCK)
+    part = np.empty(len(starts))
+    for k, i in enumerate(starts):
+        block = values[i : i + MOMENTS_BLOCK]
+        if add_to is not None:
+            np.add(add_to[i : i + MOMENTS_BLOCK], block, out=add_to[i : i + MOMENTS_BLOCK])
+        part[k] = np.subtract(block, ref, out=buf[: len(block)]).sum()
+    mean = ref + float(part.sum()) / n
+    for k, i in enumerate(starts):
+        dev = np.subtract(values[i : i + MOMENTS_BLOCK], mean, out=buf[: min(MOMENTS_BLOCK, n - i)])
+        part[k] = np.einsum("i,i->", dev, dev)  # (a BLAS dot per block costs more: its threads)
+    return Moments(float(n), mean, float(part.sum()))
+
+
 def whiten(
     values: np.ndarray,
     moments: Moments | None = None,

@@ -28,7 +28,14 @@ import numpy as np
 from pydantic import Field
 
 from pipeline.credit.batch import CreditBatch
-from pipeline.credit.ops import BLOCK, Moments, runs_discounted_cumsum, segment_bounds, whiten
+from pipeline.credit.ops import (
+    BLOCK,
+    Moments,
+    moments_of_blocks,
+    runs_discounted_cumsum,
+    segment_bounds,
+    whiten,
+)
 from pipeline.credit.registry import MethodError, Requirement, RoundStatistics, estimator
 from pipeline.credit.result import CreditResult
 from pipeline.settings import StageSettings, register_settings
@@ -70,7 +77,7 @@ def gae_statistics(batch: CreditBatch, settings: GAESettings) -> dict[str, Momen
     """Eq. 5's moments on this batch: those of A (Eq. 1-3) over its assistant tokens (the statistics pass)."""
     if not settings.whiten:
         return {}
-    return {"gae": Moments.of(gae_advantages(batch, settings, "gae").A)}
+    return {"gae": gae_advantages(batch, settings, "gae", moments=True).moments or Moments()}
 
 
 @estimator(
@@ -96,12 +103,18 @@ class GAEAdvantages:
     lengths: np.ndarray  # their token counts
     last: np.ndarray  # per assistant step: the trajectory's last one
     R: np.ndarray  # per assistant step: the trajectory's reward
+    moments: Moments | None = None  # of A, when asked for (Eq. 5's statistic on this batch)
 
 
 def gae_advantages(
-    batch: CreditBatch, settings: GAESettings, key: str, rewards: np.ndarray | None = None
+    batch: CreditBatch,
+    settings: GAESettings,
+    key: str,
+    rewards: np.ndarray | None = None,
+    moments: bool = False,
 ) -> GAEAdvantages:
-    """Eq. 1-4 (`rewards` replace the trajectories' R: process_reward's penalised outcome).
+    """Eq. 1-4 (`rewards` replace the trajectories' R: process_reward's penalised outcome); `moments`: also A's
+    moments (in the pass that writes the returns, with lam < 1).
 
     With lam = 1 the recursion telescopes, A_t = gamma^(T-t) R - V_t (T: the trajectory's last assistant
     token), and needs no scan; otherwise a segmented discounted cumsum over each trajectory's tokens."""
@@ -130,6 +143,7 @@ def gae_advantages(
             end = np.cumsum(lengths)  # exclusive end of each assistant step's tokens
             returns *= np.power(gamma, np.repeat(end[last][run], lengths) - 1 - np.arange(n))
         A = np.subtract(returns, V, out=V)  # into V's array (on_mask's own copy, not read again)
+        m = Moments.of(A) if moments else None
     else:
         traj_tokens = np.add.reduceat(lengths, np.flatnonzero(first))  # each trajectory's assistant tokens
         T = np.cumsum(traj_tokens) - 1  # the last assistant token of each trajectory
@@ -148,8 +162,13 @@ def gae_advantages(
         delta[T] = np.subtract(0.0, V[T]) + R[last]
         # Eq. 3, into delta's array (in order: the passes below run on forward, contiguous arrays)
         A = runs_discounted_cumsum(delta, traj_tokens, gamma * lam, out=delta)
-        returns = np.add(A, V, out=V)  # Eq. 4, into V's array (on_mask's own copy, not read again)
-    return GAEAdvantages(A, returns, a, lengths, last, R)
+        # Eq. 4, returns = A + V into V's array (on_mask's own copy, not read again), with A's moments when
+        # asked for in the same read of A
+        m = moments_of_blocks(A, add_to=V) if moments else None
+        if m is None:
+            np.add(V, A, out=V)
+        returns = V
+    return GAEAdvantages(A, returns, a, lengths, last, R, m)
 
 
 def gae_result(batch: CreditBatch, g: GAEAdvantages, A: np.ndarray) -> CreditResult:
@@ -169,9 +188,12 @@ def gae_credit(
 ) -> CreditResult:
     """GAE on the assistant tokens only, whitened under the statistic `key` (Eq. 5); `rewards` replace the
     trajectories' R (process_reward's penalised outcome)."""
-    g = gae_advantages(batch, settings, key, rewards)
+    # this batch's own moments when the whitening is taken over it (CreditBatch.moments: scope "batch", or no
+    # round statistics given: the batch is the round), computed with the returns
+    own = settings.whiten and (settings.scope == "batch" or batch.round_stats is None)
+    g = gae_advantages(batch, settings, key, rewards, moments=own)
     A = g.A
     if settings.whiten and len(A):
-        # Eq. 5, in place: g.A is this call's own array (g keeps the returns, computed before)
-        A = whiten(A, batch.moments(key, A, scope=settings.scope), out=A)
+        m = g.moments if g.moments is not None else batch.moments(key, A, scope=settings.scope)
+        A = whiten(A, m, out=A)  # Eq. 5, in place: g.A is this call's own array (g keeps the returns)
     return gae_result(batch, g, A)
