@@ -19,6 +19,7 @@ from pipeline.credit.process import (
     STATS,
     forget_credit_batches,
     keeping_credit_batches,
+    kept_bytes,
     merge_statistics,
     statistics_from_json,
     statistics_methods,
@@ -74,7 +75,7 @@ def _cache_budget() -> int:
 
 def _room() -> bool:
     """Whether the kept reads have room left (a read past it is not kept)."""
-    return sum(t.nbytes for t, _ in _kept.values()) < _cache_budget()
+    return sum(t.nbytes for t, _ in _kept.values()) + kept_bytes() < _cache_budget()
 
 
 def _part_key(lake: Lake, table: str, round_: int, batch: str) -> tuple:
@@ -101,7 +102,7 @@ def _read(
         return got.select(columns)
     out = read_batch(lake, table, round_, batch, columns=columns)
     if key is not None and keep and key[-2] >= 0:
-        used = sum(t.nbytes for t, _ in _kept.values())
+        used = sum(t.nbytes for t, _ in _kept.values()) + kept_bytes()
         if used + out.nbytes <= _cache_budget():
             _kept[key] = (out, columns is None)
     return out

@@ -19,6 +19,7 @@ from flows.batch import finish_round, round_batches, round_statistics, run_stage
 from pipeline.config import Config
 from pipeline.credit import process
 from pipeline.credit.batch import CreditBatch
+from pipeline.credit.methods import gae as gae_method
 from pipeline.credit.process import statistics_json
 from pipeline.stages import get_stage
 from pipeline.synth import SynthSettings, generate
@@ -200,9 +201,9 @@ def synth_lake(tmp_path: Path, monkeypatch, fmt: str, name: str, overflow: bool 
     return lake
 
 
-def credit_round(lake: Lake, method: str) -> pa.Table:
+def credit_round(lake: Lake, method: str, stages: dict | None = None) -> pa.Table:
     """The round as a plain caller runs it: statistics pass, credit per batch, the run log's flush."""
-    cfg = Config(lake=str(lake.root), methods=[method])
+    cfg = Config(lake=str(lake.root), methods=[method], stages=stages or {})
     batches = round_batches(lake, 0)
     stats = round_statistics(lake, 0, cfg, batches)
     for b in batches:
@@ -254,6 +255,40 @@ def test_kept_reads_give_the_same_advantages(tmp_path, monkeypatch, fmt, method)
     )
     runs = read_stage_runs(kept, 0)
     assert sorted(set(runs.column("stage").to_pylist())) == ["credit", "credit_stats"]
+
+
+@pytest.mark.parametrize("stages", [{}, {"gae": {"gamma": 0.99, "lam": 0.95}}])
+def test_gae_is_estimated_once_per_batch_on_the_kept_path(tmp_path, monkeypatch, stages):
+    """The statistics pass's Eq. 1-4 (gae_advantages) kept with the batch: credit whitens it instead of
+    estimating again; the same advantages as the recompute path (lam = 1 and lam < 1)."""
+    calls: list[bool] = []
+    real = gae_method.gae_advantages
+
+    def counted(*args, **kwargs):
+        calls.append(bool(kwargs.get("moments")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gae_method, "gae_advantages", counted)
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "256")
+    kept = synth_lake(tmp_path, monkeypatch, "parquet", "kept")
+    n = len(round_batches(kept, 0))
+    held: list[int] = []
+    real_batch = process.process_batch
+
+    def counted_batch(*args, **kwargs):
+        held.append(process.kept_bytes())
+        return real_batch(*args, **kwargs)
+
+    monkeypatch.setattr(process, "process_batch", counted_batch)
+    got = credit_round(kept, "gae", stages)
+    assert calls == [True] * n  # the statistics pass's only: credit estimated nothing
+    assert held[0] > held[-1] > 0  # the kept estimates are counted against the bound, and go once used
+    calls.clear()
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "0")
+    plain = synth_lake(tmp_path, monkeypatch, "parquet", "plain")
+    want = credit_round(plain, "gae", stages)
+    assert calls == [True] * n + [False] * n  # both passes estimate
+    assert got.num_rows == want.num_rows > 0 and got.equals(want)
 
 
 def test_a_kept_batch_leaves_out_the_same_overflowing_group(tmp_path, monkeypatch):

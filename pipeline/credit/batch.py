@@ -187,6 +187,9 @@ class CreditBatch:
     # pass (each estimator's declared `RoundStatistics.fn`) and given to the credit pass (None: this batch is
     # the whole round)
     round_stats: Mapping[str, Moments] | None = None
+    # an estimator's intermediate of this batch for a later call on the same batch: the statistics pass's, for
+    # credit of a kept batch (pipeline.credit.process.keeping_credit_batches; gae's Eq. 1-4); never the batch's data
+    memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod

@@ -246,6 +246,18 @@ def keeping_credit_batches() -> Iterator[None]:
         _keeping.reset(token)
 
 
+def kept_bytes() -> int:
+    """What the kept credit batches hold beyond the Arrow tables they were built from: the estimators'
+    intermediates (`CreditBatch.memo`: gae's advantages and returns) and the token mask."""
+    total = 0
+    for kept in _kept_batches.values():
+        total += kept.batch.tok_mask.nbytes
+        for value in kept.batch.memo.values():
+            fields = vars(value).values() if dataclasses.is_dataclass(value) else [value]
+            total += sum(v.nbytes for v in fields if isinstance(v, np.ndarray))
+    return total
+
+
 def forget_credit_batches() -> None:
     """Drop every kept credit batch (a statistics pass starting over)."""
     _kept_batches.clear()

@@ -21,7 +21,7 @@ the trajectory."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -77,7 +77,9 @@ def gae_statistics(batch: CreditBatch, settings: GAESettings) -> dict[str, Momen
     """Eq. 5's moments on this batch: those of A (Eq. 1-3) over its assistant tokens (the statistics pass)."""
     if not settings.whiten:
         return {}
-    return {"gae": gae_advantages(batch, settings, "gae", moments=True).moments or Moments()}
+    g = gae_advantages(batch, settings, "gae", moments=True)
+    batch.memo[("gae", settings.gamma, settings.lam)] = g  # credit of this batch, when it is kept for credit
+    return {"gae": g.moments or Moments()}
 
 
 @estimator(
@@ -191,7 +193,12 @@ def gae_credit(
     # this batch's own moments when the whitening is taken over it (CreditBatch.moments: scope "batch", or no
     # round statistics given: the batch is the round), computed with the returns
     own = settings.whiten and (settings.scope == "batch" or batch.round_stats is None)
-    g = gae_advantages(batch, settings, key, rewards, moments=own)
+    kept = batch.memo.pop((key, settings.gamma, settings.lam), None) if rewards is None and not own else None
+    g = (  # the statistics pass's Eq. 1-4 of this batch (kept for credit), less its own moments: not the round's
+        replace(kept, moments=None)
+        if isinstance(kept, GAEAdvantages)
+        else gae_advantages(batch, settings, key, rewards, moments=own)
+    )
     A = g.A
     if settings.whiten and len(A):
         m = g.moments if g.moments is not None else batch.moments(key, A, scope=settings.scope)
