@@ -5,8 +5,11 @@ Per tree, each repetition times the real CLI in a fresh process:
 - import:   `import <cli module>` (python -X importtime, the project's own modules and everything they pull);
 - first:    process of a small synthetic round (every stage computes), Prefect's ephemeral API per command
             (CREDITFLOW_NO_SERVER=1);
-- shared first: the same with no API up and none disabled: a tree that shares one API per machine starts it
-            here (the first command on a machine), the baseline its ephemeral one;
+- shared first: the same with no API up and none disabled, and a fresh Prefect database: a tree that shares
+            one API per machine starts it here (the machine's first command ever: the API creates and migrates
+            the database);
+- cold:     the same on another new lake, the database kept, no API up (the first command after the shared API
+            stopped unused, or after a reboot): issue 36's <= 5 s;
 - new round, API up: process of another new small round with a server up (`creditflow server start`; what
             a tree that shares its API gives every command after the first): issue 36's <= 2 s;
 - noop:     the same command again on the processed round: what a user waits for (a tree with the up-to-date
@@ -189,8 +192,18 @@ def main() -> None:
             if k[0] == name
         )
 
+    def cold_rows(name: str, tree: Path, proc: list[str], lakes: list[Path], es: dict[str, str]) -> None:
+        """A new small round with no API up: first with a fresh Prefect database (the machine's first command
+        ever: the API creates and migrates it), then on another new lake with that database kept (`cold`: the
+        first command after the API stopped, e.g. 30 min unused, or after a reboot)."""
+        for what, lake in zip(("shared first", "cold"), lakes, strict=True):
+            try:
+                timed((name, what), times, tree, [*proc, "--lake", str(lake)], es)
+            finally:
+                run_cli(tree, ["server", "stop"], es)  # the API the command left (a tree that shares one)
+
     def server_rows(
-        name: str, tree: Path, proc: list[str], lake: Path, es: dict[str, str], cold: Path | None = None
+        name: str, tree: Path, proc: list[str], lake: Path, es: dict[str, str], cold: list[Path] | None = None
     ) -> None:
         """(`cold`: a new small round with no API up first: the machine's first command.) A new small round
         with a server up (through the warm runner where the tree has one: waited for after `server start`),
@@ -199,10 +212,7 @@ def main() -> None:
         stats = Path(es["CREDITFLOW_CACHE"]) / "warm.jsonl"
         es = {**es, "CREDITFLOW_WARM_STATS": str(stats)}
         if cold is not None:
-            try:
-                timed((name, "shared first"), times, tree, [*proc, "--lake", str(cold)], es)
-            finally:
-                run_cli(tree, ["server", "stop"], es)
+            cold_rows(name, tree, proc, cold, es)
         run_cli(tree, ["server", "start"], es)
         try:
             if (tree / "flows" / "warm.py").exists():
@@ -233,21 +243,23 @@ def main() -> None:
                 e = {**env, "PREFECT_HOME": str(home)}
                 small, big = work / f"{name}-{rep}-small", work / f"{name}-{rep}-big"
                 small2, small3 = work / f"{name}-{rep}-small2", work / f"{name}-{rep}-small3"
+                small4 = work / f"{name}-{rep}-small4"
                 proc = ["process", "--round", "0", "--methods", METHODS]
                 times.setdefault((name, "import"), []).append(import_time(tree, e))
                 if args.only == "server":
                     synth(tree, small3, args.small, e)
                     synth(tree, small2, args.small, e)
+                    synth(tree, small4, args.small, e)
                     server_rows(
                         name,
                         tree,
                         proc,
                         small3,
                         {**e, "CREDITFLOW_CACHE": str(work / f"cache-{name}-{rep}")},
-                        cold=small2,
+                        cold=[small2, small4],
                     )
-                    shutil.rmtree(small3, ignore_errors=True)
-                    shutil.rmtree(small2, ignore_errors=True)
+                    for lake in (small2, small3, small4):
+                        shutil.rmtree(lake, ignore_errors=True)
                     print(f"rep {rep + 1} {name}: " + shown_rep(name), flush=True)
                     continue
                 synth(tree, small, args.small, e)
@@ -255,6 +267,7 @@ def main() -> None:
                 big_tokens = tokens_of(big)
                 synth(tree, small2, args.small, e)
                 synth(tree, small3, args.small, e)
+                synth(tree, small4, args.small, e)
                 timed((name, "first"), times, tree, [*proc, "--lake", str(small)], e)
                 timed((name, "noop"), times, tree, [*proc, "--lake", str(small)], e)
                 force = ["--force"] if has_force(tree) else []
@@ -265,10 +278,7 @@ def main() -> None:
                 times.setdefault((name, "big"), []).append(run_cli(tree, [*proc, "--lake", str(big)], e))
                 es = {**e, "CREDITFLOW_CACHE": str(work / f"cache-{name}-{rep}")}  # no server recorded
                 es.pop("CREDITFLOW_NO_SERVER")
-                try:
-                    timed((name, "shared first"), times, tree, [*proc, "--lake", str(small2)], es)
-                finally:
-                    run_cli(tree, ["server", "stop"], es)  # the API the command left (a tree that shares one)
+                cold_rows(name, tree, proc, [small2, small4], es)
                 run_cli(tree, ["server", "start"], es)
                 try:
                     timed((name, "server new"), times, tree, [*proc, "--lake", str(small3)], es)
@@ -281,7 +291,7 @@ def main() -> None:
                         )
                 finally:
                     run_cli(tree, ["server", "stop"], es)
-                for lake in (small, small2, small3, big):
+                for lake in (small, small2, small3, small4, big):
                     shutil.rmtree(lake, ignore_errors=True)
                 print(f"rep {rep + 1} {name}: " + shown_rep(name), flush=True)
     finally:
@@ -321,8 +331,14 @@ def main() -> None:
         ("first", "process, new small round, ephemeral API per command (CREDITFLOW_NO_SERVER=1)"),
         (
             "shared first",
-            "process, new small round, no API up (**cold**: a sharing tree starts it, once per machine)",
+            "process, new small round, no API up, "
+            + (
+                "fresh Prefect database (the machine's first command ever: the API creates and migrates it)"
+                if args.only == "server"
+                else "database made by the ephemeral rows before it"
+            ),
         ),
+        ("cold", "process, new small round, no API up, database kept (**cold**: issue 36's <= 5 s)"),
         ("server new", "process, new small round, an API up: **issue 36's <= 2 s**"),
         ("noop", "process again (round unchanged): **what a no-op costs**, no server"),
         ("server", "process again, `creditflow server start` up"),
