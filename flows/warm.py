@@ -14,8 +14,9 @@ multiprocessing's forkserver, it forks per request:
   caller's cwd, environment and descriptors, a process group of its own, refreshes Prefect's settings and
   logging from that environment and runs the same command function (`flows.cli.app`) in-process; the
   supervisor reports its exit status (and its CPU seconds) to the caller, which exits with it;
-- Ctrl-C / SIGTERM / SIGHUP of the caller are forwarded to the command; when the caller dies (kill -9) its
-  socket closes and the supervisor kills the command's process group.
+- Ctrl-C / SIGTERM / SIGHUP of the caller are forwarded to the command, Ctrl-Z stops both (`fg` / `bg` resume
+  both); when the caller dies (kill -9) its socket closes and the supervisor kills the command's process
+  group.
 
 The caller runs the command itself instead (silently; a debug log line says why) when no runner answers,
 CREDITFLOW_NO_SERVER=1 (the test suite), CREDITFLOW_SHARED_API=0 or CREDITFLOW_WARM_RUNNER=0, the settings the
@@ -157,7 +158,17 @@ def _wait(sock: socket.socket, lines: Lines, started: dict, client_s: float | No
         with contextlib.suppress(OSError):
             send(sock, {"signal": signum})
 
+    def suspend(_signum, _frame) -> None:
+        """Ctrl-Z (SIGTSTP): the command stops where it is, then this process stops as the shell's job; `fg` /
+        `bg` (SIGCONT) resumes this process here, and the command with it."""
+        forward(signal.SIGSTOP, None)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)  # stops here until SIGCONT
+        signal.signal(signal.SIGTSTP, suspend)
+        forward(signal.SIGCONT, None)
+
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, suspend)
     try:
         while True:
             msg = lines.next()

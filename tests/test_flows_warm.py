@@ -396,3 +396,31 @@ def test_a_socket_path_longer_than_sun_path_still_binds_and_connects(tmp_path):
         s.close()
     with unix_address(Path("/run/cf/runner.sock")) as address:  # a path that fits is used as it is
         assert address == "/run/cf/runner.sock"
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_ctrl_z_stops_the_command_and_fg_resumes_it(runner, lake, tmp_path):
+    """SIGTSTP of the caller (Ctrl-Z) stops its command in the runner too, not the caller alone; SIGCONT of
+    the caller (the shell's fg / bg) resumes both, and the command still runs to its end."""
+    env, _proc, _server = runner
+    holder = _held_round(lake, tmp_path, env)
+    try:
+        client, pid = _waiting_command(lake, tmp_path, env)
+        client.send_signal(signal.SIGTSTP)
+        wait_for(lambda: _state(client.pid) == "T" and _state(pid) == "T", 30, "caller and command stopped")
+        time.sleep(0.5)
+        assert _state(pid) == "T"  # stays stopped while its caller is
+        client.send_signal(signal.SIGCONT)
+        wait_for(lambda: _state(client.pid) != "T" and _state(pid) != "T", 30, "both resumed")
+        holder.kill()  # the round's lock is free: the waiting command goes on and ends
+        holder.wait()
+        out, err = client.communicate(timeout=240)
+        assert client.returncode == 0, err[-2000:]
+        assert stats(tmp_path)[-1]["exit"] == 0
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
