@@ -35,18 +35,22 @@ def test_by_hand() -> None:
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=12),
     discount=st.sampled_from([0.0, 0.5, 0.9405, 0.99, 1.0]),
     seed=st.integers(0, 2**31 - 1),
+    chain_block=st.sampled_from([1, 5, 64, 1 << 16]),
 )
-def test_matches_the_recursion(compiled: bool, lengths: list[int], discount: float, seed: int) -> None:
+def test_matches_the_recursion(
+    compiled: bool, lengths: list[int], discount: float, seed: int, chain_block: int
+) -> None:
     x = np.random.default_rng(seed).standard_normal(sum(lengths))
     seg = np.repeat(np.arange(len(lengths)), lengths)
-    # compiled: every input of like lengths takes the compiled recursion; else the scan
+    # compiled: every input takes the compiled recursion (one length: columns; other lengths: the cut chain,
+    # solved `chain_block` values at a time; undiscounted: padded rows); else the scan
     threshold = 0 if compiled else 1 << 62
-    old = ops._COMPILED_RECURSION_MIN
-    ops._COMPILED_RECURSION_MIN = threshold
+    old, old_block = ops._COMPILED_RECURSION_MIN, ops.CHAIN_BLOCK
+    ops._COMPILED_RECURSION_MIN, ops.CHAIN_BLOCK = threshold, chain_block
     try:
         got = segment_discounted_cumsum(x, seg, discount)
     finally:
-        ops._COMPILED_RECURSION_MIN = old
+        ops._COMPILED_RECURSION_MIN, ops.CHAIN_BLOCK = old, old_block
     np.testing.assert_allclose(got, recursion(x, seg, discount), rtol=1e-12, atol=1e-12)
     assert np.array_equal(x, np.random.default_rng(seed).standard_normal(sum(lengths)))  # the input is kept
 
@@ -98,3 +102,22 @@ def test_moments_of_blocks_matches_moments_of(n: int, block: int, scale: float, 
     np.testing.assert_array_equal(target, before + x)
     # a constant sample: its value exactly, no spread (whitening gives exactly 0)
     assert (constant.mean, constant.m2) == (x[0], 0.0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_run_stays_in_its_run(bad: float) -> None:
+    # runs of other lengths (the cut chain's case): a NaN / inf in run 1 leaves runs 0 and 2 as the recursion
+    lengths = [5, 7, 4]
+    x = np.random.default_rng(3).standard_normal(sum(lengths))
+    x[7] = bad
+    seg = np.repeat(np.arange(3), lengths)
+    old = ops._COMPILED_RECURSION_MIN
+    ops._COMPILED_RECURSION_MIN = 0
+    try:
+        got = segment_discounted_cumsum(x, seg, 0.9)
+    finally:
+        ops._COMPILED_RECURSION_MIN = old
+    want = recursion(x, seg, 0.9)
+    keep = seg != 1
+    np.testing.assert_allclose(got[keep], want[keep], rtol=1e-12, atol=1e-12)
+    assert not np.isfinite(got[5:8]).any() and np.isfinite(got[8:12]).all()

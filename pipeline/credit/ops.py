@@ -240,10 +240,12 @@ def runs_discounted_cumsum(
 ) -> np.ndarray:
     """y_t = sum_{s >= t in t's run} discount^(s - t) x_s, the values cut into consecutive runs of `lengths`
     (positive, summing to len(values)): `segment_discounted_cumsum` without a per-position segment array.
-    Runs of like lengths: the recursion y_t = x_t + discount * y_{t+1} per run in compiled code (O(n));
-    otherwise (padding would cost more than 4x the data) a log-step (Hillis-Steele) scan: ceil(log2(longest
-    run)) whole-array passes, every step adding only two terms (no cancellation). `out`: a float64 array of
-    len(values) to write y into (it may be `values` itself)."""
+    The recursion y_t = x_t + discount * y_{t+1} from each run's end in compiled code, O(n) (from
+    _COMPILED_RECURSION_MIN values, or undiscounted): runs of one length as the columns of one banded solve,
+    runs of other lengths as one chain cut between runs (finite values), undiscounted runs of like lengths as
+    zero-padded rows; otherwise a log-step (Hillis-Steele) scan: ceil(log2(longest run)) whole-array passes,
+    every step adding only two terms (no cancellation). `out`: a float64 array of len(values) to write y into
+    (it may be `values` itself)."""
     x = np.asarray(values, dtype=np.float64)
     n = len(x)
     if n == 0:
@@ -251,19 +253,29 @@ def runs_discounted_cumsum(
     lengths = np.asarray(lengths, dtype=np.int64)
     bounds = np.append(0, np.cumsum(lengths))
     longest = int(lengths.max())
-    if len(lengths) * longest <= 4 * n and (float(discount) == 1.0 or n >= _COMPILED_RECURSION_MIN):
-        # one run per row, in order; a shorter row zero padded after its data (a zero tail adds 0 to the row's
-        # last value: y_T = x_T)
+    undiscounted = float(discount) == 1.0
+    one_length = bool((lengths == longest).all())
+    compiled = undiscounted or n >= _COMPILED_RECURSION_MIN
+    chain = compiled and not undiscounted and not one_length and bool(np.isfinite(x.sum()))
+    padded = compiled and not chain and len(lengths) * longest <= 4 * n
+    if chain or padded:
         y = x.copy() if out is None else out
         if y is not x and out is not None:
             np.copyto(y, x)
-        if bool((lengths == longest).all()):  # runs of one length: the rows are a view of the data
+        if chain:
+            # one chain with its links cut between runs, in place, no padding (a cut link multiplies y by 0:
+            # a non-finite y would leak NaN across it, hence finite values only)
+            _backward_recursion_runs(y, bounds, float(discount))
+            return y
+        # one run per row, in order; a shorter row zero padded after its data (a zero tail adds 0 to the row's
+        # last value: y_T = x_T)
+        if one_length:  # the rows are a view of the data
             rows, real = y.reshape(len(lengths), longest), None
         else:
             rows = np.zeros((len(lengths), longest))
             real = np.arange(longest)[None, :] < lengths[:, None]
             rows[real] = x
-        if float(discount) == 1.0:
+        if undiscounted:
             np.cumsum(rows[:, ::-1], axis=1, out=rows[:, ::-1])  # y_t = y_{t+1} + x_t, from each row's end
         else:
             _backward_recursion(rows, float(discount))
@@ -302,3 +314,36 @@ def _backward_recursion(rows: np.ndarray, discount: float) -> None:
         raise FloatingPointError(f"dtbtrs info {info}")
     if not np.shares_memory(solved, rows):  # (f2py solved a copy)
         rows[...] = solved.T
+
+
+CHAIN_BLOCK = 1 << 16  # values per banded solve of `_backward_recursion_runs` (its band: 1 MiB, in cache)
+
+
+def _backward_recursion_runs(y: np.ndarray, bounds: np.ndarray, discount: float) -> None:
+    """y[t] += discount * y[t + 1] from each run's end, in place (runs: y[bounds[k]:bounds[k + 1]]): y as one
+    unit upper bidiagonal system whose superdiagonal is 0 where a run starts, solved by dtbtrs (as
+    `_backward_recursion`) over consecutive whole runs of about CHAIN_BLOCK values at a time."""
+    from scipy.linalg.lapack import dtbtrs
+
+    n = len(y)
+    # chunk ends: the first run boundary at or past each multiple of CHAIN_BLOCK after the chunk's start
+    ends, lo = [], 0
+    while lo < n:
+        k = int(np.searchsorted(bounds, lo + CHAIN_BLOCK, side="left"))
+        hi = int(bounds[min(k, len(bounds) - 1)])
+        ends.append((lo, hi))
+        lo = hi
+    width = max(hi - lo for lo, hi in ends)
+    ab = np.empty((2, width), order="F")
+    ab[0] = -discount
+    ab[1] = 1.0  # (unit diagonal: not read)
+    for lo, hi in ends:
+        starts = bounds[np.searchsorted(bounds, lo, side="right") : np.searchsorted(bounds, hi, side="left")]
+        cut = starts - lo  # links y[s - 1] <- y[s] between runs, within this chunk
+        ab[0, cut] = 0.0
+        solved, info = dtbtrs(ab[:, : hi - lo], y[lo:hi, None], uplo="U", trans="N", diag="U", overwrite_b=1)
+        ab[0, cut] = -discount
+        if info != 0:
+            raise FloatingPointError(f"dtbtrs info {info}")
+        if not np.shares_memory(solved, y):
+            y[lo:hi] = solved[:, 0]
