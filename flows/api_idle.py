@@ -7,7 +7,10 @@ holds a shared lock on `prefect.inuse` for its lifetime (`hold_in_use`; the kern
 exits, kill -9 included); the watchdog checks every `CREDITFLOW_SHARED_API_POLL_S` seconds (default 10) whether
 it can take that lock exclusively. Once it could for `CREDITFLOW_SHARED_API_IDLE_S` seconds in a row (default
 1800; 0 keeps the API until `creditflow server stop`), it forgets the record, stops the server's process group
-and exits; it exits too when the server is gone. A server started by `creditflow server start` has no
+and exits; it exits too when the server is gone. It starts with the server, before the server answers: a
+server its launching command never recorded (that command died or was stopped while the API came up) is
+stopped as soon as no command holds the in-use lock, whatever the idle limit, since no later command can find
+it. A server started by `creditflow server start` has no
 watchdog: the user started it and stops it.
 
 Run as `python flows/api_idle.py SERVER_PID STATE_FILE`; stdlib only (it must stay small beside the server)."""
@@ -80,32 +83,46 @@ def _forget(state: Path, pid: int) -> None:
             state.unlink()
 
 
+def _names(state: Path, pid: int) -> bool:
+    """The record names this server (its launcher saw it answer and recorded it for the next commands)."""
+    try:
+        return json.loads(state.read_text()).get("pid") == pid
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
+
+
+UNRECORDED_POLL_S = 0.5  # while the server starts: its launcher may die before it records it
+
+
 def watch(pid: int, state: Path, idle_s: float, poll_s: float) -> str:
-    """Poll until the server is gone or unused for `idle_s`; returns why it stopped watching."""
+    """Poll until the server is gone, unused for `idle_s`, or unused and not recorded (its launcher died
+    while it started: no later command can find it); returns why it stopped watching. `idle_s` 0: once the
+    server is recorded it is kept (until `creditflow server stop`)."""
     path = in_use_path(state)
     last_busy = time.monotonic()
     while _alive(pid):
-        time.sleep(poll_s)
+        recorded = _names(state, pid)
+        if recorded and idle_s == 0:
+            return "kept"
+        time.sleep(poll_s if recorded else min(poll_s, UNRECORDED_POLL_S))
         if not _unused(path):
             last_busy = time.monotonic()
-        elif time.monotonic() - last_busy >= idle_s:
+        elif not _names(state, pid) or time.monotonic() - last_busy >= idle_s:
             _forget(state, pid)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGTERM)  # the server's process group (it leads its session)
-            return "idle"
+            return "idle" if recorded else "abandoned"
     return "server gone"
 
 
 def main(argv: list[str]) -> int:
     pid, state = int(argv[0]), Path(argv[1])
     idle_s = idle_limit()
-    if idle_s == 0:
-        return 0
     try:
         poll_s = max(0.05, float(os.environ.get(POLL_ENV, "10")))
     except ValueError:
         poll_s = 10.0
-    watch(pid, state, idle_s, min(poll_s, idle_s))
+    watch(pid, state, idle_s, min(poll_s, idle_s) if idle_s else poll_s)
     return 0
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from flows.api_idle import hold_in_use
 from flows.warm_wire import command_name, services_folder
 
 STATE = "prefect.json"
@@ -178,6 +179,8 @@ def launch(port: int | None = None, ui: bool = True) -> tuple[subprocess.Popen, 
     else:
         env.update({"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1"})
         env.update({k: v for k, v in API_ENV.items() if k not in os.environ})
+    if not ui:
+        hold_in_use(state_path())  # this command uses it from now: its watchdog stops it once none does
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             _server_command(port, ui),
@@ -187,7 +190,24 @@ def launch(port: int | None = None, ui: bool = True) -> tuple[subprocess.Popen, 
             env=env,
             start_new_session=True,
         )
+    if not ui:
+        start_idle_watchdog(proc.pid, log)
     return proc, url, log
+
+
+def start_idle_watchdog(pid: int, log: Path) -> None:
+    """The shared API's watchdog (flows/api_idle.py), started with the server and in a session of its own like
+    it: it stops the server's process group once no command has used it for CREDITFLOW_SHARED_API_IDLE_S
+    (default 30 min), or at once when the command that launched it died before recording it; it exits when
+    the server is gone (`creditflow server stop`). Run by its file path: standard library only."""
+    with open(log, "ab") as out:
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("api_idle.py")), str(pid), str(state_path())],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a process group may be joined only within its session
+        )
 
 
 @dataclass

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -56,19 +55,21 @@ def wait_started(
     RuntimeError when it exits or does not answer within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     up = False
-    while time.monotonic() < deadline and not up:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the Prefect server exited with status {proc.returncode}; see {log}")
-        up = healthy(url)
-        if not up:
-            time.sleep(0.1)
+    try:
+        while time.monotonic() < deadline and not up:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the Prefect server exited with status {proc.returncode}; see {log}")
+            up = healthy(url)
+            if not up:
+                time.sleep(0.05)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C while it starts: nobody could find it later
+        kill(proc.pid, grace_s=5)
+        raise
     if up:
         info = ServerInfo(pid=proc.pid, url=url, log=str(log), started=time.time(), ui=ui)
         tmp = state_path().with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(asdict(info)))
         tmp.replace(state_path())
-        if not ui:
-            start_idle_watchdog(proc.pid, log)
         start_runner(info)  # it imports once this command has exited (flows/warm_runner.py)
         return info
     kill(proc.pid, grace_s=5)
@@ -81,20 +82,6 @@ def start_runner(info: ServerInfo) -> bool:
     from flows.warm import ensure_runner
 
     return ensure_runner(info.pid, state_path(), Path(info.log).with_name("runner.log"))
-
-
-def start_idle_watchdog(pid: int, log: Path) -> None:
-    """The shared API's watchdog (flows/api_idle.py), in a session of its own like the server: it stops the
-    server's process group once no command has used it for CREDITFLOW_SHARED_API_IDLE_S (default 30 min), and
-    exits when the server is gone (`creditflow server stop`). Run by its file path: standard library only."""
-    with open(log, "ab") as out:
-        subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("api_idle.py")), str(pid), str(state_path())],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # a process group may be joined only within its session
-        )
 
 
 def start(port: int | None = None, timeout_s: float = 120.0, ui: bool = True) -> tuple[ServerInfo, bool]:

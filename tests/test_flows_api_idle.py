@@ -44,14 +44,16 @@ def _alive(pid: int) -> bool:
 
 @contextlib.contextmanager
 def _server_and_watchdog(
-    tmp_path: Path, idle_s: str
+    tmp_path: Path, idle_s: str, recorded: bool = True
 ) -> Iterator[tuple[subprocess.Popen, subprocess.Popen, Path]]:
-    """A stand-in server (a sleeping process in a session of its own, recorded as the flows.server record is)
-    and the watchdog in a session of its own as flows.server starts it, polling every 0.1 s."""
+    """A stand-in server (a sleeping process in a session of its own, recorded as the flows.server record is,
+    unless not `recorded`) and the watchdog in a session of its own as flows.server starts it, polling every
+    0.1 s."""
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
     state = tmp_path / "services" / "prefect.json"
     state.parent.mkdir(parents=True)
-    state.write_text(json.dumps({"pid": server.pid, "url": "http://127.0.0.1:1/api"}))
+    if recorded:
+        state.write_text(json.dumps({"pid": server.pid, "url": "http://127.0.0.1:1/api"}))
     env = os.environ | {api_idle.IDLE_ENV: idle_s, api_idle.POLL_ENV: "0.1"}
     dog = subprocess.Popen(
         [sys.executable, str(WATCHDOG), str(server.pid), str(state)], env=env, start_new_session=True
@@ -62,6 +64,15 @@ def _server_and_watchdog(
         for p in (server, dog):
             p.kill()
             p.wait()
+
+
+def _holder(state: Path) -> subprocess.Popen:
+    """A command holding the API's in-use lock (until killed)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(state), str(WATCHDOG.parent)], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
 
 
 def _wait_gone(pid: int, timeout_s: float) -> bool:
@@ -82,13 +93,8 @@ def test_an_unused_server_is_stopped_and_forgotten(tmp_path):
 
 def test_a_command_holding_the_api_keeps_it_and_its_exit_frees_it(tmp_path):
     with _server_and_watchdog(tmp_path, "1") as (server, _dog, state):
-        holder = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, str(state), str(WATCHDOG.parent)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        holder = _holder(state)
         try:
-            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
             time.sleep(3)  # three idle limits with the lock held: the server stays
             assert _alive(server.pid) and state.exists()
         finally:
@@ -118,3 +124,26 @@ def test_a_bad_limit_is_the_default(monkeypatch):
     assert api_idle.idle_limit() == api_idle.DEFAULT_IDLE_S
     monkeypatch.setenv(api_idle.IDLE_ENV, "-5")
     assert api_idle.idle_limit() == 0.0
+
+
+@pytest.mark.parametrize("idle_s", ["1800", "0"])
+def test_a_server_its_launcher_never_recorded_stops_once_unused(tmp_path, idle_s):
+    """The command that launched the shared API died (Ctrl-C, kill -9) before the API answered and was recorded:
+    no later command can find that server, so it stops as soon as no command holds the in-use lock, whatever
+    the idle limit (0 included); while its launcher holds the lock, it runs on."""
+    with _server_and_watchdog(tmp_path, idle_s, recorded=False) as (server, _dog, state):
+        launcher = _holder(state)
+        try:
+            time.sleep(1.5)  # starting: unrecorded, but its launcher lives
+            assert _alive(server.pid)
+        finally:
+            launcher.kill()
+            launcher.wait()
+        assert _wait_gone(server.pid, 10), "an abandoned server still runs"
+
+
+def test_a_recorded_server_is_left_to_the_idle_limit(tmp_path):
+    """Recorded by its launcher, the server outlives that command: the idle limit, not the launcher, ends it."""
+    with _server_and_watchdog(tmp_path, "1800") as (server, dog, state):
+        time.sleep(1.5)
+        assert _alive(server.pid) and dog.poll() is None and state.exists()

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from api_processes import servers_of
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -137,7 +138,7 @@ def test_process_starts_a_shared_api_for_the_next_command(tmp_path):
         state = json.loads(state_file.read_text())
         assert "started a Prefect API at " + state["url"] in " ".join(first.stdout.split())
         assert state["ui"] is False
-        assert _servers_of(tmp_path / "cache") == [state["pid"]]
+        assert servers_of(tmp_path / "cache") == [state["pid"]]
         # its idle watchdog watches it (tests/test_flows_api_idle.py: what the watchdog does)
         watchdogs = [
             p
@@ -165,20 +166,7 @@ def test_process_starts_a_shared_api_for_the_next_command(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert "up to date" in again.stdout and "started a Prefect API" not in again.stdout
     assert not state_file.exists()
-    assert _servers_of(tmp_path / "cache") == []
-
-
-def _servers_of(cache: Path) -> list[int]:
-    """Live API server processes started for this CREDITFLOW_CACHE (their cmdline and environment)."""
-    from flows.api_launch import API_APP
-
-    found = []
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit() or API_APP.encode() not in _read(p / "cmdline"):
-            continue
-        if f"CREDITFLOW_CACHE={cache}".encode() in _read(p / "environ").split(b"\0"):
-            found.append(int(p.name))
-    return found
+    assert servers_of(tmp_path / "cache") == []
 
 
 def test_no_server_keeps_an_api_per_command(monkeypatch):

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from api_processes import servers_of
 
 from flows import warm, warm_runner, warm_wire
 
@@ -229,6 +230,9 @@ def test_kill_9_of_the_caller_kills_its_command(runner, lake, tmp_path):
         client.wait()
         wait_for(lambda: not alive(pid), 30, "the orphaned command to be killed")
         assert proc.poll() is None  # the runner serves on
+        # the shared API the command launched (the recorded one does not answer) never got recorded: its
+        # watchdog stops it once the command is gone (flows/api_idle.py)
+        wait_for(lambda: servers_of(tmp_path / "cache") == [], 60, "the command's unrecorded API to stop")
     finally:
         holder.kill()
         holder.wait()
@@ -245,6 +249,7 @@ def test_sigterm_of_the_caller_reaches_its_command(runner, lake, tmp_path):
         assert client.returncode == -signal.SIGTERM
         assert stats(tmp_path)[-1]["exit"] == -signal.SIGTERM
         assert not alive(pid)
+        wait_for(lambda: servers_of(tmp_path / "cache") == [], 60, "the command's unrecorded API to stop")
     finally:
         holder.kill()
         holder.wait()
