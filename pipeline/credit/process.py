@@ -49,7 +49,9 @@ def _token_values(batch: CreditBatch, kind: int, values: list[np.ndarray]) -> np
         return np.repeat(np.stack(values).astype(np.float32), batch.step_tokens, axis=1)
     flat = np.zeros((len(values), batch.n_tokens), dtype=np.float32)
     for row, v in zip(flat, values, strict=True):  # a row at a time: flat[:, mask] = stacked is ~4x slower
-        if kind == 1:
+        if kind == 1 and len(v) == len(row):  # every token an assistant token: the values in order, cast
+            np.copyto(row, v, casting="same_kind")
+        elif kind == 1:
             row[batch.tok_mask] = v
         else:
             np.copyto(row, v, casting="same_kind", where=batch.tok_mask)
