@@ -6,8 +6,10 @@ writes its parts and a `stage_runs` row, and returns a small summary (a dict). T
 from __future__ import annotations
 
 import os
+import threading
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -56,14 +58,22 @@ def stage_io(config: Config) -> StageIO:
 # the statistics pass reads the steps columns credit reads too and keeps what it read, keyed by the part's
 # identity (Lake.part_stat: path, size, mtime), and credit's read of the same part takes it from here (the very
 # table when the columns are the same: credit then starts from the credit batch the statistics pass built,
-# pipeline.credit.process.keeping_credit_batches; columns it lacks are read from disk); an entry is used once. A rewritten part has another identity: never
-# served. Bounded: an entry that would take the kept bytes past CREDITFLOW_READ_CACHE_MB (default 256; 0 turns
-# it off) is not kept (that batch is read again); a 64-group batch of 3.1M tokens keeps ~21 MB for gae. The
-# flow's tasks never keep (their statistics pass is its own task). Measured (bench/results/credit.md, #36
-# "kept reads on by default"): the second read of the steps was 70-240 ms of a 2-batch gae round's 0.40-0.71 s.
+# pipeline.credit.process.keeping_credit_batches; columns it lacks are read from disk); an entry is used once. A
+# rewritten part has another identity: never served. Bounded: an entry that would take the kept bytes past
+# CREDITFLOW_READ_CACHE_MB (default 256; 0 turns it off) is not kept (that batch is read again); a 64-group batch
+# of 3.1M tokens keeps ~21 MB for gae. The flow (flows/process_round.py) keeps too where its statistics task and
+# credit task of a batch run in the same process (the thread runner without worker processes), for the span of
+# the round (`keeping_round`: what credit did not take is dropped when the round ends or fails). Measured
+# (bench/results/credit.md, #36 "kept reads on by default"): the second read of the steps was 70-240 ms of a
+# 2-batch gae round's 0.40-0.71 s.
 READ_CACHE_ENV = "CREDITFLOW_READ_CACHE_MB"
 READ_CACHE_MB = 256  # the default bound
 _kept: dict[tuple, tuple[pa.Table, bool]] = {}  # part identity -> (what was read, whether every column)
+_owned: dict[
+    tuple[str, int], set[int]
+] = {}  # (lake URI, round) -> ids of the tables it kept (its batches' keys)
+_rounds: dict[tuple[str, int], int] = {}  # the rounds a flow of this process runs with kept reads
+_lock = threading.Lock()  # the flow's threads keep and take side by side
 
 
 def _cache_budget() -> int:
@@ -73,9 +83,13 @@ def _cache_budget() -> int:
         return 0
 
 
+def _used() -> int:
+    return sum(t.nbytes for t, _ in list(_kept.values())) + kept_bytes()
+
+
 def _room() -> bool:
     """Whether the kept reads have room left (a read past it is not kept)."""
-    return sum(t.nbytes for t, _ in _kept.values()) + kept_bytes() < _cache_budget()
+    return _used() < _cache_budget()
 
 
 def _part_key(lake: Lake, table: str, round_: int, batch: str) -> tuple:
@@ -88,8 +102,10 @@ def _read(
     """read_batch of trajectories / steps, through the statistics pass's kept reads: `keep` keeps this read
     (the statistics pass); otherwise a kept read of the same part is used (and dropped)."""
     key = _part_key(lake, table, round_, batch) if (keep or _kept) else None
-    if key is not None and not keep and key in _kept and (columns is not None or _kept[key][1]):
-        got = _kept.pop(key)[0]
+    with _lock:
+        hit = not keep and key in _kept and (columns is not None or _kept[key][1])
+        got = _kept.pop(key)[0] if key is not None and hit else None
+    if got is not None:
         if columns is None or got.column_names == columns:  # the very table (credit's kept batch: its key)
             return got
         missing = [c for c in columns if c not in got.column_names]
@@ -102,16 +118,54 @@ def _read(
         return got.select(columns)
     out = read_batch(lake, table, round_, batch, columns=columns)
     if key is not None and keep and key[-2] >= 0:
-        used = sum(t.nbytes for t, _ in _kept.values()) + kept_bytes()
-        if used + out.nbytes <= _cache_budget():
-            _kept[key] = (out, columns is None)
+        with _lock:
+            if _used() + out.nbytes <= _cache_budget():
+                _kept[key] = (out, columns is None)
+                _owned.setdefault((lake.uri, int(round_)), set()).add(id(out))
     return out
 
 
-def _forget_kept() -> None:
-    """Drop every kept read (a statistics pass starting: what an earlier one kept and no credit used is not
-    held on to)."""
-    _kept.clear()
+def _forget_kept(lake_uri: str | None = None, round_: int | None = None) -> None:
+    """Drop the kept reads and the credit batches built from them: of round `round_` of `lake_uri` (its flow
+    ending, `keeping_round`), else of every round no flow of this process is running (a plain statistics pass
+    starting: what an earlier one kept and no credit used is not held on to)."""
+    with _lock:
+        if lake_uri is None:
+            drop = [k for k in {*_owned, *((u, r) for u, _, r, *_ in _kept)} if k not in _rounds]
+        else:
+            drop = [(lake_uri, int(round_ or 0))]
+        tables = {t for k in drop for t in _owned.pop(k, set())}
+        for key in [k for k in _kept if (k[0], k[2]) in drop]:
+            del _kept[key]
+    if lake_uri is None and not _rounds:
+        forget_credit_batches()
+    else:
+        forget_credit_batches(tables)
+
+
+@contextmanager
+def keeping_round(lake: Lake, round_: int) -> Iterator[None]:
+    """Within: the flow's statistics tasks of this round keep their reads and credit batches for its credit tasks
+    (`keeps_round`); at the end (or on an error) whatever credit did not take is dropped: nothing is held past
+    the round (a cached credit task, a failed one)."""
+    key = (lake.uri, int(round_))
+    with _lock:
+        _rounds[key] = _rounds.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _rounds[key] -= 1
+            last = not _rounds[key]
+            if last:
+                del _rounds[key]
+        if last:
+            _forget_kept(*key)
+
+
+def keeps_round(lake_uri: str, round_: int) -> bool:
+    """Whether a flow of this process runs round `round_` of the lake with kept reads (`keeping_round`)."""
+    return (lake_uri, int(round_)) in _rounds
 
 
 def _tokens(steps: pa.Table) -> int:
@@ -191,7 +245,8 @@ def run_stage(
         columns = [*wanted, *(c for c in columns if c not in wanted)]
     traj = _read(lake, "trajectories", round_, batch, keep=keep_reads)
     steps = _read(lake, "steps", round_, batch, columns=columns, keep=keep_reads)
-    held = [t for t, _ in _kept.values()]
+    with _lock:
+        held = [t for t, _ in _kept.values()]
     kept = keep_reads and any(t is steps for t in held) and any(t is traj for t in held)  # both: its key
     inputs = {key: read_batch(lake, table, round_, part) for table, part, key in stage.reads(batch, config)}
     if stage.round_statistics:
@@ -240,8 +295,8 @@ def round_statistics(lake: Lake, round_: int, config: Config, batches: list[str]
     if not statistics_methods(config):
         return {}
     batches = round_batches(lake, round_) if batches is None else batches
-    _forget_kept()
-    forget_credit_batches()
+    if not keeps_round(lake.uri, round_):  # the flow's barrier keeps what its statistics tasks kept
+        _forget_kept()
     parts = []
     for b in batches:
         part, source = current_statistics(lake, round_, b, config)

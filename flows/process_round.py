@@ -17,6 +17,7 @@ import functools
 import inspect
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from prefect import flow, get_run_logger, task, unmapped
@@ -26,7 +27,7 @@ from prefect.states import Completed
 from prefect.tasks import exponential_backoff
 
 from flows import progress, workers
-from flows.batch import round_batches, round_stages, round_statistics, run_stage
+from flows.batch import keeping_round, keeps_round, round_batches, round_stages, round_statistics, run_stage
 from flows.caching import (
     BatchStageCache,
     cache_dir,
@@ -94,8 +95,9 @@ def batch_stage_task(
     try:
         if workers.use_processes(config) and not stage.calls_llm(config):
             summary = workers.run(config.max_workers, run_stage, *args)  # off the flow's GIL
-        elif config.task_runner == "threads":
-            summary = workers.run_here(config.max_workers, run_stage, *args)
+        elif config.task_runner == "threads":  # in the flow's process: the statistics pass keeps for credit
+            keep = stage.name == STATS and keeps_round(lake_root, round_)
+            summary = workers.run_here(config.max_workers, run_stage, *args, keep_reads=keep)
         else:  # processes, Ray, Dask: this is a worker process already
             summary = run_stage(*args)
     except Exception as exc:  # the command's one error line names the stage (flows.cli.error_line)
@@ -223,7 +225,7 @@ def process_round_flow(round_: int, config: Config | dict):
     batches = round_batches(lake, round_)
     prune_stale_parts(lake, round_, list(derived_tables()), batches)
     # worker processes, result storage, the API's priority (flows/execution.py)
-    with round_execution(config, lake, batches) as (config, idle_api):
+    with round_execution(config, lake, batches) as (config, idle_api), _keeping(config, lake, round_):
         run = _run_stages(lake, round_, batches, config)
     # again at the end: a writer of a killed run may still have been exiting when the round started
     lake.cleanup()
@@ -247,6 +249,16 @@ def process_round_flow(round_: int, config: Config | dict):
             message=f"round {round_}: {len(warnings)} degraded batch stage(s); first: {warnings[0]}",
         )
     return summary
+
+
+def _keeping(config: Config, lake: Lake, round_: int) -> AbstractContextManager:
+    """The round's statistics tasks keep their reads and credit batches for its credit tasks where both run in
+    this process: the thread runner without worker processes (flow.processes false, or a round of one batch).
+    Worker processes take any batch's task (no batch is pinned to one): they never keep. What credit did not
+    take is dropped when the stages end (flows.batch.keeping_round)."""
+    if config.task_runner == "threads" and not workers.use_processes(config):
+        return keeping_round(lake, round_)
+    return nullcontext()
 
 
 def _log_round(round_: int, summary: dict, run: dict[str, dict]) -> None:

@@ -550,3 +550,114 @@ def test_flow_run_end_does_not_wait_for_the_heartbeat_thread(monkeypatch):
     monkeypatch.undo()
     thread.join(5)  # the unjoined thread saw the stop event at its next 1 s step
     assert not thread.is_alive()
+
+
+STAT_METHODS = ["grpo", "gae", "turn_ppo", "gdpo"]  # gae, turn_ppo, gdpo take a round statistic
+
+
+def _count_stage_reads(monkeypatch) -> list[tuple[str, str, str, str]]:
+    """(lake, stage, table, batch) of every trajectories / steps read from disk by the flow's batch stages."""
+    import threading
+
+    from flows import batch as fb
+    from flows import process_round
+
+    reads: list[tuple[str, str, str, str]] = []
+    current = threading.local()
+    real_read, real_stage = fb.read_batch, process_round.run_stage
+
+    def counted(lake, table, round_, batch, columns=None):
+        if table in ("trajectories", "steps"):
+            reads.append((lake.root.name, getattr(current, "stage", "?"), table, batch))
+        return real_read(lake, table, round_, batch, columns=columns)
+
+    def staged(lake, round_, batch, stage, *args, **kwargs):
+        current.stage = stage.name
+        try:
+            return real_stage(lake, round_, batch, stage, *args, **kwargs)
+        finally:
+            current.stage = "?"
+
+    monkeypatch.setattr(fb, "read_batch", counted)
+    monkeypatch.setattr(process_round, "run_stage", staged)
+    return reads
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "delta"])
+def test_a_threads_flow_reads_each_batch_once_for_statistics_and_credit(
+    tmp_path, prefect_harness, monkeypatch, fmt
+):
+    """The flow's threads (flow.processes=false): each batch's statistics task keeps its trajectories and steps
+    reads (and credit batch) for the batch's credit task, which reads neither again; the same advantages as
+    with the kept reads off (CREDITFLOW_READ_CACHE_MB=0: credit reads each batch again); nothing is held after
+    the round, also when credit was cached and took nothing."""
+    from flows import batch as fb
+    from pipeline.credit import process
+
+    monkeypatch.setenv("CREDITFLOW_LAKE_FORMAT", fmt)
+    kept, plain = Lake(tmp_path / "kept"), Lake(tmp_path / "plain")
+    batches = make_round(kept, groups=4)
+    make_round(plain, groups=4)
+    assert len(batches) == 2
+    reads = _count_stage_reads(monkeypatch)
+    sets = ["flow.processes=false"]
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "256")
+    summary = run_process(cfg_for(kept, STAT_METHODS, sets, max_workers=2), 0, quiet=True)
+    assert summary["state"] == "Completed" and summary["this_run"]["credit"]["batches"] == 2
+    assert not fb._kept and not process._kept_batches and not fb._rounds  # all taken, nothing held
+
+    def per_batch(lake: str) -> dict[str, list[tuple[str, str]]]:
+        got: dict[str, list[tuple[str, str]]] = {b: [] for b in batches}
+        for name, stage, table, b in reads:
+            if name == lake and stage in ("credit_stats", "credit"):
+                got[b].append((stage, table))
+        return got
+
+    once = [("credit_stats", "trajectories"), ("credit_stats", "steps")]
+    assert per_batch("kept") == {b: once for b in batches}
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "0")
+    run_process(cfg_for(plain, STAT_METHODS, sets, max_workers=2), 0, quiet=True)
+    twice = once + [("credit", "trajectories"), ("credit", "steps")]
+    assert per_batch("plain") == {b: twice for b in batches}
+    assert_same_tables(kept, plain, tables=("advantages", "train_batch"))
+
+    if (
+        fmt == "parquet"
+    ):  # the statistics parts gone, credit's current: the statistics tasks keep, credit is cached
+        for part in kept.parts("credit_stats", 0):
+            part.unlink()
+        monkeypatch.setenv(fb.READ_CACHE_ENV, "256")
+        again = run_process(cfg_for(kept, STAT_METHODS, sets, max_workers=2), 0, quiet=True)
+        assert again["this_run"]["credit_stats"]["cached"] == 0 and again["this_run"]["credit"]["cached"] == 2
+        assert not fb._kept and not process._kept_batches and not fb._rounds  # dropped at the round's end
+        assert_same_tables(kept, plain, tables=("advantages", "train_batch"))
+
+
+def test_a_flow_rounds_kept_reads_outlive_a_plain_pass_and_go_with_its_round(tmp_path, monkeypatch):
+    """What a flow's round keeps (flows.batch.keeping_round) is left alone by a plain statistics pass of another
+    lake in the same process and by the flow's own barrier (round_statistics of the round), and dropped with
+    the round; the plain pass's own kept reads and batches stay until its next pass."""
+    from flows import batch as fb
+    from pipeline.credit import process
+    from pipeline.stages import get_stage
+
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "256")
+    a, b = Lake(tmp_path / "a"), Lake(tmp_path / "b")
+    first = make_round(a, groups=4)[0]
+    make_round(b, groups=4)
+    cfg_a, cfg_b = cfg_for(a, ["gae"]), cfg_for(b, ["gae"])
+    try:
+        with fb.keeping_round(a, 0):
+            assert fb.keeps_round(a.uri, 0) and not fb.keeps_round(b.uri, 0)
+            fb.run_stage(a, 0, first, get_stage("credit_stats"), cfg_a, keep_reads=True)
+            assert len(fb._kept) == 2 and len(process._kept_batches) == 1
+            fb.round_statistics(b, 0, cfg_b)  # a plain caller: keeps its 2 batches, a's stay
+            assert len(fb._kept) == 6 and len(process._kept_batches) == 3
+            fb.round_statistics(a, 0, cfg_a)  # the flow's barrier: the second batch's pass, nothing dropped
+            assert len(fb._kept) == 8 and len(process._kept_batches) == 4
+        assert {k[0] for k in fb._kept} == {b.uri} and len(fb._kept) == 4 and len(process._kept_batches) == 2
+        assert not fb.keeps_round(a.uri, 0) and (a.uri, 0) not in fb._owned
+        fb.round_statistics(b, 0, cfg_b)  # every part current: the plain pass drops what it kept before
+        assert not fb._kept and not process._kept_batches
+    finally:
+        fb._forget_kept()

@@ -10,7 +10,7 @@ ours, so the result does not depend on how the round was cut into parts."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -252,7 +252,7 @@ def kept_bytes() -> int:
     """What the kept credit batches hold beyond the Arrow tables they were built from: the estimators'
     intermediates (`CreditBatch.memo`: gae's advantages and returns) and the token mask."""
     total = 0
-    for kept in _kept_batches.values():
+    for kept in list(_kept_batches.values()):  # a copy: another thread (the flow's) may keep one meanwhile
         total += kept.batch.tok_mask.nbytes
         for value in kept.batch.memo.values():
             fields = vars(value).values() if dataclasses.is_dataclass(value) else [value]
@@ -260,9 +260,14 @@ def kept_bytes() -> int:
     return total
 
 
-def forget_credit_batches() -> None:
-    """Drop every kept credit batch (a statistics pass starting over)."""
-    _kept_batches.clear()
+def forget_credit_batches(tables: Collection[int] | None = None) -> None:
+    """Drop every kept credit batch (a statistics pass starting over), or those built from the tables whose ids
+    are `tables` (a flow's round ending: flows.batch.keeping_round)."""
+    if tables is None:
+        _kept_batches.clear()
+        return
+    for key in [k for k in list(_kept_batches) if k[0] in tables or k[1] in tables]:
+        _kept_batches.pop(key, None)
 
 
 def _kept_batch(
