@@ -40,7 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-METHODS = ["grpo", "grpo+c3", "grpo+iapo", "tcpo_retro_hin"]
+METHODS_ENV = "CREDITFLOW_BENCH_METHODS"  # --methods: the parent sets it, each mode's process reads it
+METHODS = (os.environ.get(METHODS_ENV) or "grpo,grpo+c3,grpo+iapo,tcpo_retro_hin").split(",")
 
 
 def _config(lake: str, workers: int, runner: str = "threads", processes: str = "auto", api_idle: bool = True):
@@ -321,6 +322,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="do not write the results file")
     ap.add_argument("--modes", default=None, help="comma-separated subset of the modes (with --quick)")
     ap.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated method chains instead of the default (e.g. grpo,gae,turn_ppo,gdpo: "
+        "with the statistics pass); a `base:` mode's checkout needs this option too",
+    )
+    ap.add_argument(
         "--baseline",
         type=Path,
         default=None,
@@ -328,6 +335,9 @@ def main() -> None:
         "bench/flows.py, interleaved with this one's",
     )
     args = ap.parse_args()
+    if args.methods:
+        os.environ[METHODS_ENV] = args.methods
+        METHODS[:] = args.methods.split(",")
     if args.child:
         print(json.dumps(child(args.child, args.lake)))
         return
