@@ -6,6 +6,7 @@ itself runs against a real `creditflow server start` (slow: the last test)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -107,6 +108,9 @@ def runner(tmp_path):
                 p.kill()
             p.wait()
         log.close()
+        for pid in servers_of(tmp_path / "cache"):  # a shared API a command recorded (its idle limit: 30 min)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
 
 
 @pytest.fixture
