@@ -163,6 +163,12 @@ def keeping_round(lake: Lake, round_: int) -> Iterator[None]:
             _forget_kept(*key)
 
 
+def forget_round(lake_uri: str, round_: int) -> None:
+    """Drop what round `round_` of the lake keeps: a statistics task that finished after its round's stages
+    ended (the flow failed while it ran) calls it, so nothing it kept is held past the round."""
+    _forget_kept(lake_uri, round_)
+
+
 def keeps_round(lake_uri: str, round_: int) -> bool:
     """Whether a flow of this process runs round `round_` of the lake with kept reads (`keeping_round`)."""
     return (lake_uri, int(round_)) in _rounds

@@ -27,7 +27,15 @@ from prefect.states import Completed
 from prefect.tasks import exponential_backoff
 
 from flows import progress, workers
-from flows.batch import keeping_round, keeps_round, round_batches, round_stages, round_statistics, run_stage
+from flows.batch import (
+    forget_round,
+    keeping_round,
+    keeps_round,
+    round_batches,
+    round_stages,
+    round_statistics,
+    run_stage,
+)
 from flows.caching import (
     BatchStageCache,
     cache_dir,
@@ -97,7 +105,11 @@ def batch_stage_task(
             summary = workers.run(config.max_workers, run_stage, *args)  # off the flow's GIL
         elif config.task_runner == "threads":  # in the flow's process: the statistics pass keeps for credit
             keep = stage.name == STATS and keeps_round(lake_root, round_)
-            summary = workers.run_here(config.max_workers, run_stage, *args, keep_reads=keep)
+            try:
+                summary = workers.run_here(config.max_workers, run_stage, *args, keep_reads=keep)
+            finally:
+                if keep and not keeps_round(lake_root, round_):  # the round ended (failed) meanwhile
+                    forget_round(lake_root, round_)
         else:  # processes, Ray, Dask: this is a worker process already
             summary = run_stage(*args)
     except Exception as exc:  # the command's one error line names the stage (flows.cli.error_line)

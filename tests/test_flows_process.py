@@ -661,3 +661,39 @@ def test_a_flow_rounds_kept_reads_outlive_a_plain_pass_and_go_with_its_round(tmp
         assert not fb._kept and not process._kept_batches
     finally:
         fb._forget_kept()
+
+
+def test_a_statistics_task_finishing_after_its_round_ended_keeps_nothing(tmp_path, monkeypatch):
+    """A flow that fails while another batch's statistics task still runs in its thread ends its round first
+    (keeping_round drops what is kept); that task's reads and credit batch are dropped when it returns."""
+    import contextlib
+
+    from flows import batch as fb
+    from flows import process_round
+    from pipeline.credit import process
+    from pipeline.stages import get_stage
+
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "256")
+    lake = Lake(tmp_path / "lake")
+    first = make_round(lake, groups=4)[0]
+    cfg = cfg_for(lake, ["gae"], ["flow.processes=false", "flow.cache=false"])
+    real = process_round.run_stage
+    round_ = contextlib.ExitStack()
+    seen: list[int] = []
+
+    def the_round_ends_first(*args, **kwargs):
+        round_.close()  # the flow's stages ended (failed) after this task started, before it kept anything
+        out = real(*args, **kwargs)
+        seen.append(len(fb._kept))
+        return out
+
+    monkeypatch.setattr(process_round, "run_stage", the_round_ends_first)
+    monkeypatch.setattr(process_round, "_log_batch", lambda summary: None)
+    try:
+        round_.enter_context(fb.keeping_round(lake, 0))
+        process_round.batch_stage_task.fn(lake.uri, 0, first, get_stage("credit_stats"), cfg)
+        assert seen == [2]  # it kept its reads
+        assert not fb._kept and not process._kept_batches and not fb._owned
+    finally:
+        round_.close()
+        fb._forget_kept()
