@@ -106,7 +106,8 @@ def batch_stage_task(
         elif config.task_runner == "threads":  # in the flow's process: the statistics pass keeps for credit
             keep = stage.name == STATS and keeps_round(lake_root, round_)
             try:
-                summary = workers.run_here(config.max_workers, run_stage, *args, keep_reads=keep)
+                extra = {"keep_reads": True} if keep else {}  # the call as before for every other stage
+                summary = workers.run_here(config.max_workers, run_stage, *args, **extra)
             finally:
                 if keep and not keeps_round(lake_root, round_):  # the round ended (failed) meanwhile
                     forget_round(lake_root, round_)
