@@ -13,7 +13,9 @@ stopped as soon as no command holds the in-use lock, whatever the idle limit, si
 it. A server started by `creditflow server start` has no
 watchdog: the user started it and stops it.
 
-Run as `python flows/api_idle.py SERVER_PID STATE_FILE`; stdlib only (it must stay small beside the server)."""
+Run as `python flows/api_idle.py SERVER_PID STATE_FILE`, or as the server's own first step (`python
+flows/api_idle.py --exec STATE_FILE SERVER_COMMAND...`: it forks the watchdog, then becomes the server);
+stdlib only (it must stay small beside the server)."""
 
 from __future__ import annotations
 
@@ -115,14 +117,36 @@ def watch(pid: int, state: Path, idle_s: float, poll_s: float) -> str:
     return "server gone"
 
 
-def main(argv: list[str]) -> int:
-    pid, state = int(argv[0]), Path(argv[1])
+def _watch_for(pid: int, state: Path) -> None:
     idle_s = idle_limit()
     try:
         poll_s = max(0.05, float(os.environ.get(POLL_ENV, "10")))
     except ValueError:
         poll_s = 10.0
     watch(pid, state, idle_s, min(poll_s, idle_s) if idle_s else poll_s)
+
+
+def exec_server(state: Path, command: list[str]) -> None:
+    """Become the server (`os.execv` of `command`) after starting this server's watchdog: a grandchild
+    (double fork: init adopts it, the server need not reap it) that watches this very pid. So no server runs
+    without its watchdog, however its launcher dies: a launcher killed between starting the server and starting
+    a watchdog of its own had left a server no one stopped."""
+    pid = os.getpid()
+    child = os.fork()
+    if child == 0:
+        try:
+            if os.fork() == 0:  # the watchdog, under its usual command line
+                os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), str(pid), str(state)])
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    os.execv(command[0], command)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--exec"]:  # api_idle.py --exec STATE COMMAND...: the server with its watchdog
+        exec_server(Path(argv[1]), argv[2:])
+    _watch_for(int(argv[0]), Path(argv[1]))
     return 0
 
 

@@ -181,33 +181,20 @@ def launch(port: int | None = None, ui: bool = True) -> tuple[subprocess.Popen, 
         env.update({k: v for k, v in API_ENV.items() if k not in os.environ})
     if not ui:
         hold_in_use(state_path())  # this command uses it from now: its watchdog stops it once none does
+    command = _server_command(port, ui)
+    if not ui:  # the server starts its watchdog itself, before it becomes the server (flows/api_idle.py)
+        idle = str(Path(__file__).with_name("api_idle.py"))
+        command = [sys.executable, idle, "--exec", str(state_path()), *command]
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            _server_command(port, ui),
+            command,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
         )
-    if not ui:
-        start_idle_watchdog(proc.pid, log)
     return proc, url, log
-
-
-def start_idle_watchdog(pid: int, log: Path) -> None:
-    """The shared API's watchdog (flows/api_idle.py), started with the server and in a session of its own like
-    it: it stops the server's process group once no command has used it for CREDITFLOW_SHARED_API_IDLE_S
-    (default 30 min), or at once when the command that launched it died before recording it; it exits when
-    the server is gone (`creditflow server stop`). Run by its file path: standard library only."""
-    with open(log, "ab") as out:
-        subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("api_idle.py")), str(pid), str(state_path())],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # a process group may be joined only within its session
-        )
 
 
 @dataclass

@@ -93,6 +93,7 @@ def run_via_runner(argv: list[str]) -> int | None:
     if not private_dir(path.parent, create=False):
         return _fallback(f"{path.parent} is not a private folder of this user")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    relay = _Relay()  # from here on a signal is the command's (held until the runner has it)
     try:
         sock.settimeout(2.0)
         with unix_address(path) as address:
@@ -114,13 +115,16 @@ def run_via_runner(argv: list[str]) -> int | None:
         reply = lines.next()
     except OSError as exc:
         sock.close()
+        relay.restore(redeliver=True)
         return _fallback(f"runner unreachable ({exc})")
     if reply is None or "fallback" in reply:
         sock.close()
+        relay.restore(redeliver=True)
         return _fallback(reply["fallback"] if reply else "the runner closed the connection")
     sock.settimeout(None)
+    relay.attach(sock)
     _stats({"started": reply.get("pid")})
-    return _wait(sock, lines, reply, client_s)
+    return _wait(sock, lines, reply, client_s, relay)
 
 
 def _stats(record: dict) -> None:
@@ -151,24 +155,54 @@ def log_fallback() -> None:
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
-def _wait(sock: socket.socket, lines: Lines, started: dict, client_s: float | None) -> int:
-    """Forward this process's signals to the command until it reports its exit status; returns it."""
+class _Relay:
+    """The caller's signals for its command in the runner, from before the request is sent: held until the
+    runner's supervisor has the command (a handler writing into the socket in the middle of the request would
+    corrupt it), then sent on; delivered to this process again when the runner falls back (the command then runs
+    here). Ctrl-Z (SIGTSTP) stops the command where it is, then this process as the shell's job; `fg` / `bg`
+    (SIGCONT) resumes this process, and it resumes the command."""
 
-    def forward(signum, _frame) -> None:
-        with contextlib.suppress(OSError):
-            send(sock, {"signal": signum})
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+        self.held: list[int] = []
+        self.previous = {sig: signal.signal(sig, self._on) for sig in (*FORWARDED, signal.SIGTSTP)}
 
-    def suspend(_signum, _frame) -> None:
-        """Ctrl-Z (SIGTSTP): the command stops where it is, then this process stops as the shell's job; `fg` /
-        `bg` (SIGCONT) resumes this process here, and the command with it."""
-        forward(signal.SIGSTOP, None)
-        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTSTP)  # stops here until SIGCONT
-        signal.signal(signal.SIGTSTP, suspend)
-        forward(signal.SIGCONT, None)
+    def _on(self, signum: int, _frame=None) -> None:
+        if self.sock is None:
+            self.held.append(signum)
+        elif signum == signal.SIGTSTP:
+            self._send(signal.SIGSTOP)
+            signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTSTP)  # stops here until SIGCONT
+            signal.signal(signal.SIGTSTP, self._on)
+            self._send(signal.SIGCONT)
+        else:
+            self._send(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
-    previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, suspend)
+    def _send(self, signum: int) -> None:
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                send(self.sock, {"signal": signum})
+
+    def attach(self, sock: socket.socket) -> None:
+        """The runner has the command: send what was held, and every signal from now on."""
+        self.sock = sock
+        held, self.held = self.held, []
+        for signum in held:
+            self._on(signum)
+
+    def restore(self, redeliver: bool = False) -> None:
+        """This process's own handlers again; `redeliver`: the signals held are this process's."""
+        self.sock = None
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        held, self.held = self.held, []
+        for signum in held if redeliver else []:
+            os.kill(os.getpid(), signum)
+
+
+def _wait(sock: socket.socket, lines: Lines, started: dict, client_s: float | None, relay: _Relay) -> int:
+    """Relay this process's signals to the command until it reports its exit status; returns it."""
     try:
         while True:
             msg = lines.next()
@@ -178,8 +212,7 @@ def _wait(sock: socket.socket, lines: Lines, started: dict, client_s: float | No
             if "exit" in msg:
                 break
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        relay.restore()
         sock.close()
     code = int(msg["exit"])
     if os.environ.get(STATS_ENV):

@@ -28,3 +28,27 @@ def servers_of(cache: Path) -> list[int]:
         if f"CREDITFLOW_CACHE={cache}".encode() in _read(p / "environ").split(b"\0"):
             found.append(int(p.name))
     return found
+
+
+def report(cache: Path) -> str:
+    """For a failing check: each server left, its watchdog (if any) and the holders of the in-use lock."""
+    lines = []
+    inuse = cache / "services" / "prefect.inuse"
+    ino = inuse.stat().st_ino if inuse.exists() else None
+    holders = [
+        line.split()[4]
+        for line in _read(Path("/proc/locks")).decode().splitlines()
+        if ino is not None and line.split()[5].endswith(f":{ino}")
+    ]
+    for pid in servers_of(cache):
+        dogs = [
+            p.name
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit()
+            and b"api_idle.py" in _read(p / "cmdline")
+            and str(pid).encode() in _read(p / "cmdline")
+        ]
+        lines.append(f"server {pid}: watchdogs {dogs}")
+    state = cache / "services" / "prefect.json"
+    lines.append(f"in-use holders {holders}; record {_read(state)!r}")
+    return "; ".join(lines)

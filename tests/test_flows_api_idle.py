@@ -147,3 +147,42 @@ def test_a_recorded_server_is_left_to_the_idle_limit(tmp_path):
     with _server_and_watchdog(tmp_path, "1800") as (server, dog, state):
         time.sleep(1.5)
         assert _alive(server.pid) and dog.poll() is None and state.exists()
+
+
+def test_the_server_starts_its_own_watchdog_before_it_becomes_the_server(tmp_path):
+    """`api_idle.py --exec STATE COMMAND...` (how flows/api_launch.py starts the shared API) forks the
+    watchdog, then execs the server under the same pid: no server runs without its watchdog, however its
+    launcher dies; with no record and no command holding the in-use lock, the watchdog stops it."""
+    state = tmp_path / "services" / "prefect.json"
+    state.parent.mkdir(parents=True)
+    env = os.environ | {api_idle.IDLE_ENV: "1800", api_idle.POLL_ENV: "0.1"}
+    server = subprocess.Popen(
+        [sys.executable, str(WATCHDOG), "--exec", str(state), "/bin/sleep", "300"],
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while b"sleep" not in Path(f"/proc/{server.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "the server never became the command"
+            time.sleep(0.05)
+        watchdogs = [
+            p
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit()
+            and (p / "cmdline").exists()
+            and _cmdline(p)[-2:] == [str(server.pid).encode(), str(state).encode()]
+        ]
+        assert len(watchdogs) == 1
+        assert server.wait(timeout=20) is not None  # unrecorded, unused: stopped
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait()
+
+
+def _cmdline(proc: Path) -> list[bytes]:
+    try:
+        return (proc / "cmdline").read_bytes().split(b"\0")[:-1]
+    except OSError:
+        return []

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from api_processes import servers_of
+from api_processes import report, servers_of
 
 from flows import warm, warm_runner, warm_wire
 
@@ -236,7 +236,10 @@ def test_kill_9_of_the_caller_kills_its_command(runner, lake, tmp_path):
         assert proc.poll() is None  # the runner serves on
         # the shared API the command launched (the recorded one does not answer) never got recorded: its
         # watchdog stops it once the command is gone (flows/api_idle.py)
-        wait_for(lambda: servers_of(tmp_path / "cache") == [], 60, "the command's unrecorded API to stop")
+        try:
+            wait_for(lambda: servers_of(tmp_path / "cache") == [], 60, "the command's unrecorded API to stop")
+        except AssertionError:
+            raise AssertionError(report(tmp_path / "cache")) from None
     finally:
         holder.kill()
         holder.wait()
@@ -253,7 +256,10 @@ def test_sigterm_of_the_caller_reaches_its_command(runner, lake, tmp_path):
         assert client.returncode == -signal.SIGTERM
         assert stats(tmp_path)[-1]["exit"] == -signal.SIGTERM
         assert not alive(pid)
-        wait_for(lambda: servers_of(tmp_path / "cache") == [], 60, "the command's unrecorded API to stop")
+        try:
+            wait_for(lambda: servers_of(tmp_path / "cache") == [], 60, "the command's unrecorded API to stop")
+        except AssertionError:
+            raise AssertionError(report(tmp_path / "cache")) from None
     finally:
         holder.kill()
         holder.wait()
@@ -411,6 +417,12 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
+def _cpu_ticks(pid: int) -> int:
+    """utime + stime of the process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def test_ctrl_z_stops_the_command_and_fg_resumes_it(runner, lake, tmp_path):
     """SIGTSTP of the caller (Ctrl-Z) stops its command in the runner too, not the caller alone; SIGCONT of
     the caller (the shell's fg / bg) resumes both, and the command still runs to its end."""
@@ -419,9 +431,12 @@ def test_ctrl_z_stops_the_command_and_fg_resumes_it(runner, lake, tmp_path):
     try:
         client, pid = _waiting_command(lake, tmp_path, env)
         client.send_signal(signal.SIGTSTP)
-        wait_for(lambda: _state(client.pid) == "T" and _state(pid) == "T", 30, "caller and command stopped")
-        time.sleep(0.5)
-        assert _state(pid) == "T"  # stays stopped while its caller is
+        # the command's group is stopped: the command itself ('T'), or, when the stop found it starting a
+        # child (vfork: its parent waits in 'D' until the child, stopped too, execs), blocked on that child
+        wait_for(lambda: _state(client.pid) == "T" and _state(pid) in "TD", 30, "caller and command stopped")
+        cpu = _cpu_ticks(pid)
+        time.sleep(1.0)
+        assert _state(pid) in "TD" and _cpu_ticks(pid) == cpu  # stays stopped while its caller is
         client.send_signal(signal.SIGCONT)
         wait_for(lambda: _state(client.pid) != "T" and _state(pid) != "T", 30, "both resumed")
         holder.kill()  # the round's lock is free: the waiting command goes on and ends
@@ -433,3 +448,44 @@ def test_ctrl_z_stops_the_command_and_fg_resumes_it(runner, lake, tmp_path):
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+
+
+def test_a_signal_before_the_runner_answers_is_held_then_sent():
+    """A signal that arrives while the request is on its way is held (a handler writing into the socket then
+    would corrupt the request) and sent once the runner has the command, in order."""
+    import socket as socket_
+
+    from flows.warm_wire import Lines
+
+    ours, theirs = socket_.socketpair()
+    relay = warm._Relay()
+    try:
+        relay._on(signal.SIGTERM)
+        relay._on(signal.SIGINT)
+        theirs.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            theirs.recv(1)  # nothing sent yet
+        relay.attach(ours)
+        relay._on(signal.SIGHUP)
+        lines = Lines(theirs)
+        assert [lines.next()["signal"] for _ in range(3)] == [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+    finally:
+        relay.restore()
+        ours.close()
+        theirs.close()
+
+
+def test_signals_held_when_the_runner_falls_back_are_this_process_s():
+    """The runner refuses (fallback): the command runs in the caller, so a signal held meanwhile is delivered to
+    the caller itself, to its own handler."""
+    got: list[int] = []
+    before = signal.signal(signal.SIGHUP, lambda signum, _frame: got.append(signum))
+    try:
+        relay = warm._Relay()
+        relay._on(signal.SIGHUP)
+        assert got == []
+        relay.restore(redeliver=True)
+        assert got == [signal.SIGHUP]
+        assert signal.getsignal(signal.SIGTSTP) is not relay._on
+    finally:
+        signal.signal(signal.SIGHUP, before)
