@@ -58,10 +58,11 @@ def stats(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def wait_for(check, timeout: float = 120.0, what: str = "") -> None:
+def wait_for(check, timeout: float = 120.0, what="") -> None:
+    """Poll `check` until true; `what` names it in the failure (a callable: called then, to show the state)."""
     deadline = time.monotonic() + timeout
     while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what() if callable(what) else what}"
         time.sleep(0.1)
 
 
@@ -216,8 +217,8 @@ def _held_round(lake: Path, tmp_path: Path, env: dict[str, str]) -> subprocess.P
     return holder
 
 
-def _waiting_command(lake: Path, tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
-    client = cli(["process", "--lake", str(lake), "--round", "0", "--methods", "grpo", "--wait"], env)
+def _waiting_command(lake: Path, tmp_path: Path, env: dict[str, str], **kw) -> tuple[subprocess.Popen, int]:
+    client = cli(["process", "--lake", str(lake), "--round", "0", "--methods", "grpo", "--wait"], env, **kw)
     wait_for(lambda: any("started" in s for s in stats(tmp_path)), 60, "the command's start")
     pid = next(s["started"] for s in stats(tmp_path) if "started" in s)
     assert alive(pid) and pid != client.pid
@@ -414,7 +415,22 @@ def test_a_socket_path_longer_than_sun_path_still_binds_and_connects(tmp_path):
 
 
 def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def _threads(pid: int) -> str:
+    """Each thread's state and kernel wait channel (for a failing check)."""
+    out = []
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            out.append(f"{task.name}:{state}:{(task / 'wchan').read_text()}")
+        except OSError:
+            continue
+    return " ".join(out)
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -429,11 +445,20 @@ def test_ctrl_z_stops_the_command_and_fg_resumes_it(runner, lake, tmp_path):
     env, _proc, _server = runner
     holder = _held_round(lake, tmp_path, env)
     try:
-        client, pid = _waiting_command(lake, tmp_path, env)
+        # the caller in a process group of its own under this test, in its session (a shell job's): the kernel
+        # discards a stop by SIGTSTP in an orphaned group, which the test worker's may be (xdist in CI)
+        client, pid = _waiting_command(lake, tmp_path, env, process_group=0)
         client.send_signal(signal.SIGTSTP)
         # the command's group is stopped: the command itself ('T'), or, when the stop found it starting a
         # child (vfork: its parent waits in 'D' until the child, stopped too, execs), blocked on that child
-        wait_for(lambda: _state(client.pid) == "T" and _state(pid) in "TD", 30, "caller and command stopped")
+        wait_for(
+            lambda: _state(client.pid) == "T" and _state(pid) in "TD",
+            30,
+            lambda: (
+                f"caller and command stopped (caller {_state(client.pid)}, command {_state(pid)}: "
+                f"{_threads(pid)}; {stats(tmp_path)})"
+            ),
+        )
         cpu = _cpu_ticks(pid)
         time.sleep(1.0)
         assert _state(pid) in "TD" and _cpu_ticks(pid) == cpu  # stays stopped while its caller is
