@@ -33,6 +33,7 @@ from flows.api_launch import (
     drop_prelaunched,
     healthy,
     launch,
+    may_share,
     read_state,
     state_path,
     take_prelaunched,
@@ -138,9 +139,7 @@ def shares_api() -> bool:
     """Whether a command that runs a flow starts an API for the next ones when none runs (`shared_api`): not
     when this process has an API named (PREFECT_API_URL, from the environment or the Prefect profile) or keeps
     Prefect's ephemeral one."""
-    if os.environ.get("PREFECT_API_URL") or os.environ.get("CREDITFLOW_NO_SERVER") == "1":
-        return False
-    if os.environ.get("CREDITFLOW_SHARED_API", "1") == "0":
+    if not may_share(os.environ):  # the environment's part, the same test as the CLI's early launch
         return False
     from prefect.settings import PREFECT_API_URL  # a profile's or a prefect.toml's URL
 
