@@ -15,7 +15,7 @@ watchdog: the user started it and stops it.
 
 Run as `python flows/api_idle.py SERVER_PID STATE_FILE`, or as the server's own first step (`python
 flows/api_idle.py --exec STATE_FILE SERVER_COMMAND...`: it forks the watchdog, then becomes the server);
-stdlib only (it must stay small beside the server)."""
+standard library and trainer/localhost.py only (it must stay small beside the server)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+if (
+    not __package__
+):  # run as a script (`python flows/api_idle.py`, the server's watchdog): the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.localhost import pid_alive  # noqa: E402 (after the line above)
 
 IDLE_ENV = "CREDITFLOW_SHARED_API_IDLE_S"
 POLL_ENV = "CREDITFLOW_SHARED_API_POLL_S"
@@ -55,16 +61,6 @@ def idle_limit() -> float:
         return max(0.0, float(os.environ.get(IDLE_ENV, DEFAULT_IDLE_S)))
     except ValueError:
         return DEFAULT_IDLE_S
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _unused(path: Path) -> bool:
@@ -102,7 +98,7 @@ def watch(pid: int, state: Path, idle_s: float, poll_s: float) -> str:
     server is recorded it is kept (until `creditflow server stop`)."""
     path = in_use_path(state)
     last_busy = time.monotonic()
-    while _alive(pid):
+    while pid_alive(pid):
         recorded = _names(state, pid)
         if recorded and idle_s == 0:
             return "kept"

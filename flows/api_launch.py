@@ -20,7 +20,6 @@ import fcntl
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from typing import IO
 
 from flows.api_idle import hold_in_use
 from flows.warm_wire import command_name, services_folder
+from trainer.localhost import free_port, healthy
 
 STATE = "prefect.json"
 API_APP = "prefect.server.api.server:create_app"  # what Prefect's ephemeral API server runs (uvicorn)
@@ -59,36 +59,6 @@ def read_state() -> ServerInfo | None:
         return ServerInfo(**json.loads(state_path().read_text()))
     except (OSError, ValueError, TypeError):
         return None
-
-
-def healthy(url: str, timeout: float = 1.0) -> bool:
-    """The API answers its health check. A plain-HTTP URL (every server recorded here: 127.0.0.1) is asked
-    with the standard library: `httpx.get` builds a client and its SSL context per call, ~25 ms of CPU, which a
-    command polling a starting API every 0.1 s paid 10 times a second of waiting (7-8 s of CPU for the 30 s
-    start of the first command on a busy machine); ~0.2 ms here."""
-    import http.client
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url.rstrip("/") + "/health")
-    if parts.scheme != "http" or not parts.hostname:
-        return _healthy_httpx(url, timeout)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
-    try:
-        conn.request("GET", parts.path)
-        return conn.getresponse().status == 200
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
-
-
-def _healthy_httpx(url: str, timeout: float) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(url.rstrip("/") + "/health", timeout=timeout).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _server_command(port: int, ui: bool) -> list[str]:
@@ -159,16 +129,10 @@ class StartLock:
         self.release()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(port: int | None = None, ui: bool = True) -> tuple[subprocess.Popen, str, Path]:
     """Start a server process in the background (its own session: it outlives this command, stopped as a
     group); returns (process, API URL, log). `flows.server.wait_started` waits for it and records it."""
-    port = port or _free_port()
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}/api"
     log = state_path().with_name("prefect-server.log")
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -38,13 +38,14 @@ from flows.api_launch import (
     state_path,
     take_prelaunched,
 )
-from trainer.llm.service import kill, pid_alive
+from trainer.llm.service import kill
+from trainer.localhost import pid_alive
 
 
 def running() -> ServerInfo | None:
     """The recorded server if its process lives and its API answers."""
     info = read_state()
-    if info is None or not pid_alive(info.pid) or not healthy(info.url):
+    if info is None or not pid_alive(info.pid) or not healthy(info.url, timeout=1.0):
         return None
     return info
 
@@ -60,7 +61,7 @@ def wait_started(
         while time.monotonic() < deadline and not up:
             if proc.poll() is not None:
                 raise RuntimeError(f"the Prefect server exited with status {proc.returncode}; see {log}")
-            up = healthy(url)
+            up = healthy(url, timeout=1.0)
             if not up:
                 time.sleep(0.05)
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C while it starts: nobody could find it later

@@ -50,6 +50,7 @@ from pathlib import Path
 from flows.warm_wire import (
     COMMANDS,
     PER_COMMAND_ENV,
+    RELAYED,
     ROOT,
     SERVING,
     STATS_ENV,
@@ -152,7 +153,7 @@ def log_fallback() -> None:
         log.debug("no warm runner (%s): the command runs in this process", WHY["why"])
 
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+FORWARDED = RELAYED
 
 
 class _Relay:

@@ -14,8 +14,10 @@ import sys
 from flows.warm_wire import VIA
 
 
-def run_command(req: dict, fds: list[int]) -> None:
-    """The forked command: the caller's process as far as the command can tell (module docstring)."""
+def run_command(req: dict, fds: list[int], mask: set[int | signal.Signals] | None = None) -> None:
+    """The forked command: the caller's process as far as the command can tell (module docstring). It starts
+    with the caller's signals blocked; `mask` (the supervisor's own) is restored once the command's handlers are
+    set, and a signal held meanwhile is taken then, as the command's."""
     code = 1
     try:
         os.setpgid(0, 0)
@@ -42,6 +44,10 @@ def run_command(req: dict, fds: list[int]) -> None:
 
         app = importlib.import_module("flows.cli").app  # loaded by the runner (its PRELOAD)
         try:
+            if (
+                mask is not None
+            ):  # a SIGINT held: KeyboardInterrupt here, exit 130 as below; SIGTERM: dies of it
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             app()
             code = 0
         except SystemExit as exc:

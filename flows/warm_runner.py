@@ -20,6 +20,7 @@ from pathlib import Path
 from flows.warm_command import run_command
 from flows.warm_wire import (
     HEADER_LIMIT,
+    RELAYED,
     ROOT,
     SERVING,
     Lines,
@@ -29,6 +30,7 @@ from flows.warm_wire import (
     send,
     unix_address,
 )
+from trainer.localhost import pid_alive
 
 POLL_S = 2.0
 
@@ -134,21 +136,11 @@ def _stale(sources: dict[str, tuple[int, int]]) -> str | None:
 
 
 def _server_alive(server_pid: int, state: Path) -> bool:
-    if not _alive(server_pid):
+    if not pid_alive(server_pid):
         return False
     try:
         return json.loads(state.read_text()).get("pid") == server_pid
     except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and has not exited (a zombie, not yet reaped by its parent, has)."""
-    from flows.api_idle import _alive as exists
-
-    try:
-        return exists(pid) and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
         return False
 
 
@@ -166,7 +158,7 @@ def serve(server_pid: int, state: Path, after: int = 0) -> int:
     SERVING["on"] = True
     # a runner a command started imports only once that command is done: its imports (2-4 s of CPU) would
     # compete with the command's round on a small machine (the command runs in its own process anyway)
-    while after and _alive(after):
+    while after and pid_alive(after):
         time.sleep(0.2)
     t0 = time.perf_counter()
     _preload()
@@ -296,10 +288,16 @@ def _supervise(conn: socket.socket, req: dict, fds: list[int]) -> int:
     """Fork the command, tell the caller, relay its signals, report its exit; kill its group when the caller
     goes away."""
     conn.settimeout(None)
+    # The caller's signals are held (blocked) across the fork until the command has set its own handlers: a
+    # signal sent on before the child first runs would reach the handler this process inherited from the runner,
+    # and the interpreter clears a signal caught before its after-fork hook runs, so the command lost it and went
+    # on (a SIGTERM while the child waited for a CPU on a busy machine: the command then ran on to its end)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
     pid = os.fork()
     if pid == 0:
         conn.close()
-        run_command(req, fds)  # never returns
+        run_command(req, fds, mask)  # never returns; unblocks once its handlers are the command's
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)

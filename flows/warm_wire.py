@@ -7,9 +7,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+
+from trainer.localhost import cache_root
 
 OFF_ENV = "CREDITFLOW_WARM_RUNNER"  # "0": never use a runner
 STATS_ENV = "CREDITFLOW_WARM_STATS"  # a file the caller appends one JSON line to per warm run (bench/)
@@ -47,10 +50,14 @@ def disabled(env: dict[str, str] | os._Environ) -> bool:
     )
 
 
+# the caller's signals its command in the runner gets (flows/warm.py relays them; the supervisor blocks them across
+# the fork until the command has its own handlers, flows/warm_runner.py)
+RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
 def services_folder() -> Path:
-    """$CREDITFLOW_CACHE/services, where the machine's API and its runner are recorded (trainer.llm.service's
-    cache_root), without importing the service module (httpx, pydantic)."""
-    return Path(os.environ.get("CREDITFLOW_CACHE", Path.home() / ".cache" / "creditflow")) / "services"
+    """$CREDITFLOW_CACHE/services, where the machine's API and its runner are recorded."""
+    return cache_root() / "services"
 
 
 def runner_dir() -> Path:

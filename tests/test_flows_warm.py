@@ -80,7 +80,12 @@ def alive(pid: int) -> bool:
 @pytest.fixture
 def runner(tmp_path):
     """A runner beside a stand-in server; yields (env, runner process, server stand-in)."""
-    env = _env(tmp_path)
+    with _runner(tmp_path, _env(tmp_path)) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def _runner(tmp_path: Path, env: dict[str, str]):
     services = tmp_path / "cache" / "services"
     services.mkdir(parents=True)
     server = subprocess.Popen(["sleep", "600"], start_new_session=True)
@@ -251,8 +256,13 @@ def test_sigterm_of_the_caller_reaches_its_command(runner, lake, tmp_path):
     holder = _held_round(lake, tmp_path, env)
     try:
         client, pid = _waiting_command(lake, tmp_path, env)
+        supervisor = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         client.send_signal(signal.SIGTERM)
-        client.communicate(timeout=60)
+        try:
+            client.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            who = {"caller": client.pid, "command": pid, "supervisor": supervisor}
+            raise AssertionError(_hang_report(who)) from None
         # forwarded: the command died of it, and so did its caller, as a command in its own process does
         assert client.returncode == -signal.SIGTERM
         assert stats(tmp_path)[-1]["exit"] == -signal.SIGTERM
@@ -264,6 +274,45 @@ def test_sigterm_of_the_caller_reaches_its_command(runner, lake, tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+# test_a_signal_before_the_forked_command_runs_is_not_lost: a fork child of a fork child of this interpreter
+# (the runner's supervisor's command, not the supervisor: its caller waits 2 s for its answer) first sleeps
+FORK_DELAY = """import os, time
+TOP = os.getpid()
+def _late():
+    if os.getppid() != TOP:
+        time.sleep(float(os.environ["CF_TEST_FORK_DELAY_S"]))
+if os.environ.get("CF_TEST_FORK_DELAY_S"):
+    os.register_at_fork(after_in_child=_late)
+"""
+
+
+def test_a_signal_before_the_forked_command_runs_is_not_lost(lake, tmp_path):
+    """A caller's SIGTERM that reaches its command before the command has its own handlers (a child not yet
+    scheduled on a busy machine; here the command first sleeps 3 s in an at-fork hook) still
+    ends the command: the supervisor holds it blocked across the fork. Before, the child caught it with the
+    runner's handler (or the interpreter cleared it after the fork), went on and waited for the round: the
+    clean-clone CI of 58852e9 timed out in test_sigterm_of_the_caller_reaches_its_command."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(FORK_DELAY)
+    env = {**_env(tmp_path), "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}", "CF_TEST_FORK_DELAY_S": "3"}
+    with _runner(tmp_path, env):
+        holder = _held_round(lake, tmp_path, env)
+        try:
+            client, pid = _waiting_command(lake, tmp_path, env)
+            client.send_signal(signal.SIGTERM)  # the command is still in its at-fork sleep
+            try:
+                client.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(_hang_report({"caller": client.pid, "command": pid})) from None
+            assert client.returncode == -signal.SIGTERM
+            assert stats(tmp_path)[-1]["exit"] == -signal.SIGTERM
+            assert not alive(pid)
+        finally:
+            holder.kill()
+            holder.wait()
 
 
 @pytest.mark.slow
@@ -419,6 +468,26 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def _hang_report(pids: dict[str, int]) -> str:
+    """Each process's threads (state, wait channel), pending and blocked signals, and its Python stacks when
+    py-spy is at hand: what a hung check shows instead of a bare timeout."""
+    spy = Path(sys.executable).with_name("py-spy")
+    out = []
+    for name, pid in pids.items():
+        out.append(f"{name} {pid}: {_state(pid)}; threads {_threads(pid) if alive(pid) else '-'}")
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{pid}/status").read_text().splitlines()
+            out.extend(
+                "  " + line for line in status if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigCgt"))
+            )
+        if alive(pid) and spy.exists():
+            dump = subprocess.run(
+                [str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+            )
+            out.append(dump.stdout[-4000:] + dump.stderr[-1000:])
+    return "\n".join(out)
 
 
 def _threads(pid: int) -> str:

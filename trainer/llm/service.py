@@ -32,21 +32,18 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from trainer.localhost import cache_root, free_port, healthy, pid_alive
+
 TORCH_PIN = "torch==2.13.0"
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 SERVED_NAME = "smollm2-135m-instruct"
 Log = Callable[[str], None]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("CREDITFLOW_CACHE", Path.home() / ".cache" / "creditflow"))
 
 
 def services_dir() -> Path:
@@ -152,41 +149,11 @@ def read_state(lake: str | Path | None = None) -> ServiceInfo | None:
     return None
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited child not yet reaped) is not alive
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def healthy(url: str, timeout: float = 2.0) -> bool:
-    import httpx
-
-    base = url[:-3] if url.endswith("/v1") else url
-    try:
-        return httpx.get(base + "/health", timeout=timeout).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def recorded_endpoints(lake: str | Path | None = None) -> list[str]:
     info = read_state(lake)
     if info is None or not pid_alive(info.pid):
         return []
     return [info.url]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_context(model_dir: str | Path) -> int | None:
