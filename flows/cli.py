@@ -66,19 +66,29 @@ class _App(typer.Typer):
     """Typer whose uncaught errors are one line on stderr (the traceback with --debug / CREDITFLOW_DEBUG=1)."""
 
     def __call__(self, *args, **kwargs):
-        if (
-            not args and not kwargs
-        ):  # the command line itself: the warm runner runs it when it may (flows/warm.py)
-            from flows.warm import run_via_runner
+        if args or kwargs:  # called by a program (tests' CliRunner, a library): the command only
+            return self._run(*args, **kwargs)
+        # the command line itself: the warm runner runs it when it may (flows/warm.py)
+        from flows.warm import run_via_runner
+        from flows.warm_wire import SERVING
 
-            code = run_via_runner(sys.argv)
-            if code is not None:
-                raise SystemExit(code)
-            from flows.api_launch import prelaunch
+        code = run_via_runner(sys.argv)
+        if code is not None:
+            raise SystemExit(code)
+        from flows.api_launch import prelaunch
 
-            prelaunch(
-                sys.argv
-            )  # no API up: it starts now, beside this command's imports (flows/api_launch.py)
+        prelaunch(sys.argv)  # no API up: it starts now, beside this command's imports (flows/api_launch.py)
+        if SERVING["on"]:  # a command the warm runner forked ends as flows/warm_command.py says
+            return self._run()
+        try:
+            self._run()
+        except SystemExit as exc:  # the interpreter's exit less its teardown of ~2,000 modules
+            from flows.exiting import exit_now
+
+            exit_now(exc.code)
+        return None
+
+    def _run(self, *args, **kwargs):
         try:
             return super().__call__(*args, **kwargs)
         except (SystemExit, KeyboardInterrupt):

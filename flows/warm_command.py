@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 
+from flows.exiting import exit_code, finish
 from flows.warm_wire import VIA
 
 
@@ -44,17 +45,15 @@ def run_command(req: dict, fds: list[int], mask: set[int | signal.Signals] | Non
 
         app = importlib.import_module("flows.cli").app  # loaded by the runner (its PRELOAD)
         try:
-            if (
-                mask is not None
-            ):  # a SIGINT held: KeyboardInterrupt here, exit 130 as below; SIGTERM: dies of it
+            if mask is not None:  # a SIGINT held: KeyboardInterrupt here (130, below); a SIGTERM: dies of it
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             app()
             code = 0
         except SystemExit as exc:
-            code = _exit_code(exc.code)
+            code = exit_code(exc.code)
         except KeyboardInterrupt:
             code = 130
-        _finish()
+        finish()
     except BaseException:  # noqa: BLE001 (a bug here must reach the caller's stderr, not the runner's log)
         import traceback
 
@@ -65,27 +64,6 @@ def run_command(req: dict, fds: list[int], mask: set[int | signal.Signals] | Non
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
-
-
-def _exit_code(code) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)  # what the interpreter does with SystemExit("message")
-    return 1
-
-
-def _finish() -> None:
-    """What the interpreter does at exit: wait for non-daemon threads, then the atexit handlers (Prefect's
-    log and event workers flush there; logging shuts down)."""
-    import atexit
-    import threading
-
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
 
 
 def _reopen(fd: int, mode: str, info: dict | None):

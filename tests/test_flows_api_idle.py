@@ -51,7 +51,7 @@ def _server_and_watchdog(
     0.1 s."""
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
     state = tmp_path / "services" / "prefect.json"
-    state.parent.mkdir(parents=True)
+    state.parent.mkdir(parents=True, exist_ok=True)
     if recorded:
         state.write_text(json.dumps({"pid": server.pid, "url": "http://127.0.0.1:1/api"}))
     env = os.environ | {api_idle.IDLE_ENV: idle_s, api_idle.POLL_ENV: "0.1"}
@@ -131,8 +131,12 @@ def test_a_server_its_launcher_never_recorded_stops_once_unused(tmp_path, idle_s
     """The command that launched the shared API died (Ctrl-C, kill -9) before the API answered and was recorded:
     no later command can find that server, so it stops as soon as no command holds the in-use lock, whatever
     the idle limit (0 included); while its launcher holds the lock, it runs on."""
-    with _server_and_watchdog(tmp_path, idle_s, recorded=False) as (server, _dog, state):
-        launcher = _holder(state)
+    # the launcher holds the in-use lock before the server and its watchdog start, as flows.api_launch.launch
+    # does (taken after, a watchdog polling first found it unused and stopped the server: 1 run under load 6)
+    state = tmp_path / "services" / "prefect.json"
+    state.parent.mkdir(parents=True)
+    launcher = _holder(state)
+    with _server_and_watchdog(tmp_path, idle_s, recorded=False) as (server, _dog, _state):
         try:
             time.sleep(1.5)  # starting: unrecorded, but its launcher lives
             assert _alive(server.pid)
