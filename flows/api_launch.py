@@ -80,8 +80,9 @@ def _server_command(port: int, ui: bool) -> list[str]:
     app_dir = Path(next(iter(spec.submodule_search_locations or []))).parent if spec else Path(".")
     return [
         sys.executable,
-        "-m",
-        "uvicorn",
+        str(
+            Path(__file__).with_name("api_serve.py")
+        ),  # `python -m uvicorn`, the app imported without GC passes
         "--app-dir",
         str(app_dir),
         "--factory",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -34,9 +35,20 @@ def exit_code(code: object) -> int:
     return 1
 
 
+# Prefect's queue services (its run-log and event workers) drain at exit and, when items are still queued then
+# (a loaded machine), warn "Still processing items: N items remaining..." on stderr: the command still waits for
+# them, so the line is noise, and it made a failing command's one-line error two lines (the clean-clone CI of
+# a585535 under load 5). Kept when their level was lowered to DEBUG (--log-level debug).
+DRAIN_LOGGERS = ("EventsWorker", "APILogWorker")
+
+
 def finish() -> None:
     """What the interpreter runs at exit before its teardown: the threads' exit hooks and their join, then the
     atexit handlers; the standard streams flushed."""
+    for name in DRAIN_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.getEffectiveLevel() > logging.DEBUG:
+            logger.setLevel(logging.ERROR)
     shutdown = getattr(threading, "_shutdown", None)
     if shutdown is not None:
         shutdown()

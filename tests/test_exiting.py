@@ -79,3 +79,32 @@ def test_the_command_line_ends_without_the_teardown(tmp_path):
     )
     assert bad.returncode == 2 and "no-such-command" in bad.stderr  # click's usage error, its status
     assert log.read_text() == ""
+
+
+DRAIN = """
+import logging, sys, threading
+from flows.exiting import exit_now
+
+logging.basicConfig(stream=sys.stderr, format="%(name)s - %(message)s")
+if sys.argv[1] == "debug":
+    logging.getLogger("EventsWorker").setLevel(logging.DEBUG)
+# what Prefect's queue service logs from its exit hook when items are still queued
+threading._register_atexit(lambda: logging.getLogger("EventsWorker").warning("Still processing items: 5 items"))
+threading._register_atexit(lambda: logging.getLogger("EventsWorker").error("failed to send 5 events"))
+print("error: the command's one line", file=sys.stderr)
+exit_now(1)
+"""
+
+
+def test_prefects_drain_progress_at_exit_is_not_shown_unless_debugging():
+    """Under load, Prefect's event worker warned "Still processing items" while draining at exit, and a failing
+    command's one-line error became two lines (the clean-clone CI of a585535); its errors still show."""
+    run = [sys.executable, "-c", DRAIN]
+    quiet = subprocess.run([*run, "info"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 1
+    assert quiet.stderr.splitlines() == [
+        "error: the command's one line",
+        "EventsWorker - failed to send 5 events",
+    ]
+    debug = subprocess.run([*run, "debug"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "EventsWorker - Still processing items: 5 items" in debug.stderr.splitlines()
