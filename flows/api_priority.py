@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from flows.api_launch import API_APP  # what a Prefect API server process runs (uvicorn --factory)
+
 _lock = threading.Lock()
 _holders: dict[int, int] = {}  # API server pid -> stage phases in progress (rounds run side by side)
 
@@ -47,9 +49,6 @@ def usable_cpus() -> int:
 def stages_fill_cpus(workers: int) -> bool:
     """Whether `workers` stage workers alone keep every usable CPU busy."""
     return workers >= usable_cpus()
-
-
-API_APP = "prefect.server.api.server:create_app"  # what Prefect's API server process runs (uvicorn --factory)
 
 
 def own_api_pid() -> int | None:
