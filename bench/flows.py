@@ -377,6 +377,7 @@ def main() -> None:
                 cpu = r.get("cpu_s", {})
                 print(
                     f"[{rep + 1}/{args.repeat}] {mode:8s} {r['wall_s']:8.2f} s  peak RSS {r['peak_rss_mb']:7.0f} MB  "
+                    f"tree RSS {r.get('tree_rss_mb') or 0:7.0f} MB  "
                     f"CPU s: self {cpu.get('self', 0):.1f} api {cpu.get('api', 0):.1f} "
                     f"workers {cpu.get('workers', 0):.1f}",
                     flush=True,
