@@ -14,6 +14,7 @@ on a subsample of groups and extrapolated by assistant tokens. Results: bench/re
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import shutil
 import statistics
@@ -468,6 +469,9 @@ def main() -> None:
     print(load_at_start, flush=True)
 
     lake_dir = args.lake or Path(tempfile.mkdtemp(prefix="creditflow-bench-"))
+    if args.lake is None:  # a lake of its own (a few GB at 512 groups): removed at exit, its Delta copy too
+        atexit.register(shutil.rmtree, lake_dir.parent / f"{lake_dir.name}-delta", True)
+        atexit.register(shutil.rmtree, lake_dir, True)
     methods = [m for m in args.methods.split(",") if m]
     rounds = [(0, args.groups)] + ([(1, 2 * args.groups)] if args.double else [])
     for r, g in rounds:
