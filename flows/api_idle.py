@@ -28,9 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-if (
-    not __package__
-):  # run as a script (`python flows/api_idle.py`, the server's watchdog): the checkout importable
+# run as a script (`python flows/api_idle.py`, the server's watchdog): the checkout importable
+if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.localhost import pid_alive  # noqa: E402 (after the line above)
 

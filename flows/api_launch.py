@@ -78,11 +78,10 @@ def _server_command(port: int, ui: bool) -> list[str]:
 
     spec = importlib.util.find_spec("prefect")  # its folder, without importing Prefect (a second of CPU)
     app_dir = Path(next(iter(spec.submodule_search_locations or []))).parent if spec else Path(".")
+    # `python -m uvicorn` with the same arguments, the app's module imported without GC passes
     return [
         sys.executable,
-        str(
-            Path(__file__).with_name("api_serve.py")
-        ),  # `python -m uvicorn`, the app imported without GC passes
+        str(Path(__file__).with_name("api_serve.py")),
         "--app-dir",
         str(app_dir),
         "--factory",

@@ -60,8 +60,8 @@ def stage_io(config: Config) -> StageIO:
 # table when the columns are the same: credit then starts from the credit batch the statistics pass built,
 # pipeline.credit.process.keeping_credit_batches; columns it lacks are read from disk); an entry is used once. A
 # rewritten part has another identity: never served. Bounded: an entry that would take the kept bytes past
-# CREDITFLOW_READ_CACHE_MB (default 0: off; 256 was the default before) is not kept (that batch is read again); a 64-group batch
-# of 3.1M tokens keeps ~21 MB for gae. The flow (flows/process_round.py) keeps too where its statistics task and
+# CREDITFLOW_READ_CACHE_MB (default 0: off; 256 was the default before) is not kept (that batch is read again);
+# a 64-group batch of 3.1M tokens keeps ~21 MB for gae. The flow (flows/process_round.py) keeps too where its statistics task and
 # credit task of a batch run in the same process (the thread runner without worker processes), for the span of
 # the round (`keeping_round`: what credit did not take is dropped when the round ends or fails). Measured
 # (bench/results/credit.md, #36 "kept reads on by default"): the second read of the steps was 70-240 ms of a

@@ -153,9 +153,6 @@ def log_fallback() -> None:
         log.debug("no warm runner (%s): the command runs in this process", WHY["why"])
 
 
-FORWARDED = RELAYED
-
-
 class _Relay:
     """The caller's signals for its command in the runner, from before the request is sent: held until the
     runner's supervisor has the command (a handler writing into the socket in the middle of the request would
@@ -166,7 +163,7 @@ class _Relay:
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
         self.held: list[int] = []
-        self.previous = {sig: signal.signal(sig, self._on) for sig in (*FORWARDED, signal.SIGTSTP)}
+        self.previous = {sig: signal.signal(sig, self._on) for sig in (*RELAYED, signal.SIGTSTP)}
 
     def _on(self, signum: int, _frame=None) -> None:
         if self.sock is None:
