@@ -66,14 +66,18 @@ def cache_record_valid(cache_folder: Path, key: str, results: Path) -> bool:
 
 
 def stale_parts(lake: Lake, round_: int, batches: list[str]) -> list[str]:
-    """`table/part` of the derived parts whose batch the round no longer holds (the flow would delete them)."""
+    """`table/part` of the derived parts whose batch the round no longer holds (the flow would delete them),
+    the run log's spooled rows (not committed yet: the flow commits them, then prunes) among them."""
     from warehouse.runlog import TABLE as RUNS
+    from warehouse.runlog import spooled_parts
 
     keep = set(batches)
     out = []
     for table in derived_tables():
-        for path in lake.parts(table, round_):
-            name = lake.part_name(path)
+        names = [lake.part_name(path) for path in lake.parts(table, round_)]
+        if table == RUNS:
+            names += [n for n in spooled_parts(lake, round_) if n not in names]
+        for name in names:
             batch = name.split(".", 1)[-1] if table == RUNS else name.split(".", 1)[0]
             if batch not in keep:
                 out.append(f"{table}/{name}")

@@ -417,3 +417,25 @@ def test_only_the_keeping_threads_statistics_pass_keeps_its_batch():
     process.batch_statistics(traj, steps, ["gae"], cfg)  # after the block: nothing more kept
     assert len(process._kept_batches) == 1
     process.forget_credit_batches()
+
+
+def test_the_up_to_date_check_sees_a_spooled_row_of_a_batch_the_round_no_longer_holds(tmp_path, monkeypatch):
+    """flows.uptodate.stale_parts (the fast path's "parts to prune") lists the run log's spooled rows too, without
+    committing them: a row of a dropped batch still in the spool is work the flow would do (commit, then prune)."""
+    from flows.uptodate import stale_parts
+    from warehouse.runlog import spooled_parts
+
+    lake = delta_lake(tmp_path, monkeypatch)
+    record_stage_run(lake, 0, "credit", "b00000", seconds=0.1)
+    flush_stage_runs(lake, 0)
+    record_stage_run(lake, 0, "credit", "b00001", seconds=0.1)  # kept batch, spooled
+    record_stage_run(lake, 0, "detect", "b00007", seconds=0.1)  # a batch the round no longer holds, spooled
+    record_stage_run(lake, 0, "detect", "b00007", seconds=0.2)  # its later row: one part still
+    spool = sorted(p.name for p in spool_dir(lake, 0).iterdir())
+    assert spooled_parts(lake, 0) == ["credit.b00001", "detect.b00007"]
+    assert stale_parts(lake, 0, ["b00000", "b00001"]) == ["stage_runs/detect.b00007"]
+    assert stale_parts(lake, 0, ["b00001", "b00007"]) == [
+        "stage_runs/credit.b00000"
+    ]  # committed rows as before
+    assert sorted(p.name for p in spool_dir(lake, 0).iterdir()) == spool  # read only: nothing committed
+    assert spooled_parts(hive_lake(tmp_path, monkeypatch), 0) == []  # a hive lake writes each row as its part

@@ -109,6 +109,14 @@ def _spooled(folder: Path) -> list[Path]:
     return sorted(files, key=lambda p: p.name.split("~")[1:])
 
 
+def spooled_parts(lake: Lake, round_: int) -> list[str]:
+    """The run-log parts (`<stage>.<batch>`) with a row still in the round's spool, not yet committed; read only
+    (a reader that commits them: `flush_stage_runs`)."""
+    return (
+        sorted({p.name.split("~", 1)[0] for p in _spooled(spool_dir(lake, round_))}) if spools(lake) else []
+    )
+
+
 def flush_stage_runs(lake: Lake, round_: int, reading: bool = False) -> int:
     """Commit the round's spooled run-log rows (one Delta commit: the round's run log with each spooled
     (stage, batch) row in place of its older one), then remove the spool files committed. Returns the rows
