@@ -182,14 +182,21 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
 
     lake = Lake(lake_dir)
     cols = method_step_columns([method])
+    stats_cols = _statistics_columns(method)
     if getattr(lake, "format", "parquet") == "delta":
-        return _delta_floor(lake, round_, method, cols)
-    seconds = cpu = 0.0
+        return _delta_floor(lake, round_, method, cols, stats_cols)
+    seconds = cpu = stats_s = stats_cpu = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for b in round_batches(lake, round_):
             adv = pq.read_table(
                 lake.partition_dir("advantages", round_) / f"part-{_method_part(b, method)}.parquet"
             )
+            if stats_cols:  # the statistics pass's own read of the batch (timed apart)
+                t0, c0 = time.perf_counter(), time.process_time()
+                pq.read_table(lake.partition_dir("steps", round_) / f"part-{b}.parquet", columns=stats_cols)
+                pq.read_table(lake.partition_dir("trajectories", round_) / f"part-{b}.parquet")
+                stats_s += time.perf_counter() - t0
+                stats_cpu += time.process_time() - c0
             t0, c0 = time.perf_counter(), time.process_time()
             pq.read_table(lake.partition_dir("steps", round_) / f"part-{b}.parquet", columns=cols)
             pq.read_table(lake.partition_dir("trajectories", round_) / f"part-{b}.parquet")
@@ -197,10 +204,35 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
             seconds += time.perf_counter() - t0
             cpu += time.process_time() - c0
             del adv
-    return {"seconds": seconds, "cpu_s": cpu, "rss_mb": peak_rss_mb(), "columns": cols}
+    return _floor_result(seconds, cpu, stats_s, stats_cpu, cols)
 
 
-def _delta_floor(lake, round_: int, method: str, cols: list[str]) -> dict:
+def _statistics_columns(method: str) -> list[str]:
+    """The steps columns the statistics pass reads for `method` (empty: the method takes no statistic over the
+    round, or a checkout without the pass)."""
+    from pipeline.config import Config
+
+    try:
+        from pipeline.credit.process import statistics_methods
+        from pipeline.credit.registry import statistics_step_columns
+    except ImportError:
+        return []
+    names = statistics_methods(Config(methods=[method]))
+    return statistics_step_columns(names) if names else []
+
+
+def _floor_result(seconds: float, cpu: float, stats_s: float, stats_cpu: float, cols: list[str]) -> dict:
+    """The floor's figures; with a statistics pass, also the two-read floor (`seconds2`, `cpu_s2`): the floor
+    plus the statistics pass's own read of its columns and the trajectories, what a method whose advantages
+    depend on the whole round reads at the least when it holds no batch between its passes (memory flat in the
+    round's size)."""
+    out = {"seconds": seconds, "cpu_s": cpu, "rss_mb": peak_rss_mb(), "columns": cols}
+    if stats_s:
+        out |= {"seconds2": seconds + stats_s, "cpu_s2": cpu + stats_cpu}
+    return out
+
+
+def _delta_floor(lake, round_: int, method: str, cols: list[str], stats_cols: list[str]) -> dict:
     """The floor of a Delta lake: delta-rs + pyarrow only. Each table's Delta log is read once per round (in the
     timed region: the engine reads it too), the batch's data files are taken from its add actions (the part's
     name, or the name tagged with its generation for an ingest table) and read with pyarrow directly, as hive
@@ -245,10 +277,16 @@ def _delta_floor(lake, round_: int, method: str, cols: list[str]) -> dict:
             [pq.read_table(lake.root / table / unquote(p), columns=columns) for p in paths]
         )
 
-    seconds = cpu = 0.0
+    seconds = cpu = stats_s = stats_cpu = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for b in round_batches(lake, round_):
             adv = part("advantages", _method_part(b, method))  # (its log read untimed: the floor writes it)
+            if stats_cols:  # the statistics pass's own read of the batch (timed apart)
+                t0, c0 = time.perf_counter(), time.process_time()
+                part("steps", b, [c for c in stats_cols if c != "round"])
+                part("trajectories", b)
+                stats_s += time.perf_counter() - t0
+                stats_cpu += time.process_time() - c0
             n = adv.num_rows  # the partition columns, which the data files do not hold
             adv = adv.append_column("round", pa.array([round_] * n, pa.int32()))
             adv = adv.append_column("_part", pa.array([_method_part(b, method)] * n, pa.string()))
@@ -266,7 +304,7 @@ def _delta_floor(lake, round_: int, method: str, cols: list[str]) -> dict:
             seconds += time.perf_counter() - t0
             cpu += time.process_time() - c0
             del adv
-    return {"seconds": seconds, "cpu_s": cpu, "rss_mb": peak_rss_mb(), "columns": cols}
+    return _floor_result(seconds, cpu, stats_s, stats_cpu, cols)
 
 
 def _long_batch(trajectories: int, tokens: int, turns: int, seed: int = 0):
@@ -423,11 +461,11 @@ def _pair(runs: list[dict] | None, key: str = "seconds", fmt: str = "{:.2f}") ->
     return f"{fmt.format(min(vals))} / {fmt.format(statistics.median(vals))}"
 
 
-def _ratio(a: list[dict] | None, b: list[dict] | None, key: str = "seconds") -> str:
-    """a / b of the fastest runs and of the medians."""
-    if not a or not b:
+def _ratio(a: list[dict] | None, b: list[dict] | None, key: str = "seconds", key_b: str | None = None) -> str:
+    """a / b of the fastest runs and of the medians (b's `key_b` where given: the two-read floor)."""
+    if not a or not b or (key_b is not None and key_b not in b[0]):
         return "-"
-    va, vb = [r[key] for r in a], [r[key] for r in b]
+    va, vb = [r[key] for r in a], [r[key_b or key] for r in b]
     return f"{min(va) / min(vb):.2f} / {statistics.median(va) / statistics.median(vb):.2f}"
 
 
@@ -551,11 +589,13 @@ def main() -> None:
         for side in roots:
             row += [_pair(g(f"{side} engine")), _ratio(g(f"{side} engine"), g("floor"))]
             row += [_ratio(g(f"{side} engine"), g("floor"), key="cpu_s")]
+            row += [_ratio(g(f"{side} engine"), g("floor"), key="cpu_s", key_b="cpu_s2")]
         row += [_pair(g("floor"))]
         if "delta" in formats:
             for side in roots:
                 row += [_pair(g(f"{side} delta")), _ratio(g(f"{side} delta"), g("delta floor"))]
                 row += [_ratio(g(f"{side} delta"), g("delta floor"), key="cpu_s")]
+                row += [_ratio(g(f"{side} delta"), g("delta floor"), key="cpu_s", key_b="cpu_s2")]
             row += [_pair(g("delta floor"))]
             row += [
                 f"{statistics.median(r['commits_per_batch'] for r in runs[f'{side} delta']):.2f}"
@@ -578,11 +618,21 @@ def main() -> None:
         rows.append(row)
     headers = ["method"]
     for side in roots:
-        headers += [f"{side}: wall s", f"{side}: x floor", f"{side}: x floor CPU"]
+        headers += [
+            f"{side}: wall s",
+            f"{side}: x floor",
+            f"{side}: x floor CPU",
+            f"{side}: x two-read floor CPU",
+        ]
     headers += ["I/O floor s"]
     if "delta" in formats:
         for side in roots:
-            headers += [f"Delta {side}: wall s", f"Delta {side}: x floor", f"Delta {side}: x floor CPU"]
+            headers += [
+                f"Delta {side}: wall s",
+                f"Delta {side}: x floor",
+                f"Delta {side}: x floor CPU",
+                f"Delta {side}: x two-read floor CPU",
+            ]
         headers += ["Delta I/O floor s"]
         headers += [f"Delta {side}: commits per batch" for side in roots]
     if not args.no_compute:
@@ -660,7 +710,11 @@ def main() -> None:
         "trajectories, write the method's advantages part with the lake's writer options (Delta: delta-rs, one "
         "commit per part). Compute: the engine from the same Arrow tables in memory (no I/O), after one untimed "
         "warm-up call. Reference: the per-trajectory Python oracle of tests/test_credit_reference.py, timed on "
-        f"{args.ref_groups} groups and extrapolated to the round by assistant tokens.",
+        f"{args.ref_groups} groups and extrapolated to the round by assistant tokens. Two-read floor (the methods "
+        "with a statistics pass: gae, turn_ppo, gdpo): the floor plus the statistics pass's own read of its steps "
+        "columns (`registry.statistics_step_columns`) and the trajectories, what a method whose advantages depend "
+        "on the whole round must read at the least when it holds no batch between its two passes, i.e. with memory "
+        "flat in the round's size.",
         "",
         *md_table(headers, rows),
     ]
