@@ -215,3 +215,36 @@ def test_token_columns_of_any_two_layouts_are_their_float32_token_arrays(seed, a
         want = [full[a:b].astype(np.float32).tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
         assert table.column(name).type == pa.list_(pa.float32())
         assert table.column(name).to_pylist() == want
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.booleans())
+def test_values_on_the_assistant_steps_alone_read_as_a_per_step_reading(seed, garbage):
+    """Critic values on the assistant steps alone (verl's: the response tokens), the other steps' lists null:
+    on_mask takes the lists' values as they are. A null list may still span values in Arrow (`garbage`: each
+    null list holds some); those are never read as the assistant tokens' values."""
+    traj, steps = random_round(seed, max_groups=3, max_group_size=4, max_steps=6)
+    roles = steps.column("role").to_pylist()
+    tokens = steps.column("token_ids").to_pylist()
+    rng = np.random.default_rng(seed)
+    lists = [
+        rng.normal(size=len(t)).astype(np.float32).tolist() if r == "assistant" else None
+        for r, t in zip(roles, tokens, strict=True)
+    ]
+    if garbage:  # null lists that span values (Arrow allows it): offsets from each list's stored length
+        stored = [len(v) if v is not None else int(rng.integers(1, 4)) for v in lists]
+        ends = np.concatenate([[0], np.cumsum(stored)]).astype(np.int32)
+        flat = rng.normal(size=int(ends[-1])).astype(np.float32)
+        for i, v in enumerate(lists):
+            if v is not None:
+                flat[ends[i] : ends[i + 1]] = v
+        mask = pa.array([v is None for v in lists], pa.bool_())
+        column = pa.ListArray.from_arrays(pa.array(ends), pa.array(flat), mask=mask)
+        assert column.to_pylist() == [None if v is None else pytest.approx(v) for v in lists]
+    else:
+        column = pa.array(lists, pa.list_(pa.float32()))
+    steps = steps.set_column(steps.column_names.index("values"), "values", column)
+    batch = CreditBatch.from_arrow(traj, steps)
+    expect = _reference(steps, "values")
+    np.testing.assert_array_equal(batch.values.per_token(), expect)
+    np.testing.assert_array_equal(batch.values.on_mask(), expect[batch.tok_mask])

@@ -139,7 +139,9 @@ class TokenFloats:
         chosen[rows] = True  # the assistant steps with tokens: their tokens are the mask's, in order
         if self.valid[rows].all() and np.array_equal(list_len[rows], self.token_counts[rows]):
             flat = self.values[int(self.offsets[0]) : int(self.offsets[-1])]
-            if len(rows) == len(self.valid):  # every list (an all-assistant batch): the values as they are
+            if len(rows) == len(self.valid) or not list_len[~chosen].any():
+                # every list is an assistant step's (an all-assistant batch), or the other steps' lists take no
+                # values (critic values on the response tokens alone, as verl's are): the values as they are
                 return flat.astype(np.float64)
             return flat[np.repeat(chosen, list_len)].astype(np.float64)
         return self.per_token()[np.repeat(chosen, self.token_counts)]
