@@ -271,6 +271,7 @@ def run_stage(
     if stage.records_source:
         source = cache_key or stage_cache_key(lake.uri, round_, batch, stage, config)
     rows: dict[str, int] = {}
+    by_table: dict[str, dict[str, pa.Table]] = {}  # a table's parts of this batch (one per method): one write
     for table, part, key in stage.writes(batch, config.methods):
         result = out.tables[key]
         if source is not None:
@@ -279,8 +280,10 @@ def run_stage(
                 "source",
                 pa.array([source] * result.num_rows, pa.string()),
             )
-        lake.write_part(table, round_, result, part=part)
+        by_table.setdefault(table, {})[part] = result
         rows[table] = rows.get(table, 0) + result.num_rows
+    for table, parts in by_table.items():
+        lake.write_parts(table, round_, parts)
     notes = (out.notes, out.warnings, out.failures)
     return _finish(lake, round_, stage.name, batch, t0, traj, steps, rows, cache_key, *notes)
 

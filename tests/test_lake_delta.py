@@ -140,6 +140,28 @@ def test_an_empty_part_is_a_part(delta):
     assert delta.delete_parts("trajectories", 3) == 1 and not delta.has_part("trajectories", 3, "e")
 
 
+def test_several_parts_of_a_batch_are_one_commit(delta):
+    """write_parts (a stage's parts of a batch, one per method) is one Delta commit on the table: the parts are
+    replaced together, the table's other parts stay, and an empty part among them is a part."""
+    traj = _traj(n_groups=3)
+
+    def rows(part: str) -> int:
+        return read_batch(delta, "trajectories", 0, part).num_rows
+
+    delta.write_part("trajectories", 0, traj, part="b0.keep")
+    delta.write_parts("trajectories", 0, {"b1.grpo": traj, "b1.gae": traj.slice(0, 2)})
+    before = delta.last_versions["trajectories"]
+    delta.write_parts("trajectories", 0, {"b1.grpo": traj.slice(0, 1), "b1.gae": traj.slice(0, 0)})
+    assert delta.last_versions["trajectories"] == before + 1  # one commit for both parts
+    assert rows("b1.grpo") == 1 and rows("b1.gae") == 0
+    assert delta.has_part("trajectories", 0, "b1.gae")  # empty: still a part
+    assert rows("b0.keep") == traj.num_rows  # not among them: untouched
+    delta.write_parts("trajectories", 0, {"b1.gae": traj})  # an empty part written again with rows
+    assert rows("b1.gae") == traj.num_rows
+    assert [delta.part_name(p) for p in delta.parts("trajectories", 0)] == ["b0.keep", "b1.gae", "b1.grpo"]
+    assert delta.read("trajectories", 0).num_rows == 2 * traj.num_rows + 1
+
+
 def test_round_reads_and_the_catalog_match_hive_parquet(delta, tmp_path):
     hive = _hive(tmp_path / "hive")
     traj = _traj(n_groups=5)
@@ -228,6 +250,9 @@ _op = st.one_of(
         st.just("replace"), st.integers(0, 2), st.lists(_names, max_size=3, unique=True), st.integers(0, 6)
     ),
     st.tuples(st.just("delete"), st.integers(0, 2), _names, st.just(0)),
+    st.tuples(  # several parts at once (a stage's parts of a batch, one per method): one commit on Delta
+        st.just("parts"), st.integers(0, 2), st.lists(_names, max_size=3, unique=True), st.integers(0, 6)
+    ),
 )
 
 
@@ -243,6 +268,10 @@ def test_delta_and_hive_agree_on_any_sequence_of_writes(tmp_path_factory, ops):
                 lake.write_part("trajectories", round_, traj.slice(0, n), part=names)
             elif kind == "replace":
                 lake.replace_partition("trajectories", round_, {x: traj.slice(0, n) for x in names})
+            elif kind == "parts":  # sizes differ per part, an empty one among them where n is small
+                lake.write_parts(
+                    "trajectories", round_, {x: traj.slice(0, max(n - i, 0)) for i, x in enumerate(names)}
+                )
             else:
                 lake.delete_parts("trajectories", round_, prefix=names)
     for round_ in range(3):

@@ -3,6 +3,8 @@
 Each lake table is one Delta table `LAKE/<table>`, partitioned by `round` and `_part` (the part name, the unit
 the flow writes and caches on). Writes are Delta commits, atomic and idempotent:
 - `write_part` is an overwrite with the predicate `round = r AND _part = 'p'` (one commit);
+- `write_parts` is one overwrite with `round = r AND _part IN ('p', 'q', ...)` (a stage's parts of a batch, one
+  per method: one commit);
 - `replace_partition` is an overwrite with `round = r` holding all the parts (one commit).
 A reader sees the table at its last committed version; a writer killed mid-write leaves uncommitted files only
 (never read). Concurrent writers: a commit that loses a race is retried (the writes are idempotent overwrites),
@@ -410,6 +412,26 @@ class DeltaLake(Lake):
         if data.num_rows == 0 or was_empty:
             self._set_empty(table_name, round_, [part] if data.num_rows == 0 else [], f" AND part = '{part}'")
         return VirtualPart(self.partition_dir(table_name, round_) / f"part-{logical}.parquet")  # type: ignore[return-value]
+
+    def write_parts(self, table_name: str, round_: int, parts: dict[str, pa.Table]) -> None:
+        """Atomically write (or replace) several parts of a (table, round) partition in one Delta commit, the
+        others left as they are (a credit batch's parts of every method: one commit, not one per method; a
+        commit costs more the more files the table holds, so fewer of them keep a round's time linear)."""
+        if len(parts) <= 1:
+            for part, table in parts.items():
+                self.write_part(table_name, round_, table, part=part)
+            return
+        gen = self._stored(table_name, round_)
+        logical = {tag_generation(safe_part_name(n), gen): safe_part_name(n) for n in parts}
+        stored = dict(zip(logical, parts.values(), strict=True))
+        frames = [self._frame(table_name, round_, name, tbl) for name, tbl in stored.items()]
+        names = ", ".join(f"'{n}'" for n in stored)  # (safe_part_name: no quotes in a part's name)
+        where = f"round = {int(round_)} AND {PART} IN ({names})"
+        self._commit(table_name, pa.concat_tables(frames, promote_options="permissive"), where)
+        empty = [n for n, f in zip(stored, frames, strict=True) if f.num_rows == 0]
+        was_empty = set(logical.values()) & self._empty_names(table_name, round_)
+        if empty or was_empty:
+            self._set_empty(table_name, round_, empty, f" AND part IN ({names})")
 
     def replace_partition(
         self,
