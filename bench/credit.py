@@ -469,6 +469,14 @@ def _ratio(a: list[dict] | None, b: list[dict] | None, key: str = "seconds", key
     return f"{min(va) / min(vb):.2f} / {statistics.median(va) / statistics.median(vb):.2f}"
 
 
+def _paired(a: list[dict] | None, b: list[dict] | None, key: str = "seconds") -> str:
+    """The median of a / b over the repetitions, each a run beside its b run of the same repetition (a slow
+    spell of the machine hits both)."""
+    if not a or not b:
+        return "-"
+    return f"{statistics.median(x[key] / y[key] for x, y in zip(a, b, strict=True)):.2f}"
+
+
 def _peak(runs: list[dict] | None) -> str:
     return f"{max(r['tree_peak_mb'] for r in runs):.0f}" if runs else "-"
 
@@ -610,7 +618,8 @@ def main() -> None:
             for side in roots:
                 row += [
                     _pair(g(f"{side} 2x")),
-                    _ratio(g(f"{side} 2x"), g(f"{side} engine")),
+                    _ratio(g(f"{side} 2x"), g(f"{side} engine"))
+                    + f" / {_paired(g(f'{side} 2x'), g(f'{side} engine'))}",
                     _peak(g(f"{side} 2x")),
                     f"{max(r['tree_peak_mb'] for r in runs[f'{side} 2x']) / max(r['tree_peak_mb'] for r in runs[f'{side} engine']):.2f}",
                 ]
@@ -642,7 +651,7 @@ def main() -> None:
         for side in roots:
             headers += [
                 f"{side} 2x round: wall s",
-                f"{side} 2x / 1x time",
+                f"{side} 2x / 1x time (min, median, paired)",
                 f"{side} 2x: peak MB",
                 f"{side} 2x / 1x memory",
             ]

@@ -162,6 +162,26 @@ def test_several_parts_of_a_batch_are_one_commit(delta):
     assert delta.read("trajectories", 0).num_rows == 2 * traj.num_rows + 1
 
 
+def test_big_parts_are_a_commit_each(delta, monkeypatch):
+    """Parts whose Arrow sizes add up past WRITE_GROUP_BYTES go in several commits (delta-rs buffers a commit's
+    data whole): the same parts on disk, a commit per group."""
+    import warehouse.delta_lake as dl
+
+    traj = _traj(n_groups=3)
+    parts = {"b1.a": traj, "b1.b": traj.slice(0, 2), "b1.c": traj.slice(0, 1)}
+    delta.write_part("trajectories", 0, traj, part="b0")
+    monkeypatch.setattr(dl, "WRITE_GROUP_BYTES", traj.nbytes + traj.slice(0, 2).nbytes)  # a + b, then c
+    before = delta.last_versions["trajectories"]
+    delta.write_parts("trajectories", 0, parts)
+    assert delta.last_versions["trajectories"] == before + 2
+    monkeypatch.setattr(dl, "WRITE_GROUP_BYTES", 1)  # each its own commit
+    delta.write_parts("trajectories", 0, parts)
+    assert delta.last_versions["trajectories"] == before + 5
+    for name, table in parts.items():
+        assert read_batch(delta, "trajectories", 0, name).num_rows == table.num_rows
+    assert [delta.part_name(p) for p in delta.parts("trajectories", 0)] == ["b0", "b1.a", "b1.b", "b1.c"]
+
+
 def test_round_reads_and_the_catalog_match_hive_parquet(delta, tmp_path):
     hive = _hive(tmp_path / "hive")
     traj = _traj(n_groups=5)
