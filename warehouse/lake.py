@@ -274,7 +274,8 @@ class Lake:
 
     def write_parts(self, table_name: str, round_: int, parts: dict[str, pa.Table]) -> None:
         """Atomically write (or replace) several parts of a (table, round) partition, the others left as they
-        are: each part whole or not at all here (one file each); a Delta lake commits them together."""
+        are: each part whole or not at all here (one file each); a Delta lake commits small ones together
+        (`DeltaLake.write_parts`)."""
         for part, table in parts.items():
             self.write_part(table_name, round_, table, part=part)
 
