@@ -386,7 +386,8 @@ def main() -> None:
                 for size, src in sizes if rep % 2 == 0 else sizes[::-1]:
                     lake = work / (mode if size == "1x" else f"{mode}-{size}")
                     _copy_round(src, lake)
-                    sync_writeback()  # the previous run's writes land before this run's clock, not inside it
+                    # the previous run's writes (~1 GB of parts at 16M tokens) land before this run's clock
+                    os.sync()
                     r = run_child(mode, lake, work / f"home-{mode}", args.baseline)
                     double.setdefault((mode, size), []).append(r)
                     if size == "1x":
@@ -422,11 +423,6 @@ def main() -> None:
             Path(args.out).write_text(report)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def sync_writeback() -> None:
-    """Write back the dirty pages of the runs before (each writes ~1 GB of parts at 16M tokens)."""
-    os.sync()
 
 
 def double_table(modes: list[str], runs: dict[tuple[str, str], list[dict]]) -> list[str]:

@@ -53,23 +53,24 @@ def stage_io(config: Config) -> StageIO:
 
 
 # ---- the statistics pass's reads, kept for credit ------------------------------------------------------
-# A method with a round statistic (gae, turn_ppo, gdpo) reads each batch twice: the statistics pass, then credit.
-# Where both run in one process (flows.batch.round_statistics then run_stage: the plain path, the benchmarks),
-# the statistics pass reads the steps columns credit reads too and keeps what it read, keyed by the part's
-# identity (Lake.part_stat: path, size, mtime), and credit's read of the same part takes it from here (the very
-# table when the columns are the same: credit then starts from the credit batch the statistics pass built,
-# pipeline.credit.process.keeping_credit_batches; columns it lacks are read from disk); an entry is used once. A
-# rewritten part has another identity: never served. Bounded: an entry that would take the kept bytes past
-# CREDITFLOW_READ_CACHE_MB (default 0: off; 256 was the default before) is not kept (that batch is read again);
-# a 64-group batch of 3.1M tokens keeps ~21 MB for gae. The flow (flows/process_round.py) keeps too where its statistics task and
-# credit task of a batch run in the same process (the thread runner without worker processes), for the span of
-# the round (`keeping_round`: what credit did not take is dropped when the round ends or fails). Measured
-# (bench/results/credit.md, #36 "kept reads on by default"): the second read of the steps was 70-240 ms of a
-# 2-batch gae round's 0.40-0.71 s. Off by default since the round of the issue's own scale (512 groups, 8 batches,
-# bench/results/credit.md "#36 at the issue's scale"): a 256 MB bound kept 5 of 8 batches, the statistics pass then
-# cost 1.22-1.86 s against 0.75-0.82 s (it reads credit's columns and builds credit batches) and credit saved only
-# 0.2-0.4 s: a round's CPU 2.05-2.61 s kept, 1.76-1.88 s off, and ~300 MB more at peak. A round whose batches
-# all fit (a small one) still gains ~0.1 s with it on.
+# A method with a round statistic (gae, turn_ppo, gdpo) reads each batch twice: the statistics pass, then
+# credit. Where both run in one process (flows.batch.round_statistics then run_stage: the plain path, the
+# benchmarks), the statistics pass reads the steps columns credit reads too and keeps what it read, keyed by
+# the part's identity (Lake.part_stat: path, size, mtime), and credit's read of the same part takes it from
+# here (the very table when the columns are the same: credit then starts from the credit batch the statistics
+# pass built, pipeline.credit.process.keeping_credit_batches; columns it lacks are read from disk); an entry
+# is used once. A rewritten part has another identity: never served. Bounded: an entry that would take the
+# kept bytes past CREDITFLOW_READ_CACHE_MB (default 0: off; 256 was the default before) is not kept (that
+# batch is read again); a 64-group batch of 3.1M tokens keeps ~21 MB for gae. The flow
+# (flows/process_round.py) keeps too where its statistics task and credit task of a batch run in the same
+# process (the thread runner without worker processes), for the span of the round (`keeping_round`: what
+# credit did not take is dropped when the round ends or fails). Measured (bench/results/credit.md, #36 "kept
+# reads on by default"): the second read of the steps was 70-240 ms of a 2-batch gae round's 0.40-0.71 s. Off
+# by default since the round of the issue's own scale (512 groups, 8 batches, bench/results/credit.md "#36 at
+# the issue's scale"): a 256 MB bound kept 5 of 8 batches, the statistics pass then cost 1.22-1.86 s against
+# 0.75-0.82 s (it reads credit's columns and builds credit batches) and credit saved only 0.2-0.4 s: a round's
+# CPU 2.05-2.61 s kept, 1.76-1.88 s off, and ~300 MB more at peak. A round whose batches all fit (a small one)
+# still gains ~0.1 s with it on.
 READ_CACHE_ENV = "CREDITFLOW_READ_CACHE_MB"
 READ_CACHE_MB = 0  # the default bound: off
 _kept: dict[tuple, tuple[pa.Table, bool]] = {}  # part identity -> (what was read, whether every column)

@@ -434,8 +434,7 @@ def test_the_up_to_date_check_sees_a_spooled_row_of_a_batch_the_round_no_longer_
     spool = sorted(p.name for p in spool_dir(lake, 0).iterdir())
     assert spooled_parts(lake, 0) == ["credit.b00001", "detect.b00007"]
     assert stale_parts(lake, 0, ["b00000", "b00001"]) == ["stage_runs/detect.b00007"]
-    assert stale_parts(lake, 0, ["b00001", "b00007"]) == [
-        "stage_runs/credit.b00000"
-    ]  # committed rows as before
+    # committed rows as before
+    assert stale_parts(lake, 0, ["b00001", "b00007"]) == ["stage_runs/credit.b00000"]
     assert sorted(p.name for p in spool_dir(lake, 0).iterdir()) == spool  # read only: nothing committed
     assert spooled_parts(hive_lake(tmp_path, monkeypatch), 0) == []  # a hive lake writes each row as its part

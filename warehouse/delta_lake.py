@@ -407,14 +407,8 @@ class DeltaLake(Lake):
 
     def write_part(self, table_name: str, round_: int, table: pa.Table, part: str = "0") -> Path:
         """Atomically write (or replace) one part of a (table, round) partition: one Delta commit."""
-        logical = safe_part_name(part)
-        part = tag_generation(logical, self._stored(table_name, round_))
-        data = self._frame(table_name, round_, part, table)
-        self._commit(table_name, data, f"round = {int(round_)} AND {PART} = '{part}'")
-        was_empty = logical in self._empty_names(table_name, round_)
-        if data.num_rows == 0 or was_empty:
-            self._set_empty(table_name, round_, [part] if data.num_rows == 0 else [], f" AND part = '{part}'")
-        return VirtualPart(self.partition_dir(table_name, round_) / f"part-{logical}.parquet")  # type: ignore[return-value]
+        self._write_group(table_name, round_, {part: table})
+        return VirtualPart(self.partition_dir(table_name, round_) / f"part-{safe_part_name(part)}.parquet")  # type: ignore[return-value]
 
     def write_parts(self, table_name: str, round_: int, parts: dict[str, pa.Table]) -> None:
         """Write (or replace) several parts of a (table, round) partition, the others left as they are, in as
@@ -435,22 +429,20 @@ class DeltaLake(Lake):
             self._write_group(table_name, round_, group)
 
     def _write_group(self, table_name: str, round_: int, parts: dict[str, pa.Table]) -> None:
-        """Parts of one (table, round) in one commit: an overwrite with round = r AND _part IN (...)."""
-        if len(parts) == 1:
-            (part, table), *_ = parts.items()
-            self.write_part(table_name, round_, table, part=part)
-            return
+        """Parts of one (table, round) in one commit: an overwrite with round = r AND _part = 'p' (one part) or
+        _part IN ('p', 'q', ...), and the empty-part records of those parts brought up to date."""
         gen = self._stored(table_name, round_)
         logical = {tag_generation(safe_part_name(n), gen): safe_part_name(n) for n in parts}
         stored = dict(zip(logical, parts.values(), strict=True))
         frames = [self._frame(table_name, round_, name, tbl) for name, tbl in stored.items()]
         names = ", ".join(f"'{n}'" for n in stored)  # (safe_part_name: no quotes in a part's name)
-        where = f"round = {int(round_)} AND {PART} IN ({names})"
-        self._commit(table_name, pa.concat_tables(frames, promote_options="permissive"), where)
+        match = f"= {names}" if len(stored) == 1 else f"IN ({names})"
+        data = frames[0] if len(frames) == 1 else pa.concat_tables(frames, promote_options="permissive")
+        self._commit(table_name, data, f"round = {int(round_)} AND {PART} {match}")
         empty = [n for n, f in zip(stored, frames, strict=True) if f.num_rows == 0]
         was_empty = set(logical.values()) & self._empty_names(table_name, round_)
         if empty or was_empty:
-            self._set_empty(table_name, round_, empty, f" AND part IN ({names})")
+            self._set_empty(table_name, round_, empty, f" AND part {match}")
 
     def replace_partition(
         self,
