@@ -285,3 +285,73 @@ def test_plain_credit_batch_keeps_round_statistics_current(tmp_path):
     # every batch changed, not only the re-written one: the round's mean and variance moved
     last = [k for k in after["gae"] if k[0] not in set(first.column("traj_id").to_pylist())]
     assert max(float(np.max(np.abs(after["gae"][k] - before["gae"][k]), initial=0.0)) for k in last) > 1e-3
+
+
+# ---- a statistics pass without tokens (#36) ---------------------------------------------------------------
+
+
+def _settings_variants(model) -> list[dict]:
+    """The defaults, and each Literal / bool field of a settings model set to each of its other values."""
+    import typing
+
+    out: list[dict] = [{}]
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        choices = list(typing.get_args(ann)) if typing.get_origin(ann) is typing.Literal else []
+        choices += [True, False] if ann is bool else []
+        out += [{name: c} for c in choices if c != f.default]
+    return out
+
+
+def _stat_cases() -> list[tuple[str, dict]]:
+    from pipeline.credit.registry import ESTIMATORS
+    from pipeline.settings import SETTINGS_MODELS
+
+    Config(methods=["gdpo"]).settings_named("gdpo")  # every stage module registered
+    return [
+        (name, variant)
+        for name, est in sorted(ESTIMATORS.items())
+        if est.statistics is not None
+        for variant in _settings_variants(SETTINGS_MODELS[est.statistics.settings])
+    ]
+
+
+def test_every_estimator_with_a_statistic_has_cases():
+    names = {name for name, _ in _stat_cases()}
+    assert {"gae", "gdpo", "turn_ppo"} <= names
+    assert ("gdpo", {"whiten": "tokens"}) in _stat_cases()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), case=st.sampled_from(_stat_cases()))
+def test_a_statistic_declared_without_tokens_reads_none(seed, case):
+    """Where a statistic declares it reads no tokens under its settings (`RoundStatistics.tokens`), its moments
+    on a batch built without `token_ids` (what the statistics pass then reads) are those of the full batch; the
+    pass's columns leave `token_ids` out exactly then, and keep it when another statistic of the pass reads
+    tokens."""
+    from pipeline.credit.batch import CreditBatch
+    from pipeline.credit.registry import ESTIMATORS, statistics_step_columns
+
+    name, variant = case
+    stat = ESTIMATORS[name].statistics
+    config = Config(methods=[name], stages={stat.settings: variant})
+    own = config.settings_named(stat.settings)
+    traj, steps = random_round(seed, max_groups=5, max_group_size=4, max_steps=5)
+    columns = statistics_step_columns([name], config)
+    assert ("token_ids" in columns) == stat.tokens(own)
+    assert "token_ids" in statistics_step_columns([name, "gae"], config)  # gae's whitening reads tokens
+    if stat.tokens(own):
+        return
+    full = stat.fn(CreditBatch.from_arrow(traj, steps, None, config=config), own)
+    bare = CreditBatch.from_arrow(traj, steps.select(columns), columns, config=config, tokens=False)
+    assert bare.n_tokens == 0
+    got = stat.fn(bare, own)
+    assert got.keys() == full.keys()
+    for key, m in full.items():
+        assert (got[key].n, got[key].mean, got[key].m2) == pytest.approx(
+            (m.n, m.mean, m.m2), rel=1e-12, abs=1e-12
+        )
+    # the statistics pass on the steps it reads gives the moments it gives on the whole table
+    assert batch_statistics(traj, steps.select(columns), [name], config) == batch_statistics(
+        traj, steps, [name], config
+    )

@@ -204,10 +204,13 @@ class CreditBatch:
         annotations: Mapping[str, pa.Table | pl.DataFrame] | None = None,
         round_: int = 0,
         round_stats: Mapping[str, Moments] | None = None,
+        tokens: bool = True,
     ) -> CreditBatch:
         """The batch of these rows. `columns`: the steps columns its methods declare
         (registry.method_step_columns); a per-token float column (logprobs, values) is read only when declared,
-        else it is all unknown. None: every such column the table holds (in-memory tables, tests)."""
+        else it is all unknown. None: every such column the table holds (in-memory tables, tests).
+        `tokens=False`: the steps hold no `token_ids` and the batch no tokens (every step 0 tokens long): for a
+        statistics pass whose statistics read none (registry.RoundStatistics.tokens)."""
         traj = _trajectory_frame(trajectories)
         for name, typ in (
             ("logprobs", pa.list_(pa.float32())),
@@ -221,6 +224,8 @@ class CreditBatch:
             steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
         lengths = (
             pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+            if tokens
+            else np.zeros(steps.num_rows, np.int64)
         )
         starts = (np.cumsum(lengths) - lengths).astype(np.int64)
         scalar_cols = [

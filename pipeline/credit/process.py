@@ -306,14 +306,20 @@ def batch_statistics(
     quarantined = overflow_groups(trajectories)
     if quarantined:  # the same groups as process_batch leaves out
         trajectories, steps = _without_groups(trajectories, steps, quarantined)
-    columns = statistics_step_columns([s.name for s in stages])
-    keep = (
-        _keeping.get() and not annotations
-    )  # kept for credit: built with the float columns credit declares too
+    columns = statistics_step_columns([s.name for s in stages], config)
+    # kept for credit: built with the columns credit declares too (where the read holds them: the flow reads
+    # them for the statistics pass only when it keeps the read)
+    keep = _keeping.get() and not annotations and "token_ids" in steps.column_names
     if keep:
         columns += [c for c in method_step_columns(config.methods) if c not in columns]
     batch = CreditBatch.from_arrow(
-        trajectories, steps, columns, config=config, annotations=annotations, round_=round_
+        trajectories,
+        steps,
+        columns,
+        config=config,
+        annotations=annotations,
+        round_=round_,
+        tokens="token_ids" in columns,
     )
     if keep:
         _kept_batches[(id(given[0]), id(given[1]))] = _KeptBatch(
@@ -380,7 +386,7 @@ def _round_of(trajectories: pa.Table) -> int:
     order=40,
     produces=(STATS,),
     needs=lambda config: sorted(annotation_names(statistics_methods(config))),
-    step_columns=lambda config: statistics_step_columns(statistics_methods(config)),
+    step_columns=lambda config: statistics_step_columns(statistics_methods(config), config),
     settings=lambda config: sorted(method_settings(statistics_methods(config))),
     methods=statistics_methods,
     runs_if=lambda config: bool(statistics_methods(config)),

@@ -19,6 +19,7 @@ import numpy as np
 from pipeline.credit.batch import CreditBatch
 from pipeline.credit.ops import Moments
 from pipeline.credit.result import CreditResult
+from pipeline.settings import default_settings
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,16 @@ class RoundStatistics:
     estimator reads back with `batch.moments(key, ...)`. Where the `settings` model's `scope` is "round" (the
     default), the statistics pass (process.batch_statistics) runs `fn` on every batch of the round, merges the
     moments, and the credit pass reads the round's; `step_columns`: the steps columns `fn` reads beyond
-    STATISTICS_COLUMNS (None: the estimator's own), so the statistics pass reads no more than it needs."""
+    STATISTICS_COLUMNS (None: the estimator's own), so the statistics pass reads no more than it needs;
+    `tokens(settings)`: whether `fn` reads the batch's tokens under these settings (their positions, the
+    assistant mask, per-token columns). Where no statistic of the pass does, it reads no `token_ids` (the
+    biggest column it reads: GDPO whitening over trajectories needs only the trajectories) and `fn` gets a
+    batch whose steps hold no tokens (tests/test_credit_scope.py checks each declaration against a full batch)."""
 
     settings: str  # the settings model whose `scope` ("round" | "batch") says where the statistic is taken
     fn: Callable[[CreditBatch, Any], dict[str, Moments]]
     step_columns: tuple[str, ...] | None = None
+    tokens: Callable[[Any], bool] = field(default=lambda settings: True)
 
 
 @dataclass(frozen=True)
@@ -225,18 +231,25 @@ def round_statistics_methods(methods: list[str], config) -> list[ChainLink]:
     return out
 
 
-def statistics_step_columns(methods: list[str]) -> list[str]:
+def statistics_step_columns(methods: list[str], config=None) -> list[str]:
     """The steps columns the statistics pass of these estimators reads: STATISTICS_COLUMNS and each statistic's
-    own (the estimator's columns where the statistic names none)."""
+    own (the estimator's columns where the statistic names none); without `token_ids` where no statistic reads
+    tokens under `config`'s settings (None: every stage's defaults; `RoundStatistics.tokens`)."""
     cols = list(STATISTICS_COLUMNS)
+    tokens = False
     for method in methods:
         est, _ = parse_method(method)
         if est.statistics is None:
             continue
-        own = est.statistics.step_columns
-        more = method_step_columns([est.name]) if own is None else own
+        stat = est.statistics
+        tokens = tokens or stat.tokens(_named_settings(config, stat.settings))
+        more = method_step_columns([est.name]) if stat.step_columns is None else stat.step_columns
         cols += [c for c in more if c not in cols]
-    return cols
+    return cols if tokens else [c for c in cols if c != "token_ids"]
+
+
+def _named_settings(config, name: str):
+    return config.settings_named(name) if config is not None else default_settings(name)
 
 
 def _settings(batch: CreditBatch, stage: ChainLink):

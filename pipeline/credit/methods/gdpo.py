@@ -115,7 +115,9 @@ def gdpo_statistics(batch: CreditBatch, settings: GDPOSettings) -> dict[str, Mom
 @estimator(
     "gdpo",
     settings="gdpo",
-    statistics=RoundStatistics("gdpo", gdpo_statistics, step_columns=()),
+    statistics=RoundStatistics(
+        "gdpo", gdpo_statistics, step_columns=(), tokens=lambda settings: settings.whiten == "tokens"
+    ),
     components=("a_hat", "score"),
 )
 def gdpo(batch: CreditBatch, settings: GDPOSettings) -> CreditResult:
