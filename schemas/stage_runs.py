@@ -30,7 +30,7 @@ DOCS = {
     "seconds": "wall seconds of the stage on this batch (the run that produced the current outputs)",
     "trajectories": "trajectories in the batch",
     "steps": "steps in the batch",
-    "tokens": "tokens in the batch",
+    "tokens": "tokens in the batch (0 where the stage reads none: GDPO's statistics pass by default)",
     "rows_out": "rows written per output table",
     "notes": "the stage's counters: LLM calls, cache hits, fallbacks, ... (methods' notes as method.key)",
     "warnings": "degraded but completed: endpoint down, fallbacks used, ...",

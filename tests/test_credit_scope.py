@@ -355,3 +355,30 @@ def test_a_statistic_declared_without_tokens_reads_none(seed, case):
     assert batch_statistics(traj, steps.select(columns), [name], config) == batch_statistics(
         traj, steps, [name], config
     )
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "delta"])
+def test_a_statistics_pass_without_tokens_through_the_lake(tmp_path, monkeypatch, fmt):
+    """GDPO alone (whitening over trajectories: a statistics pass that reads no token_ids) through the plain
+    credit stage on a lake of 3 batches gives the advantages of the round as one batch; its run-log rows say it
+    read no tokens, credit's say the batch's."""
+    from flows.batch import round_batches, run_stage
+    from pipeline.stages import get_stage
+    from warehouse.lake import FORMAT_ENV
+    from warehouse.runlog import read_stage_runs
+
+    monkeypatch.setenv(FORMAT_ENV, fmt)
+    traj, steps = synth_round(groups=6)
+    lake, whole = Lake(tmp_path / "lake"), Lake(tmp_path / "whole")
+    write_round(lake, 0, traj, steps, batch_groups=2)
+    write_round(whole, 0, traj, steps, batch_groups=6)
+    for target in (lake, whole):
+        cfg = Config(lake=str(target.root), methods=["gdpo"])
+        for b in round_batches(target, 0):
+            run_stage(target, 0, b, get_stage("credit"), cfg)
+    assert_close(token_advantages(lake), token_advantages(whole))
+    runs = read_stage_runs(lake, 0).to_pylist()  # (Delta: the spooled rows too)
+    assert {r["tokens"] for r in runs if r["stage"] == "credit_stats"} == {0}
+    assert sum(r["tokens"] for r in runs if r["stage"] == "credit") == sum(
+        len(t) for t in steps["token_ids"].to_pylist()
+    )
