@@ -574,22 +574,28 @@ def main() -> None:
     for m in methods:
         # (label, kind, root, lake, round): every one run `reps` times, interleaved (a slow spell of this shared
         # machine hits the engine, its floor and the code before alike)
-        cells = []
-        for side, root in roots.items():
-            cells += [(f"{side} engine", "engine", root, lake_dir, 0)]
-            if not args.no_compute:
-                cells += [(f"{side} compute", "compute", root, lake_dir, 0)]
+        def rep_cells(sides: list[str]) -> list[tuple]:
+            cells = []
+            for side in sides:
+                root = roots[side]
+                cells += [(f"{side} engine", "engine", root, lake_dir, 0)]
+                if not args.no_compute:
+                    cells += [(f"{side} compute", "compute", root, lake_dir, 0)]
+                if "delta" in formats:
+                    cells += [(f"{side} delta", "engine", root, delta_dir, 0)]
+                if args.double:
+                    cells += [(f"{side} 2x", "engine", root, lake_dir, 1)]
+            # the floors write the advantages parts the engine wrote (so they run after it)
+            cells.insert(1, ("floor", "floor", ROOT, lake_dir, 0))
             if "delta" in formats:
-                cells += [(f"{side} delta", "engine", root, delta_dir, 0)]
-            if args.double:
-                cells += [(f"{side} 2x", "engine", root, lake_dir, 1)]
-        # the floors write the advantages parts the engine wrote (so they run after it)
-        cells.insert(1, ("floor", "floor", ROOT, lake_dir, 0))
-        if "delta" in formats:
-            cells += [("delta floor", "floor", ROOT, delta_dir, 0)]
-        runs: dict[str, list[dict]] = {c[0]: [] for c in cells}
-        for _ in range(args.reps):
-            for label, kind, root, lake, round_ in cells:
+                cells += [("delta floor", "floor", ROOT, delta_dir, 0)]
+            return cells
+
+        runs: dict[str, list[dict]] = {c[0]: [] for c in rep_cells(list(roots))}
+        # the sides' order alternates: neither side always runs first, or right after a write
+        for rep in range(args.reps):
+            for label, kind, root, lake, round_ in rep_cells(list(roots)[:: 1 if rep % 2 == 0 else -1]):
+                os.sync()  # the last cell's writes land before this cell's clock
                 res = sub("--root", str(root), "--worker", kind, str(lake), str(round_), m)
                 runs[label].append(res)
         ref_s = 0.0
@@ -712,7 +718,8 @@ def main() -> None:
         "every figure of a row comes from the same interleaved repetitions). " + machine_note(),
         "",
         f'Cells: min / median of {args.reps} repetitions, each its own subprocess; "before" is the code of the '
-        f'baseline worktree{base}, "after" this checkout, interleaved cell by cell on the same lake. x floor: '
+        f'baseline worktree{base}, "after" this checkout, interleaved cell by cell on the same lake, the sides\' '
+        "order alternating from one repetition to the next, each cell after a sync. x floor: "
         "engine / I/O floor (min / min, median / median); x floor CPU: the same of the timed region's CPU time (time.process_time: every thread of the worker; less sensitive to the load than wall time). Delta commits per batch: the entries the engine's timed region added to the Delta logs, over the batches (median). Peak MB (tree): the most of the worker's process tree "
         "(summed resident sets sampled every 20 ms, or the worker's own VmHWM where more; bench/_common.py), the "
         "largest over the repetitions. Both checkouts' engine workers import what every process of a round "
