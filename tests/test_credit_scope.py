@@ -322,30 +322,53 @@ def test_every_estimator_with_a_statistic_has_cases():
     assert ("gdpo", {"whiten": "tokens"}) in _stat_cases()
 
 
+def test_no_statistics_pass_without_a_statistic():
+    """Without whitening gae, gae_pr and turn_ppo take no round statistic: no statistics pass reads the round
+    for them. GDPO without whitening still learns the round's component names in it (no tokens read)."""
+    from pipeline.credit.process import statistics_methods
+    from pipeline.credit.registry import statistics_step_columns
+
+    off = {"gae": {"whiten": False}, "turn_ppo": {"whiten": False}, "gdpo": {"whiten": "none"}}
+    for method in ("gae", "gae_pr", "turn_ppo"):
+        assert statistics_methods(Config(methods=[method])) == [method]
+        assert statistics_methods(Config(methods=[method], stages=off)) == []
+    assert statistics_methods(Config(methods=["gdpo", "gae"], stages=off)) == ["gdpo"]
+    assert "token_ids" not in statistics_step_columns(["gdpo"], Config(methods=["gdpo"], stages=off))
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), case=st.sampled_from(_stat_cases()))
-def test_a_statistic_declared_without_tokens_reads_none(seed, case):
-    """Where a statistic declares it reads no tokens under its settings (`RoundStatistics.tokens`), its moments
-    on a batch built without `token_ids` (what the statistics pass then reads) are those of the full batch; the
-    pass's columns leave `token_ids` out exactly then, and keep it when another statistic of the pass reads
-    tokens."""
+def test_a_statistic_reads_no_more_than_it_declares(seed, case):
+    """Each statistic's declarations (`RoundStatistics.active`, `.tokens`) hold against its function on full
+    batches. Inactive under its settings: it takes nothing, and no statistics pass runs for it. Declaring no
+    tokens: its moments on a batch built without `token_ids` (what the statistics pass then reads) are those of
+    the full batch; the pass's columns leave `token_ids` out exactly then, and keep it when another statistic of
+    the pass reads tokens."""
     from pipeline.credit.batch import CreditBatch
+    from pipeline.credit.process import statistics_methods
     from pipeline.credit.registry import ESTIMATORS, statistics_step_columns
 
     name, variant = case
-    stat = ESTIMATORS[name].statistics
+    est = ESTIMATORS[name]
+    stat = est.statistics
     config = Config(methods=[name], stages={stat.settings: variant})
-    own = config.settings_named(stat.settings)
+    own = config.settings_named(stat.settings)  # what the declarations read (the statistic's scope model)
+    fn_settings = config.settings_named(est.settings) if est.settings else None  # what `fn` is given
     traj, steps = random_round(seed, max_groups=5, max_group_size=4, max_steps=5)
+    full = stat.fn(CreditBatch.from_arrow(traj, steps, None, config=config), fn_settings)
+    round_scope = getattr(own, "scope", "round") == "round"
+    assert statistics_methods(config) == ([name] if round_scope and stat.active(own) else [])
+    if not stat.active(own):
+        assert full == {}
+        return
     columns = statistics_step_columns([name], config)
     assert ("token_ids" in columns) == stat.tokens(own)
     assert "token_ids" in statistics_step_columns([name, "gae"], config)  # gae's whitening reads tokens
     if stat.tokens(own):
         return
-    full = stat.fn(CreditBatch.from_arrow(traj, steps, None, config=config), own)
     bare = CreditBatch.from_arrow(traj, steps.select(columns), columns, config=config, tokens=False)
     assert bare.n_tokens == 0
-    got = stat.fn(bare, own)
+    got = stat.fn(bare, fn_settings)
     assert got.keys() == full.keys()
     for key, m in full.items():
         assert (got[key].n, got[key].mean, got[key].m2) == pytest.approx(

@@ -41,15 +41,18 @@ class RoundStatistics:
     default), the statistics pass (process.batch_statistics) runs `fn` on every batch of the round, merges the
     moments, and the credit pass reads the round's; `step_columns`: the steps columns `fn` reads beyond
     STATISTICS_COLUMNS (None: the estimator's own), so the statistics pass reads no more than it needs;
-    `tokens(settings)`: whether `fn` reads the batch's tokens under these settings (their positions, the
+    `tokens(settings)` (of the `settings` model): whether `fn` reads the batch's tokens (their positions, the
     assistant mask, per-token columns). Where no statistic of the pass does, it reads no `token_ids` (the
     biggest column it reads: GDPO whitening over trajectories needs only the trajectories) and `fn` gets a
-    batch whose steps hold no tokens (tests/test_credit_scope.py checks each declaration against a full batch)."""
+    batch whose steps hold no tokens; `active(settings)`: whether there is a statistic to take at all under these
+    settings (gae with `whiten=false` takes none: no statistics pass reads the round for it). Both are checked
+    against `fn` on full batches (tests/test_credit_scope.py)."""
 
     settings: str  # the settings model whose `scope` ("round" | "batch") says where the statistic is taken
     fn: Callable[[CreditBatch, Any], dict[str, Moments]]
     step_columns: tuple[str, ...] | None = None
     tokens: Callable[[Any], bool] = field(default=lambda settings: True)
+    active: Callable[[Any], bool] = field(default=lambda settings: True)
 
 
 @dataclass(frozen=True)
@@ -220,13 +223,15 @@ def method_settings(methods: list[str]) -> set[str]:
 
 
 def round_statistics_methods(methods: list[str], config) -> list[ChainLink]:
-    """The estimators of `methods` whose batch statistics are taken over the round (settings scope="round"):
-    what the statistics pass runs. Empty: the round needs no statistics pass."""
+    """The estimators of `methods` whose batch statistics are taken over the round (settings scope="round") and
+    take one under their settings (`RoundStatistics.active`): what the statistics pass runs. Empty: the round
+    needs no statistics pass."""
     out: list[ChainLink] = []
     for method in methods:
         est, _ = parse_method(method)
         if est.statistics and est not in out:
-            if getattr(config.settings_named(est.statistics.settings), "scope", "round") == "round":
+            own = config.settings_named(est.statistics.settings)
+            if getattr(own, "scope", "round") == "round" and est.statistics.active(own):
                 out.append(est)
     return out
 

@@ -86,7 +86,9 @@ def gae_statistics(batch: CreditBatch, settings: GAESettings) -> dict[str, Momen
     "gae",
     settings="gae",
     step_columns=("values",),
-    statistics=RoundStatistics("gae", gae_statistics, step_columns=("values",)),
+    statistics=RoundStatistics(
+        "gae", gae_statistics, step_columns=("values",), active=lambda settings: settings.whiten
+    ),
     requires=(Requirement("values", "critic values"),),
     components=("a_hat", "score"),
 )

@@ -120,7 +120,9 @@ def gae_pr_statistics(batch: CreditBatch, settings: ProcessRewardSettings) -> di
     settings="process_reward",
     needs=("spans",),
     step_columns=("values",),
-    statistics=RoundStatistics("gae", gae_pr_statistics, step_columns=("values",)),
+    statistics=RoundStatistics(
+        "gae", gae_pr_statistics, step_columns=("values",), active=lambda settings: settings.whiten
+    ),
     requires=(Requirement("values", "critic values"),),
     components=("a_hat", "score", "severity"),
     reads=("gae",),

@@ -70,7 +70,12 @@ def turn_ppo_statistics(batch: CreditBatch, settings: TurnPPOSettings) -> dict[s
     settings="turn_ppo",
     step_columns=("values",),
     # the values at the turns' first tokens (and turn_reward="verifier_score" reads the steps' scores)
-    statistics=RoundStatistics("turn_ppo", turn_ppo_statistics, step_columns=("values", "verifier_score")),
+    statistics=RoundStatistics(
+        "turn_ppo",
+        turn_ppo_statistics,
+        step_columns=("values", "verifier_score"),
+        active=lambda settings: settings.whiten,
+    ),
     requires=(Requirement("values", "critic values"),),
     components=("a_hat", "score"),
 )
