@@ -101,7 +101,8 @@ def _register(table: dict[str, ChainLink], stage: ChainLink) -> None:
     table[stage.name] = stage
 
 
-# the steps columns the statistics pass always reads (a statistic adds its own `step_columns`)
+# the steps columns the statistics pass reads (a statistic adds its own `step_columns`; token_ids only where a
+# statistic reads tokens, `RoundStatistics.tokens`)
 STATISTICS_COLUMNS = ("traj_id", "step_idx", "role", "token_ids")
 # the steps columns every method may read; others are read only when a stage lists them in `step_columns`:
 # the per-token lists `logprobs` (batch.logprobs) and `values` (batch.values), which cost as much to read as
