@@ -28,6 +28,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _common import emit, machine_note, md_table, peak_rss_mb, run_worker, uptime, write_md  # noqa: E402
 
 METHODS = ["grpo", "dr_grpo", "rloo", "gdpo", "gae", "turn_ppo", "mt_grpo", "gigpo"]
+STAGES_ENV = "CREDITFLOW_BENCH_STAGES"  # --stages: the parent sets it, every worker reads it
+
+
+def _stages() -> dict:
+    """The stage settings of every worker's config (`--stages`, JSON): e.g. {"gae": {"whiten": false}}."""
+    import json
+
+    return json.loads(os.environ.get(STAGES_ENV) or "{}")
 
 
 def _use_root(root: str) -> None:
@@ -113,7 +121,7 @@ def worker_engine(lake_dir: Path, round_: int, method: str, batch_scope: bool = 
         stat = getattr(est, "statistics", None)  # RoundStatistics (#35), a settings name before
         statistics = stat.settings if stat is not None else getattr(est, "batch_statistics", None)
         stages = {statistics: {"scope": "batch"}} if statistics else {}
-    cfg = Config(lake=str(lake_dir), methods=[method], stages=stages)
+    cfg = Config(lake=str(lake_dir), methods=[method], stages=_stages() | stages)
     _warm_imports()
     # a method whose statistics span the round (gae, turn_ppo, gdpo) runs the statistics pass first: the parts
     # of an earlier repetition must not spare it
@@ -150,7 +158,7 @@ def worker_compute(lake_dir: Path, round_: int, method: str) -> dict:
     from warehouse.lake import Lake
     from warehouse.rounds import read_batch
 
-    lake, cfg = Lake(lake_dir), Config(lake=str(lake_dir), methods=[method])
+    lake, cfg = Lake(lake_dir), Config(lake=str(lake_dir), methods=[method], stages=_stages())
     batches = round_batches(lake, round_)
     # one untimed call first: the process's one-off costs (lazy imports, the heap's first growth) are not
     # per-token work, and the reference is timed after its own imports too
@@ -217,7 +225,7 @@ def _statistics_columns(method: str) -> list[str]:
         from pipeline.credit.registry import statistics_step_columns
     except ImportError:
         return []
-    names = statistics_methods(Config(methods=[method]))
+    names = statistics_methods(Config(methods=[method], stages=_stages()))
     return statistics_step_columns(names) if names else []
 
 
@@ -515,6 +523,11 @@ def main() -> None:
         help="TRAJxTOKENS (e.g. 1024x16384): time verl's compute_gae_advantage_return beside gae and turn_ppo "
         "on that batch, compute only (needs verl installed: .ci/install-frameworks)",
     )
+    p.add_argument(
+        "--stages",
+        default="",
+        help='stage settings for every worker, JSON (e.g. \'{"gae": {"whiten": false}}\'): both sides run them',
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "credit.md")
     p.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
     p.add_argument("--worker", nargs=4, metavar=("KIND", "LAKE", "ROUND", "METHOD"))
@@ -541,6 +554,14 @@ def main() -> None:
         emit(res)
         return
     _use_root(str(ROOT))
+    if args.stages:
+        import json
+
+        try:
+            json.loads(args.stages)
+        except ValueError as exc:
+            sys.exit(f"bench/credit.py: --stages is not JSON: {exc}")
+        os.environ[STAGES_ENV] = args.stages  # every worker's config (run_worker passes the environment)
     load_at_start = uptime()
     print(load_at_start, flush=True)
 
@@ -712,7 +733,8 @@ def main() -> None:
         + ". Batches of 64 groups, processed as `creditflow process` does: the statistics pass over every batch "
         "first where the method takes a statistic over the round (gae, turn_ppo, gdpo), then "
         "flows.batch.credit_batch per batch with the round's statistics (read the steps columns the method needs "
-        "+ trajectories, build the context, estimate, write the advantages part and the stage_runs row).",
+        "+ trajectories, build the context, estimate, write the advantages part and the stage_runs row)."
+        + (f" Stage settings of every worker (`--stages`): `{args.stages}`." if args.stages else ""),
         "",
         f"Load: `{load_at_start}` at the start, `{load_at_end}` at the end (a machine shared with other agents: "
         "every figure of a row comes from the same interleaved repetitions). " + machine_note(),
