@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import os
 import shutil
 import statistics
@@ -33,8 +34,6 @@ STAGES_ENV = "CREDITFLOW_BENCH_STAGES"  # --stages: the parent sets it, every wo
 
 def _stages() -> dict:
     """The stage settings of every worker's config (`--stages`, JSON): e.g. {"gae": {"whiten": false}}."""
-    import json
-
     return json.loads(os.environ.get(STAGES_ENV) or "{}")
 
 
@@ -264,6 +263,10 @@ def _delta_floor(lake, round_: int, method: str, cols: list[str], stats_cols: li
             from warehouse.delta_lake import writer_properties
         except ImportError:  # a baseline checkout from before them: delta-rs's defaults
             writer_properties = None
+    try:  # the interval the lake checkpoints its tables at
+        from warehouse.delta_lake import CHECKPOINT_EVERY
+    except ImportError:  # a checkout from before it was named
+        CHECKPOINT_EVERY = 50
 
     files: dict[str, dict[str, list[str]]] = {}
 
@@ -310,7 +313,7 @@ def _delta_floor(lake, round_: int, method: str, cols: list[str], stats_cols: li
             predicate=f"round = {round_} AND _part = '{_method_part(b, method)}'",
             partition_by=["round", "_part"],
             schema_mode="merge",
-            configuration={"delta.checkpointInterval": "50"},
+            configuration={"delta.checkpointInterval": str(CHECKPOINT_EVERY)},
             writer_properties=writer_properties(adv.schema) if writer_properties else None,
         )
         seconds += time.perf_counter() - t0
@@ -555,8 +558,6 @@ def main() -> None:
         return
     _use_root(str(ROOT))
     if args.stages:
-        import json
-
         try:
             json.loads(args.stages)
         except ValueError as exc:

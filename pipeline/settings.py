@@ -52,3 +52,9 @@ def default_settings(name: str) -> StageSettings:
     if model is None:
         raise KeyError(f"unknown stage settings {name!r}; known: {sorted(SETTINGS_MODELS)}")
     return model()
+
+
+def named_settings(config, name: str) -> StageSettings:
+    """The settings registered as `name` under `config` (a pipeline.config.Config), or their defaults where
+    there is no config."""
+    return config.settings_named(name) if config is not None else default_settings(name)

@@ -143,32 +143,33 @@ class DeltaLake(Lake):
     def _latest(self, table: str):
         """The table at its latest version: loaded once, then brought up to date by reading only the commits
         made since (`update_incremental`, ~0.3 ms) instead of loading the log again (2-20 ms per call, dozens of
-        calls per batch). None: not loaded yet."""
+        calls per batch). None: not loaded yet, or the kept one may not serve (`_serves`): dropped."""
         cached = self._open_tables().get(table)
-        if cached is not None:
-            if not self.remote and (
-                getattr(cached, "_creditflow_log_id", None) != self._log_id(table)
-                or not (self.root / table / "_delta_log" / f"{cached.version():020d}.json").exists()
-            ):  # the folder was replaced (an in-place migration, a lake made again): its log is another one
-                self._open_tables().pop(table, None)
-                return None
-            if _checkpointed_since(cached):
-                self._open_tables().pop(table, None)
-                return None
-            if (
-                not self.remote
-                and not (self.root / table / "_delta_log" / f"{cached.version() + 1:020d}.json").exists()
-            ):  # no commit since (commits are numbered in order): one stat, not a listing of the log
-                return cached
-            try:
-                cached.update_incremental()
-                if _checkpointed_since(cached):  # other writers' commits passed a checkpoint: load from it
-                    self._open_tables().pop(table, None)
-                    return None
-                return cached
-            except Exception:  # noqa: BLE001 - the table was replaced or removed under us: load it afresh
-                self._open_tables().pop(table, None)
+        if cached is not None and self._serves(table, cached):
+            return cached
+        self._open_tables().pop(table, None)
         return None
+
+    def _serves(self, table: str, cached) -> bool:
+        """Whether the kept table can serve, brought up to date: not when its folder was replaced, nor when its
+        log passed a checkpoint since it was loaded (by its own commits or other writers'; `_checkpointed_since`),
+        nor when it cannot be brought up to date."""
+        if not self.remote and (
+            getattr(cached, "_creditflow_log_id", None) != self._log_id(table)
+            or not (self.root / table / "_delta_log" / f"{cached.version():020d}.json").exists()
+        ):  # the folder was replaced (an in-place migration, a lake made again): its log is another one
+            return False
+        # no commit since (commits are numbered in order): one stat, not a listing of the log
+        if (
+            not self.remote
+            and not (self.root / table / "_delta_log" / f"{cached.version() + 1:020d}.json").exists()
+        ):
+            return not _checkpointed_since(cached)
+        try:
+            cached.update_incremental()
+        except Exception:  # noqa: BLE001 - the table was replaced or removed under us: load it afresh
+            return False
+        return not _checkpointed_since(cached)
 
     def _table(self, table: str, version: int | str | dt.datetime | None = None, fresh: bool = False):
         """The Delta table `table` (None when absent) at its latest version, or at `version` (a new object;

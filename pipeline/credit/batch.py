@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.credit.ops import Moments
-from pipeline.settings import StageSettings, default_settings
+from pipeline.settings import StageSettings, named_settings
 
 if TYPE_CHECKING:
     from pipeline.config import Config
@@ -332,7 +332,7 @@ class CreditBatch:
 
     def settings_named(self, name: str) -> StageSettings:
         """The settings registered as `name` (a registry link's declared settings)."""
-        return self.config.settings_named(name) if self.config is not None else default_settings(name)
+        return named_settings(self.config, name)
 
     def moments(
         self, key: str, values: np.ndarray, weights: np.ndarray | None = None, scope: str = "round"

@@ -19,7 +19,7 @@ import numpy as np
 from pipeline.credit.batch import CreditBatch
 from pipeline.credit.ops import Moments
 from pipeline.credit.result import CreditResult
-from pipeline.settings import default_settings
+from pipeline.settings import named_settings
 
 
 @dataclass(frozen=True)
@@ -248,14 +248,10 @@ def statistics_step_columns(methods: list[str], config=None) -> list[str]:
         if est.statistics is None:
             continue
         stat = est.statistics
-        tokens = tokens or stat.tokens(_named_settings(config, stat.settings))
+        tokens = tokens or stat.tokens(named_settings(config, stat.settings))
         more = method_step_columns([est.name]) if stat.step_columns is None else stat.step_columns
         cols += [c for c in more if c not in cols]
     return cols if tokens else [c for c in cols if c != "token_ids"]
-
-
-def _named_settings(config, name: str):
-    return config.settings_named(name) if config is not None else default_settings(name)
 
 
 def _settings(batch: CreditBatch, stage: ChainLink):
