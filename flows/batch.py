@@ -180,8 +180,10 @@ def keeps_round(lake_uri: str, round_: int) -> bool:
 
 
 def _tokens(steps: pa.Table) -> int:
-    """The batch's tokens, as far as the stage read them (0 for a stage that reads no token_ids: a statistics
-    pass whose statistics read no tokens, `RoundStatistics.tokens`)."""
+    """The batch's tokens, as far as the stage read them (0 for a stage that reads neither n_tokens nor
+    token_ids: a statistics pass whose statistics read no tokens, `RoundStatistics.tokens`)."""
+    if "n_tokens" in steps.column_names:
+        return int(pc.sum(steps.column("n_tokens")).as_py() or 0)
     if "token_ids" not in steps.column_names:
         return 0
     return int(pc.sum(pc.list_value_length(steps.column("token_ids"))).as_py() or 0)

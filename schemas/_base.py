@@ -3,7 +3,7 @@ field and row, and a conformer that casts an input table to the canonical schema
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -23,6 +23,16 @@ RowCheck = Callable[[pa.Table], "SchemaError | None"]
 
 
 @dataclass(frozen=True)
+class Derived:
+    """A column computed from others: the lake computes it on every write (an input's own value is replaced, so
+    it never disagrees with its sources), and a read derives it where a part written before it lacks it."""
+
+    sources: tuple[str, ...]
+    arrow: Callable[[pa.Table], pa.Array | pa.ChunkedArray]  # from a table holding `sources`
+    sql: str  # the same over the sources, in DuckDB SQL (the catalog's views)
+
+
+@dataclass(frozen=True)
 class TableSpec:
     """A table: its Arrow schema, one line of documentation per field and extra row-level checks."""
 
@@ -30,6 +40,7 @@ class TableSpec:
     schema: pa.Schema
     docs: dict[str, str]
     checks: tuple[RowCheck, ...] = field(default=())
+    derived: dict[str, Derived] = field(default_factory=dict)
 
     @property
     def required(self) -> list[str]:
@@ -70,7 +81,62 @@ class TableSpec:
             err = check(table)
             if err is not None:
                 raise err
+        for name, d in self.derived.items():
+            typ = self.schema.field(name).type
+            table = table.set_column(table.schema.get_field_index(name), name, d.arrow(table).cast(typ))
         return table
+
+    def lacks(self, columns: Collection[str] | None, present: Collection[str]) -> bool:
+        """Whether a read of `columns` (None: all) from a part holding `present` meets a derived column the part
+        lacks (written before it): read `with_sources(columns)` then, and `complete` it."""
+        wanted = self.derived if columns is None else [c for c in columns if c in self.derived]
+        return any(c not in present for c in wanted)
+
+    def incomplete(self, table: pa.Table, columns: Collection[str] | None = None) -> bool:
+        """Whether a derived column of `columns` (None: every one) is absent from a read's `table` or null in some
+        of its rows (parts written before it): `complete` it then."""
+        wanted = self.derived if columns is None else [c for c in columns if c in self.derived]
+        return any(c not in table.column_names or table.column(c).null_count for c in wanted)
+
+    def readable(self, names: list[str]) -> list[str]:
+        """The columns a read can give from parts holding `names`: those and the derived ones whose sources they
+        hold."""
+        return names + [c for c, d in self.derived.items() if c not in names and set(d.sources) <= set(names)]
+
+    def with_sources(self, columns: list[str] | None) -> list[str] | None:
+        """`columns` and the sources of the derived columns among them."""
+        if columns is None:
+            return None
+        out = list(columns)
+        for c in columns:
+            if c in self.derived:
+                out += [s for s in self.derived[c].sources if s not in out]
+        return out
+
+    def complete(self, table: pa.Table, columns: list[str] | None = None) -> pa.Table:
+        """A read's `table`: each derived column of `columns` (None: of the table) that is absent or null in some
+        rows (parts written before it) computed there from its sources, which `table` then holds; the columns
+        are `columns` afterwards (the sources dropped that only the derivation read)."""
+        for name, d in self.derived.items():
+            if columns is not None and name not in columns:
+                continue
+            col = table.column(name) if name in table.column_names else None
+            if col is not None and not col.null_count:
+                continue
+            missing = [s for s in d.sources if s not in table.column_names]
+            if missing:
+                raise KeyError(
+                    f"table {self.name!r}: deriving {name!r} needs {', '.join(map(repr, missing))}"
+                )
+            typ = self.schema.field(name).type
+            new = d.arrow(table).cast(typ)
+            if col is None:
+                table = table.append_column(pa.field(name, typ), new)
+            else:
+                table = table.set_column(
+                    table.schema.get_field_index(name), name, pc.if_else(pc.is_null(col), new, col)
+                )
+        return table if columns is None else table.select(columns)
 
     def describe(self) -> str:
         lines = [f"{self.name}:"]

@@ -1,8 +1,9 @@
 """steps: one row per message of a trajectory (system, user, assistant, tool), with its tokens."""
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from schemas._base import TableSpec, check_in, check_same_length, check_unique
+from schemas._base import Derived, TableSpec, check_in, check_same_length, check_unique
 
 # `user_tool`: a step the agent never saw: another actor's own tool call or its result (tau2's user simulator
 # calls its device tools; the orchestrator routes them user -> environment -> user). Kept in the lake, with no
@@ -30,6 +31,7 @@ SCHEMA = pa.schema(
         pa.field("is_error", pa.bool_(), nullable=False),
         pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("token_offsets", pa.list_(pa.int32()), nullable=False),
+        pa.field("n_tokens", pa.int32()),
         pa.field("logprobs", pa.list_(pa.float32())),
         pa.field("logprob_source", pa.string()),
         pa.field("values", pa.list_(pa.float32())),
@@ -52,6 +54,8 @@ DOCS = {
     "is_error": "the source marks this tool return (or message) as an error",
     "token_ids": "token ids of the content (list<int32>)",
     "token_offsets": "char start of each token in content (same length as token_ids)",
+    "n_tokens": "len(token_ids): computed by the lake on every write (an input's own value is replaced); a read "
+    "of a part written before the column derives it (what credit reads instead of the token ids)",
     "logprobs": "behaviour-policy logprob of each token (assistant steps); null when unknown",
     "logprob_source": "where logprobs came from: rollout, rescore:<model>, or null",
     "values": "critic value per token (PPO/GAE); null when there is no critic",
@@ -60,8 +64,6 @@ DOCS = {
 
 
 def _turn_on_assistant(table: pa.Table):
-    import pyarrow.compute as pc
-
     from schemas._base import SchemaError, first_true
 
     is_asst = pc.equal(table.column("role"), "assistant")
@@ -85,6 +87,11 @@ SPEC = TableSpec(
         check_same_length("steps", "token_ids", "token_offsets", "logprobs", "values"),
         _turn_on_assistant,
     ),
+    derived={
+        "n_tokens": Derived(
+            ("token_ids",), lambda t: pc.list_value_length(t.column("token_ids")), "len(token_ids)"
+        )
+    },
 )
 
 

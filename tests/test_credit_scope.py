@@ -333,7 +333,7 @@ def test_no_statistics_pass_without_a_statistic():
         assert statistics_methods(Config(methods=[method])) == [method]
         assert statistics_methods(Config(methods=[method], stages=off)) == []
     assert statistics_methods(Config(methods=["gdpo", "gae"], stages=off)) == ["gdpo"]
-    assert "token_ids" not in statistics_step_columns(["gdpo"], Config(methods=["gdpo"], stages=off))
+    assert "n_tokens" not in statistics_step_columns(["gdpo"], Config(methods=["gdpo"], stages=off))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -362,8 +362,8 @@ def test_a_statistic_reads_no_more_than_it_declares(seed, case):
         assert full == {}
         return
     columns = statistics_step_columns([name], config)
-    assert ("token_ids" in columns) == stat.tokens(own)
-    assert "token_ids" in statistics_step_columns([name, "gae"], config)  # gae's whitening reads tokens
+    assert ("n_tokens" in columns) == stat.tokens(own)
+    assert "n_tokens" in statistics_step_columns([name, "gae"], config)  # gae's whitening reads tokens
     if stat.tokens(own):
         return
     bare = CreditBatch.from_arrow(traj, steps.select(columns), columns, config=config, tokens=False)

@@ -59,14 +59,16 @@ def _quote(path: Path | str) -> str:
 
 
 def _empty_file(lake: Lake, table: str) -> Path:
+    """An empty Parquet file of the table's schema (`round` left out: the path holds it), written again when the
+    schema changed since (a lake written by an older creditflow)."""
     path = lake.root / "_empty" / f"{table}.parquet"
-    if not path.exists():
-        spec = TABLES[table]
-        schema = (
-            spec.schema.remove(spec.schema.get_field_index("round"))
-            if "round" in spec.schema.names
-            else spec.schema
-        )
+    spec = TABLES[table]
+    schema = (
+        spec.schema.remove(spec.schema.get_field_index("round"))
+        if "round" in spec.schema.names
+        else spec.schema
+    )
+    if not path.exists() or not pq.read_schema(path).equals(schema):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".tmp-{temp_token()}.parquet")
         pq.write_table(schema.empty_table(), tmp)
@@ -82,9 +84,33 @@ def table_view_sql(lake: Lake, table: str) -> str:
             f"read_parquet({_quote(glob)}, hive_partitioning=true, union_by_name=true, "
             "hive_types={'round': INTEGER})"
         )
+        if TABLES[table].derived:  # every column of the schema, whether the parts hold it or not (older ones)
+            empty = f"SELECT CAST(NULL AS INTEGER) AS round, * FROM read_parquet({_quote(_empty_file(lake, table))})"
+            src = f"(SELECT * FROM {src} UNION ALL BY NAME {empty})"
+            return f"CREATE OR REPLACE VIEW {table} AS {_derived_select(table, None, src)}"
         return f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM {src}"
     src = f"read_parquet({_quote(_empty_file(lake, table))})"
     return f"CREATE OR REPLACE VIEW {table} AS SELECT CAST(NULL AS INTEGER) AS round, * FROM {src}"
+
+
+def _derived_select(table: str, present: list[str] | None, src: str, exclude: str = "") -> str:
+    """SELECT of the table's view that derives its derived columns (schemas `Derived`) where older parts lack
+    them: the parts' own value where they hold it, the derivation where null. `present`: the columns `src` gives
+    (None: every column of the schema)."""
+    spec = TABLES[table]
+    replace, add = [], []
+    for name, d in spec.derived.items():
+        typ = _SQL_TYPES[str(spec.schema.field(name).type)]
+        if present is None or name in present:
+            replace.append(f"CAST(coalesce({name}, {d.sql}) AS {typ}) AS {name}")
+        elif set(d.sources) <= set(present):
+            add.append(f"CAST({d.sql} AS {typ}) AS {name}")
+    star = "*" + (f" EXCLUDE ({exclude})" if exclude else "")
+    star += f" REPLACE ({', '.join(replace)})" if replace else ""
+    return f"SELECT {', '.join([star, *add])} FROM {src}"
+
+
+_SQL_TYPES = {"int32": "INTEGER", "int64": "BIGINT"}
 
 
 def _delta_catalog(lake: DeltaLake, con: duckdb.DuckDBPyConnection, as_of=None) -> None:
@@ -102,7 +128,8 @@ def _delta_catalog(lake: DeltaLake, con: duckdb.DuckDBPyConnection, as_of=None) 
             con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS SELECT * FROM _delta_{table}")
             continue
         con.register(f"_delta_{table}", ds)
-        con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS SELECT * EXCLUDE (_part) FROM _delta_{table}")
+        select = _derived_select(table, ds.schema.names, f"_delta_{table}", exclude="_part")
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS {select}")
     for view in VIEWS.values():
         con.execute(f"CREATE OR REPLACE TEMP VIEW {view.name} AS {view.sql}")
 

@@ -347,10 +347,14 @@ class DeltaLake(Lake):
     def columns(self, table_name: str, round_: int, parts: list[Path] | None = None) -> list[str]:
         """Lake.columns: the Delta table's schema from its log (no data file opened); a column that a part of
         another round brought is there too (`read` gives this round's parts nulls of it)."""
+        from schemas import TABLES
+
         t = self._table(table_name)
         if t is None:
             return Lake.columns(self, table_name, round_, [])
-        return [f.name for f in t.schema().fields if f.name != PART]
+        names = [f.name for f in t.schema().fields if f.name != PART]
+        spec = TABLES.get(table_name)
+        return spec.readable(names) if spec is not None else names
 
     # ---- writes ----------------------------------------------------------------------------------
     def _frame(self, table_name: str, round_: int, part: str, table: pa.Table) -> pa.Table:

@@ -143,15 +143,29 @@ def read(
         cond = pads.field(PART).isin(pa.array(names, pa.string()))
         flt = cond if flt is None else flt & cond
     file_cols = None
+    derived = spec.derived if spec is not None else {}
     if columns is not None:
-        missing = [c for c in columns if c not in ds.schema.names]
+        missing = [
+            c
+            for c in columns
+            if c not in ds.schema.names
+            and not (c in derived and set(derived[c].sources) <= set(ds.schema.names))
+        ]
         if missing:
             raise KeyError(
                 f"table {table_name!r}: no column {', '.join(map(repr, missing))}; "
                 f"columns: {', '.join(n for n in ds.schema.names if n != PART)}"
             )
-        file_cols = list(columns)
+        file_cols = [c for c in columns if c in ds.schema.names]
     out = ds.to_table(columns=file_cols, filter=flt)
+    if spec is not None and spec.incomplete(out, columns):
+        # parts written before a derived column (a table whose log has not seen it, or its older parts' nulls):
+        # read again with its sources and derive it there (the parts written since hold it, and only they are
+        # read once)
+        if columns is not None:
+            read = [c for c in spec.with_sources(list(columns)) or [] if c in ds.schema.names]
+            out = ds.to_table(columns=read, filter=flt)
+        out = spec.complete(out, columns)
     if PART in out.column_names:
         out = out.drop([PART])
     if spec is not None:
@@ -170,6 +184,8 @@ def read_files(lake: DeltaLake, table: str, round_: int, names: list[str], colum
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from schemas import TABLES
+
     acts = lake._actions(table)
     if acts is None or acts.num_rows == 0:
         return None
@@ -181,13 +197,20 @@ def read_files(lake: DeltaLake, table: str, round_: int, names: list[str], colum
     if not paths:
         return None
     file_cols = None if columns is None else [c for c in columns if c != "round"]
+    spec = TABLES.get(table)
+    derived = spec.derived if spec is not None else {}
     pieces = []
     try:
         for rel in sorted(paths):
             with pq.ParquetFile(lake.root / table / unquote(rel)) as pf:
-                if file_cols is not None and not set(file_cols) <= set(pf.schema_arrow.names):
+                names = pf.schema_arrow.names
+                if file_cols is not None and any(c not in names and c not in derived for c in file_cols):
                     return None  # an older part without a column: the dataset reads it as nulls
-                t = pf.read(columns=file_cols)
+                if spec is not None and spec.lacks(file_cols, names):
+                    # a part written before a derived column: derived here from its sources
+                    t = spec.complete(pf.read(columns=spec.with_sources(file_cols)), file_cols)
+                else:
+                    t = pf.read(columns=file_cols)
             pieces.append(t.append_column("round", pa.array([int(round_)] * t.num_rows, pa.int32())))
     except (OSError, pa.ArrowInvalid):
         return None

@@ -424,7 +424,8 @@ class Lake:
         for f in files:
             names.update(dict.fromkeys(pq.read_schema(f).names))
         names["round"] = None
-        return list(names)
+        spec = TABLES.get(table_name)
+        return spec.readable(list(names)) if spec is not None else list(names)
 
     def read(
         self,
@@ -451,7 +452,11 @@ class Lake:
                 with pq.ParquetFile(
                     f
                 ) as pf:  # one file: no dataset discovery (~40% less time than read_table)
-                    t = pf.read(columns=file_cols)
+                    if spec is not None and spec.lacks(file_cols, pf.schema_arrow.names):
+                        # a part written before a derived column: derived here from its sources
+                        t = spec.complete(pf.read(columns=spec.with_sources(file_cols)), file_cols)
+                    else:
+                        t = pf.read(columns=file_cols)
                 t = t.append_column("round", pa.array([r] * t.num_rows, pa.int32()))
                 pieces.append(t)
         if not pieces:

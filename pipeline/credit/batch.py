@@ -157,6 +157,19 @@ def _sorted_by_traj_step(steps: pa.Table) -> bool:
     return bool(ok.slice(1).all())
 
 
+def _step_lengths(steps: pa.Table) -> np.ndarray:
+    """Tokens per step: the token ids' lengths where `steps` holds them (in-memory tables: the source of truth),
+    else the lake's `n_tokens` (schemas.steps: computed on every write, derived on read for older parts)."""
+    if "token_ids" in steps.column_names:
+        col = pc.list_value_length(steps.column("token_ids"))
+    else:
+        col = steps.column("n_tokens")
+        if col.null_count:
+            row = pc.index(pc.is_null(col), True).as_py()
+            raise ValueError(f"steps: field 'n_tokens' at row {row}: null (read it through the lake)")
+    return col.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
 def _trajectory_frame(trajectories: pa.Table) -> pl.DataFrame:
     traj_cols = [c for c in trajectories.column_names if c != "reward_components"]
     traj = pl.DataFrame(trajectories.select(traj_cols)).sort("traj_id")
@@ -209,8 +222,10 @@ class CreditBatch:
         """The batch of these rows. `columns`: the steps columns its methods declare
         (registry.method_step_columns); a per-token float column (logprobs, values) is read only when declared,
         else it is all unknown. None: every such column the table holds (in-memory tables, tests).
-        `tokens=False`: the steps hold no `token_ids` and the batch no tokens (every step 0 tokens long): for a
-        statistics pass whose statistics read none (registry.RoundStatistics.tokens)."""
+        A step's tokens: its token ids where `steps` holds them (an in-memory table), else its `n_tokens` (what
+        a lake read gives: the lake computes it on every write). `tokens=False`: the steps hold neither and the
+        batch no tokens (every step 0 tokens long): for a statistics pass whose statistics read none
+        (registry.RoundStatistics.tokens)."""
         traj = _trajectory_frame(trajectories)
         for name, typ in (
             ("logprobs", pa.list_(pa.float32())),
@@ -222,16 +237,12 @@ class CreditBatch:
                 steps = steps.append_column(name, pa.nulls(steps.num_rows, typ))
         if not _sorted_by_traj_step(steps):  # ingest and synth write steps in order: skip the big take
             steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
-        lengths = (
-            pc.list_value_length(steps.column("token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
-            if tokens
-            else np.zeros(steps.num_rows, np.int64)
-        )
+        lengths = _step_lengths(steps) if tokens else np.zeros(steps.num_rows, np.int64)
         starts = (np.cumsum(lengths) - lengths).astype(np.int64)
         scalar_cols = [
             c
             for c in steps.column_names
-            if c not in ("token_ids", "token_offsets", "logprobs", "values", "round")
+            if c not in ("token_ids", "token_offsets", "n_tokens", "logprobs", "values", "round")
         ]
         step_frame = pl.DataFrame(steps.select(scalar_cols)).with_columns(
             pl.Series("n_tokens", lengths), pl.Series("tok_start", starts)

@@ -309,7 +309,7 @@ def batch_statistics(
     columns = statistics_step_columns([s.name for s in stages], config)
     # kept for credit: built with the columns credit declares too (where the read holds them: the flow reads
     # them for the statistics pass only when it keeps the read)
-    keep = _keeping.get() and not annotations and "token_ids" in steps.column_names
+    keep = _keeping.get() and not annotations and "n_tokens" in steps.column_names
     if keep:
         columns += [c for c in method_step_columns(config.methods) if c not in columns]
     batch = CreditBatch.from_arrow(
@@ -319,7 +319,7 @@ def batch_statistics(
         config=config,
         annotations=annotations,
         round_=round_,
-        tokens="token_ids" in columns,
+        tokens="n_tokens" in columns,
     )
     if keep:
         _kept_batches[(id(given[0]), id(given[1]))] = _KeptBatch(

@@ -42,8 +42,8 @@ class RoundStatistics:
     moments, and the credit pass reads the round's; `step_columns`: the steps columns `fn` reads beyond
     STATISTICS_COLUMNS (None: the estimator's own), so the statistics pass reads no more than it needs;
     `tokens(settings)` (of the `settings` model): whether `fn` reads the batch's tokens (their positions, the
-    assistant mask, per-token columns). Where no statistic of the pass does, it reads no `token_ids` (the
-    biggest column it reads: GDPO whitening over trajectories needs only the trajectories) and `fn` gets a
+    assistant mask, per-token columns). Where no statistic of the pass does, it reads no `n_tokens` (GDPO
+    whitening over trajectories needs only the trajectories) and `fn` gets a
     batch whose steps hold no tokens; `active(settings)`: whether there is a statistic to take at all under these
     settings (gae with `whiten=false` takes none: no statistics pass reads the round for it). Both are checked
     against `fn` on full batches (tests/test_credit_scope.py)."""
@@ -101,14 +101,15 @@ def _register(table: dict[str, ChainLink], stage: ChainLink) -> None:
     table[stage.name] = stage
 
 
-# the steps columns the statistics pass reads (a statistic adds its own `step_columns`; token_ids only where a
+# the steps columns the statistics pass reads (a statistic adds its own `step_columns`; n_tokens only where a
 # statistic reads tokens, `RoundStatistics.tokens`)
-STATISTICS_COLUMNS = ("traj_id", "step_idx", "role", "token_ids")
+STATISTICS_COLUMNS = ("traj_id", "step_idx", "role", "n_tokens")
 # the steps columns every method may read; others are read only when a stage lists them in `step_columns`:
-# the per-token lists `logprobs` (batch.logprobs) and `values` (batch.values), which cost as much to read as
-# token_ids, and content, offsets and tool calls. A stage that reads batch.logprobs / batch.values without
+# the per-token lists `logprobs` (batch.logprobs) and `values` (batch.values), and content, offsets and tool
+# calls. A step's tokens are its `n_tokens` (one int32 per step, which the lake computes on every write): credit
+# never reads the token ids themselves, the biggest column of the table. A stage that reads batch.logprobs / batch.values without
 # declaring the column sees NaN (unknown) there: the batch builder reads only the declared ones.
-STEP_COLUMNS = ("traj_id", "step_idx", "role", "turn", "is_error", "verifier_score", "token_ids")
+STEP_COLUMNS = ("traj_id", "step_idx", "role", "turn", "is_error", "verifier_score", "n_tokens")
 
 
 ESTIMATORS: dict[str, ChainLink] = {}
@@ -239,7 +240,7 @@ def round_statistics_methods(methods: list[str], config) -> list[ChainLink]:
 
 def statistics_step_columns(methods: list[str], config=None) -> list[str]:
     """The steps columns the statistics pass of these estimators reads: STATISTICS_COLUMNS and each statistic's
-    own (the estimator's columns where the statistic names none); without `token_ids` where no statistic reads
+    own (the estimator's columns where the statistic names none); without `n_tokens` where no statistic reads
     tokens under `config`'s settings (None: every stage's defaults; `RoundStatistics.tokens`)."""
     cols = list(STATISTICS_COLUMNS)
     tokens = False
@@ -251,7 +252,7 @@ def statistics_step_columns(methods: list[str], config=None) -> list[str]:
         tokens = tokens or stat.tokens(named_settings(config, stat.settings))
         more = method_step_columns([est.name]) if stat.step_columns is None else stat.step_columns
         cols += [c for c in more if c not in cols]
-    return cols if tokens else [c for c in cols if c != "token_ids"]
+    return cols if tokens else [c for c in cols if c != "n_tokens"]
 
 
 def _settings(batch: CreditBatch, stage: ChainLink):

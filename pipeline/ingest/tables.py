@@ -265,6 +265,7 @@ def _steps_table(
         rows["is_error"].append(bool(step.is_error))
         rows["token_ids"].append(ids)
         rows["token_offsets"].append(offs)
+        rows["n_tokens"].append(len(ids))
         rows["logprobs"].append(lp)
         rows["logprob_source"].append("rollout" if lp is not None else None)
         rows["values"].append(None)

@@ -161,6 +161,7 @@ def tables(
             "is_error": pa.array(b.is_error.reshape(-1)),
             "token_ids": token_ids,
             "token_offsets": token_offsets,
+            "n_tokens": pc.list_value_length(token_ids),
             "logprobs": logprobs,
             "logprob_source": pc.if_else(pa.array(is_asst), "synthetic", pa.scalar(None, pa.string())),
             "values": values,
