@@ -423,6 +423,7 @@ def tables(env, b: Batch, policy: Policy, round_: int):
             "is_error": pa.array(~is_asst & (src >= 0) & b.error[np.maximum(src, 0)]),
             "token_ids": pa.ListArray.from_arrays(offs, pa.array(tok)),
             "token_offsets": pa.ListArray.from_arrays(offs, pa.array(np.zeros(n_steps, dtype=np.int32))),
+            "n_tokens": pa.array(np.diff(offs), pa.int32()),
             "logprobs": pa.ListArray.from_arrays(
                 offs, pa.array(lp.astype(np.float32)), mask=pa.array(~is_asst)
             ),

@@ -50,7 +50,8 @@ class TableSpec:
         return self.schema.empty_table()
 
     def conform(self, table: pa.Table) -> pa.Table:
-        """Select and cast the schema's columns (missing nullable columns become nulls)."""
+        """Select and cast the schema's columns (missing nullable columns become nulls; derived columns are
+        computed from their sources)."""
         cols = []
         for f in self.schema:
             if f.name in table.column_names:
@@ -67,7 +68,11 @@ class TableSpec:
                 cols.append(pa.nulls(table.num_rows, f.type))
             else:
                 raise SchemaError(self.name, f.name, None, "required column is missing")
-        return pa.Table.from_arrays(cols, schema=self.schema)
+        out = pa.Table.from_arrays(cols, schema=self.schema)
+        for name, d in self.derived.items():  # from its sources, whatever the input held
+            typ = self.schema.field(name).type
+            out = out.set_column(out.schema.get_field_index(name), name, d.arrow(out).cast(typ))
+        return out
 
     def validate(self, table: pa.Table) -> pa.Table:
         """Return the table conformed to the schema, or raise SchemaError naming the first bad field and row."""
@@ -81,9 +86,6 @@ class TableSpec:
             err = check(table)
             if err is not None:
                 raise err
-        for name, d in self.derived.items():
-            typ = self.schema.field(name).type
-            table = table.set_column(table.schema.get_field_index(name), name, d.arrow(table).cast(typ))
         return table
 
     def lacks(self, columns: Collection[str] | None, present: Collection[str]) -> bool:

@@ -62,11 +62,12 @@ def make_batch(
                         "verifier_score": score,
                     }
                 )
+    from schemas import TABLES
     from schemas.steps import SCHEMA as STEPS
     from schemas.trajectories import SCHEMA as TRAJ
 
     traj = pa.Table.from_pylist(traj_rows, schema=TRAJ)
-    steps = pa.Table.from_pylist(step_rows, schema=STEPS)
+    steps = TABLES["steps"].conform(pa.Table.from_pylist(step_rows, schema=STEPS))  # (n_tokens)
     return traj, steps
 
 

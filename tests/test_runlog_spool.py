@@ -243,7 +243,7 @@ def test_kept_reads_give_the_same_advantages(tmp_path, monkeypatch, fmt, method)
     # read is served whole), and its credit batch built once, by the statistics pass
     assert sum(t == "trajectories" for t, _ in served) == n
     steps = [c for t, c in served if t == "steps"]
-    assert len(steps) == n and all(c is not None and "turn" in c and "token_ids" in c for c in steps), steps
+    assert len(steps) == n and all(c is not None and "turn" in c and "n_tokens" in c for c in steps), steps
     assert built == [None] * n
     monkeypatch.setenv(fb.READ_CACHE_ENV, "0")  # the recompute path: read and built again by credit
     built.clear()
