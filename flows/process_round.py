@@ -158,7 +158,7 @@ def _cache_key(round_: int, batch: str, stage: BatchStage, compute: Callable[[],
 
 
 @task(task_run_name="stats-round-{round_}", cache_policy=NO_CACHE, persist_result=False)
-def round_stats_task(lake_root: str, round_: int) -> dict:
+def round_stats_task(lake_root: str, round_: int, ran: list[str] | None = None) -> dict:
     """Refresh the DuckDB catalog and summarise the round from the lake, side by side (DuckDB and Arrow work
     outside the GIL; nothing else runs at the end of a round)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -169,12 +169,12 @@ def round_stats_task(lake_root: str, round_: int) -> dict:
     if (
         lake.format != "parquet"
     ):  # a Delta lake has no catalog file (warehouse.catalog.refresh): no DuckDB here
-        return round_summary(lake, round_)
+        return round_summary(lake, round_, ran)
     from warehouse.catalog import refresh
 
     with ThreadPoolExecutor(1, thread_name_prefix="creditflow-catalog") as pool:
         catalog = pool.submit(refresh, lake)
-        summary = round_summary(lake, round_)
+        summary = round_summary(lake, round_, ran)
         catalog.result()
     return summary
 
@@ -242,7 +242,7 @@ def process_round_flow(round_: int, config: Config | dict):
         run = _run_stages(lake, round_, batches, config)
     # again at the end: a writer of a killed run may still have been exiting when the round started
     lake.cleanup()
-    summary = round_stats_task(lake.uri, round_)
+    summary = round_stats_task(lake.uri, round_, [s.name for s in round_stages(config)])
     summary["this_run"] = run
     summary["wall_seconds"] = round(time.perf_counter() - t0, 3)
     # the round's fixed cost: its wall time less the stages' own work (orchestration, cache keys, the API's

@@ -4,6 +4,8 @@ same table after the fact as `creditflow process` does at the end of a run."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from pipeline.credit.process import CREDIT
 from pipeline.stages import BatchStage, load_stages
 from warehouse.lake import Lake
@@ -20,9 +22,23 @@ def output_tables() -> tuple[str, ...]:
     return tuple(t for s in declared_stages() for t in s.tables())
 
 
-def round_summary(lake: Lake, round_: int) -> dict:
+def round_summary(lake: Lake, round_: int, ran: Collection[str] | None = None) -> dict:
+    """The round from the lake. `ran`: the stages the run's config runs (`round_stages`): the run log's rows of
+    another declared stage (an earlier run's, under other settings: the statistics pass before whitening was
+    turned off) are left out of the stage table, tokens and notes, and named under `earlier`; the run's own
+    rows (not a stage) stay. None (`creditflow stats`): every row the lake holds."""
     declared = declared_stages()
     runs = read_stage_runs(lake, round_)
+    earlier: list[str] = []
+    if ran is not None and runs.num_rows:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        other = sorted({s.name for s in declared} - set(ran))
+        held = set(runs.column("stage").to_pylist())
+        earlier = [s for s in other if s in held]
+        if earlier:
+            runs = runs.filter(pc.invert(pc.is_in(runs.column("stage"), pa.array(earlier, pa.string()))))
     stages: dict[str, dict] = {}
     if runs.num_rows:
         seconds = stage_seconds(runs)
@@ -56,6 +72,7 @@ def round_summary(lake: Lake, round_: int) -> dict:
         "rows": {t: count_rows(lake, t, round_) for t in output_tables()},
         "quarantined": count_rows(lake, "quarantine", round_),
         "stages": stages,
+        "earlier": earlier,
         "notes": {k: round(v, 3) for k, v in sorted(notes.items())},
         "outputs": {
             t: str(lake.partition_dir(t, round_))
@@ -124,6 +141,12 @@ def print_summary(summary: dict, title: str | None = None, console=None) -> None
             cells += [str(r.get("cached", "")), str(r.get("finished_after_s", ""))]
         table.add_row(*cells)
     console.print(table)
+    if summary.get("earlier"):
+        console.print(
+            f"[dim]in the lake from an earlier run, not run under this config: {', '.join(summary['earlier'])} "
+            "(`creditflow stats` lists every stage)[/dim]",
+            soft_wrap=True,
+        )
 
 
 def fallback_lines(summary: dict, limit: int = 10) -> list[str]:

@@ -160,13 +160,13 @@ def up_to_date_summary(
     t0 = time.perf_counter()
     why = not_up_to_date(lake, round_, config)
     if why is None:
+        from flows.batch import round_stages
         from flows.summary import round_summary
 
-        summary = round_summary(lake, round_)
+        summary = round_summary(lake, round_, [s.name for s in round_stages(config)])
     if why is not None:
         log.info("round %s: running the flow: %s", round_, why)
         return None
-    from flows.batch import round_stages
 
     n = summary.get("batches", 0)
     summary.update(

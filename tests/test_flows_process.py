@@ -697,3 +697,22 @@ def test_a_statistics_task_finishing_after_its_round_ended_keeps_nothing(tmp_pat
     finally:
         round_.close()
         fb._forget_kept()
+
+
+def test_a_runs_summary_leaves_out_stages_its_config_does_not_run(tmp_path, prefect_harness):
+    """gae with whitening runs the statistics pass; run again without whitening it does not. The second run's
+    summary (the flow's, then the up-to-date path's) leaves the first run's `credit_stats` rows out and names
+    them under `earlier`; `creditflow stats` (the lake's state) still lists them."""
+    from flows.summary import round_summary
+
+    lake = Lake(tmp_path / "lake")
+    make_round(lake, groups=4, batch_groups=2)
+    first = run_process(cfg_for(lake, ["gae"]), 0, quiet=True)
+    assert "credit_stats" in first["stages"] and first["earlier"] == []
+    off = cfg_for(lake, ["gae"], ["gae.whiten=false"])
+    second = run_process(off, 0, quiet=True, fast=False)
+    assert "credit_stats" not in second["stages"] and "credit" in second["stages"]
+    assert second["earlier"] == ["credit_stats"]
+    again = run_process(off, 0, quiet=True, fast=True)  # up to date: the summary from the lake, no flow
+    assert "credit_stats" not in again["stages"] and again["earlier"] == ["credit_stats"]
+    assert "credit_stats" in round_summary(lake, 0)["stages"]
