@@ -143,14 +143,9 @@ def read(
         cond = pads.field(PART).isin(pa.array(names, pa.string()))
         flt = cond if flt is None else flt & cond
     file_cols = None
-    derived = spec.derived if spec is not None else {}
     if columns is not None:
-        missing = [
-            c
-            for c in columns
-            if c not in ds.schema.names
-            and not (c in derived and set(derived[c].sources) <= set(ds.schema.names))
-        ]
+        held = spec.readable(ds.schema.names) if spec is not None else ds.schema.names
+        missing = [c for c in columns if c not in held]
         if missing:
             raise KeyError(
                 f"table {table_name!r}: no column {', '.join(map(repr, missing))}; "
