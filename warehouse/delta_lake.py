@@ -21,6 +21,7 @@ a round's ingest to `warehouse.delta_generations`; `warehouse.delta_migrate` con
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import threading
@@ -389,8 +390,8 @@ class DeltaLake(Lake):
         props = writer_properties(data.schema)
         for attempt in range(COMMIT_RETRIES):
             target = self._table(table_name)  # written through: its version is the commit's afterwards
-            if target is None and not self.remote:
-                self._mark()
+            if target is None:
+                target = self._create(table_name, data.schema, partition_by)
             try:
                 with rust_panics_quiet():
                     write_deltalake(
@@ -412,6 +413,28 @@ class DeltaLake(Lake):
         version = (target if target is not None else self._table(table_name)).version()
         self.last_versions[table_name] = version
         return version
+
+    def _create(self, table_name: str, schema: pa.Schema, partition_by):
+        """A new table, created empty before its first write. delta-rs writing a table that does not exist yet
+        commits its data with the table's creation; two writers doing that at once (two processes' first
+        advantages part) both commit, the second as the next version without removing the first's files, so
+        the part's rows were there twice. An empty creation that loses that race adds no rows, and the data
+        then goes through the overwrite's conflict check like every later commit."""
+        from deltalake import DeltaTable
+        from deltalake.exceptions import CommitFailedError
+
+        if not self.remote:
+            self._mark()
+        with contextlib.suppress(CommitFailedError), rust_panics_quiet():  # another writer created it first
+            DeltaTable.create(
+                self.table_uri(table_name),
+                schema,
+                mode="ignore",
+                partition_by=partition_by,
+                storage_options=self.storage_options,
+                configuration={"delta.checkpointInterval": str(CHECKPOINT_EVERY)},
+            )
+        return self._table(table_name)
 
     def _mark(self) -> None:
         """`LAKE/_format` says delta before a table's first commit: delta-rs writes the data files before the
