@@ -224,11 +224,17 @@ def over_failure_share(summary: dict, share: float) -> list[str]:
 class _RunFailuresOnce(logging.Filter):
     """Keeps a failed task run's or flow run's ERROR records (each with its traceback, 161 lines for one failed
     stage) off the terminal: the command's one error line names the stage and its error (flows.cli.error_line);
-    the Prefect UI still gets them (its API handler is not filtered), and `--debug` shows them."""
+    the Prefect UI still gets them (its API handler is not filtered), and `--debug` shows them. Also Prefect's
+    queue services' "Still processing items" warnings (`flows.exiting.DRAIN_LOGGERS`) wherever they drain, not
+    only at exit: the clean-clone CI of c35df6b, loaded, printed one after a failing stage's error line. Kept
+    where that logger is at DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from flows.cli import debugging
+        from flows.exiting import DRAIN_LOGGERS
 
+        if record.name in DRAIN_LOGGERS and record.getMessage().startswith("Still processing items"):
+            return logging.getLogger(record.name).getEffectiveLevel() <= logging.DEBUG
         if record.levelno < logging.ERROR or debugging():
             return True
         return not record.name.startswith(("prefect.task_runs", "prefect.flow_runs"))

@@ -73,3 +73,28 @@ def test_the_clis_stage_note_is_the_flows():
     from flows.process_round import STAGE_NOTE as FLOW_STAGE_NOTE
 
     assert STAGE_NOTE == FLOW_STAGE_NOTE
+
+
+def test_prefects_drain_warnings_stay_off_the_terminal():
+    """Prefect's queue services warn "Still processing items" when they drain with items queued (a loaded
+    machine): noise on the terminal wherever it happens (it made the one error line two), kept at DEBUG."""
+    import logging
+
+    from flows.run import _RunFailuresOnce
+
+    def record(name: str, msg: str, level: int = logging.WARNING) -> logging.LogRecord:
+        return logging.LogRecord(name, level, __file__, 1, msg, None, None)
+
+    keep = _RunFailuresOnce().filter
+    drain = record("EventsWorker", "Still processing items: 8 items remaining...")
+    assert not keep(drain)
+    assert not keep(record("APILogWorker", "Still processing items: 2 items remaining..."))
+    assert keep(record("EventsWorker", "Service 'EventsWorker' failed with 3 pending items."))
+    assert keep(record("prefect.other", "Still processing items: 8 items remaining..."))
+    logger = logging.getLogger("EventsWorker")
+    before = logger.level
+    try:
+        logger.setLevel(logging.DEBUG)  # --log-level debug
+        assert keep(drain)
+    finally:
+        logger.setLevel(before)
