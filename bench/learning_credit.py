@@ -375,6 +375,7 @@ def tables(env, b: Batch, policy: Policy, round_: int):
     import pyarrow as pa
 
     from schemas.steps import SCHEMA as STEPS
+    from schemas.steps import SPEC
     from schemas.trajectories import SCHEMA as TRAJ
 
     n = len(b.reward)
@@ -423,7 +424,6 @@ def tables(env, b: Batch, policy: Policy, round_: int):
             "is_error": pa.array(~is_asst & (src >= 0) & b.error[np.maximum(src, 0)]),
             "token_ids": pa.ListArray.from_arrays(offs, pa.array(tok)),
             "token_offsets": pa.ListArray.from_arrays(offs, pa.array(np.zeros(n_steps, dtype=np.int32))),
-            "n_tokens": pa.array(np.diff(offs), pa.int32()),
             "logprobs": pa.ListArray.from_arrays(
                 offs, pa.array(lp.astype(np.float32)), mask=pa.array(~is_asst)
             ),
@@ -435,9 +435,9 @@ def tables(env, b: Batch, policy: Policy, round_: int):
                 [float(b.score[j]) if a else None for j, a in zip(src, is_asst, strict=True)]
             ),
         },
-        schema=STEPS,
+        schema=SPEC.written_schema,
     )
-    return traj, steps
+    return traj, SPEC.conform(steps)  # (the derived columns: n_tokens, the value moments)
 
 
 def annotations(env, method: str, b: Batch, policy: Policy, traj, steps, rng, round_: int) -> dict:

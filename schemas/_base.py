@@ -88,6 +88,14 @@ class TableSpec:
                 raise err
         return table
 
+    @property
+    def written_schema(self) -> pa.Schema:
+        """The schema less its derived columns: what a writer builds (`conform` adds them)."""
+        out = self.schema
+        for name in self.derived:
+            out = out.remove(out.get_field_index(name))
+        return out
+
     def lacks(self, columns: Collection[str] | None, present: Collection[str]) -> bool:
         """Whether a read of `columns` (None: all) from a part holding `present` meets a derived column the part
         lacks (written before it): read `with_sources(columns)` then, and `complete` it."""

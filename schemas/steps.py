@@ -1,5 +1,6 @@
 """steps: one row per message of a trajectory (system, user, assistant, tool), with its tokens."""
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -35,6 +36,8 @@ SCHEMA = pa.schema(
         pa.field("logprobs", pa.list_(pa.float32())),
         pa.field("logprob_source", pa.string()),
         pa.field("values", pa.list_(pa.float32())),
+        pa.field("values_mean", pa.float64()),
+        pa.field("values_m2", pa.float64()),
         pa.field("verifier_score", pa.float64()),
     ]
 )
@@ -59,8 +62,31 @@ DOCS = {
     "logprobs": "behaviour-policy logprob of each token (assistant steps); null when unknown",
     "logprob_source": "where logprobs came from: rollout, rescore:<model>, or null",
     "values": "critic value per token (PPO/GAE); null when there is no critic",
+    "values_mean": "mean of the step's values (float64); NaN where values is null or empty or holds a NaN. "
+    "Computed by the lake on every write, like n_tokens (what gae's statistics pass reads at gamma = lam = 1)",
+    "values_m2": "sum over the step's values of (value - values_mean)^2 (float64); NaN where values_mean is",
     "verifier_score": "per-turn verifier score r_{i,k} in [0,1] on assistant steps (TCPO)",
 }
+
+
+def _value_moments(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """Per step, the mean of its values and the sum of squared deviations from it, in float64, whole-column
+    (two weighted bincounts over the flat values); NaN for a step whose values are null, empty or hold a NaN."""
+    col = table.column("values")
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    n = len(col)
+    counts = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.float64)
+    flat = pc.list_flatten(col)
+    v = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.float64)  # (a null value: NaN)
+    parent = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = (
+            np.bincount(parent, weights=v, minlength=n).astype(np.float64) / counts
+        )  # 0 / 0: NaN for null or
+        dev = v - mean[parent]  # empty lists
+        m2 = np.bincount(parent, weights=dev * dev, minlength=n).astype(np.float64)
+    m2[~np.isfinite(mean)] = np.nan
+    return mean, m2
 
 
 def _turn_on_assistant(table: pa.Table):
@@ -90,7 +116,17 @@ SPEC = TableSpec(
     derived={
         "n_tokens": Derived(
             ("token_ids",), lambda t: pc.list_value_length(t.column("token_ids")), "len(token_ids)"
-        )
+        ),
+        "values_mean": Derived(
+            ("values",),
+            lambda t: pa.array(_value_moments(t)[0]),
+            "coalesce(list_avg(CAST(\"values\" AS DOUBLE[])), 'NaN'::DOUBLE)",
+        ),
+        "values_m2": Derived(
+            ("values",),
+            lambda t: pa.array(_value_moments(t)[1]),
+            'coalesce(list_var_pop(CAST("values" AS DOUBLE[])) * len("values"), \'NaN\'::DOUBLE)',
+        ),
     },
 )
 

@@ -139,3 +139,90 @@ def test_one_length_rows_by_hand() -> None:
         ops._COMPILED_RECURSION_MIN = old
     expect = np.concatenate([[r / 16, r / 4, r] for r in R])
     np.testing.assert_array_equal(res.adv_per_token()[ctx.tok_mask], expect)  # powers of two: exact
+
+
+# ---- gamma = lam = 1: the statistics pass from the steps' value moments ----------------------------------
+
+
+def _stats_batch(traj, steps):
+    from pipeline.credit.registry import statistics_step_columns
+
+    cfg = Config(methods=["gae"])
+    cols = statistics_step_columns(["gae"], cfg)
+    assert "values" not in cols and {"values_mean", "values_m2"} <= set(cols)
+    return CreditBatch.from_arrow(traj, steps.select(cols), cols, config=cfg)
+
+
+def test_telescoped_moments_by_hand():
+    """R = 1; assistant steps with values [0.5, 0.25] and [0.0]: A = 1 - V = [0.5, 0.75, 1.0], n = 3,
+    mean 0.75, m2 = 0.0625 + 0 + 0.0625 = 0.125."""
+    from pipeline.credit.methods.gae import GAESettings, gae_statistics
+    from schemas import TABLES
+
+    traj = TABLES["trajectories"].validate(
+        pa.Table.from_pylist(
+            [{"round": 0, "traj_id": "t", "group_id": "g", "sample_idx": 0, "reward": 1.0, "source": "x"}],
+            schema=TABLES["trajectories"].schema,
+        )
+    )
+    rows = [("user", None, [7], None), ("assistant", 1, [1, 2], [0.5, 0.25]), ("tool", 1, [3], None)]
+    rows += [("assistant", 2, [4], [0.0])]
+    steps = TABLES["steps"].validate(
+        pa.Table.from_pylist(
+            [
+                {
+                    "round": 0,
+                    "traj_id": "t",
+                    "step_idx": i,
+                    "role": role,
+                    "turn": turn,
+                    "content": "abcd",
+                    "is_error": False,
+                    "token_ids": ids,
+                    "token_offsets": list(range(len(ids))),
+                    "values": v,
+                }
+                for i, (role, turn, ids, v) in enumerate(rows)
+            ],
+            schema=TABLES["steps"].schema,
+        )
+    )
+    got = gae_statistics(_stats_batch(traj, steps), GAESettings())["gae"]
+    assert (got.n, got.mean, got.m2) == pytest.approx((3.0, 0.75, 0.125), abs=1e-15)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 100_000))
+def test_telescoped_moments_equal_the_token_path(seed):
+    """At gamma = lam = 1 the statistics pass reads the steps' value moments, not the values: its moments of A
+    equal those of Eq. 1-3 over the tokens, and a missing critic value names the same trajectory."""
+    from credit_rounds import random_round
+
+    from pipeline.credit.methods.gae import GAESettings, gae_advantages, gae_statistics
+    from pipeline.credit.registry import MethodError
+
+    traj, steps = random_round(seed, max_groups=4, max_group_size=4, max_steps=6)
+    if seed % 5 == 0:  # a trajectory's values missing on one assistant step
+        vals = steps["values"].to_pylist()
+        roles = steps["role"].to_pylist()
+        hit = [i for i, (r, v) in enumerate(zip(roles, vals, strict=True)) if r == "assistant" and v]
+        if hit:
+            vals[hit[0]] = None
+            from schemas import TABLES
+
+            steps = TABLES["steps"].validate(
+                steps.set_column(
+                    steps.schema.get_field_index("values"), "values", pa.array(vals, pa.list_(pa.float32()))
+                )
+            )
+    full = CreditBatch.from_arrow(traj, steps, None, config=Config(methods=["gae"]))
+    try:
+        want = gae_advantages(full, GAESettings(), "gae", moments=True).moments
+    except MethodError as exc:
+        with pytest.raises(MethodError) as got_exc:
+            gae_statistics(_stats_batch(traj, steps), GAESettings())
+        assert str(got_exc.value).split(";")[0] == str(exc).split(";")[0]
+        return
+    got = gae_statistics(_stats_batch(traj, steps), GAESettings())["gae"]
+    want = want or ops.Moments()
+    assert (got.n, got.mean, got.m2) == pytest.approx((want.n, want.mean, want.m2), rel=1e-9, abs=1e-9)

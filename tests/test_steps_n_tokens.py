@@ -64,29 +64,42 @@ def test_complete_derives_only_where_null(rows):
 
 
 def _write_old(monkeypatch, lake: Lake, traj: pa.Table, steps: pa.Table) -> None:
-    """The round as an older creditflow wrote it: steps parts without `n_tokens`."""
+    """The round as an older creditflow wrote it: steps parts without the derived columns."""
     prepare = Lake._prepare
 
     def old(self, table_name, table):
         out = prepare(self, table_name, table)
-        return out.drop(["n_tokens"]) if table_name == "steps" else out
+        return out.drop(list(STEPS.derived)) if table_name == "steps" else out
 
     with monkeypatch.context() as m:
         m.setattr(Lake, "_prepare", old)
         write_round(lake, 0, traj, steps, batch_groups=2)
 
 
+def value_moments(steps: pa.Table) -> list[tuple[float, float]]:
+    """Per step, (mean, sum of squared deviations) of its values, one step at a time (NaN: no values)."""
+    out = []
+    for v in steps["values"].to_pylist():
+        x = np.asarray(v if v else [], dtype=np.float64)
+        out.append((float(x.mean()), float(((x - x.mean()) ** 2).sum())) if len(x) else (np.nan, np.nan))
+    return out
+
+
 def _check_reads(lake: Lake, steps: pa.Table) -> None:
-    """Every read path gives each step's token count."""
+    """Every read path gives each step's token count and value moments."""
     want = by_step(steps, lengths(steps))
+    moments = by_step(steps, value_moments(steps))
 
     def same(t: pa.Table) -> None:
         assert t.column("n_tokens").null_count == 0
         got = by_step(t, t["n_tokens"].to_pylist())
         assert got == {k: want[k] for k in got}
+        got_m = by_step(t, list(zip(t["values_mean"].to_pylist(), t["values_m2"].to_pylist(), strict=True)))
+        for k, (mean, m2) in got_m.items():
+            assert (mean, m2) == pytest.approx(moments[k], rel=1e-9, abs=1e-9, nan_ok=True), k
 
-    assert "n_tokens" in lake.columns("steps", 0)
-    cols = ["traj_id", "step_idx", "n_tokens"]
+    assert {"n_tokens", "values_mean", "values_m2"} <= set(lake.columns("steps", 0))
+    cols = ["traj_id", "step_idx", "n_tokens", "values_mean", "values_m2"]
     batches = sorted({p.name.removeprefix("part-").removesuffix(".parquet") for p in lake.parts("steps", 0)})
     seen = 0
     for b in batches:  # the flow's batch read (Delta: the data files one by one)
@@ -104,6 +117,10 @@ def _check_reads(lake: Lake, steps: pa.Table) -> None:
             "SELECT count(*) FILTER (WHERE n_tokens IS DISTINCT FROM len(token_ids)), count(*) FROM steps"
         ).fetchone()
         assert (bad, n) == (0, steps.num_rows)
+        rows = con.execute("SELECT traj_id, step_idx, values_mean, values_m2 FROM steps").fetchall()
+        assert len(rows) == steps.num_rows
+        for t, s, mean, m2 in rows:
+            assert (mean, m2) == pytest.approx(moments[(t, s)], rel=1e-6, abs=1e-6, nan_ok=True), (t, s)
         assert con.execute("SELECT typeof(n_tokens) FROM steps LIMIT 1").fetchone() == ("INTEGER",)
 
 
@@ -113,7 +130,7 @@ def test_reads_derive_n_tokens_of_older_parts(tmp_path, monkeypatch, fmt):
     traj, steps = synth_round(groups=6)
     lake = Lake(tmp_path / "lake")
     _write_old(monkeypatch, lake, traj, steps)
-    assert all("n_tokens" not in t for t in _stored_columns(lake))
+    assert all(not set(STEPS.derived) & set(t) for t in _stored_columns(lake))
     _check_reads(lake, steps)  # no part holds it
     first = sorted(p.name for p in lake.parts("steps", 0))[0].removeprefix("part-").removesuffix(".parquet")
     lake.write_part("steps", 0, read_batch(lake, "steps", 0, first), part=first)  # written again, now with it

@@ -110,7 +110,7 @@ def _derived_select(table: str, present: list[str] | None, src: str, exclude: st
     return f"SELECT {', '.join([star, *add])} FROM {src}"
 
 
-_SQL_TYPES = {"int32": "INTEGER", "int64": "BIGINT"}
+_SQL_TYPES = {"int32": "INTEGER", "int64": "BIGINT", "double": "DOUBLE"}
 
 
 def _delta_catalog(lake: DeltaLake, con: duckdb.DuckDBPyConnection, as_of=None) -> None:

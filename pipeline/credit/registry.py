@@ -10,7 +10,7 @@ A method is a chain `estimator(+refiner)*`, e.g. `grpo`, `gae+c3`, `grpo+iapo+c3
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,7 +40,8 @@ class RoundStatistics:
     estimator reads back with `batch.moments(key, ...)`. Where the `settings` model's `scope` is "round" (the
     default), the statistics pass (process.batch_statistics) runs `fn` on every batch of the round, merges the
     moments, and the credit pass reads the round's; `step_columns`: the steps columns `fn` reads beyond
-    STATISTICS_COLUMNS (None: the estimator's own), so the statistics pass reads no more than it needs;
+    STATISTICS_COLUMNS (None: the estimator's own; or a function of its settings), so the statistics pass reads no
+    more than it needs;
     `tokens(settings)` (of the `settings` model): whether `fn` reads the batch's tokens (their positions, the
     assistant mask, per-token columns). Where no statistic of the pass does, it reads no `n_tokens` (GDPO
     whitening over trajectories needs only the trajectories) and `fn` gets a
@@ -50,7 +51,7 @@ class RoundStatistics:
 
     settings: str  # the settings model whose `scope` ("round" | "batch") says where the statistic is taken
     fn: Callable[[CreditBatch, Any], dict[str, Moments]]
-    step_columns: tuple[str, ...] | None = None
+    step_columns: tuple[str, ...] | Callable[[Any], tuple[str, ...]] | None = None
     tokens: Callable[[Any], bool] = field(default=lambda settings: True)
     active: Callable[[Any], bool] = field(default=lambda settings: True)
 
@@ -250,7 +251,10 @@ def statistics_step_columns(methods: list[str], config=None) -> list[str]:
             continue
         stat = est.statistics
         tokens = tokens or stat.tokens(named_settings(config, stat.settings))
-        more = method_step_columns([est.name]) if stat.step_columns is None else stat.step_columns
+        declared = stat.step_columns
+        if callable(declared):  # of its settings (gae at gamma = lam = 1: the steps' value moments)
+            declared = declared(named_settings(config, stat.settings))
+        more: Sequence[str] = method_step_columns([est.name]) if declared is None else declared
         cols += [c for c in more if c not in cols]
     return cols if tokens else [c for c in cols if c != "n_tokens"]
 

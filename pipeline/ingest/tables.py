@@ -245,7 +245,7 @@ def _steps_table(
 ) -> pa.Table:
     """(draft, traj_id, step, token ids, offsets, logprobs) per step, each draft's steps in order -> the steps
     table."""
-    rows: dict[str, list] = {k: [] for k in steps_schema.SCHEMA.names}
+    rows: dict[str, list] = {k: [] for k in steps_schema.SPEC.written_schema.names}
     step_idx_of: dict[int, int] = {}
     for item, traj_id, step, ids, offs, lp in rows_in:
         idx = step_idx_of.get(item, 0)
@@ -265,12 +265,11 @@ def _steps_table(
         rows["is_error"].append(bool(step.is_error))
         rows["token_ids"].append(ids)
         rows["token_offsets"].append(offs)
-        rows["n_tokens"].append(len(ids))
         rows["logprobs"].append(lp)
         rows["logprob_source"].append("rollout" if lp is not None else None)
         rows["values"].append(None)
         rows["verifier_score"].append(step.verifier_score)
-    return pa.Table.from_pydict(rows, schema=steps_schema.SCHEMA)
+    return steps_schema.SPEC.conform(pa.Table.from_pydict(rows, schema=steps_schema.SPEC.written_schema))
 
 
 def vocab_of(tokenizer) -> tuple[int | None, str]:

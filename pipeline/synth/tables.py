@@ -161,12 +161,12 @@ def tables(
             "is_error": pa.array(b.is_error.reshape(-1)),
             "token_ids": token_ids,
             "token_offsets": token_offsets,
-            "n_tokens": pc.list_value_length(token_ids),
             "logprobs": logprobs,
             "logprob_source": pc.if_else(pa.array(is_asst), "synthetic", pa.scalar(None, pa.string())),
             "values": values,
             "verifier_score": pa.array(score, pa.float64(), mask=~is_asst),
         },
-        schema=steps_schema.SCHEMA,
+        schema=steps_schema.SPEC.written_schema,
     )
+    steps = steps_schema.SPEC.conform(steps)  # the derived columns (n_tokens, the value moments)
     return _trajectories(b, s, traj_arr, group_str), steps

@@ -73,21 +73,66 @@ def check_values(batch: CreditBatch, V: np.ndarray, traj_row_of, method: str) ->
         )
 
 
+def telescoped(settings: GAESettings) -> bool:
+    """gamma = lam = 1 (the defaults): A_t = R - V_t on each trajectory's assistant tokens (Eq. 1-3
+    telescoped), so A's moments over a step's tokens are R - the mean of its values and the values' own m2: the
+    statistics pass reads the steps' value moments (`values_mean`, `values_m2`, schemas.steps), not the values."""
+    return float(settings.gamma) == 1.0 and float(settings.lam) == 1.0
+
+
+def statistics_columns(settings: GAESettings) -> tuple[str, ...]:
+    return ("values_mean", "values_m2") if telescoped(settings) else ("values",)
+
+
 def gae_statistics(batch: CreditBatch, settings: GAESettings) -> dict[str, Moments]:
     """Eq. 5's moments on this batch: those of A (Eq. 1-3) over its assistant tokens (the statistics pass)."""
     if not settings.whiten:
         return {}
+    if telescoped(settings) and "values_mean" in batch.steps.columns:
+        m = telescoped_moments(batch, "gae")
+        if batch.values.valid.any():  # a batch kept for credit (its values read too): Eq. 1-4 for its credit
+            batch.memo[("gae", settings.gamma, settings.lam)] = gae_advantages(batch, settings, "gae")
+        return {"gae": m}
     g = gae_advantages(batch, settings, "gae", moments=True)
     batch.memo[("gae", settings.gamma, settings.lam)] = g  # credit of this batch, when it is kept for credit
     return {"gae": g.moments or Moments()}
 
 
+def telescoped_moments(batch: CreditBatch, key: str) -> Moments:
+    """A's moments over the batch's assistant tokens at gamma = lam = 1 from its steps' value moments: on step
+    s (n_s tokens, trajectory reward R_s) A = R_s - V has mean R_s - mean(V_s) and m2 = m2(V_s); the steps merge
+    as Chan et al.'s parallel update does, whole-column: mean = sum n_s mean_s / n, m2 = sum m2_s + sum n_s
+    (mean_s - mean)^2. A step without values (NaN) names its trajectory, as the token path does."""
+    steps = batch.steps
+    n_tok = steps["n_tokens"].to_numpy()
+    a = np.flatnonzero(steps["is_assistant"].to_numpy() & (n_tok > 0))
+    if len(a) == 0:
+        return Moments()
+    n_s = n_tok[a].astype(np.float64)
+    vm = steps["values_mean"].to_numpy()[a].astype(np.float64)
+    vm2 = steps["values_m2"].to_numpy()[a].astype(np.float64)
+    bad = ~(np.isfinite(vm) & np.isfinite(vm2))
+    if bad.any():
+        traj = batch.trajectories["traj_id"][int(batch.step_traj[a[int(np.argmax(bad))]])]
+        raise MethodError(
+            f"{key}: trajectory {traj!r} has assistant tokens without critic values (steps.values); "
+            f"{int(n_s[bad].sum())} such tokens in this batch"
+        )
+    mean_s = batch.rewards()[batch.step_traj[a]] - vm
+    n = float(n_s.sum())
+    mean = float(np.dot(n_s, mean_s)) / n
+    dev = mean_s - mean
+    return Moments(n, mean, float(vm2.sum() + np.dot(n_s, dev * dev)))
+
+
 @estimator(
     "gae",
     settings="gae",
-    step_columns=("values",),
+    # (the value moments: what its statistics pass reads at gamma = lam = 1; read with credit's columns, a
+    # statistics pass that keeps its read for credit reads them too)
+    step_columns=("values", "values_mean", "values_m2"),
     statistics=RoundStatistics(
-        "gae", gae_statistics, step_columns=("values",), active=lambda settings: settings.whiten
+        "gae", gae_statistics, step_columns=statistics_columns, active=lambda settings: settings.whiten
     ),
     requires=(Requirement("values", "critic values"),),
     components=("a_hat", "score"),
