@@ -62,31 +62,39 @@ DOCS = {
     "logprobs": "behaviour-policy logprob of each token (assistant steps); null when unknown",
     "logprob_source": "where logprobs came from: rollout, rescore:<model>, or null",
     "values": "critic value per token (PPO/GAE); null when there is no critic",
-    "values_mean": "mean of the step's values (float64); NaN where values is null or empty or holds a NaN. "
+    "values_mean": "mean of the step's values (float64); null where values is null or empty or not all finite. "
     "Computed by the lake on every write, like n_tokens (what gae's statistics pass reads at gamma = lam = 1)",
-    "values_m2": "sum over the step's values of (value - values_mean)^2 (float64); NaN where values_mean is",
+    "values_m2": "sum over the step's values of (value - values_mean)^2 (float64); null where values_mean is",
     "verifier_score": "per-turn verifier score r_{i,k} in [0,1] on assistant steps (TCPO)",
 }
 
 
 def _value_moments(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """Per step, the mean of its values and the sum of squared deviations from it, in float64, whole-column
-    (two weighted bincounts over the flat values); NaN for a step whose values are null, empty or hold a NaN."""
+    (two weighted bincounts over the flat values); NaN for a step whose values are null or empty."""
     col = table.column("values")
     col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     n = len(col)
-    counts = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.float64)
-    flat = pc.list_flatten(col)
-    v = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.float64)  # (a null value: NaN)
-    parent = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
+    counts = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    # the values of the non-null lists, in order (a null list's slots, which a masked list array may hold, are
+    # skipped), and each one's step from the counts (list_parent_indices counted those slots too)
+    v = np.asarray(
+        pc.list_flatten(col).to_numpy(zero_copy_only=False), dtype=np.float64
+    )  # (a null value: NaN)
+    parent = np.repeat(np.arange(n), counts)
     with np.errstate(invalid="ignore", divide="ignore"):
-        mean = (
-            np.bincount(parent, weights=v, minlength=n).astype(np.float64) / counts
-        )  # 0 / 0: NaN for null or
-        dev = v - mean[parent]  # empty lists
+        # 0 / 0: NaN for a null or empty list
+        mean = np.bincount(parent, weights=v, minlength=n).astype(np.float64) / counts
+        dev = v - mean[parent]
         m2 = np.bincount(parent, weights=dev * dev, minlength=n).astype(np.float64)
-    m2[~np.isfinite(mean)] = np.nan
     return mean, m2
+
+
+def _value_moment(table: pa.Table, which: int) -> pa.Array:
+    """`_value_moments`' mean (0) or m2 (1) as a column: null for a step whose values are null, empty or not all
+    finite (an assistant step there has no critic values: gae names its trajectory)."""
+    moments = _value_moments(table)
+    return pa.array(moments[which], pa.float64(), mask=~np.isfinite(moments[0]) | ~np.isfinite(moments[1]))
 
 
 def _turn_on_assistant(table: pa.Table):
@@ -119,13 +127,15 @@ SPEC = TableSpec(
         ),
         "values_mean": Derived(
             ("values",),
-            lambda t: pa.array(_value_moments(t)[0]),
-            "coalesce(list_avg(CAST(\"values\" AS DOUBLE[])), 'NaN'::DOUBLE)",
+            lambda t: _value_moment(t, 0),
+            'CASE WHEN isfinite(list_var_pop(CAST("values" AS DOUBLE[]))) '
+            'THEN list_avg(CAST("values" AS DOUBLE[])) END',
         ),
         "values_m2": Derived(
             ("values",),
-            lambda t: pa.array(_value_moments(t)[1]),
-            'coalesce(list_var_pop(CAST("values" AS DOUBLE[])) * len("values"), \'NaN\'::DOUBLE)',
+            lambda t: _value_moment(t, 1),
+            'CASE WHEN isfinite(list_var_pop(CAST("values" AS DOUBLE[]))) '
+            'THEN list_var_pop(CAST("values" AS DOUBLE[])) * len("values") END',
         ),
     },
 )

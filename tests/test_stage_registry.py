@@ -65,12 +65,15 @@ def _round():
     import pyarrow as pa
     from tcpo_data import make_batch
 
+    from schemas import TABLES
+
     groups = [[[0.0, 1.0], [0.0, 0.0], [1.0, 1.0]], [[0.5], [1.0]]]
     meta = {"verifier": "em", "golden_answers": ["Paris"]}
     traj, steps = make_batch(groups, meta=meta, action_format="search_r1")
     n = [len(t) for t in steps.column("token_ids").to_pylist()]
     values = pa.array([[0.25] * k for k in n], steps.schema.field("values").type)
-    return traj, steps.set_column(steps.schema.get_field_index("values"), "values", values)
+    steps = steps.set_column(steps.schema.get_field_index("values"), "values", values)
+    return traj, TABLES["steps"].conform(steps)  # the value moments of the new values (derived columns)
 
 
 def _all_methods() -> list[str]:

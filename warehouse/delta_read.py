@@ -152,14 +152,17 @@ def read(
                 f"columns: {', '.join(n for n in ds.schema.names if n != PART)}"
             )
         file_cols = [c for c in columns if c in ds.schema.names]
+    wanted = [c for c in derived if columns is None or c in columns]
+    # a data file written before a derived column (its own schema, not the table's, which the log merged):
+    # read with the column's sources and derive it there (a derived column may be null by right: values_mean
+    # of a step without values, so its nulls do not say which files are older)
+    older = wanted and any(
+        c not in frag.physical_schema.names for frag in ds.get_fragments(filter=flt) for c in wanted
+    )
+    if older and spec is not None and columns is not None:
+        file_cols = [c for c in spec.with_sources(list(columns)) or [] if c in ds.schema.names]
     out = ds.to_table(columns=file_cols, filter=flt)
-    if spec is not None and spec.incomplete(out, columns):
-        # parts written before a derived column (a table whose log has not seen it, or its older parts' nulls):
-        # read again with its sources and derive it there (the parts written since hold it, and only they are
-        # read once)
-        if columns is not None:
-            read = [c for c in spec.with_sources(list(columns)) or [] if c in ds.schema.names]
-            out = ds.to_table(columns=read, filter=flt)
+    if older and spec is not None:
         out = spec.complete(out, columns)
     if PART in out.column_names:
         out = out.drop([PART])
