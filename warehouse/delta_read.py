@@ -152,7 +152,7 @@ def read(
                 f"columns: {', '.join(n for n in ds.schema.names if n != PART)}"
             )
         file_cols = [c for c in columns if c in ds.schema.names]
-    wanted = [c for c in derived if columns is None or c in columns]
+    wanted = [c for c in (spec.derived if spec is not None else {}) if columns is None or c in columns]
     # a data file written before a derived column (its own schema, not the table's, which the log merged):
     # read with the column's sources and derive it there (a derived column may be null by right: values_mean
     # of a step without values, so its nulls do not say which files are older)
