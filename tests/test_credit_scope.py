@@ -334,6 +334,12 @@ def test_no_statistics_pass_without_a_statistic():
         assert statistics_methods(Config(methods=[method], stages=off)) == []
     assert statistics_methods(Config(methods=["gdpo", "gae"], stages=off)) == ["gdpo"]
     assert "n_tokens" not in statistics_step_columns(["gdpo"], Config(methods=["gdpo"], stages=off))
+    # GDPO whitening over trajectories reads no steps at all (its batch: the trajectories); over tokens, the
+    # steps' keys and token counts; with gae beside it, gae's columns
+    assert statistics_step_columns(["gdpo"], Config(methods=["gdpo"])) == []
+    tokens = Config(methods=["gdpo"], stages={"gdpo": {"whiten": "tokens"}})
+    assert statistics_step_columns(["gdpo"], tokens) == ["traj_id", "step_idx", "role", "n_tokens"]
+    assert "values_mean" in statistics_step_columns(["gdpo", "gae"], Config(methods=["gdpo", "gae"]))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -225,8 +225,12 @@ class CreditBatch:
         A step's tokens: its token ids where `steps` holds them (an in-memory table), else its `n_tokens` (what
         a lake read gives: the lake computes it on every write). `tokens=False`: the steps hold neither and the
         batch no tokens (every step 0 tokens long): for a statistics pass whose statistics read none
-        (registry.RoundStatistics.tokens)."""
+        (registry.RoundStatistics.tokens). A `steps` table without columns (the pass read none: no statistic
+        reads the steps, `registry.statistics_step_columns`): a batch of the trajectories without steps."""
         traj = _trajectory_frame(trajectories)
+        if not steps.column_names:  # a read of no columns: a statistics pass whose statistics read no steps
+            steps = pa.table({"traj_id": pa.array([], pa.string()), "step_idx": pa.array([], pa.int32())})
+            steps = steps.append_column("role", pa.array([], pa.string()))
         for name, typ in (
             ("logprobs", pa.list_(pa.float32())),
             ("values", pa.list_(pa.float32())),

@@ -174,7 +174,8 @@ def _without_groups(trajectories: pa.Table, steps: pa.Table, groups: list[str]) 
         )
     )
     trajectories = trajectories.filter(keep)
-    steps = steps.filter(pc.is_in(steps.column("traj_id"), trajectories.column("traj_id")))
+    if steps.column_names:  # (a statistics pass that read no steps columns: nothing to take out)
+        steps = steps.filter(pc.is_in(steps.column("traj_id"), trajectories.column("traj_id")))
     return trajectories, steps
 
 

@@ -242,9 +242,10 @@ def round_statistics_methods(methods: list[str], config) -> list[ChainLink]:
 def statistics_step_columns(methods: list[str], config=None) -> list[str]:
     """The steps columns the statistics pass of these estimators reads: STATISTICS_COLUMNS and each statistic's
     own (the estimator's columns where the statistic names none); without `n_tokens` where no statistic reads
-    tokens under `config`'s settings (None: every stage's defaults; `RoundStatistics.tokens`)."""
+    tokens under `config`'s settings (None: every stage's defaults; `RoundStatistics.tokens`); none at all where,
+    besides, no statistic names a steps column (its batch then has the trajectories and no steps)."""
     cols = list(STATISTICS_COLUMNS)
-    tokens = False
+    tokens = reads_steps = False
     for method in methods:
         est, _ = parse_method(method)
         if est.statistics is None:
@@ -255,7 +256,10 @@ def statistics_step_columns(methods: list[str], config=None) -> list[str]:
         if callable(declared):  # of its settings (gae at gamma = lam = 1: the steps' value moments)
             declared = declared(named_settings(config, stat.settings))
         more: Sequence[str] = method_step_columns([est.name]) if declared is None else declared
+        reads_steps = reads_steps or bool(more)
         cols += [c for c in more if c not in cols]
+    if not tokens and not reads_steps:
+        return []  # no statistic reads the steps (GDPO whitening over trajectories): the pass reads none
     return cols if tokens else [c for c in cols if c != "n_tokens"]
 
 
