@@ -44,16 +44,23 @@ class GDPOSettings(StageSettings):
 
 
 def _long_components(batch: CreditBatch) -> pl.DataFrame:
-    """(traj_index, key, value) of every trajectory's reward components (empty without the column)."""
+    """(traj_index, key, value) of every trajectory's reward components (empty without the column); exploded once
+    per batch (the names and the matrix of one call, the statistics pass's and credit's of a kept batch)."""
+    memo = batch.memo.get(_long_components)
+    if isinstance(memo, pl.DataFrame):
+        return memo
     traj = batch.trajectories
     if "reward_components" not in traj.columns:
-        return pl.DataFrame()
-    return (
-        traj.select("traj_index", "reward_components")
-        .explode("reward_components")
-        .unnest("reward_components")
-        .drop_nulls("key")
-    )
+        long = pl.DataFrame()
+    else:
+        long = (
+            traj.select("traj_index", "reward_components")
+            .explode("reward_components")
+            .unnest("reward_components")
+            .drop_nulls("key")
+        )
+    batch.memo[_long_components] = long
+    return long
 
 
 def component_names(batch: CreditBatch) -> list[str]:
