@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
+
+if TYPE_CHECKING:
+    from pyarrow.parquet import ParquetFile
 
 
 class SchemaError(ValueError):
@@ -101,6 +105,13 @@ class TableSpec:
         lacks (written before it): read `with_sources(columns)` then, and `complete` it."""
         wanted = self.derived if columns is None else [c for c in columns if c in self.derived]
         return any(c not in present for c in wanted)
+
+    def read_file(self, pf: ParquetFile, columns: list[str] | None = None) -> pa.Table:
+        """One Parquet file of this table, `columns` of it (None: all): a file written before a derived column
+        (`lacks` it) is read with the column's sources and `complete`d (hive parts, a Delta batch's files)."""
+        if self.lacks(columns, pf.schema_arrow.names):
+            return self.complete(pf.read(columns=self.with_sources(columns)), columns)
+        return pf.read(columns=columns)
 
     def incomplete(self, table: pa.Table, columns: Collection[str] | None = None) -> bool:
         """Whether a derived column of `columns` (None: every one) is absent from a read's `table` or null in some

@@ -204,11 +204,7 @@ def read_files(lake: DeltaLake, table: str, round_: int, names: list[str], colum
                 names = pf.schema_arrow.names
                 if file_cols is not None and any(c not in names and c not in derived for c in file_cols):
                     return None  # an older part without a column: the dataset reads it as nulls
-                if spec is not None and spec.lacks(file_cols, names):
-                    # a part written before a derived column: derived here from its sources
-                    t = spec.complete(pf.read(columns=spec.with_sources(file_cols)), file_cols)
-                else:
-                    t = pf.read(columns=file_cols)
+                t = pf.read(columns=file_cols) if spec is None else spec.read_file(pf, file_cols)
             pieces.append(t.append_column("round", pa.array([int(round_)] * t.num_rows, pa.int32())))
     except (OSError, pa.ArrowInvalid):
         return None
