@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -226,3 +227,24 @@ def test_telescoped_moments_equal_the_token_path(seed):
     got = gae_statistics(_stats_batch(traj, steps), GAESettings())["gae"]
     want = want or ops.Moments()
     assert (got.n, got.mean, got.m2) == pytest.approx((want.n, want.mean, want.m2), rel=1e-9, abs=1e-9)
+
+
+def test_moments_given_beside_the_values_are_not_trusted():
+    """An in-memory steps table whose value moments disagree with its values (a caller's own, or values replaced
+    after the table was built: the lake recomputes them on every write, a caller's table is not the lake's):
+    the statistics pass takes the moments of the values."""
+    from credit_rounds import random_round
+
+    from pipeline.credit.methods.gae import GAESettings, gae_statistics
+    from pipeline.credit.process import batch_statistics
+
+    traj, steps = random_round(7, max_groups=3, max_group_size=3, max_steps=5)
+    cfg = Config(methods=["gae"])
+    want = batch_statistics(traj, steps, ["gae"], cfg)["gae"]
+    assert want.n > 0
+    for name in ("values_mean", "values_m2"):  # hostile moments: every step's off by 3
+        col = pc.add(steps.column(name), 3.0)
+        steps = steps.set_column(steps.schema.get_field_index(name), name, col)
+    got = batch_statistics(traj, steps, ["gae"], cfg)["gae"]
+    assert (got.n, got.mean, got.m2) == pytest.approx((want.n, want.mean, want.m2), rel=1e-12)
+    assert got.mean != pytest.approx(gae_statistics(_stats_batch(traj, steps), GAESettings())["gae"].mean)

@@ -170,6 +170,27 @@ def _step_lengths(steps: pa.Table) -> np.ndarray:
     return col.to_numpy(zero_copy_only=False).astype(np.int64)
 
 
+def _derived_from_sources(steps: pa.Table, columns: Collection[str]) -> pa.Table:
+    """The steps' derived columns (schemas.steps: the values' per-step moments) computed again from their
+    sources where the table holds both and the batch reads the derived column but not its sources: an in-memory
+    table's (a caller's, or one whose values were replaced after it was built) may disagree with its values,
+    which are the source of truth (the statistics pass of `process.batch_statistics` on a caller's tables). A
+    lake read never holds the sources then (the lake computes the derived columns on every write). A batch that
+    reads the sources too keeps the table's (credit's and a kept statistics pass's read from the lake: the same
+    moments on both paths). `n_tokens`: `_step_lengths`."""
+    from schemas import TABLES
+
+    spec = TABLES["steps"]
+    for name, derived in spec.derived.items():
+        if name == "n_tokens" or name not in steps.column_names or name not in columns:
+            continue
+        srcs = derived.sources
+        if all(src in steps.column_names for src in srcs) and not all(src in columns for src in srcs):
+            col = derived.arrow(steps)
+            steps = steps.set_column(steps.schema.get_field_index(name), steps.schema.field(name), col)
+    return steps
+
+
 def _trajectory_frame(trajectories: pa.Table) -> pl.DataFrame:
     traj_cols = [c for c in trajectories.column_names if c != "reward_components"]
     traj = pl.DataFrame(trajectories.select(traj_cols)).sort("traj_id")
@@ -231,6 +252,8 @@ class CreditBatch:
         if not steps.column_names:  # a read of no columns: a statistics pass whose statistics read no steps
             steps = pa.table({"traj_id": pa.array([], pa.string()), "step_idx": pa.array([], pa.int32())})
             steps = steps.append_column("role", pa.array([], pa.string()))
+        if columns is not None:  # (before the absent optional columns are filled with nulls)
+            steps = _derived_from_sources(steps, columns)
         for name, typ in (
             ("logprobs", pa.list_(pa.float32())),
             ("values", pa.list_(pa.float32())),
