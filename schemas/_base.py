@@ -113,12 +113,6 @@ class TableSpec:
             return self.complete(pf.read(columns=self.with_sources(columns)), columns)
         return pf.read(columns=columns)
 
-    def incomplete(self, table: pa.Table, columns: Collection[str] | None = None) -> bool:
-        """Whether a derived column of `columns` (None: every one) is absent from a read's `table` or null in some
-        of its rows (parts written before it): `complete` it then."""
-        wanted = self.derived if columns is None else [c for c in columns if c in self.derived]
-        return any(c not in table.column_names or table.column(c).null_count for c in wanted)
-
     def readable(self, names: list[str]) -> list[str]:
         """The columns a read can give from parts holding `names`: those and the derived ones whose sources they
         hold."""
