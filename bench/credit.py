@@ -198,7 +198,7 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
             adv = pq.read_table(
                 lake.partition_dir("advantages", round_) / f"part-{_method_part(b, method)}.parquet"
             )
-            if stats_cols:  # the statistics pass's own read of the batch (timed apart)
+            if stats_cols is not None:  # the statistics pass's own read of the batch (timed apart)
                 t0, c0 = time.perf_counter(), time.process_time()
                 pq.read_table(lake.partition_dir("steps", round_) / f"part-{b}.parquet", columns=stats_cols)
                 pq.read_table(lake.partition_dir("trajectories", round_) / f"part-{b}.parquet")
@@ -214,18 +214,19 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
     return _floor_result(seconds, cpu, stats_s, stats_cpu, cols)
 
 
-def _statistics_columns(method: str) -> list[str]:
-    """The steps columns the statistics pass reads for `method` (empty: the method takes no statistic over the
-    round, or a checkout without the pass)."""
+def _statistics_columns(method: str) -> list[str] | None:
+    """The steps columns the statistics pass reads for `method` (empty: it reads the trajectories and no steps
+    column, GDPO's default; None: the method takes no statistic over the round, or a checkout without the
+    pass)."""
     from pipeline.config import Config
 
     try:
         from pipeline.credit.process import statistics_methods
         from pipeline.credit.registry import statistics_step_columns
     except ImportError:
-        return []
+        return None
     names = statistics_methods(Config(methods=[method], stages=_stages()))
-    return statistics_step_columns(names) if names else []
+    return statistics_step_columns(names) if names else None
 
 
 def _floor_result(seconds: float, cpu: float, stats_s: float, stats_cpu: float, cols: list[str]) -> dict:
@@ -239,7 +240,7 @@ def _floor_result(seconds: float, cpu: float, stats_s: float, stats_cpu: float, 
     return out
 
 
-def _delta_floor(lake, round_: int, method: str, cols: list[str], stats_cols: list[str]) -> dict:
+def _delta_floor(lake, round_: int, method: str, cols: list[str], stats_cols: list[str] | None) -> dict:
     """The floor of a Delta lake: delta-rs + pyarrow only. Each table's Delta log is read once per round (in the
     timed region: the engine reads it too), the batch's data files are taken from its add actions (the part's
     name, or the name tagged with its generation for an ingest table) and read with pyarrow directly, as hive
@@ -293,7 +294,7 @@ def _delta_floor(lake, round_: int, method: str, cols: list[str], stats_cols: li
     seconds = cpu = stats_s = stats_cpu = 0.0
     for b in round_batches(lake, round_):
         adv = part("advantages", _method_part(b, method))  # (its log read untimed: the floor writes it)
-        if stats_cols:  # the statistics pass's own read of the batch (timed apart)
+        if stats_cols is not None:  # the statistics pass's own read of the batch (timed apart)
             t0, c0 = time.perf_counter(), time.process_time()
             part("steps", b, [c for c in stats_cols if c != "round"])
             part("trajectories", b)
