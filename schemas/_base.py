@@ -32,7 +32,9 @@ class Derived:
     it never disagrees with its sources), and a read derives it where a part written before it lacks it."""
 
     sources: tuple[str, ...]
-    arrow: Callable[[pa.Table], pa.Array | pa.ChunkedArray]  # from a table holding `sources`
+    # from a table holding `sources`, and a memo the derived columns of one derivation share (`TableSpec.derive`:
+    # the steps' value mean and m2 come from one pass over the values)
+    arrow: Callable[[pa.Table, dict[object, object]], pa.Array | pa.ChunkedArray]
     sql: str  # the same over the sources, in DuckDB SQL (the catalog's views)
 
 
@@ -73,10 +75,16 @@ class TableSpec:
             else:
                 raise SchemaError(self.name, f.name, None, "required column is missing")
         out = pa.Table.from_arrays(cols, schema=self.schema)
-        for name, d in self.derived.items():  # from its sources, whatever the input held
-            typ = self.schema.field(name).type
-            out = out.set_column(out.schema.get_field_index(name), name, d.arrow(out).cast(typ))
+        # the derived columns from their sources, whatever the input held
+        for name, col in self.derive(out, list(self.derived)).items():
+            out = out.set_column(out.schema.get_field_index(name), name, col)
         return out
+
+    def derive(self, table: pa.Table, names: list[str]) -> dict[str, pa.Array | pa.ChunkedArray]:
+        """The derived columns `names` computed from `table`'s sources, in the schema's types (one derivation:
+        columns sharing an intermediate compute it once)."""
+        memo: dict[object, object] = {}
+        return {n: self.derived[n].arrow(table, memo).cast(self.schema.field(n).type) for n in names}
 
     def validate(self, table: pa.Table) -> pa.Table:
         """Return the table conformed to the schema, or raise SchemaError naming the first bad field and row."""
@@ -132,6 +140,7 @@ class TableSpec:
         """A read's `table`: each derived column of `columns` (None: of the table) that is absent or null in some
         rows (parts written before it) computed there from its sources, which `table` then holds; the columns
         are `columns` afterwards (the sources dropped that only the derivation read)."""
+        todo = []
         for name, d in self.derived.items():
             if columns is not None and name not in columns:
                 continue
@@ -143,11 +152,12 @@ class TableSpec:
                 raise KeyError(
                     f"table {self.name!r}: deriving {name!r} needs {', '.join(map(repr, missing))}"
                 )
-            typ = self.schema.field(name).type
-            new = d.arrow(table).cast(typ)
-            if col is None:
-                table = table.append_column(pa.field(name, typ), new)
+            todo.append(name)
+        for name, new in self.derive(table, todo).items():
+            if name not in table.column_names:
+                table = table.append_column(pa.field(name, self.schema.field(name).type), new)
             else:
+                col = table.column(name)
                 table = table.set_column(
                     table.schema.get_field_index(name), name, pc.if_else(pc.is_null(col), new, col)
                 )

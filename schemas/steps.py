@@ -1,5 +1,7 @@
 """steps: one row per message of a trajectory (system, user, assistant, tool), with its tokens."""
 
+from typing import cast
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -90,11 +92,15 @@ def _value_moments(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return mean, m2
 
 
-def _value_moment(table: pa.Table, which: int) -> pa.Array:
+def _value_moment(table: pa.Table, which: int, memo: dict[object, object]) -> pa.Array:
     """`_value_moments`' mean (0) or m2 (1) as a column: null for a step whose values are null, empty or not all
-    finite (an assistant step there has no critic values: gae names its trajectory)."""
-    moments = _value_moments(table)
-    return pa.array(moments[which], pa.float64(), mask=~np.isfinite(moments[0]) | ~np.isfinite(moments[1]))
+    finite (an assistant step there has no critic values: gae names its trajectory). Both from one pass over
+    the values per derivation (`memo`, TableSpec.derive)."""
+    moments = memo.get(_value_moments)
+    if moments is None:
+        moments = memo[_value_moments] = _value_moments(table)
+    mean, m2 = cast(tuple[np.ndarray, np.ndarray], moments)
+    return pa.array((mean, m2)[which], pa.float64(), mask=~np.isfinite(mean) | ~np.isfinite(m2))
 
 
 def _turn_on_assistant(table: pa.Table):
@@ -123,17 +129,17 @@ SPEC = TableSpec(
     ),
     derived={
         "n_tokens": Derived(
-            ("token_ids",), lambda t: pc.list_value_length(t.column("token_ids")), "len(token_ids)"
+            ("token_ids",), lambda t, memo: pc.list_value_length(t.column("token_ids")), "len(token_ids)"
         ),
         "values_mean": Derived(
             ("values",),
-            lambda t: _value_moment(t, 0),
+            lambda t, memo: _value_moment(t, 0, memo),
             'CASE WHEN isfinite(list_var_pop(CAST("values" AS DOUBLE[]))) '
             'THEN list_avg(CAST("values" AS DOUBLE[])) END',
         ),
         "values_m2": Derived(
             ("values",),
-            lambda t: _value_moment(t, 1),
+            lambda t, memo: _value_moment(t, 1, memo),
             'CASE WHEN isfinite(list_var_pop(CAST("values" AS DOUBLE[]))) '
             'THEN list_var_pop(CAST("values" AS DOUBLE[])) * len("values") END',
         ),

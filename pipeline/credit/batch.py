@@ -181,13 +181,17 @@ def _derived_from_sources(steps: pa.Table, columns: Collection[str]) -> pa.Table
     from schemas import TABLES
 
     spec = TABLES["steps"]
-    for name, derived in spec.derived.items():
-        if name == "n_tokens" or name not in steps.column_names or name not in columns:
-            continue
-        srcs = derived.sources
-        if all(src in steps.column_names for src in srcs) and not all(src in columns for src in srcs):
-            col = derived.arrow(steps)
-            steps = steps.set_column(steps.schema.get_field_index(name), steps.schema.field(name), col)
+    stale = [
+        name
+        for name, d in spec.derived.items()
+        if name != "n_tokens"
+        and name in steps.column_names
+        and name in columns
+        and all(src in steps.column_names for src in d.sources)
+        and not all(src in columns for src in d.sources)
+    ]
+    for name, col in spec.derive(steps, stale).items():
+        steps = steps.set_column(steps.schema.get_field_index(name), steps.schema.field(name), col)
     return steps
 
 
