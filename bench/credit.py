@@ -522,6 +522,14 @@ def main() -> None:
     p.add_argument("--double", action="store_true", help="also a round of twice the groups (time and memory)")
     p.add_argument("--no-compute", action="store_true", help="skip the compute-only cells (a loaded machine)")
     p.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        help="seconds every cell waits after its sync: a round that starts after the machine sat idle (on a "
+        "virtual machine that hands free memory back to its host, the memory a fresh worker takes is then new to "
+        "the host again, as between a user's rounds; back to back, a cell reuses what the last one freed)",
+    )
+    p.add_argument(
         "--verl",
         default="",
         help="TRAJxTOKENS (e.g. 1024x16384): time verl's compute_gae_advantage_return beside gae and turn_ppo "
@@ -619,6 +627,7 @@ def main() -> None:
         for rep in range(args.reps):
             for label, kind, root, lake, round_ in rep_cells(list(roots)[:: 1 if rep % 2 == 0 else -1]):
                 os.sync()  # the last cell's writes land before this cell's clock
+                time.sleep(args.idle)
                 res = sub("--root", str(root), "--worker", kind, str(lake), str(round_), m)
                 runs[label].append(res)
         ref_s = 0.0
@@ -743,7 +752,9 @@ def main() -> None:
         "",
         f'Cells: min / median of {args.reps} repetitions, each its own subprocess; "before" is the code of the '
         f'baseline worktree{base}, "after" this checkout, interleaved cell by cell on the same lake, the sides\' '
-        "order alternating from one repetition to the next, each cell after a sync. x floor: "
+        "order alternating from one repetition to the next, each cell after a sync"
+        + (f" and {args.idle:g} s idle (`--idle`)" if args.idle else "")
+        + ". x floor: "
         "engine / I/O floor (min / min, median / median); x floor CPU: the same of the timed region's CPU time (time.process_time: every thread of the worker; less sensitive to the load than wall time). Delta commits per batch: the entries the engine's timed region added to the Delta logs, over the batches (median). Peak MB (tree): the most of the worker's process tree "
         "(summed resident sets sampled every 20 ms, or the worker's own VmHWM where more; bench/_common.py), the "
         "largest over the repetitions. Both checkouts' engine workers import what every process of a round "

@@ -10,7 +10,17 @@ arrays are alive at the peak); the process keeps its peak heap until it exits.
 Called by the CLI, the process_round flow and flows/workers.py's worker processes (two workers on two cores,
 the same 12 batches: 9.05-9.43 s without, 8.10-8.70 s with, system time halved); a no-op off glibc, when
 called twice, or with CREDITFLOW_MALLOC_TUNE=0 (or the MALLOC_MMAP_THRESHOLD_ environment variable of glibc
-set by the user)."""
+set by the user).
+
+It also stops NumPy asking for transparent huge pages (`numpy_hugepages_off`). NumPy marks every array of 4 MiB
+or more MADV_HUGEPAGE, so the kernel backs it with 2 MiB pages where it can. A fresh process (every `creditflow
+process` worker) takes its first batch's arrays from memory the kernel hands out anew, and on this project's
+machines (virtual machines whose free memory goes back to the host: virtio-balloon free page reporting, here
+in 8 MiB blocks) a 2 MiB page is mostly such memory, which the host must back again on the first touch. gae's
+first 512-group round in a fresh worker after the machine sat idle for 6 s: 1.19-1.31 s with the advice, 0.95-1.17
+s without; no compaction stalls were counted (/proc/vmstat), and a process past its first round took the same
+time either way (bench/results/credit.md, ninth session). NumPy's own switch, the NUMPY_MADVISE_HUGEPAGE
+environment variable, wins where the user set it (=1 keeps NumPy's advice)."""
 
 from __future__ import annotations
 
@@ -32,11 +42,10 @@ def tune_allocator() -> bool:
     if _done:
         return False
     _done = True
-    if (
-        not sys.platform.startswith("linux")
-        or os.environ.get("CREDITFLOW_MALLOC_TUNE", "1") == "0"
-        or "MALLOC_MMAP_THRESHOLD_" in os.environ
-    ):
+    if not sys.platform.startswith("linux") or os.environ.get("CREDITFLOW_MALLOC_TUNE", "1") == "0":
+        return False
+    numpy_hugepages_off()
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -47,6 +56,26 @@ def tune_allocator() -> bool:
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
     ok = mallopt(M_TRIM_THRESHOLD, 2**30) == 1 and ok
     return ok
+
+
+def numpy_hugepages_off() -> bool:
+    """Stop NumPy marking its large arrays MADV_HUGEPAGE: NUMPY_MADVISE_HUGEPAGE=0 for a NumPy imported later
+    (here or in a child process: the workers), and NumPy's own switch where it is imported already (also where
+    NUMPY_MADVISE_HUGEPAGE=0 came from the parent: a process that imported NumPy before its environment said so).
+    A no-op where NUMPY_MADVISE_HUGEPAGE says otherwise (the user's choice). True when applied."""
+    value = os.environ.get("NUMPY_MADVISE_HUGEPAGE")
+    if value is None:
+        os.environ["NUMPY_MADVISE_HUGEPAGE"] = "0"
+    elif value.strip() != "0":
+        return False
+    np = sys.modules.get("numpy")
+    if np is not None:  # NumPy 2 keeps the switch in numpy._core, NumPy 1 in numpy.core
+        core = getattr(np, "_core", None) or getattr(np, "core", None)
+        switch = getattr(getattr(core, "multiarray", None), "_set_madvise_hugepage", None)
+        if switch is None:
+            return False
+        switch(False)
+    return True
 
 
 PR_SET_PDEATHSIG = 1

@@ -26,3 +26,53 @@ def test_tune_allocator_once_and_opt_out():
     assert _run() == "True False"  # applied, then a no-op
     assert _run(CREDITFLOW_MALLOC_TUNE="0") == "False False"
     assert _run(MALLOC_MMAP_THRESHOLD_="65536") == "False False"  # the user's own glibc setting wins
+
+
+# NumPy's transparent-huge-page advice (flows/runtime.py: numpy_hugepages_off), in a fresh interpreter each: the
+# switch is per process
+HUGEPAGES = """
+import os
+{before}
+from flows.runtime import numpy_hugepages_off
+applied = numpy_hugepages_off()
+import numpy
+from numpy._core.multiarray import _set_madvise_hugepage
+print(applied, _set_madvise_hugepage(False), os.environ.get("NUMPY_MADVISE_HUGEPAGE"))
+"""
+
+
+def _hugepages(numpy_first: bool, **env: str) -> str:
+    base = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
+    code = HUGEPAGES.format(before="import numpy" if numpy_first else "")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("numpy_first", [True, False], ids=["numpy-imported-before", "numpy-imported-after"])
+def test_numpy_hugepages_off_unless_the_user_said_otherwise(numpy_first):
+    # "applied, NumPy's advice before the print's own switch, the environment a child inherits"
+    assert _hugepages(numpy_first) == "True False 0"
+    # the user's NUMPY_MADVISE_HUGEPAGE wins; =0 inherited from a parent also reaches a NumPy imported before
+    assert _hugepages(numpy_first, NUMPY_MADVISE_HUGEPAGE="1") == "False True 1"
+    assert _hugepages(numpy_first, NUMPY_MADVISE_HUGEPAGE="0") == "True False 0"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+def test_tune_allocator_turns_numpy_hugepages_off_unless_opted_out():
+    code = "import os; from flows.runtime import tune_allocator; tune_allocator(); "
+    code += "print(os.environ.get('NUMPY_MADVISE_HUGEPAGE'))"
+    base = {
+        k: v for k, v in os.environ.items() if k not in ("CREDITFLOW_MALLOC_TUNE", "NUMPY_MADVISE_HUGEPAGE")
+    }
+
+    def env_after(**env: str) -> str:
+        run = subprocess.run(
+            [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True
+        )
+        return run.stdout.strip()
+
+    assert env_after() == "0"
+    assert env_after(CREDITFLOW_MALLOC_TUNE="0") == "None"
+    assert env_after(MALLOC_MMAP_THRESHOLD_="65536") == "0"  # glibc's setting is the user's; NumPy's is not
