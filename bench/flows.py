@@ -319,6 +319,13 @@ def main() -> None:
         help="also run the process-based runners: Ray (2 CPUs), Dask (2 workers)",
     )
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode (the best wall time is kept)")
+    ap.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        help="seconds each run waits after its sync: a round that starts after the machine sat idle (on a virtual "
+        "machine that hands free memory back to its host, as between a user's rounds)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "flows.md"))
     ap.add_argument("--quick", action="store_true", help="do not write the results file")
     ap.add_argument("--modes", default=None, help="comma-separated subset of the modes (with --quick)")
@@ -388,6 +395,7 @@ def main() -> None:
                     _copy_round(src, lake)
                     # the previous run's writes (~1 GB of parts at 16M tokens) land before this run's clock
                     os.sync()
+                    time.sleep(args.idle)
                     r = run_child(mode, lake, work / f"home-{mode}", args.baseline)
                     double.setdefault((mode, size), []).append(r)
                     if size == "1x":
