@@ -4,9 +4,12 @@ table, DuckDB's views, and credit of an older lake equal to credit of a new one.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -141,12 +144,35 @@ def test_reads_derive_n_tokens_of_older_parts(tmp_path, monkeypatch, fmt):
     stored = _stored_columns(lake)
     assert any("n_tokens" in t for t in stored) and not all("n_tokens" in t for t in stored)
     _check_reads(lake, steps)  # some parts hold it, the others not (Delta: nulls)
+    if fmt == "parquet":  # the view derives (and reads token_ids) while a part lacks the column
+        assert "token_ids" in _sql_reads(lake, "SELECT sum(n_tokens) FROM steps")
+    for b in sorted(p.name.removeprefix("part-").removesuffix(".parquet") for p in lake.parts("steps", 0)):
+        lake.write_part("steps", 0, read_batch(lake, "steps", 0, b), part=b)  # every part written again
+    _check_reads(lake, steps)  # every part holds it
+    if fmt == "parquet":  # the parts' own columns: no derivation, so no token_ids read for a token count
+        assert all(set(STEPS.derived) <= set(t) for t in _stored_columns(lake))
+        assert "token_ids" not in _sql_reads(lake, "SELECT sum(n_tokens) FROM steps")
+        assert "values" not in _sql_reads(lake, "SELECT sum(values_m2) FROM steps")
+        assert "token_ids" in _sql_reads(lake, "SELECT sum(len(token_ids)) FROM steps")  # the check can fail
+
+
+def _sql_reads(lake: Lake, sql: str) -> set[str]:
+    """The columns the hive view's Parquet scans read for `sql` (DuckDB's plan as JSON: each scan's projections)."""
+    with connect(lake) as con:
+        plan = json.loads(con.execute(f"EXPLAIN (FORMAT json) {sql}").fetchall()[0][1])
+    out: set[str] = set()
+    nodes = list(plan)
+    while nodes:
+        node = nodes.pop()
+        nodes += node.get("children", [])
+        if node.get("name") == "READ_PARQUET":
+            cols = node.get("extra_info", {}).get("Projections", [])
+            out |= {cols} if isinstance(cols, str) else set(cols)
+    return out
 
 
 def _stored_columns(lake: Lake) -> list[list[str]]:
     """The columns of the steps table's data files as written."""
-    import pyarrow.parquet as pq
-
     files = [p for p in (lake.root / "steps").rglob("*.parquet") if not p.name.startswith(".")]
     assert files
     return [pq.read_schema(f).names for f in files]
@@ -173,3 +199,18 @@ def test_credit_of_an_older_lake(tmp_path, monkeypatch, fmt):
     n = by_step(steps, lengths(steps))
     assert got["gae"] and all(len(a) == n[k] for k, a in got["gae"].items())  # a value per token of each step
     assert any(np.any(a != 0) for a in got["gae"].values())
+
+
+def test_a_part_whose_footer_cannot_be_read_keeps_the_derivation(tmp_path):
+    """A hostile or cut-short part file: the view derives as before (the query then reads it and fails or not as
+    it would have); building the view does not fail on it."""
+    from warehouse.catalog import _hold_all
+
+    good = tmp_path / "part-a.parquet"
+    pq.write_table(pa.table({"n_tokens": pa.array([1], pa.int32())}), good)
+    bad = tmp_path / "part-b.parquet"
+    bad.write_bytes(b"PAR1 not a footer PAR1")
+    assert _hold_all([good], ["n_tokens"]) is True
+    assert _hold_all([good], ["n_tokens", "values_mean"]) is False
+    assert _hold_all([good, bad], ["n_tokens"]) is False
+    assert _hold_all([good, tmp_path / "part-gone.parquet"], ["n_tokens"]) is False  # removed meanwhile

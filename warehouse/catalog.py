@@ -77,20 +77,39 @@ def _empty_file(lake: Lake, table: str) -> Path:
 
 
 def table_view_sql(lake: Lake, table: str) -> str:
-    has_files = any(lake.parts(table, r) for r in lake.rounds(table))
-    if has_files:
+    parts = [path for r in lake.rounds(table) for path in lake.parts(table, r)]
+    if parts:
         glob = lake.table_dir(table) / "round=*" / "part-*.parquet"
         src = (
             f"read_parquet({_quote(glob)}, hive_partitioning=true, union_by_name=true, "
             "hive_types={'round': INTEGER})"
         )
-        if TABLES[table].derived:  # every column of the schema, whether the parts hold it or not (older ones)
+        derived = list(TABLES[table].derived)
+        if derived:  # every column of the schema, whether the parts hold it or not (older ones)
             empty = f"SELECT CAST(NULL AS INTEGER) AS round, * FROM read_parquet({_quote(_empty_file(lake, table))})"
             src = f"(SELECT * FROM {src} UNION ALL BY NAME {empty})"
-            return f"CREATE OR REPLACE VIEW {table} AS {_derived_select(table, None, src)}"
+            if not _hold_all(parts, derived):
+                return f"CREATE OR REPLACE VIEW {table} AS {_derived_select(table, None, src)}"
         return f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM {src}"
     src = f"read_parquet({_quote(_empty_file(lake, table))})"
     return f"CREATE OR REPLACE VIEW {table} AS SELECT CAST(NULL AS INTEGER) AS round, * FROM {src}"
+
+
+def _hold_all(parts: list[Path], columns: list[str]) -> bool:
+    """Whether every part file holds every one of `columns` (its footer's schema): then the view reads the parts'
+    own derived columns and derives nothing. The lake writes them into every part, so only a lake written before a
+    column needs the derivation; it reads the derivation's sources too, whatever a query asks for (`SELECT
+    sum(n_tokens)` read every `token_ids`: 56 against 2 ms on a 24.5M-token round). A footer that cannot be read
+    counts as lacking them (the query then fails or succeeds as it would have)."""
+    want = set(columns)
+    for path in parts:
+        try:
+            names = pq.read_schema(path).names
+        except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
+            return False
+        if not want <= set(names):
+            return False
+    return True
 
 
 def _derived_select(table: str, present: list[str] | None, src: str, exclude: str = "") -> str:
