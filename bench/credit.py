@@ -493,6 +493,21 @@ def _paired(a: list[dict] | None, b: list[dict] | None, key: str = "seconds") ->
     return f"{statistics.median(x[key] / y[key] for x, y in zip(a, b, strict=True)):.2f}"
 
 
+def _over_parts(engine: list[dict] | None, floor: list[dict] | None, compute: list[dict] | None) -> str:
+    """engine / (I/O floor + compute), min over min sums and median over median sums: what the engine spends
+    beyond reading, writing and computing (its per-batch fixed costs). The two-read floor where the method has
+    a statistics pass."""
+    if not engine or not floor or not compute:
+        return "-"
+    key = "seconds2" if "seconds2" in floor[0] else "seconds"
+    fl, co, en = (
+        [r[k] for r in runs] for runs, k in ((floor, key), (compute, "seconds"), (engine, "seconds"))
+    )
+    low = min(en) / (min(fl) + min(co))
+    mid = statistics.median(en) / (statistics.median(fl) + statistics.median(co))
+    return f"{low:.2f} / {mid:.2f}"
+
+
 def _peak(runs: list[dict] | None) -> str:
     return f"{max(r['tree_peak_mb'] for r in runs):.0f}" if runs else "-"
 
@@ -653,6 +668,7 @@ def main() -> None:
             ]
         if not args.no_compute:
             row += [_pair(g(f"{side} compute")) for side in roots]
+            row += [_over_parts(g(f"{side} engine"), g("floor"), g(f"{side} compute")) for side in roots]
             row += [f"{ref_s / min(r['seconds'] for r in runs['after compute']):.0f}"]
         for side in roots:
             row += [_peak(g(f"{side} engine"))]
@@ -687,7 +703,8 @@ def main() -> None:
         headers += ["Delta I/O floor s"]
         headers += [f"Delta {side}: commits per batch" for side in roots]
     if not args.no_compute:
-        headers += [f"{side}: compute s (no I/O)" for side in roots] + ["reference / compute (after)"]
+        headers += [f"{side}: compute s (no I/O)" for side in roots]
+        headers += [f"{side}: x (floor + compute)" for side in roots] + ["reference / compute (after)"]
     headers += [f"{side}: peak MB (tree)" for side in roots]
     if args.double:
         for side in roots:
@@ -764,7 +781,8 @@ def main() -> None:
         "I/O floor: pyarrow only, read the steps columns the method needs (`registry.method_step_columns`) + the "
         "trajectories, write the method's advantages part with the lake's writer options (Delta: delta-rs, one "
         "commit per part). Compute: the engine from the same Arrow tables in memory (no I/O), after one untimed "
-        "warm-up call. Reference: the per-trajectory Python oracle of tests/test_credit_reference.py, timed on "
+        "warm-up call. x (floor + compute): engine / (floor + compute), the two-read floor where the method has a "
+        "statistics pass: what the engine spends beyond its I/O and its arithmetic (1.00: nothing). Reference: the per-trajectory Python oracle of tests/test_credit_reference.py, timed on "
         f"{args.ref_groups} groups and extrapolated to the round by assistant tokens. Two-read floor (the methods "
         "with a statistics pass: gae, turn_ppo, gdpo): the floor plus the statistics pass's own read of its steps "
         "columns (`registry.statistics_step_columns`) and the trajectories, what a method whose advantages depend "
