@@ -206,11 +206,15 @@ def test_a_part_whose_footer_cannot_be_read_keeps_the_derivation(tmp_path):
     it would have); building the view does not fail on it."""
     from warehouse.catalog import _hold_all
 
+    n_tokens, values_mean = STEPS.schema.field("n_tokens"), STEPS.schema.field("values_mean")
     good = tmp_path / "part-a.parquet"
-    pq.write_table(pa.table({"n_tokens": pa.array([1], pa.int32())}), good)
+    pq.write_table(pa.table({"n_tokens": pa.array([1], n_tokens.type)}), good)
     bad = tmp_path / "part-b.parquet"
     bad.write_bytes(b"PAR1 not a footer PAR1")
-    assert _hold_all([good], ["n_tokens"]) is True
-    assert _hold_all([good], ["n_tokens", "values_mean"]) is False
-    assert _hold_all([good, bad], ["n_tokens"]) is False
-    assert _hold_all([good, tmp_path / "part-gone.parquet"], ["n_tokens"]) is False  # removed meanwhile
+    other = tmp_path / "part-c.parquet"  # the column, of another type: a file the lake did not write
+    pq.write_table(pa.table({"n_tokens": pa.array(["1"], pa.string())}), other)
+    assert _hold_all([good], [n_tokens]) is True
+    assert _hold_all([good], [n_tokens, values_mean]) is False
+    assert _hold_all([good, bad], [n_tokens]) is False
+    assert _hold_all([good, other], [n_tokens]) is False
+    assert _hold_all([good, tmp_path / "part-gone.parquet"], [n_tokens]) is False  # removed meanwhile

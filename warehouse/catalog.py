@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import duckdb
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas import TABLES
@@ -88,27 +89,29 @@ def table_view_sql(lake: Lake, table: str) -> str:
         if derived:  # every column of the schema, whether the parts hold it or not (older ones)
             empty = f"SELECT CAST(NULL AS INTEGER) AS round, * FROM read_parquet({_quote(_empty_file(lake, table))})"
             src = f"(SELECT * FROM {src} UNION ALL BY NAME {empty})"
-            if not _hold_all(parts, derived):
+            if not _hold_all(parts, [TABLES[table].schema.field(name) for name in derived]):
                 return f"CREATE OR REPLACE VIEW {table} AS {_derived_select(table, None, src)}"
         return f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM {src}"
     src = f"read_parquet({_quote(_empty_file(lake, table))})"
     return f"CREATE OR REPLACE VIEW {table} AS SELECT CAST(NULL AS INTEGER) AS round, * FROM {src}"
 
 
-def _hold_all(parts: list[Path], columns: list[str]) -> bool:
-    """Whether every part file holds every one of `columns` (its footer's schema): then the view reads the parts'
-    own derived columns and derives nothing. The lake writes them into every part, so only a lake written before a
-    column needs the derivation; it reads the derivation's sources too, whatever a query asks for (`SELECT
-    sum(n_tokens)` read every `token_ids`: 56 against 2 ms on a 24.5M-token round). A footer that cannot be read
-    counts as lacking them (the query then fails or succeeds as it would have)."""
-    want = set(columns)
+def _hold_all(parts: list[Path], fields: list[pa.Field]) -> bool:
+    """Whether every part file holds every one of `fields`, of its type (its footer's schema): then the view reads
+    the parts' own derived columns and derives nothing. The lake writes them into every part, so only a lake
+    written before a column needs the derivation; it reads the derivation's sources too, whatever a query asks
+    for (`SELECT sum(n_tokens)` read every `token_ids`: 56 against 2 ms on a 24.5M-token round). A footer that
+    cannot be read, or a column of another type (a file the lake did not write), counts as lacking them: the view
+    derives, and casts, as before."""
     for path in parts:
         try:
-            names = pq.read_schema(path).names
+            schema = pq.read_schema(path)
         except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
             return False
-        if not want <= set(names):
-            return False
+        for field in fields:
+            i = schema.get_field_index(field.name)
+            if i < 0 or schema.field(i).type != field.type:
+                return False
     return True
 
 
