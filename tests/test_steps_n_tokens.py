@@ -206,15 +206,21 @@ def test_a_part_whose_footer_cannot_be_read_keeps_the_derivation(tmp_path):
     it would have); building the view does not fail on it."""
     from warehouse.catalog import _hold_all
 
-    n_tokens, values_mean = STEPS.schema.field("n_tokens"), STEPS.schema.field("values_mean")
+    derived = {name: STEPS.schema.field(name).type for name in STEPS.derived}
     good = tmp_path / "part-a.parquet"
-    pq.write_table(pa.table({"n_tokens": pa.array([1], n_tokens.type)}), good)
+    pq.write_table(pa.table({name: pa.array([1.0], typ) for name, typ in derived.items()}), good)
+    lacking = tmp_path / "part-l.parquet"  # written before values_mean and values_m2
+    pq.write_table(pa.table({"n_tokens": pa.array([1], derived["n_tokens"])}), lacking)
     bad = tmp_path / "part-b.parquet"
     bad.write_bytes(b"PAR1 not a footer PAR1")
-    other = tmp_path / "part-c.parquet"  # the column, of another type: a file the lake did not write
-    pq.write_table(pa.table({"n_tokens": pa.array(["1"], pa.string())}), other)
-    assert _hold_all([good], [n_tokens]) is True
-    assert _hold_all([good], [n_tokens, values_mean]) is False
-    assert _hold_all([good, bad], [n_tokens]) is False
-    assert _hold_all([good, other], [n_tokens]) is False
-    assert _hold_all([good, tmp_path / "part-gone.parquet"], [n_tokens]) is False  # removed meanwhile
+    other = (
+        tmp_path / "part-c.parquet"
+    )  # the columns, n_tokens of another type: a file the lake did not write
+    pq.write_table(
+        pa.table({**{n: pa.array([1.0], t) for n, t in derived.items()}, "n_tokens": pa.array(["1"])}), other
+    )
+    assert _hold_all(STEPS, [good]) is True
+    assert _hold_all(STEPS, [good, lacking]) is False
+    assert _hold_all(STEPS, [good, bad]) is False
+    assert _hold_all(STEPS, [good, other]) is False
+    assert _hold_all(STEPS, [good, tmp_path / "part-gone.parquet"]) is False  # removed meanwhile

@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import duckdb
-import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas import TABLES
+from schemas import TABLES, TableSpec
 from warehouse.lake import Lake, LakeError
 from warehouse.tempfiles import temp_token
 from warehouse.views import VIEWS
@@ -78,40 +77,40 @@ def _empty_file(lake: Lake, table: str) -> Path:
 
 
 def table_view_sql(lake: Lake, table: str) -> str:
-    parts = [path for r in lake.rounds(table) for path in lake.parts(table, r)]
-    if parts:
+    spec = TABLES[table]
+    rounds = lake.rounds(table)
+    if any(lake.parts(table, r) for r in rounds):
         glob = lake.table_dir(table) / "round=*" / "part-*.parquet"
         src = (
             f"read_parquet({_quote(glob)}, hive_partitioning=true, union_by_name=true, "
             "hive_types={'round': INTEGER})"
         )
-        derived = list(TABLES[table].derived)
-        if derived:  # every column of the schema, whether the parts hold it or not (older ones)
+        if spec.derived:  # every column of the schema, whether the parts hold it or not (older ones)
             empty = f"SELECT CAST(NULL AS INTEGER) AS round, * FROM read_parquet({_quote(_empty_file(lake, table))})"
             src = f"(SELECT * FROM {src} UNION ALL BY NAME {empty})"
-            if not _hold_all(parts, [TABLES[table].schema.field(name) for name in derived]):
+            if not _hold_all(spec, [path for r in rounds for path in lake.parts(table, r)]):
                 return f"CREATE OR REPLACE VIEW {table} AS {_derived_select(table, None, src)}"
         return f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM {src}"
     src = f"read_parquet({_quote(_empty_file(lake, table))})"
     return f"CREATE OR REPLACE VIEW {table} AS SELECT CAST(NULL AS INTEGER) AS round, * FROM {src}"
 
 
-def _hold_all(parts: list[Path], fields: list[pa.Field]) -> bool:
-    """Whether every part file holds every one of `fields`, of its type (its footer's schema): then the view reads
-    the parts' own derived columns and derives nothing. The lake writes them into every part, so only a lake
-    written before a column needs the derivation; it reads the derivation's sources too, whatever a query asks
-    for (`SELECT sum(n_tokens)` read every `token_ids`: 56 against 2 ms on a 24.5M-token round). A footer that
-    cannot be read, or a column of another type (a file the lake did not write), counts as lacking them: the view
-    derives, and casts, as before."""
+def _hold_all(spec: TableSpec, parts: list[Path]) -> bool:
+    """Whether no part file `lacks` a derived column of `spec` (its footer's schema), each of the schema's type:
+    then the view reads the parts' own derived columns and derives nothing. The lake writes them into every part,
+    so only a lake written before a column needs the derivation; it reads the derivation's sources too, whatever
+    a query asks for (`SELECT sum(n_tokens)` read every `token_ids`: 56 against 2 ms on a 24.5M-token round). A
+    footer that cannot be read, or a column of another type (a file the lake did not write), counts as lacking
+    them: the view derives, and casts, as before."""
     for path in parts:
         try:
             schema = pq.read_schema(path)
         except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
             return False
-        for field in fields:
-            i = schema.get_field_index(field.name)
-            if i < 0 or schema.field(i).type != field.type:
-                return False
+        if spec.lacks(None, schema.names):
+            return False
+        if any(schema.field(name).type != spec.schema.field(name).type for name in spec.derived):
+            return False
     return True
 
 
