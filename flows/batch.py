@@ -29,6 +29,7 @@ from pipeline.credit.process import (
 )
 from pipeline.stages import NO_IO, BatchStage, StageIO, execute, get_stage
 from pipeline.stages import round_stages as round_stages
+from schemas import TABLES
 from warehouse.lake import Lake
 from warehouse.rounds import batch_names, read_batch
 from warehouse.runlog import flush_stage_runs, record_stage_run
@@ -246,6 +247,7 @@ def run_stage(
     cache_key: str | None = None,
     round_stats: dict[str, list[float]] | None = None,
     keep_reads: bool = False,
+    written: dict[str, dict[str, pa.Table]] | None = None,
 ) -> dict:
     """One batch stage on one batch, from its declaration: read its inputs, call its function, write its outputs
     as parts named like the batch (per method: `<batch>.<method>`). `round_stats`: the round's merged moments
@@ -253,7 +255,8 @@ def run_stage(
     here from the lake. A flow task passes the lake's URI and the stage (to a worker process by name,
     `BatchStage.__reduce__`). `keep_reads`: keep the trajectories and steps read (with the steps columns credit
     reads too) and the credit batch the stage builds, for credit in this process (the statistics pass:
-    `round_statistics`)."""
+    `round_statistics`). `written`: given, it gets the parts written, {table: {part: the table given to the
+    lake}} (the statistics pass's rows, not read back)."""
     t0 = time.perf_counter()
     lake = Lake(lake) if isinstance(lake, str) else lake
     columns = stage.columns(config)
@@ -291,6 +294,8 @@ def run_stage(
         rows[table] = rows.get(table, 0) + result.num_rows
     for table, parts in by_table.items():
         lake.write_parts(table, round_, parts)
+    if written is not None:
+        written.update(by_table)
     notes = (out.notes, out.warnings, out.failures)
     return _finish(lake, round_, stage.name, batch, t0, traj, steps, rows, cache_key, *notes)
 
@@ -320,10 +325,11 @@ def round_statistics(lake: Lake, round_: int, config: Config, batches: list[str]
     parts = []
     for b in batches:
         part, source = current_statistics(lake, round_, b, config)
-        if not is_current(part, source):
-            run_stage(lake, round_, b, get_stage(STATS), config, cache_key=source, keep_reads=True)
-            part = read_batch(lake, STATS, round_, b)
-        parts.append(part)
+        if not is_current(part, source):  # what it wrote, as the lake stores it (not read back)
+            written: dict[str, dict[str, pa.Table]] = {}
+            run_stage(lake, round_, b, get_stage(STATS), config, source, keep_reads=True, written=written)
+            part = TABLES[STATS].conform(written[STATS][b])
+        parts.append(part.select(["key", "n", "mean", "m2"]))
     return merge_statistics(pa.concat_tables(parts))
 
 

@@ -11,7 +11,7 @@ from schemas import (
     train_batch,
     trajectories,
 )
-from schemas._base import SchemaError, TableSpec
+from schemas._base import SchemaError, TableSpec, strictly_increasing
 
 TABLES: dict[str, TableSpec] = {
     m.SPEC.name: m.SPEC
@@ -37,4 +37,4 @@ def _load_all() -> None:
 
 _load_all()
 
-__all__ = ["TABLES", "SchemaError", "TableSpec", "register_table"]
+__all__ = ["TABLES", "SchemaError", "TableSpec", "register_table", "strictly_increasing"]

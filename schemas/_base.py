@@ -177,10 +177,31 @@ def first_true(mask: pa.ChunkedArray | pa.Array) -> int | None:
     return int(pc.index(mask, True).as_py())
 
 
+def strictly_increasing(table: pa.Table, keys: Collection[str]) -> bool:
+    """Whether the rows are in strictly increasing order of `keys` (lexicographic, each key compared as Arrow
+    compares its type: strings by their bytes): then no two rows share a key. O(rows), no hashing; False where
+    a key holds a null or its type has no ordering kernel (a caller then takes its general path)."""
+    if table.num_rows < 2:
+        return True
+    ok: pa.Array | None = None  # from the last key to the first: k_i > prev, or k_i == prev and the rest ok
+    for name in reversed(list(keys)):
+        col = table.column(name)
+        if col.null_count:
+            return False
+        col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        later, earlier = col.slice(1), col.slice(0, len(col) - 1)
+        try:
+            gt = pc.greater(later, earlier)
+            ok = gt if ok is None else pc.or_(gt, pc.and_(pc.equal(later, earlier), ok))
+        except pa.ArrowNotImplementedError:
+            return False
+    return bool(pc.all(ok).as_py()) if ok is not None else True
+
+
 def check_unique(table_name: str, *keys: str) -> RowCheck:
     def check(table: pa.Table) -> SchemaError | None:
-        if table.num_rows == 0:
-            return None
+        if table.num_rows == 0 or strictly_increasing(table, keys):  # sorted rows (what the lake's writers
+            return None  # write): unique without a hash of every key
         import polars as pl
 
         frame = pl.DataFrame(table.select(list(keys)))

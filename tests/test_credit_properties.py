@@ -159,6 +159,26 @@ def test_gdpo_components_weights_and_nan():
     assert np.isfinite(res.adv_per_token()).all() and res.notes["singleton_batch"] == 1.0
 
 
+def test_gdpo_named_components_twice_or_absent():
+    """`components` names what Eq. 1-2 sum: a name given twice counts twice (its column twice in R^c, as the
+    weighted sum reads it), a name no trajectory has is a column of zeros (it normalises to exactly 0)."""
+    rc = [{"acc": 1.0, "fmt": 0.0}, {"acc": 0.0, "fmt": 2.0}, {"acc": 1.0}, None]
+    traj, st_ = make_round(*simple_group([0.0, 1.0, 0.0, 3.0], rc=rc))
+
+    def adv(**gdpo):
+        ctx, res = run(traj, st_, "gdpo", gdpo={"whiten": "none", **gdpo})
+        return per_traj(ctx, res)
+
+    once = adv(components=["acc"])
+    # acc = [1, 0, 1, 0] (the trajectory without components: 0): group mean .5, unbiased std 0.57735
+    np.testing.assert_allclose(
+        once, np.array([0.5, -0.5, 0.5, -0.5]) / (0.5773502691896258 + 1e-4), atol=1e-12
+    )
+    np.testing.assert_allclose(adv(components=["acc", "acc"]), 2 * once, atol=1e-12)
+    np.testing.assert_allclose(adv(components=["acc", "absent"]), once, atol=1e-12)
+    np.testing.assert_allclose(adv(components=["fmt", "acc"]), adv(components=["acc", "fmt"]), atol=1e-12)
+
+
 # ---- GAE hand cases -----------------------------------------------------------------------------
 
 

@@ -411,3 +411,30 @@ def test_a_statistics_pass_without_tokens_through_the_lake(tmp_path, monkeypatch
     assert sum(r["tokens"] for r in runs if r["stage"] == "credit") == sum(
         len(t) for t in steps["token_ids"].to_pylist()
     )
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "delta"])
+def test_a_statistics_pass_gives_the_moments_its_parts_hold(tmp_path, monkeypatch, fmt):
+    """`round_statistics` merges what the statistics pass wrote without reading it back (#36): the same
+    moments, bit for bit, as a later call that reads every (now current) part from the lake, and the parts hold
+    the rows the pass computed."""
+    from flows.batch import round_batches, round_statistics
+    from warehouse.lake import FORMAT_ENV
+
+    monkeypatch.setenv(FORMAT_ENV, fmt)
+    traj, steps = synth_round(groups=6)
+    lake = Lake(tmp_path / "lake")
+    write_round(lake, 0, traj, steps, batch_groups=2)
+    cfg = Config(lake=str(lake.root), methods=["gae", "gdpo"])
+    batches = round_batches(lake, 0)
+    made = round_statistics(lake, 0, cfg, batches)
+    assert all(read_batch(lake, "credit_stats", 0, b).num_rows for b in batches)
+    stored = round_statistics(lake, 0, cfg, batches)  # every part current: read from the lake
+    assert made and made == stored
+    by_batch = [
+        batch_statistics(
+            read_batch(lake, "trajectories", 0, b), read_batch(lake, "steps", 0, b), ["gae", "gdpo"], cfg
+        )
+        for b in batches
+    ]
+    assert merge_statistics(pa.concat_tables([statistics_table(s) for s in by_batch])) == made

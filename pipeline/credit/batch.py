@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 
 from pipeline.credit.ops import Moments
 from pipeline.settings import StageSettings, named_settings
+from schemas import strictly_increasing
 
 if TYPE_CHECKING:
     from pipeline.config import Config
@@ -147,16 +148,6 @@ class TokenFloats:
         return self.per_token()[np.repeat(chosen, self.token_counts)]
 
 
-def _sorted_by_traj_step(steps: pa.Table) -> bool:
-    if steps.num_rows < 2:
-        return True
-    keys = pl.DataFrame(steps.select(["traj_id", "step_idx"]))
-    tid, idx = keys["traj_id"], keys["step_idx"]
-    prev_tid, prev_idx = tid.shift(1), idx.shift(1)
-    ok = (tid > prev_tid) | ((tid == prev_tid) & (idx > prev_idx))
-    return bool(ok.slice(1).all())
-
-
 def _step_lengths(steps: pa.Table) -> np.ndarray:
     """Tokens per step: the token ids' lengths where `steps` holds them (in-memory tables: the source of truth),
     else the lake's `n_tokens` (schemas.steps: computed on every write, derived on read for older parts)."""
@@ -196,17 +187,20 @@ def _derived_from_sources(steps: pa.Table, columns: Collection[str]) -> pa.Table
 
 
 def _trajectory_frame(trajectories: pa.Table) -> pl.DataFrame:
+    if not strictly_increasing(trajectories, ("traj_id",)):  # the lake's writers write them in order
+        trajectories = trajectories.sort_by("traj_id")
     traj_cols = [c for c in trajectories.column_names if c != "reward_components"]
-    traj = pl.DataFrame(trajectories.select(traj_cols)).sort("traj_id")
-    if "reward_components" in trajectories.column_names:
-        # map<string, double> as list<struct<key, value>> (columnar; GDPO explodes it)
-        rc = trajectories.sort_by("traj_id").column("reward_components").combine_chunks()
-        rc = pa.ListArray.from_arrays(rc.offsets, rc.values, mask=rc.is_null())
-        traj = traj.with_columns(pl.Series("reward_components", rc))
-    return traj.with_columns(
+    traj = pl.DataFrame(trajectories.select(traj_cols))
+    columns = [
         pl.int_range(pl.len(), dtype=pl.Int64).alias("traj_index"),
         pl.col("group_id").rank("dense").cast(pl.Int64).sub(1).alias("group_index"),
-    )
+    ]
+    if "reward_components" in trajectories.column_names:
+        # map<string, double> as list<struct<key, value>> (columnar; GDPO explodes it)
+        rc = trajectories.column("reward_components").combine_chunks()
+        rc = pa.ListArray.from_arrays(rc.offsets, rc.values, mask=rc.is_null())
+        columns.append(pl.lit(pl.Series("reward_components", rc)))
+    return traj.with_columns(columns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +260,8 @@ class CreditBatch:
         ):
             if name not in steps.column_names:  # optional columns of in-memory tables
                 steps = steps.append_column(name, pa.nulls(steps.num_rows, typ))
-        if not _sorted_by_traj_step(steps):  # ingest and synth write steps in order: skip the big take
+        if not strictly_increasing(steps, ("traj_id", "step_idx")):  # ingest and synth write steps in order:
+            # skip the big take
             steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
         lengths = _step_lengths(steps) if tokens else np.zeros(steps.num_rows, np.int64)
         starts = (np.cumsum(lengths) - lengths).astype(np.int64)
@@ -275,16 +270,19 @@ class CreditBatch:
             for c in steps.column_names
             if c not in ("token_ids", "token_offsets", "n_tokens", "logprobs", "values", "round")
         ]
-        step_frame = pl.DataFrame(steps.select(scalar_cols)).with_columns(
-            pl.Series("n_tokens", lengths), pl.Series("tok_start", starts)
-        )
-        step_frame = step_frame.join(
-            traj.select("traj_id", "traj_index", "group_index"), on="traj_id", how="left"
-        )
-        if step_frame["traj_index"].null_count():
-            bad = step_frame.filter(pl.col("traj_index").is_null())["traj_id"][0]
+        # each step's trajectory row: a lookup in the batch's (unique) trajectory ids, not a join of the frames
+        traj_index = pc.index_in(steps.column("traj_id"), value_set=trajectories.column("traj_id").sort())
+        if traj_index.null_count:
+            bad = steps.column("traj_id")[pc.index(pc.is_null(traj_index), True).as_py()].as_py()
             raise ValueError(f"steps: traj_id {bad!r} has no row in trajectories")
-        step_frame = step_frame.with_columns((pl.col("role") == "assistant").alias("is_assistant"))
+        step_traj = traj_index.to_numpy().astype(np.int64)
+        step_frame = pl.DataFrame(steps.select(scalar_cols)).with_columns(
+            pl.Series("n_tokens", lengths),
+            pl.Series("tok_start", starts),
+            pl.Series("traj_index", step_traj),
+            pl.Series("group_index", traj["group_index"].to_numpy()[step_traj]),
+            (pl.col("role") == "assistant").alias("is_assistant"),
+        )
         is_assistant = step_frame["is_assistant"].to_numpy()
         mask_rows = np.flatnonzero(is_assistant & (lengths > 0))
 

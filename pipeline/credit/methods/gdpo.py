@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
-import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import Field
 
 from pipeline.credit.batch import CreditBatch
@@ -43,30 +44,41 @@ class GDPOSettings(StageSettings):
     )
 
 
-def _long_components(batch: CreditBatch) -> pl.DataFrame:
-    """(traj_index, key, value) of every trajectory's reward components (empty without the column); exploded once
-    per batch (the names and the matrix of one call, the statistics pass's and credit's of a kept batch)."""
+def _long_components(batch: CreditBatch) -> tuple[np.ndarray, pa.Array, np.ndarray]:
+    """(trajectory row, key, value) of every trajectory's reward components (no entries without the column),
+    the entries in order; a value null -> NaN. Flattened once per batch (the names and the matrix of one call,
+    the statistics pass's and credit's of a kept batch), in Arrow: the batch's few thousand entries, no frame."""
     memo = batch.memo.get(_long_components)
-    if isinstance(memo, pl.DataFrame):
+    if isinstance(memo, tuple):
         return memo
     traj = batch.trajectories
     if "reward_components" not in traj.columns:
-        long = pl.DataFrame()
-    else:
-        long = (
-            traj.select("traj_index", "reward_components")
-            .explode("reward_components")
-            .unnest("reward_components")
-            .drop_nulls("key")
+        out: tuple[np.ndarray, pa.Array, np.ndarray] = (
+            np.zeros(0, np.int64),
+            pa.array([], pa.string()),
+            np.zeros(0),
         )
-    batch.memo[_long_components] = long
-    return long
+    else:
+        lists = traj[
+            "reward_components"
+        ].to_arrow()  # list<struct<key, value>> (CreditBatch: a map's entries)
+        rows = pc.list_parent_indices(lists)
+        entries = pc.list_flatten(lists)
+        key = pc.struct_field(entries, "key")
+        keep = pc.is_valid(key)  # an entry without a key is no component
+        value = pc.struct_field(entries, "value").cast(pa.float64()).fill_null(np.nan)
+        out = (
+            rows.filter(keep).to_numpy().astype(np.int64),
+            key.filter(keep),
+            value.filter(keep).to_numpy(zero_copy_only=False),
+        )
+    batch.memo[_long_components] = out
+    return out
 
 
 def component_names(batch: CreditBatch) -> list[str]:
     """The component names this batch's trajectories have, sorted."""
-    long = _long_components(batch)
-    return sorted(long["key"].unique().to_list()) if long.height else []
+    return sorted(pc.unique(_long_components(batch)[1]).to_pylist())
 
 
 def component_matrix(
@@ -74,15 +86,18 @@ def component_matrix(
 ) -> tuple[list[str], np.ndarray, bool]:
     """R^c as a (trajectories x components) matrix; missing / NaN -> 0. The components are `names`, else
     every one the batch has; none at all: [reward] (the third value says so)."""
-    long = _long_components(batch)
-    names = list(names or (sorted(long["key"].unique().to_list()) if long.height else []))
+    rows, key, value = _long_components(batch)
+    names = list(names or component_names(batch))
     if not names:
         return ["reward"], np.nan_to_num(batch.rewards())[:, None], True
-    R_c = np.zeros((batch.n_traj, len(names)), dtype=np.float64)
-    if long.height:
-        col = pl.DataFrame({"key": names, "c": np.arange(len(names), dtype=np.int64)})
-        long = long.join(col, on="key", how="inner")
-        R_c[long["traj_index"].to_numpy(), long["c"].to_numpy()] = long["value"].fill_null(np.nan).to_numpy()
+    distinct = list(dict.fromkeys(names))  # (a name given twice gets its values twice)
+    R_c = np.zeros((batch.n_traj, len(distinct)), dtype=np.float64)
+    if len(key):
+        column = pc.index_in(key, value_set=pa.array(distinct, key.type))  # null: not among `names`
+        named = pc.is_valid(column).to_numpy(zero_copy_only=False)
+        R_c[rows[named], column.filter(named).to_numpy().astype(np.int64)] = value[named]
+    if len(distinct) < len(names):
+        R_c = R_c[:, [distinct.index(n) for n in names]]
     return names, np.nan_to_num(R_c, nan=0.0, posinf=0.0, neginf=0.0), False
 
 
