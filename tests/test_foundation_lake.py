@@ -224,3 +224,31 @@ def test_query_command_formats(lake, tmp_path):
     res = runner.invoke(app, ["query", "--lake", str(lake.root), "create table x as select 1"])
     assert res.exit_code == 2
     assert "read-only" in res.output.lower() or "read only" in res.output.lower()
+
+
+def test_hive_parts_small_plain_large_zstd(tmp_path, monkeypatch):
+    """A small part (a run-log row, a batch's statistics) is written without compression (#36: its file is
+    mostly metadata; zstd made it larger and twice as slow to write), a large one with zstd and a dictionary
+    for its top-level strings only: read back by pyarrow's own metadata, the rows as written."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from warehouse.lake import SMALL_TABLE_BYTES
+
+    monkeypatch.setenv(FORMAT_ENV, "parquet")
+    lake = Lake(tmp_path / "lake")
+    assert lake.format == "parquet"
+    n = SMALL_TABLE_BYTES // 8 + 1  # float64 values and a string: past the bound
+    small = pa.table({"traj_id": ["a"], "x": pa.array([1.0])})
+    large = pa.table(
+        {"traj_id": [f"t{i % 7}" for i in range(n)], "x": pa.array(np.arange(n, dtype=np.float64))}
+    )
+    assert small.nbytes < SMALL_TABLE_BYTES <= large.nbytes
+    for name, t in (("small", small), ("large", large)):
+        path = lake.write_part("experiments", 0, t, part=name)
+        group = pq.ParquetFile(path).metadata.row_group(0)
+        columns = {group.column(i).path_in_schema: group.column(i) for i in range(group.num_columns)}
+        dictionary = {k for k, c in columns.items() if any("DICTIONARY" in e for e in c.encodings)}
+        want = ({"UNCOMPRESSED"}, set()) if name == "small" else ({"ZSTD"}, {"traj_id"})
+        assert ({c.compression for c in columns.values()}, dictionary) == want, name
+        assert pq.read_table(path).equals(t)

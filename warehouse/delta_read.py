@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from warehouse.delta_store import PART
-from warehouse.lake import INGEST_TABLES, LakeError, safe_part_name, split_generation, tag_generation
+from warehouse.lake import (
+    INGEST_TABLES,
+    LakeError,
+    round_column,
+    safe_part_name,
+    split_generation,
+    tag_generation,
+)
 
 if TYPE_CHECKING:
     from warehouse.delta_lake import DeltaLake
@@ -205,7 +212,7 @@ def read_files(lake: DeltaLake, table: str, round_: int, names: list[str], colum
                 if file_cols is not None and any(c not in names and c not in derived for c in file_cols):
                     return None  # an older part without a column: the dataset reads it as nulls
                 t = pf.read(columns=file_cols) if spec is None else spec.read_file(pf, file_cols)
-            pieces.append(t.append_column("round", pa.array([int(round_)] * t.num_rows, pa.int32())))
+            pieces.append(t.append_column("round", round_column(round_, t.num_rows)))
     except (OSError, pa.ArrowInvalid):
         return None
     out = pa.concat_tables(pieces, promote_options="permissive")

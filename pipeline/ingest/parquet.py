@@ -68,7 +68,7 @@ def _with_missing_columns(table: pa.Table, name: str) -> pa.Table:
 def _with_round(table: pa.Table, round_: int) -> pa.Table:
     if "round" in table.column_names:
         table = table.drop(["round"])
-    return table.append_column("round", pa.array([round_] * table.num_rows, pa.int32()))
+    return table.append_column("round", pa.repeat(pa.scalar(int(round_), pa.int32()), table.num_rows))
 
 
 def _fill_tokens(steps: pa.Table, tokenizer) -> tuple[pa.Table, int]:
@@ -177,7 +177,9 @@ def _concat_sources(sources: list[tuple[str, dict[str, pa.Table]]]) -> tuple[pa.
                 continue
             table = _with_missing_columns(table, name)
             parts.append(
-                table.append_column(SOURCE_COL, pa.array([source_file] * table.num_rows, pa.string()))
+                table.append_column(
+                    SOURCE_COL, pa.repeat(pa.scalar(source_file, pa.string()), table.num_rows)
+                )
             )
     trajectories = (
         pa.concat_tables(traj_parts, promote_options="permissive")
