@@ -95,6 +95,16 @@ def test_credit_batch_sorts_unsorted_steps_and_trajectories():
         ("t1", 1, 0, 1),
         ("t2", 0, 1, 2),
     ]
+    # ids typed as other string types (an in-memory table's: polars gives large strings or string views)
+    for typ in (pa.large_string(), pa.string_view()):
+        typed = traj.set_column(1, "traj_id", traj.column("traj_id").cast(typ))
+        for s in (steps, steps.set_column(0, "traj_id", steps.column("traj_id").cast(typ))):  # mixed, same
+            other = CreditBatch.from_arrow(typed, s)
+            assert other.steps.select("traj_id", "step_idx", "traj_index").rows() == [
+                ("t1", 0, 0),
+                ("t1", 1, 0),
+                ("t2", 0, 1),
+            ]
     with pytest.raises(ValueError, match="traj_id 't3' has no row in trajectories"):
         CreditBatch.from_arrow(traj, steps.set_column(0, "traj_id", pa.array(["t1", "t1", "t3"])))
 

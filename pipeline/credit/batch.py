@@ -186,6 +186,15 @@ def _derived_from_sources(steps: pa.Table, columns: Collection[str]) -> pa.Table
     return steps
 
 
+def _string_ids(table: pa.Table) -> pa.Table:
+    """`traj_id` as large strings where an in-memory table holds string views (polars' export; Arrow sorts no
+    views), else as it is."""
+    if "traj_id" not in table.column_names or not pa.types.is_string_view(table.schema.field("traj_id").type):
+        return table
+    i = table.schema.get_field_index("traj_id")
+    return table.set_column(i, "traj_id", table.column(i).cast(pa.large_string()))
+
+
 def _trajectory_frame(trajectories: pa.Table) -> pl.DataFrame:
     if not strictly_increasing(trajectories, ("traj_id",)):  # the lake's writers write them in order
         trajectories = trajectories.sort_by("traj_id")
@@ -246,6 +255,7 @@ class CreditBatch:
         batch no tokens (every step 0 tokens long): for a statistics pass whose statistics read none
         (registry.RoundStatistics.tokens). A `steps` table without columns (the pass read none: no statistic
         reads the steps, `registry.statistics_step_columns`): a batch of the trajectories without steps."""
+        trajectories, steps = _string_ids(trajectories), _string_ids(steps)
         traj = _trajectory_frame(trajectories)
         if not steps.column_names:  # a read of no columns: a statistics pass whose statistics read no steps
             steps = pa.table({"traj_id": pa.array([], pa.string()), "step_idx": pa.array([], pa.int32())})
@@ -271,7 +281,10 @@ class CreditBatch:
             if c not in ("token_ids", "token_offsets", "n_tokens", "logprobs", "values", "round")
         ]
         # each step's trajectory row: a lookup in the batch's (unique) trajectory ids, not a join of the frames
-        traj_index = pc.index_in(steps.column("traj_id"), value_set=trajectories.column("traj_id").sort())
+        ids = (
+            trajectories.column("traj_id").sort().cast(steps.schema.field("traj_id").type)
+        )  # (string or large)
+        traj_index = pc.index_in(steps.column("traj_id"), value_set=ids)
         if traj_index.null_count:
             bad = steps.column("traj_id")[pc.index(pc.is_null(traj_index), True).as_py()].as_py()
             raise ValueError(f"steps: traj_id {bad!r} has no row in trajectories")
