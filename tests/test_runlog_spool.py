@@ -156,7 +156,8 @@ def test_a_read_only_lake_reads_the_committed_rows(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError("read-only file system")
 
-    monkeypatch.setattr(lake, "replace_partition", refuse)
+    for write in ("write_parts", "replace_partition"):  # (the flush's writer, and the one it used before)
+        monkeypatch.setattr(lake, write, refuse)
     assert rows(lake) == {("credit", "b0"): 1.0}  # a reader is not stopped
     with pytest.raises(PermissionError):
         flush_stage_runs(lake, 0)  # a writer's flush is

@@ -151,26 +151,11 @@ def _flush(lake: Lake, round_: int, folder: Path) -> int:
                 log.warning("run log: skipping unreadable spool file %s (%s)", path, exc)
                 continue
             pending[path.name.split("~", 1)[0]] = row.cast(_stage_runs.SCHEMA)
-        if pending:
-            parts = _committed_parts(lake, round_)
-            parts.update(pending)
-            lake.replace_partition(TABLE, round_, parts)
+        if pending:  # in place of their older rows, the others as they are (one commit: tiny parts)
+            lake.write_parts(TABLE, round_, pending)
         for path in files:
             path.unlink(missing_ok=True)
     return len(pending)
-
-
-def _committed_parts(lake: Lake, round_: int) -> dict[str, pa.Table]:
-    """The round's committed run-log rows by part name (`stage.batch`)."""
-    runs = lake.read(TABLE, round_)
-    if runs.num_rows == 0:
-        return {}
-    runs = runs.select(_stage_runs.SCHEMA.names).cast(_stage_runs.SCHEMA)
-    names = [
-        safe_part_name(f"{s}.{b}")
-        for s, b in zip(runs.column("stage").to_pylist(), runs.column("batch").to_pylist(), strict=True)
-    ]
-    return {name: runs.slice(i, 1) for i, name in enumerate(names)}
 
 
 def read_stage_runs(lake: Lake, round_: int) -> pa.Table:
