@@ -107,7 +107,8 @@ def _read(
 ) -> pa.Table:
     """read_batch of trajectories / steps, through the statistics pass's kept reads: `keep` keeps this read
     (the statistics pass); otherwise a kept read of the same part is used (and dropped)."""
-    key = _part_key(lake, table, round_, batch) if (keep or _kept) else None
+    # kept reads off (the default budget): no part identity to take (a Delta lake's costs ~1 ms)
+    key = _part_key(lake, table, round_, batch) if ((keep and _cache_budget() > 0) or _kept) else None
     with _lock:
         hit = not keep and key in _kept and (columns is not None or _kept[key][1])
         got = _kept.pop(key)[0] if key is not None and hit else None

@@ -633,6 +633,29 @@ def test_a_threads_flow_reads_each_batch_once_for_statistics_and_credit(
         assert_same_tables(kept, plain, tables=("advantages", "train_batch"))
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "delta"])
+def test_kept_reads_off_take_no_part_identity(tmp_path, monkeypatch, fmt):
+    """With the kept reads off (the default budget, 0), the statistics pass's reads take no part identity
+    (`Lake.part_stat`: ~1 ms a part on a Delta lake, for nothing kept); with a budget they do and keep (#36)."""
+    from flows import batch as fb
+
+    monkeypatch.setenv("CREDITFLOW_LAKE_FORMAT", fmt)
+    lake = Lake(tmp_path / "lake")
+    batches = make_round(lake, groups=4)
+    cfg = cfg_for(lake, ["gae"], [])
+    keys: list[tuple] = []  # the kept reads' part identities taken
+    real = fb._part_key
+    monkeypatch.setattr(fb, "_part_key", lambda *a: keys.append(a[1:]) or real(*a))
+    monkeypatch.delenv(fb.READ_CACHE_ENV, raising=False)
+    fb.round_statistics(lake, 0, cfg, batches)
+    assert not keys and not fb._kept
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "256")
+    lake.delete_parts("credit_stats", 0)
+    fb.round_statistics(lake, 0, cfg, batches)
+    assert {k[0] for k in keys} == {"trajectories", "steps"} and fb._kept
+    fb._forget_kept()
+
+
 def test_a_flow_rounds_kept_reads_outlive_a_plain_pass_and_go_with_its_round(tmp_path, monkeypatch):
     """What a flow's round keeps (flows.batch.keeping_round) is left alone by a plain statistics pass of another
     lake in the same process and by the flow's own barrier (round_statistics of the round), and dropped with
