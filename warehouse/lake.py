@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -31,7 +32,7 @@ SMALL_TABLE_BYTES = 64 * 1024  # a table this small in memory is written uncompr
 def round_column(round_: int, rows: int) -> pa.Array:
     """The `round` column of `rows` rows of one round (a partition's value, restored on read): one value
     repeated, no list of `rows` Python ints (0.2 ms for a 64-group batch's steps)."""
-    return pa.repeat(pa.scalar(int(round_), pa.int32()), rows)
+    return pa.array(np.full(rows, int(round_), dtype=np.int32))
 
 
 def write_options(schema: pa.Schema, nbytes: int | None = None) -> dict:
