@@ -200,8 +200,9 @@ def strictly_increasing(table: pa.Table, keys: Collection[str]) -> bool:
 
 def check_unique(table_name: str, *keys: str) -> RowCheck:
     def check(table: pa.Table) -> SchemaError | None:
-        if table.num_rows == 0 or strictly_increasing(table, keys):  # sorted rows (what the lake's writers
-            return None  # write): unique without a hash of every key
+        # sorted rows (what the lake's writers write) are unique without a hash of every key
+        if table.num_rows == 0 or strictly_increasing(table, keys):
+            return None
         import polars as pl
 
         frame = pl.DataFrame(table.select(list(keys)))

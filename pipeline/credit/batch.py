@@ -270,8 +270,8 @@ class CreditBatch:
         ):
             if name not in steps.column_names:  # optional columns of in-memory tables
                 steps = steps.append_column(name, pa.nulls(steps.num_rows, typ))
-        if not strictly_increasing(steps, ("traj_id", "step_idx")):  # ingest and synth write steps in order:
-            # skip the big take
+        # ingest and synth write steps in order: then no sort (the big take)
+        if not strictly_increasing(steps, ("traj_id", "step_idx")):
             steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
         lengths = _step_lengths(steps) if tokens else np.zeros(steps.num_rows, np.int64)
         starts = (np.cumsum(lengths) - lengths).astype(np.int64)
@@ -280,10 +280,9 @@ class CreditBatch:
             for c in steps.column_names
             if c not in ("token_ids", "token_offsets", "n_tokens", "logprobs", "values", "round")
         ]
-        # each step's trajectory row: a lookup in the batch's (unique) trajectory ids, not a join of the frames
-        ids = (
-            trajectories.column("traj_id").sort().cast(steps.schema.field("traj_id").type)
-        )  # (string or large)
+        # each step's trajectory row: a lookup in the batch's (unique) trajectory ids, sorted as the frame's rows
+        # are (Arrow's order, `_trajectory_frame`), not a join of the frames; the ids as the steps type theirs
+        ids = trajectories.column("traj_id").sort().cast(steps.schema.field("traj_id").type)
         traj_index = pc.index_in(steps.column("traj_id"), value_set=ids)
         if traj_index.null_count:
             bad = steps.column("traj_id")[pc.index(pc.is_null(traj_index), True).as_py()].as_py()

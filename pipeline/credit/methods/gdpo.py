@@ -59,9 +59,8 @@ def _long_components(batch: CreditBatch) -> tuple[np.ndarray, pa.Array, np.ndarr
             np.zeros(0),
         )
     else:
-        lists = traj[
-            "reward_components"
-        ].to_arrow()  # list<struct<key, value>> (CreditBatch: a map's entries)
+        # list<struct<key, value>> (CreditBatch: a map's entries)
+        lists = traj["reward_components"].to_arrow()
         rows = pc.list_parent_indices(lists)
         entries = pc.list_flatten(lists)
         key = pc.struct_field(entries, "key")
