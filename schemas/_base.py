@@ -7,6 +7,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -24,6 +25,12 @@ class SchemaError(ValueError):
 
 
 RowCheck = Callable[[pa.Table], "SchemaError | None"]
+
+
+def round_column(round_: int, rows: int) -> pa.Array:
+    """The `round` column of `rows` rows of one round (every table's partition value: restored on a lake read,
+    added by ingest): one value repeated, no list of `rows` Python ints (0.2 ms for a 64-group batch's steps)."""
+    return pa.array(np.full(rows, int(round_), dtype=np.int32))
 
 
 @dataclass(frozen=True)

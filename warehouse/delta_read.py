@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
+from schemas import round_column
 from warehouse.delta_store import PART
 from warehouse.lake import (
     INGEST_TABLES,
     LakeError,
-    round_column,
     safe_part_name,
     split_generation,
     tag_generation,

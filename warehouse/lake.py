@@ -18,21 +18,14 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas import TABLES
+from schemas import TABLES, round_column
 from warehouse.tempfiles import fsync_dir, stale_temp, temp_token
 
 COMPRESSION = "zstd"
 SMALL_TABLE_BYTES = 64 * 1024  # a table this small in memory is written uncompressed (`write_options`)
-
-
-def round_column(round_: int, rows: int) -> pa.Array:
-    """The `round` column of `rows` rows of one round (a partition's value, restored on read): one value
-    repeated, no list of `rows` Python ints (0.2 ms for a 64-group batch's steps)."""
-    return pa.array(np.full(rows, int(round_), dtype=np.int32))
 
 
 def write_options(schema: pa.Schema, nbytes: int | None = None) -> dict:

@@ -280,9 +280,9 @@ class CreditBatch:
             for c in steps.column_names
             if c not in ("token_ids", "token_offsets", "n_tokens", "logprobs", "values", "round")
         ]
-        # each step's trajectory row: a lookup in the batch's (unique) trajectory ids, sorted as the frame's rows
-        # are (Arrow's order, `_trajectory_frame`), not a join of the frames; the ids as the steps type theirs
-        ids = trajectories.column("traj_id").sort().cast(steps.schema.field("traj_id").type)
+        # each step's trajectory row: a lookup in the frame's (unique) trajectory ids, in its row order, not a
+        # join of the frames; the ids as the steps type theirs
+        ids = traj["traj_id"].to_arrow().cast(steps.schema.field("traj_id").type)
         traj_index = pc.index_in(steps.column("traj_id"), value_set=ids)
         if traj_index.null_count:
             bad = steps.column("traj_id")[pc.index(pc.is_null(traj_index), True).as_py()].as_py()

@@ -31,7 +31,7 @@ from pipeline.ingest.records import (
 )
 from pipeline.ingest.registry import AdapterSpec, register_adapter
 from pipeline.ingest.tables import Rejected, quarantine_table, vocab_of
-from schemas import SchemaError
+from schemas import SchemaError, round_column
 from schemas import steps as steps_schema
 from schemas import trajectories as trajectories_schema
 
@@ -68,7 +68,7 @@ def _with_missing_columns(table: pa.Table, name: str) -> pa.Table:
 def _with_round(table: pa.Table, round_: int) -> pa.Table:
     if "round" in table.column_names:
         table = table.drop(["round"])
-    return table.append_column("round", pa.repeat(pa.scalar(int(round_), pa.int32()), table.num_rows))
+    return table.append_column("round", round_column(round_, table.num_rows))
 
 
 def _fill_tokens(steps: pa.Table, tokenizer) -> tuple[pa.Table, int]:
