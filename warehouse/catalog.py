@@ -79,7 +79,12 @@ def _empty_file(lake: Lake, table: str) -> Path:
 def table_view_sql(lake: Lake, table: str) -> str:
     spec = TABLES[table]
     rounds = lake.rounds(table)
-    if any(lake.parts(table, r) for r in rounds):
+    if spec.derived:  # every part of every round, listed once: the view checks them (`_hold_all`)
+        parts = [p for r in rounds for p in lake.parts(table, r)]
+        has_files = bool(parts)
+    else:  # up to the first round with a part
+        parts, has_files = [], any(lake.parts(table, r) for r in rounds)
+    if has_files:
         glob = lake.table_dir(table) / "round=*" / "part-*.parquet"
         src = (
             f"read_parquet({_quote(glob)}, hive_partitioning=true, union_by_name=true, "
@@ -88,7 +93,7 @@ def table_view_sql(lake: Lake, table: str) -> str:
         if spec.derived:  # every column of the schema, whether the parts hold it or not (older ones)
             empty = f"SELECT CAST(NULL AS INTEGER) AS round, * FROM read_parquet({_quote(_empty_file(lake, table))})"
             src = f"(SELECT * FROM {src} UNION ALL BY NAME {empty})"
-            if not _hold_all(spec, [path for r in rounds for path in lake.parts(table, r)]):
+            if not _hold_all(spec, parts):
                 return f"CREATE OR REPLACE VIEW {table} AS {_derived_select(table, None, src)}"
         return f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM {src}"
     src = f"read_parquet({_quote(_empty_file(lake, table))})"
