@@ -438,3 +438,56 @@ def test_a_statistics_pass_gives_the_moments_its_parts_hold(tmp_path, monkeypatc
         for b in batches
     ]
     assert merge_statistics(pa.concat_tables([statistics_table(s) for s in by_batch])) == made
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "delta"])
+def test_a_plain_statistics_pass_writes_the_round_at_once(tmp_path, monkeypatch, fmt):
+    """A plain caller's statistics pass over the batches without a current part (#36) writes their parts in
+    one `write_parts` (one Delta commit for the round, not one per batch), each batch's part as the stage
+    computes it on that batch (source = the stage's cache key, so a later call finds it current), and a
+    run-log row per batch with that key; a batch whose part is current is neither recomputed nor logged again."""
+    import flows.batch as fb
+    from flows.caching import stage_cache_key
+    from pipeline.stages import get_stage
+    from warehouse.lake import FORMAT_ENV
+    from warehouse.runlog import read_stage_runs
+
+    monkeypatch.setenv(FORMAT_ENV, fmt)
+    traj, steps = synth_round(groups=8)
+    lake = Lake(tmp_path / "lake")
+    write_round(lake, 0, traj, steps, batch_groups=2)
+    cfg = Config(lake=str(lake.root), methods=["gae", "gdpo"])
+    batches = fb.round_batches(lake, 0)
+    assert len(batches) == 4
+    stage = get_stage("credit_stats")
+    fb.run_stage(lake, 0, batches[0], stage, cfg, stage_cache_key(lake.uri, 0, batches[0], stage, cfg))
+    writes: list[tuple[str, list[str]]] = []
+    real = type(lake).write_parts
+
+    def counted(self, table, round_, parts):
+        writes.append((table, sorted(parts)))
+        return real(self, table, round_, parts)
+
+    monkeypatch.setattr(type(lake), "write_parts", counted)
+    commits = len(list((lake.root / "credit_stats" / "_delta_log").glob("*.json")))
+    made = fb.round_statistics(lake, 0, cfg, batches)
+    assert ("credit_stats", batches[1:]) in writes
+    assert [t for t, _ in writes].count("credit_stats") == 1
+    if fmt == "delta":
+        assert len(list((lake.root / "credit_stats" / "_delta_log").glob("*.json"))) == commits + 1
+    for b in batches:
+        part = read_batch(lake, "credit_stats", 0, b)
+        key = stage_cache_key(lake.uri, 0, b, stage, cfg)
+        assert set(part.column("source").to_pylist()) == {key}
+        alone = batch_statistics(
+            read_batch(lake, "trajectories", 0, b), read_batch(lake, "steps", 0, b), ["gae", "gdpo"], cfg
+        )
+        assert merge_statistics(part) == alone
+    runs = [r for r in read_stage_runs(lake, 0).to_pylist() if r["stage"] == "credit_stats"]
+    assert sorted(r["batch"] for r in runs) == batches
+    assert all(r["cache_key"] == stage_cache_key(lake.uri, 0, r["batch"], stage, cfg) for r in runs)
+    rows = {b: read_batch(lake, "credit_stats", 0, b).num_rows for b in batches}
+    assert all(r["seconds"] > 0 and r["rows_out"] == [("credit_stats", rows[r["batch"]])] for r in runs)
+    writes.clear()
+    assert fb.round_statistics(lake, 0, cfg, batches) == made  # every part current: nothing written
+    assert writes == []

@@ -260,14 +260,22 @@ class Lake:
             table = table.drop(["round"])
         return table
 
-    def _write_file(self, table: pa.Table, path: Path) -> None:
+    def _write_temp(self, table: pa.Table, path: Path) -> Path:
+        """`table` written and synced to a temporary name beside `path` (renamed by the caller)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".tmp-{temp_token()}-{path.name}"
-        with open(tmp, "wb") as fh:
-            pq.write_table(table, fh, **write_options(table.schema, table.nbytes))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as fh:
+                pq.write_table(table, fh, **write_options(table.schema, table.nbytes))
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def _write_file(self, table: pa.Table, path: Path) -> None:
+        os.replace(self._write_temp(table, path), path)
         fsync_dir(path.parent)
 
     def write_part(self, table_name: str, round_: int, table: pa.Table, part: str = "0") -> Path:
@@ -280,10 +288,30 @@ class Lake:
 
     def write_parts(self, table_name: str, round_: int, parts: dict[str, pa.Table]) -> None:
         """Atomically write (or replace) several parts of a (table, round) partition, the others left as they
-        are: each part whole or not at all here (one file each); a Delta lake commits small ones together
+        are: each part whole or not at all (one file each). Every part is validated and written to its
+        temporary file (synced) before the first is renamed into place, and the folder is synced once after the
+        renames (a round's statistics parts or run-log rows: one folder sync, not one each); a part that fails
+        validation or its write leaves every part as it was. A Delta lake commits small ones together
         (`DeltaLake.write_parts`)."""
-        for part, table in parts.items():
+        if len(parts) == 1:
+            ((part, table),) = parts.items()
             self.write_part(table_name, round_, table, part=part)
+            return
+        folder = self.partition_dir(table_name, round_)
+        staged: list[tuple[Path, Path]] = []
+        try:
+            for part, table in parts.items():
+                path = folder / f"part-{safe_part_name(part)}.parquet"
+                staged.append((self._write_temp(self._prepare(table_name, table), path), path))
+            while staged:
+                tmp, path = staged[0]
+                os.replace(tmp, path)
+                staged.pop(0)
+        finally:
+            for tmp, _ in staged:  # not renamed (a failure before or during the renames)
+                tmp.unlink(missing_ok=True)
+        if parts:
+            fsync_dir(folder)
 
     def replace_partition(
         self,

@@ -45,8 +45,7 @@ def spool_dir(lake: Lake, round_: int) -> Path:
     return lake.root / SPOOL_DIR / f"round={int(round_)}"
 
 
-def record_stage_run(
-    lake: Lake,
+def stage_run_row(
     round_: int,
     stage: str,
     batch: str,
@@ -59,7 +58,8 @@ def record_stage_run(
     notes: dict[str, float] | None = None,
     warnings: list[str] | None = None,
     cache_key: str | None = None,
-) -> None:
+) -> pa.Table:
+    """One stage's run on one batch as a `stage_runs` row (its part: `<stage>.<batch>`)."""
     row = {
         "round": [int(round_)],
         "stage": [stage],
@@ -74,18 +74,31 @@ def record_stage_run(
         "cache_key": [cache_key],
         "finished_at": [dt.datetime.now(dt.UTC)],
     }
-    table = pa.table(row, schema=_stage_runs.SCHEMA)
-    part = f"{stage}.{batch}"
+    return pa.table(row, schema=_stage_runs.SCHEMA)
+
+
+def record_stage_run(lake: Lake, round_: int, stage: str, batch: str, **row) -> None:
+    """Record one stage's run on one batch (`stage_run_row`'s fields), replacing its earlier row."""
+    record_stage_runs(lake, round_, {f"{stage}.{batch}": stage_run_row(round_, stage, batch, **row)})
+
+
+def record_stage_runs(lake: Lake, round_: int, rows: dict[str, pa.Table]) -> None:
+    """Record several rows of one round ({`<stage>.<batch>`: its `stage_run_row`}): on a hive lake (or a remote
+    Delta lake) one `write_parts` (a file each, the folder synced once; one commit), on a local Delta lake a
+    spool file each."""
+    if not rows:
+        return
     if not spools(lake):
-        lake.write_part(TABLE, round_, table, part=part)
+        lake.write_parts(TABLE, round_, rows)
         return
     folder = spool_dir(lake, round_)
     folder.mkdir(parents=True, exist_ok=True)
-    name = f"{safe_part_name(part)}~{time.time_ns():020d}~{uuid.uuid4().hex}.arrow"  # '~': not in a part name
-    tmp = folder / f".tmp-{temp_token()}-{name}"
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    os.replace(tmp, folder / name)
+    for part, table in rows.items():
+        name = f"{safe_part_name(part)}~{time.time_ns():020d}~{uuid.uuid4().hex}.arrow"  # '~': not in a part name
+        tmp = folder / f".tmp-{temp_token()}-{name}"
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        os.replace(tmp, folder / name)
 
 
 @contextmanager
