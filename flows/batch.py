@@ -197,12 +197,13 @@ def _tokens(steps: pa.Table) -> int:
 
 @dataclasses.dataclass
 class _Done:
-    """A batch stage's work before its writes: the parts to write ({table: {part: table}}), what it read (the
-    summary's counts) and its notes."""
+    """A batch stage's work before its writes: the parts to write ({table: {part: table}}), how much it read
+    (the summary's counts: not the tables, which a pass over several batches must not hold) and its notes."""
 
     parts: dict[str, dict[str, pa.Table]]
-    traj: pa.Table
-    steps: pa.Table
+    trajectories: int
+    steps: int
+    tokens: int
     rows: dict[str, int]
     out: StageOutput
     seconds: float  # reading and computing
@@ -253,7 +254,8 @@ def _compute(
             )
         parts.setdefault(table, {})[part] = result
         rows[table] = rows.get(table, 0) + result.num_rows
-    return _Done(parts, traj, steps, rows, out, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    return _Done(parts, traj.num_rows, steps.num_rows, _tokens(steps), rows, out, seconds)
 
 
 def _summary(stage: str, batch: str, seconds: float, done: _Done) -> dict:
@@ -262,9 +264,9 @@ def _summary(stage: str, batch: str, seconds: float, done: _Done) -> dict:
         "stage": stage,
         "batch": batch,
         "seconds": seconds,
-        "trajectories": done.traj.num_rows,
-        "steps": done.steps.num_rows,
-        "tokens": _tokens(done.steps),
+        "trajectories": done.trajectories,
+        "steps": done.steps,
+        "tokens": done.tokens,
         "rows_out": done.rows,
         "notes": dict(done.out.notes or {}),
         "warnings": list(done.out.warnings or []),

@@ -491,3 +491,35 @@ def test_a_plain_statistics_pass_writes_the_round_at_once(tmp_path, monkeypatch,
     writes.clear()
     assert fb.round_statistics(lake, 0, cfg, batches) == made  # every part current: nothing written
     assert writes == []
+
+
+def test_a_plain_statistics_pass_holds_no_batch_read_until_its_write(tmp_path, monkeypatch):
+    """The statistics pass over several batches (one write for all of them, #36) keeps only each batch's few
+    rows of moments until the write: with the kept reads off (the default budget) no table a batch's pass read
+    is alive when the parts are written, so its memory does not grow with the round (gae at lam < 1 reads
+    every token's value)."""
+    import gc
+    import weakref
+
+    import flows.batch as fb
+
+    traj, steps = synth_round(groups=8)
+    lake = Lake(tmp_path / "lake")
+    write_round(lake, 0, traj, steps, batch_groups=2)
+    cfg = Config(lake=str(lake.root), methods=["gae"], stages={"gae": {"lam": 0.9}})
+    reads: list[weakref.ref] = []
+    real_read, real_write = fb._read, type(lake).write_parts
+    monkeypatch.setattr(
+        fb, "_read", lambda *a, **k: (t := real_read(*a, **k), reads.append(weakref.ref(t)))[0]
+    )
+    alive: list[int] = []
+
+    def write(self, table, round_, parts):
+        if table == "credit_stats":
+            gc.collect()
+            alive.append(sum(r() is not None for r in reads))
+        return real_write(self, table, round_, parts)
+
+    monkeypatch.setattr(type(lake), "write_parts", write)
+    assert fb.round_statistics(lake, 0, cfg)
+    assert len(reads) == 8 and alive == [0]
