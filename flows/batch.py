@@ -194,6 +194,14 @@ def _tokens(steps: pa.Table) -> int:
 
 # ---- plain per-batch work (what the flow's tasks call; the benchmark's bare baseline) --------------------
 
+STAGE_NOTE = "creditflow stage: "  # flows.cli.error_line's one line names the stage and batch from it
+
+
+def stage_note(stage: BatchStage, batch: str) -> str:
+    """The note a stage's error carries out of its task (or a statistics pass over several batches): which
+    stage failed, on which batch."""
+    return f"{STAGE_NOTE}{stage.name} on batch {batch}"
+
 
 @dataclasses.dataclass
 class _Done:
@@ -322,7 +330,13 @@ def statistics_pass(lake: Lake, round_: int, sources: dict[str, str], config: Co
     read back. Memory: a batch's rows are a few moments; what each pass read is dropped (or kept within the
     budget) as before."""
     stage = get_stage(STATS)
-    done = {b: _compute(lake, round_, b, stage, config, key, None, True) for b, key in sources.items()}
+    done: dict[str, _Done] = {}
+    for b, key in sources.items():
+        try:
+            done[b] = _compute(lake, round_, b, stage, config, key, None, True)
+        except Exception as exc:  # the batch it failed on (one error line, flows.cli.error_line)
+            exc.add_note(stage_note(stage, b))
+            raise
     t0 = time.perf_counter()
     lake.write_parts(STATS, round_, {b: d.parts[STATS][b] for b, d in done.items()})
     share = (time.perf_counter() - t0) / max(len(done), 1)

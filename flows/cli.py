@@ -27,7 +27,7 @@ import typer
 import flows.commands as _commands
 
 PACKAGES = ("pipeline", "warehouse", "flows", "trainer")
-STAGE_NOTE = "creditflow stage: "  # flows.process_round.STAGE_NOTE (not imported: it imports Prefect)
+STAGE_NOTE = "creditflow stage: "  # flows.batch.STAGE_NOTE (not imported: the CLI starts light)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _state = {"debug": bool(os.environ.get("CREDITFLOW_DEBUG"))}
 
@@ -52,7 +52,7 @@ def error_line(exc: BaseException) -> str:
     elif not isinstance(exc, _USER_ERRORS):
         msg = f"{type(exc).__name__}: {msg}"
     stage = next((n for n in getattr(exc, "__notes__", ()) if n.startswith(STAGE_NOTE)), None)
-    if stage is not None:  # a batch stage's error, out of its Prefect task (flows.process_round.stage_note)
+    if stage is not None:  # a batch stage's error (flows.batch.stage_note: its task, a statistics pass)
         msg = f"stage {stage.removeprefix(STAGE_NOTE)} failed: {msg}"
     return f"error: {msg} (--debug shows the traceback)"
 

@@ -35,6 +35,7 @@ from flows.batch import (
     round_stages,
     round_statistics,
     run_stage,
+    stage_note,
 )
 from flows.caching import (
     BatchStageCache,
@@ -118,14 +119,6 @@ def batch_stage_task(
         raise
     _log_batch(summary)
     return summary
-
-
-STAGE_NOTE = "creditflow stage: "
-
-
-def stage_note(stage: BatchStage, batch: str) -> str:
-    """The note a stage's error carries out of its task: which stage failed, on which batch."""
-    return f"{STAGE_NOTE}{stage.name} on batch {batch}"
 
 
 def _log_batch(summary: dict) -> None:

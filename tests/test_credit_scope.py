@@ -523,3 +523,31 @@ def test_a_plain_statistics_pass_holds_no_batch_read_until_its_write(tmp_path, m
     monkeypatch.setattr(type(lake), "write_parts", write)
     assert fb.round_statistics(lake, 0, cfg)
     assert len(reads) == 8 and alive == [0]
+
+
+def test_a_plain_statistics_pass_names_the_batch_it_failed_on(tmp_path):
+    """A batch whose statistics cannot be taken (an assistant step without critic values, gae) fails the plain
+    statistics pass with the estimator's error naming the trajectory, and the batch it was in: the CLI's one
+    error line says `stage credit_stats on batch ...` (flows.cli.error_line); no part is written (the pass
+    writes every batch's part at once, after the last)."""
+    import flows.batch as fb
+    from flows.cli import error_line
+    from pipeline.credit.registry import MethodError
+
+    traj, steps = synth_round(groups=6)
+    lake = Lake(tmp_path / "lake")
+    write_round(lake, 0, traj, steps, batch_groups=2)
+    batches = fb.round_batches(lake, 0)
+    bad_batch = batches[1]
+    part = read_batch(lake, "steps", 0, bad_batch)
+    rows = part.to_pylist()
+    victim = next(r for r in rows if r["role"] == "assistant" and r["values"])
+    victim["values"] = [None] * len(victim["values"])
+    lake.write_part("steps", 0, pa.Table.from_pylist(rows, schema=part.schema), part=bad_batch)
+    cfg = Config(lake=str(lake.root), methods=["gae"])
+    with pytest.raises(MethodError, match=victim["traj_id"]) as info:
+        fb.round_statistics(lake, 0, cfg, batches)
+    line = error_line(info.value)
+    assert line.startswith(f"error: stage credit_stats on batch {bad_batch} failed: "), line
+    assert victim["traj_id"] in line
+    assert not any(read_batch(lake, "credit_stats", 0, b).num_rows for b in batches)

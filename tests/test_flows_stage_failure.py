@@ -69,8 +69,8 @@ def test_debug_shows_the_stages_traceback(tmp_path):
 
 
 def test_the_clis_stage_note_is_the_flows():
+    from flows.batch import STAGE_NOTE as FLOW_STAGE_NOTE
     from flows.cli import STAGE_NOTE
-    from flows.process_round import STAGE_NOTE as FLOW_STAGE_NOTE
 
     assert STAGE_NOTE == FLOW_STAGE_NOTE
 
