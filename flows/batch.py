@@ -315,9 +315,8 @@ def run_stage(
     for table, parts in done.parts.items():
         lake.write_parts(table, round_, parts)
     summary = _summary(stage.name, batch, time.perf_counter() - t0, done)
-    record_stage_runs(
-        lake, round_, _run_row(round_, summary, cache_key)
-    )  # after its parts: the log describes them
+    # after its parts: the run log describes what is on disk
+    record_stage_runs(lake, round_, _run_row(round_, summary, cache_key))
     return summary
 
 
