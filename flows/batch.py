@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flows.caching import stage_cache_key
+from flows.runtime import freeze_heap
 from pipeline.config import Config
 from pipeline.credit.process import (
     CREDIT,
@@ -309,6 +310,7 @@ def run_stage(
     `BatchStage.__reduce__`). `keep_reads`: keep the trajectories and steps read (with the steps columns credit
     reads too) and the credit batch the stage builds, for credit in this process (the statistics pass:
     `round_statistics`)."""
+    freeze_heap()  # the process's imports, out of the collector's passes (once per process)
     t0 = time.perf_counter()
     lake = Lake(lake) if isinstance(lake, str) else lake
     done = _compute(lake, round_, batch, stage, config, cache_key, round_stats, keep_reads)
@@ -328,6 +330,7 @@ def statistics_pass(lake: Lake, round_: int, sources: dict[str, str], config: Co
     {batch: the statistics stage's cache key for it}. Returns {batch: its part as the lake stores it}, not
     read back. Memory: a batch's rows are a few moments; what each pass read is dropped (or kept within the
     budget) as before."""
+    freeze_heap()
     stage = get_stage(STATS)
     done: dict[str, _Done] = {}
     for b, key in sources.items():

@@ -19,7 +19,7 @@ from flows import workers
 from flows.api_priority import api_waits_for_idle_cpu, stages_fill_cpus
 from flows.caching import result_dir
 from flows.runners import settings_scope, worker_api
-from flows.runtime import tune_allocator
+from flows.runtime import freeze_heap, tune_allocator
 from pipeline.config import Config
 from warehouse.lake import Lake
 
@@ -62,6 +62,7 @@ def round_execution(config: Config, lake: Lake, batches: list[str]) -> Iterator[
     from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
 
     tune_allocator()  # per-batch arrays stay on the heap
+    freeze_heap()  # what the imports and the API client built, out of the collector's passes
     _log_how_run()
     config = workers.for_round(config, len(batches))
     if workers.use_processes(config):

@@ -130,6 +130,18 @@ def lake(tmp_path):
     return out
 
 
+def test_the_runner_freezes_what_its_commands_inherit(runner, tmp_path):
+    """The runner imports with the collector off, then freezes its heap (flows.runtime.freeze_heap) before it
+    forks any command: a command's full collections skip the objects it inherits and leave their pages
+    unwritten."""
+    import re
+
+    log = tmp_path / "runner.log"
+    wait_for(lambda: "objects frozen" in log.read_text(), 60, "the runner's start line")
+    frozen = re.search(r"(\d+) objects frozen for the commands", log.read_text())
+    assert frozen and int(frozen.group(1)) > 10000, log.read_text()
+
+
 def test_command_words():
     from flows.warm_wire import command_name
 
