@@ -154,3 +154,11 @@ def write_md(path: str | os.PathLike, lines: Iterable[str]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines).rstrip() + "\n")
+
+
+def report(path: str | os.PathLike, title: str, intro: str, headers: Sequence[str], rows) -> None:
+    """A results file: `# title`, the intro paragraph and the table, printed and written to `path`."""
+    lines = [f"# {title}", "", intro, "", *md_table(headers, rows)]
+    print("\n".join(lines))
+    write_md(path, lines)
+    print(f"wrote {path}")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import emit, machine_note, md_table, run_worker, uptime, write_md  # noqa: E402
+from _common import emit, machine_note, report, run_worker, uptime  # noqa: E402
 
 PASSES = 3
 ITEMS = (
@@ -180,19 +180,13 @@ def main() -> None:
     rows.append(["**engine** (its items)", *(_cell(total(m, engine)) for m in methods)])
     ratio = [[e / f for e, f in zip(total(m, engine), total(m, floor), strict=True)] for m in methods]
     rows.append(["**x floor**", *(f"{min(r):.2f} / {statistics.median(r):.2f}" for r in ratio)])
-    lines = [
-        "# What the credit engine spends beyond its I/O floor (bench/credit_breakdown.py)",
-        "",
-        __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0].replace("\n", " "),
-        "",
-        f"Lake: `{args.lake}`; {args.reps} repetitions. Load: `{start}` at the start, `{uptime()}` at the end. "
-        f"{machine_note()}",
-        "",
-        *md_table(headers, rows),
-    ]
-    print("\n".join(lines))
-    write_md(args.out, lines)
-    print(f"wrote {args.out}")
+    intro = (
+        __doc__.split("\n\n", 2)[2].split("\n\nWrites")[0].replace("\n", " ")
+        + f"\n\nLake: `{args.lake}`; {args.reps} repetitions. Load: `{start}` at the start, `{uptime()}` at the "
+        f"end. {machine_note()}"
+    )
+    title = "What the credit engine spends beyond its I/O floor (bench/credit_breakdown.py)"
+    report(args.out, title, intro, headers, rows)
 
 
 if __name__ == "__main__":

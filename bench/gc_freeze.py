@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _common import machine_note, md_table, uptime, write_md  # noqa: E402
+from _common import machine_note, report, uptime  # noqa: E402
 
 # the command, with a gc callback that counts the full collections of its own process (written at exit)
 DRIVER = """
@@ -145,19 +145,13 @@ def main() -> None:
         ],
     ]
     api = "the shared API" if args.shared else "CREDITFLOW_SHARED_API=0 (the API in the command's process)"
-    lines = [
-        "# Freezing the heap (bench/gc_freeze.py)",
-        "",
+    intro = (
         f"`python bench/gc_freeze.py --reps {args.reps} --groups {args.groups} --methods {args.methods}`: "
         f"`creditflow process` of a new round ({args.groups} groups x 8 samples x 5 turns x ~300 tokens, batches "
         f"of {args.batch_groups} groups) per repetition, {api}, the two settings alternating. Load: `{start}` at "
-        f"the start, `{uptime()}` at the end. {machine_note()} Cells: min / median of {args.reps}.",
-        "",
-        *md_table(headers, rows),
-    ]
-    print("\n".join(lines))
-    write_md(args.out, lines)
-    print(f"wrote {args.out}")
+        f"the start, `{uptime()}` at the end. {machine_note()} Cells: min / median of {args.reps}."
+    )
+    report(args.out, "Freezing the heap (bench/gc_freeze.py)", intro, headers, rows)
 
 
 if __name__ == "__main__":
