@@ -4,7 +4,8 @@
     python bench/credit_breakdown.py --lake /tmp/b/lake --methods grpo,gdpo,gae --reps 5
 
 Each repetition is a fresh process per method (methods interleaved, the order alternating), after the imports
-every process of a round makes. Per batch, in the engine's order, each item timed on its own: the engine's reads
+every process of a round makes and the heap freeze of its first batch stage (flows.runtime.freeze_heap). Per
+batch, in the engine's order, each item timed on its own: the engine's reads
 (`read_batch` of the trajectories and credit's steps columns) beside the floor's (`pq.read_table` of the same
 files, the order of the two alternating by batch), the estimate (`process_batch` with the round's statistics),
 the advantages write as the lake does it (`Lake.write_parts`: validation, a temporary file, fsync, rename, the
