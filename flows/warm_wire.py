@@ -20,8 +20,9 @@ COMMANDS = ("process",)  # the commands that import Prefect for a flow run
 ROOT = Path(__file__).resolve().parents[1]  # the checkout whose modules the runner loaded
 # set by the CLI itself per invocation (flows.cli.setup_logging), refreshed in the forked command
 PER_COMMAND_ENV = ("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL",)
-# CREDITFLOW_* variables read when a module is imported (a fork keeps the runner's value)
-IMPORT_TIME_ENV = ("CREDITFLOW_CACHE", "CREDITFLOW_LOG_LEVEL")
+# CREDITFLOW_* variables read when a module is imported or the runner starts (a fork keeps the runner's value:
+# CREDITFLOW_GC_FREEZE decides whether the heap a command inherits is frozen, flows.runtime.freeze_heap)
+IMPORT_TIME_ENV = ("CREDITFLOW_CACHE", "CREDITFLOW_LOG_LEVEL", "CREDITFLOW_GC_FREEZE")
 HEADER_LIMIT = 16 << 20
 
 # in a command forked by the runner: {"client_s": seconds its caller ran before the hand-over, "runner": pid}

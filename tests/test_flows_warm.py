@@ -158,9 +158,15 @@ def test_frozen_env_is_what_the_imports_read():
         "PYTHONPATH": "p",
         "CREDITFLOW_CACHE": "c",
         "CREDITFLOW_DEBUG": "1",  # read per command
+        "CREDITFLOW_GC_FREEZE": "0",  # read when the runner starts: its commands inherit its frozen heap
         "HOME": "h",
     }
-    assert warm_wire.frozen_env(env) == {"PREFECT_API_URL": "u", "PYTHONPATH": "p", "CREDITFLOW_CACHE": "c"}
+    assert warm_wire.frozen_env(env) == {
+        "PREFECT_API_URL": "u",
+        "PYTHONPATH": "p",
+        "CREDITFLOW_CACHE": "c",
+        "CREDITFLOW_GC_FREEZE": "0",
+    }
 
 
 def test_mismatch_names_what_differs():
