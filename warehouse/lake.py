@@ -293,25 +293,26 @@ class Lake:
         renames (a round's statistics parts or run-log rows: one folder sync, not one each); a part that fails
         validation or its write leaves every part as it was. A Delta lake commits small ones together
         (`DeltaLake.write_parts`)."""
+        if not parts:
+            return
         if len(parts) == 1:
             ((part, table),) = parts.items()
             self.write_part(table_name, round_, table, part=part)
             return
         folder = self.partition_dir(table_name, round_)
         staged: list[tuple[Path, Path]] = []
+        renamed = 0
         try:
             for part, table in parts.items():
                 path = folder / f"part-{safe_part_name(part)}.parquet"
                 staged.append((self._write_temp(self._prepare(table_name, table), path), path))
-            while staged:
-                tmp, path = staged[0]
+            for tmp, path in staged:
                 os.replace(tmp, path)
-                staged.pop(0)
+                renamed += 1
         finally:
-            for tmp, _ in staged:  # not renamed (a failure before or during the renames)
+            for tmp, _ in staged[renamed:]:  # not renamed (a failure before or during the renames)
                 tmp.unlink(missing_ok=True)
-        if parts:
-            fsync_dir(folder)
+        fsync_dir(folder)
 
     def replace_partition(
         self,
