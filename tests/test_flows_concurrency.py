@@ -186,6 +186,32 @@ def test_two_process_runs_on_one_lake(tmp_path, prefect_harness):
     assert not list(lake.root.rglob(".tmp-*"))
 
 
+def test_round_lock_names_a_holder_caught_before_its_line(tmp_path):
+    """A holder between its flock and its "pid N since" line (CI caught a second `process` there, which then
+    named "another run"): the contender looks again until the line is there."""
+    from warehouse.locks import lock_path
+
+    lake = Lake(tmp_path / "lake")
+    path = lock_path(lake, 0)
+    path.parent.mkdir(parents=True)
+    code = (
+        "import fcntl, os, sys, time\n"
+        f"fh = open({str(path)!r}, 'a+')\n"
+        "fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+        "print('held', flush=True); time.sleep(0.4)\n"
+        "fh.write(f'pid {os.getpid()} since now\\n'); fh.flush(); time.sleep(120)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        with pytest.raises(RoundBusy, match=rf"is being processed by pid {holder.pid} since now;"):
+            with round_lock(lake, 0):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_round_lock_waits_for_its_holder_saying_so_once(tmp_path):
     import math
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from warehouse.lake import Lake
 
 LOCK_DIR = "_flow/locks"
+SETTLE_S = 2.0  # how long a contender waits for a holder's line (written just after its flock, cleared before release)
 
 
 class RoundBusy(RuntimeError):
@@ -37,11 +38,11 @@ def lock_path(lake: Lake, round_: int) -> Path:
 
 
 def _holder(path: Path) -> str:
+    """The holder's line ("pid N since ..."), or "" while it has none (just after its flock, or releasing)."""
     try:
-        text = path.read_text(encoding="utf-8").strip()
+        return path.read_text(encoding="utf-8").strip()
     except OSError:
-        text = ""
-    return text or "another run"
+        return ""
 
 
 @contextmanager
@@ -77,17 +78,23 @@ def round_lock(
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
+            holder = _holder(path)
+            if not holder and time.monotonic() - start < SETTLE_S:
+                # the holder took the lock and has not written its line yet, or is releasing it: look again
+                time.sleep(0.01)
+                continue
+            holder = holder or "another run"
             if time.monotonic() - start >= wait_s:
                 fh.close()
                 after = f" (waited {time.monotonic() - start:.0f} s)" if waited else ""
                 raise RoundBusy(
-                    f"round {int(round_)} of {lake.root} is being processed by {_holder(path)}{after}; "
+                    f"round {int(round_)} of {lake.root} is being processed by {holder}{after}; "
                     "wait for that run to finish (or stop it) and run again, or run with --wait"
                 ) from None
             if not waited and on_wait is not None:
                 limit = "" if math.isinf(wait_s) else f" (up to {wait_s:g} s)"
                 on_wait(
-                    f"round {int(round_)} of {lake.root} is being processed by {_holder(path)}; "
+                    f"round {int(round_)} of {lake.root} is being processed by {holder}; "
                     f"waiting for it to finish{limit}"
                 )
             waited = True
