@@ -3,8 +3,10 @@
     python bench/credit.py --lake /tmp/b/lake --methods grpo --reps 1 --no-compute --out /tmp/b/x.md  # the lake
     python bench/credit_breakdown.py --lake /tmp/b/lake --methods grpo,gdpo,gae --reps 5
 
-Each repetition is a fresh process per method (methods interleaved, the order alternating), after the imports
-every process of a round makes and the heap freeze of its first batch stage (flows.runtime.freeze_heap). Per
+Each repetition is a fresh process per method (methods interleaved, the order alternating), with the allocator
+settings every process of a round starts with (flows.runtime.tune_allocator, as bench/credit.py's workers),
+after the imports every process of a round makes and the heap freeze of its first batch stage
+(flows.runtime.freeze_heap). Per
 batch, in the engine's order, each item timed on its own: the engine's reads
 (`read_batch` of the trajectories and credit's steps columns) beside the floor's (`pq.read_table` of the same
 files, the order of the two alternating by batch), the estimate (`process_batch` with the round's statistics),
@@ -49,6 +51,9 @@ ITEMS = (
 
 def worker(lake_dir: str, method: str, round_: int = 0) -> dict:
     sys.path.insert(0, str(ROOT))
+    from flows.runtime import tune_allocator
+
+    tune_allocator()  # what the CLI, the flow and its workers do at start (bench/credit.py's workers too)
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -5,7 +5,9 @@ Importing `prefect.server.api.server` is most of the server's start-up (2.4 s of
 import builds hundreds of thousands of objects (pydantic models, SQLAlchemy tables, FastAPI routes) none of which
 is garbage: with the collector on, it ran its passes over them hundreds of times. Off for the import only, the
 import took 0.45 s less CPU (2.60-2.90 s -> 2.15-2.40 s, three runs each); the collector is back on before the
-app is built and served, so nothing the server does later runs without it.
+app is built and served, so nothing the server does later runs without it. What the import built is then frozen
+(`gc.freeze`, as flows.runtime.freeze_heap does in the flow's processes; CREDITFLOW_GC_FREEZE=0 leaves it), so
+the collector's full passes while the server serves go over the objects the requests make, not over it again.
 
 Run as `python flows/api_serve.py UVICORN_ARGS...` (the arguments of `python -m uvicorn`, `--factory APP` and
 `--app-dir DIR` included); the app's module is imported here first, the rest is uvicorn's own `main`."""
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import os
 import sys
 
 
@@ -30,6 +33,8 @@ def _preimport(argv: list[str]) -> None:
     except Exception:  # noqa: BLE001 (uvicorn imports it again below and reports the error its own way)
         pass
     finally:
+        if os.environ.get("CREDITFLOW_GC_FREEZE", "1") != "0":  # as flows.runtime.freeze_heap
+            gc.freeze()  # what the import built, out of the collector's later passes (never garbage)
         gc.enable()
 
 
