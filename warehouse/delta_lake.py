@@ -456,7 +456,7 @@ class DeltaLake(Lake):
     def write_part(self, table_name: str, round_: int, table: pa.Table, part: str = "0") -> Path:
         """Atomically write (or replace) one part of a (table, round) partition: one Delta commit."""
         self._write_group(table_name, round_, {part: table})
-        return VirtualPart(self.partition_dir(table_name, round_) / f"part-{safe_part_name(part)}.parquet")  # type: ignore[return-value]
+        return VirtualPart(self.part_path(table_name, round_, part))  # type: ignore[return-value]
 
     def write_parts(self, table_name: str, round_: int, parts: dict[str, pa.Table]) -> None:
         """Write (or replace) several parts of a (table, round) partition, the others left as they are, in as

@@ -210,7 +210,7 @@ class Lake:
 
     def part_stat(self, table: str, round_: int, part: str) -> tuple[str, int, int]:
         """(id, size, mtime_ns) of a part, size -1 when absent: the cheap identity the flow caches on."""
-        path = self.partition_dir(table, round_) / f"part-{safe_part_name(part)}.parquet"
+        path = self.part_path(table, round_, part)
         try:
             st = os.stat(path)
             return (str(path), st.st_size, st.st_mtime_ns)
@@ -226,6 +226,10 @@ class Lake:
 
     def partition_dir(self, table: str, round_: int) -> Path:
         return self.table_dir(table) / f"round={int(round_)}"
+
+    def part_path(self, table: str, round_: int, part: str) -> Path:
+        """Where a part of a (table, round) partition lives (its name kept to the safe alphabet)."""
+        return self.partition_dir(table, round_) / f"part-{safe_part_name(part)}.parquet"
 
     def rounds(self, table: str) -> list[int]:
         d = self.table_dir(table)
@@ -247,7 +251,7 @@ class Lake:
         return sorted(p for p in d.glob("part-*.parquet"))
 
     def has_part(self, table: str, round_: int, part: str) -> bool:
-        return (self.partition_dir(table, round_) / f"part-{safe_part_name(part)}.parquet").exists()
+        return self.part_path(table, round_, part).exists()
 
     # ---- writes --------------------------------------------------------------------------------
     def _prepare(self, table_name: str, table: pa.Table) -> pa.Table:
@@ -280,10 +284,8 @@ class Lake:
 
     def write_part(self, table_name: str, round_: int, table: pa.Table, part: str = "0") -> Path:
         """Atomically write (or replace) one part of a (table, round) partition."""
-        part = safe_part_name(part)
-        table = self._prepare(table_name, table)
-        path = self.partition_dir(table_name, round_) / f"part-{part}.parquet"
-        self._write_file(table, path)
+        path = self.part_path(table_name, round_, part)
+        self._write_file(self._prepare(table_name, table), path)
         return path
 
     def write_parts(self, table_name: str, round_: int, parts: dict[str, pa.Table]) -> None:
@@ -299,12 +301,11 @@ class Lake:
             ((part, table),) = parts.items()
             self.write_part(table_name, round_, table, part=part)
             return
-        folder = self.partition_dir(table_name, round_)
         staged: list[tuple[Path, Path]] = []
         renamed = 0
         try:
             for part, table in parts.items():
-                path = folder / f"part-{safe_part_name(part)}.parquet"
+                path = self.part_path(table_name, round_, part)
                 staged.append((self._write_temp(self._prepare(table_name, table), path), path))
             for tmp, path in staged:
                 os.replace(tmp, path)
@@ -312,7 +313,7 @@ class Lake:
         finally:
             for tmp, _ in staged[renamed:]:  # not renamed (a failure before or during the renames)
                 tmp.unlink(missing_ok=True)
-        fsync_dir(folder)
+        fsync_dir(self.partition_dir(table_name, round_))
 
     def replace_partition(
         self,
@@ -426,7 +427,7 @@ class Lake:
         """Delete the named parts (exact names, not prefixes); returns how many there were."""
         n = 0
         for name in names:
-            path = self.partition_dir(table_name, round_) / f"part-{safe_part_name(name)}.parquet"
+            path = self.part_path(table_name, round_, name)
             if path.exists():
                 path.unlink()
                 n += 1
