@@ -212,6 +212,36 @@ def test_round_lock_names_a_holder_caught_before_its_line(tmp_path):
         holder.wait()
 
 
+def test_a_hostile_lock_file_is_repeated_as_one_short_printable_line(tmp_path):
+    """Whatever a lock file holds (a huge file, several lines, terminal escapes), the error names at most the
+    first HOLDER_CHARS printable characters of its first line."""
+    from warehouse.locks import HOLDER_CHARS, lock_path
+
+    lake = Lake(tmp_path / "lake")
+    path = lock_path(lake, 0)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"pid 7 \x1b[31mred\x07 " + b"x" * 5_000_000 + b"\nsecond line\n\xff\xfe")
+    code = (
+        "import fcntl, sys, time\n"
+        f"fh = open({str(path)!r}, 'rb')\n"
+        "fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+        "print('held', flush=True); time.sleep(120)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        with pytest.raises(RoundBusy) as info:
+            with round_lock(lake, 0):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    msg = str(info.value)
+    named = msg.split("is being processed by ", 1)[1].split(";", 1)[0]
+    assert named == "pid 7 ?[31mred? " + "x" * (HOLDER_CHARS - len("pid 7 ?[31mred? "))
+    assert "\n" not in msg and "\x1b" not in msg and len(msg) < HOLDER_CHARS + 400
+
+
 def test_round_lock_waits_for_its_holder_saying_so_once(tmp_path):
     import math
 

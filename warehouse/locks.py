@@ -37,12 +37,20 @@ def lock_path(lake: Lake, round_: int) -> Path:
     return lake.root / LOCK_DIR / f"round={int(round_)}.lock"
 
 
+HOLDER_CHARS = 200  # the most of a lock file's line an error repeats (the lake's files are not trusted)
+
+
 def _holder(path: Path) -> str:
-    """The holder's line ("pid N since ..."), or "" while it has none (just after its flock, or releasing)."""
+    """The holder's line ("pid N since ..."), or "" while it has none (just after its flock, or releasing):
+    the file's first line, at most HOLDER_CHARS of it, its unprintable characters as '?' (whatever wrote the
+    file, the error that repeats it stays one line)."""
     try:
-        return path.read_text(encoding="utf-8").strip()
+        with open(path, "rb") as fh:
+            head = fh.read(HOLDER_CHARS * 4).decode("utf-8", errors="replace")
     except OSError:
         return ""
+    line = head.strip().split("\n", 1)[0][:HOLDER_CHARS]
+    return "".join(c if c.isprintable() else "?" for c in line).strip()
 
 
 @contextmanager
