@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_credit_properties import random_round
 
-from pipeline.credit.batch import CreditBatch, TokenFloats
+from pipeline.credit.batch import CreditBatch, TokenFloats, _group_index
 from pipeline.credit.process import advantages_table
-from pipeline.credit.registry import MethodError, _finish, method_step_columns
+from pipeline.credit.registry import MethodError, _finish, method_step_columns, run_methods
 from pipeline.credit.result import CreditResult
 
 
@@ -248,3 +248,51 @@ def test_values_on_the_assistant_steps_alone_read_as_a_per_step_reading(seed, ga
     expect = _reference(steps, "values")
     np.testing.assert_array_equal(batch.values.per_token(), expect)
     np.testing.assert_array_equal(batch.values.on_mask(), expect[batch.tok_mask])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text(max_size=3), max_size=25), st.booleans())
+def test_group_index_is_each_group_ids_place_in_sorted_order(ids, view):
+    """A trajectory's group index: its group id's place among the batch's distinct ids sorted by code point
+    (what Python's sort gives; UTF-8 bytes sort the same), whatever the id's Arrow type."""
+    col = pa.array(ids, pa.string())
+    if view:
+        col = col.cast(pa.string_view())
+    table = pa.table({"traj_id": pa.array([f"t{i}" for i in range(len(ids))]), "group_id": col})
+    place = {g: i for i, g in enumerate(sorted(set(ids)))}
+    np.testing.assert_array_equal(_group_index(table), np.array([place[g] for g in ids], dtype=np.int64))
+
+
+def test_a_null_group_id_names_its_trajectory():
+    traj, steps = random_round(4, max_groups=2, max_group_size=2, max_steps=3)
+    i = traj.column_names.index("group_id")
+    ids = traj.column("group_id").to_pylist()
+    ids[1] = None
+    bad = traj.set_column(i, pa.field("group_id", pa.string()), pa.array(ids, pa.string()))
+    with pytest.raises(
+        ValueError, match=rf"trajectory '{traj.column('traj_id')[1].as_py()}': field 'group_id'"
+    ):
+        CreditBatch.from_arrow(bad, steps)
+
+
+FRAMELESS = ["grpo", "dr_grpo", "rloo", "gdpo", "gae", "turn_ppo"]
+
+
+def test_the_common_estimators_and_their_table_build_no_frame():
+    """grpo, dr_grpo, rloo, gdpo, gae and turn_ppo and the advantages table read the batch's Arrow tables and
+    arrays: no Polars frame of the trajectories or steps is built (what a round of them would pay per batch);
+    the frames, asked for, hold what the arrays say."""
+    traj, steps = random_round(11, max_groups=3, max_group_size=3, max_steps=5)
+    batch = CreditBatch.from_arrow(traj, steps, method_step_columns(FRAMELESS))
+    for method, result in run_methods(batch, FRAMELESS).items():
+        assert advantages_table(batch, method, result).num_rows == batch.n_steps
+    assert batch.frames == {}
+    frame = batch.steps
+    np.testing.assert_array_equal(frame["is_assistant"].to_numpy(), batch.step_is_assistant)
+    np.testing.assert_array_equal(frame["n_tokens"].to_numpy(), batch.step_tokens)
+    np.testing.assert_array_equal(frame["tok_start"].to_numpy(), batch.step_starts)
+    np.testing.assert_array_equal(frame["group_index"].to_numpy(), batch.traj_group[batch.step_traj])
+    trajectories = batch.trajectories
+    assert trajectories["traj_id"].to_list() == sorted(traj.column("traj_id").to_pylist())
+    np.testing.assert_array_equal(trajectories["group_index"].to_numpy(), batch.traj_group)
+    assert set(batch.frames) == {"steps", "trajectories"} and batch.steps is frame  # built once

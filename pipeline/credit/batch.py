@@ -195,31 +195,63 @@ def _string_ids(table: pa.Table) -> pa.Table:
     return table.set_column(i, "traj_id", table.column(i).cast(pa.large_string()))
 
 
-def _trajectory_frame(trajectories: pa.Table) -> pl.DataFrame:
+def _sorted_trajectories(trajectories: pa.Table) -> pa.Table:
     if not strictly_increasing(trajectories, ("traj_id",)):  # the lake's writers write them in order
         trajectories = trajectories.sort_by("traj_id")
+    return trajectories
+
+
+def _group_index(trajectories: pa.Table) -> np.ndarray:
+    """int64 per trajectory row: its group's place among the batch's group ids in sorted order (0, 1, ...; equal
+    ids one place), computed in Arrow (a dense rank: no frame). A null group id is an error naming its
+    trajectory."""
+    group_id = trajectories.column("group_id")
+    if group_id.null_count:
+        row = pc.index(pc.is_null(group_id), True).as_py()
+        traj = trajectories.column("traj_id")[row].as_py()
+        raise ValueError(f"trajectories: trajectory {traj!r}: field 'group_id' is null")
+    if pa.types.is_string_view(group_id.type):  # (polars' export; Arrow ranks no views)
+        group_id = group_id.cast(pa.large_string())
+    return pc.rank(group_id, tiebreaker="dense").to_numpy().astype(np.int64) - 1
+
+
+def _trajectory_frame(trajectories: pa.Table, group_index: np.ndarray) -> pl.DataFrame:
+    """The trajectories as a Polars frame (rows sorted by traj_id) with their row (`traj_index`) and group
+    (`group_index`); `reward_components` (map<string, double>) as list<struct<key, value>> (columnar; GDPO and
+    MT-GRPO explode it)."""
     traj_cols = [c for c in trajectories.column_names if c != "reward_components"]
-    traj = pl.DataFrame(trajectories.select(traj_cols))
     columns = [
         pl.int_range(pl.len(), dtype=pl.Int64).alias("traj_index"),
-        pl.col("group_id").rank("dense").cast(pl.Int64).sub(1).alias("group_index"),
+        pl.Series("group_index", group_index),
     ]
-    if "reward_components" in trajectories.column_names:
-        # map<string, double> as list<struct<key, value>> (columnar; GDPO explodes it)
-        rc = trajectories.column("reward_components").combine_chunks()
-        rc = pa.ListArray.from_arrays(rc.offsets, rc.values, mask=rc.is_null())
-        columns.append(pl.lit(pl.Series("reward_components", rc)))
-    return traj.with_columns(columns)
+    entries = _component_entries(trajectories)
+    if entries is not None:
+        columns.append(pl.lit(pl.Series("reward_components", entries)))
+    return pl.DataFrame(trajectories.select(traj_cols)).with_columns(columns)
+
+
+def _component_entries(trajectories: pa.Table) -> pa.ListArray | None:
+    """`reward_components` (map<string, double>) as list<struct<key, value>>, null where the map is (None: the
+    table has no such column)."""
+    if "reward_components" not in trajectories.column_names:
+        return None
+    rc = trajectories.column("reward_components").combine_chunks()
+    return pa.ListArray.from_arrays(rc.offsets, rc.values, mask=rc.is_null())
 
 
 @dataclass(frozen=True, slots=True)
 class CreditBatch:
-    """One batch of whole groups, built once (`from_arrow`) and never changed."""
+    """One batch of whole groups, built once (`from_arrow`) and never changed. Its rows are Arrow tables and
+    NumPy arrays; the Polars frames of them (`trajectories`, `steps`) are built on a method's first ask (the
+    simple estimators and the advantages table never ask: no frame is built for them)."""
 
-    trajectories: pl.DataFrame  # one row per trajectory, sorted by traj_id; traj_index, group_index
-    steps: (
-        pl.DataFrame
-    )  # one row per step, sorted by (traj_index, step_idx); tok_start, n_tokens, is_assistant
+    traj_table: pa.Table  # one row per trajectory, sorted by traj_id (reward_components as read)
+    step_table: pa.Table  # one row per step, sorted by (traj_id, step_idx): its scalar columns
+    traj_group: np.ndarray  # int64 per trajectory: its group's index (dense, in group id order)
+    step_traj: np.ndarray  # int64 per step: its trajectory's row
+    step_tokens: np.ndarray  # int64 per step: its tokens
+    step_starts: np.ndarray  # int64 per step: its first token
+    step_is_assistant: np.ndarray  # bool per step: an assistant step
     tok_mask: np.ndarray  # bool per token: an assistant token (gets credit, in the loss)
     logprobs: TokenFloats  # behaviour logprobs (steps.logprobs); all unknown unless a method declares them
     values: TokenFloats  # critic values (steps.values); all unknown unless a method declares them
@@ -233,6 +265,8 @@ class CreditBatch:
     # an estimator's intermediate of this batch for a later call on the same batch: the statistics pass's, for
     # credit of a kept batch (pipeline.credit.process.keeping_credit_batches; gae's Eq. 1-4); never the batch's data
     memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+    # the Polars frames, built on first ask (`trajectories`, `steps`): derived from the fields above
+    frames: dict[str, pl.DataFrame] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -256,7 +290,8 @@ class CreditBatch:
         (registry.RoundStatistics.tokens). A `steps` table without columns (the pass read none: no statistic
         reads the steps, `registry.statistics_step_columns`): a batch of the trajectories without steps."""
         trajectories, steps = _string_ids(trajectories), _string_ids(steps)
-        traj = _trajectory_frame(trajectories)
+        trajectories = _sorted_trajectories(trajectories)
+        traj_group = _group_index(trajectories)
         if not steps.column_names:  # a read of no columns: a statistics pass whose statistics read no steps
             steps = pa.table({"traj_id": pa.array([], pa.string()), "step_idx": pa.array([], pa.int32())})
             steps = steps.append_column("role", pa.array([], pa.string()))
@@ -280,22 +315,15 @@ class CreditBatch:
             for c in steps.column_names
             if c not in ("token_ids", "token_offsets", "n_tokens", "logprobs", "values", "round")
         ]
-        # each step's trajectory row: a lookup in the frame's (unique) trajectory ids, in its row order, not a
-        # join of the frames; the ids as the steps type theirs
-        ids = traj["traj_id"].to_arrow().cast(steps.schema.field("traj_id").type)
+        # each step's trajectory row: a lookup in the (unique, sorted) trajectory ids, not a join; the ids as the
+        # steps type theirs
+        ids = trajectories.column("traj_id").cast(steps.schema.field("traj_id").type)
         traj_index = pc.index_in(steps.column("traj_id"), value_set=ids)
         if traj_index.null_count:
             bad = steps.column("traj_id")[pc.index(pc.is_null(traj_index), True).as_py()].as_py()
             raise ValueError(f"steps: traj_id {bad!r} has no row in trajectories")
         step_traj = traj_index.to_numpy().astype(np.int64)
-        step_frame = pl.DataFrame(steps.select(scalar_cols)).with_columns(
-            pl.Series("n_tokens", lengths),
-            pl.Series("tok_start", starts),
-            pl.Series("traj_index", step_traj),
-            pl.Series("group_index", traj["group_index"].to_numpy()[step_traj]),
-            (pl.col("role") == "assistant").alias("is_assistant"),
-        )
-        is_assistant = step_frame["is_assistant"].to_numpy()
+        is_assistant = pc.fill_null(pc.equal(steps.column("role"), "assistant"), False).to_numpy()
         mask_rows = np.flatnonzero(is_assistant & (lengths > 0))
 
         def token_floats(name: str) -> TokenFloats:
@@ -308,8 +336,13 @@ class CreditBatch:
             for name, t in (annotations or {}).items()
         }
         return cls(
-            trajectories=traj,
-            steps=step_frame,
+            traj_table=trajectories,
+            step_table=steps.select(scalar_cols),
+            traj_group=traj_group,
+            step_traj=step_traj,
+            step_tokens=lengths,
+            step_starts=starts,
+            step_is_assistant=is_assistant,
             tok_mask=np.repeat(
                 is_assistant, lengths
             ),  # runs of per-step values: sequential copies, no gathers
@@ -321,14 +354,38 @@ class CreditBatch:
             round_stats=round_stats,
         )
 
+    # ---- the Polars frames (built on first ask) -------------------------------------------------
+    @property
+    def trajectories(self) -> pl.DataFrame:
+        """One row per trajectory, sorted by traj_id; traj_index, group_index."""
+        frame = self.frames.get("trajectories")
+        if frame is None:
+            frame = self.frames["trajectories"] = _trajectory_frame(self.traj_table, self.traj_group)
+        return frame
+
+    @property
+    def steps(self) -> pl.DataFrame:
+        """One row per step, sorted by (traj_index, step_idx); tok_start, n_tokens, traj_index, group_index,
+        is_assistant."""
+        frame = self.frames.get("steps")
+        if frame is None:
+            frame = self.frames["steps"] = pl.DataFrame(self.step_table).with_columns(
+                pl.Series("n_tokens", self.step_tokens),
+                pl.Series("tok_start", self.step_starts),
+                pl.Series("traj_index", self.step_traj),
+                pl.Series("group_index", self.traj_group[self.step_traj]),
+                pl.Series("is_assistant", self.step_is_assistant),
+            )
+        return frame
+
     # ---- sizes and indices ----------------------------------------------------------------------
     @property
     def n_traj(self) -> int:
-        return self.trajectories.height
+        return self.traj_table.num_rows
 
     @property
     def n_steps(self) -> int:
-        return self.steps.height
+        return len(self.step_traj)
 
     @property
     def n_tokens(self) -> int:
@@ -336,25 +393,12 @@ class CreditBatch:
 
     @property
     def n_groups(self) -> int:
-        return int(self.trajectories.select(pl.col("group_index").max()).item()) + 1 if self.n_traj else 0
-
-    @property
-    def traj_group(self) -> np.ndarray:
-        return self.trajectories["group_index"].to_numpy()
-
-    @property
-    def step_traj(self) -> np.ndarray:
-        return self.steps["traj_index"].to_numpy()
-
-    @property
-    def step_tokens(self) -> np.ndarray:
-        """Tokens per step."""
-        return self.steps["n_tokens"].to_numpy()
+        return int(self.traj_group.max()) + 1 if self.n_traj else 0
 
     @property
     def step_offsets(self) -> np.ndarray:
         """Token offsets of steps: tokens of step s are [off[s], off[s+1])."""
-        return np.concatenate([self.steps["tok_start"].to_numpy(), [self.n_tokens]]).astype(np.int64)
+        return np.concatenate([self.step_starts, [self.n_tokens]]).astype(np.int64)
 
     def token_steps(self) -> np.ndarray:
         """int64 step row of every token: O(tokens), built on each call."""
@@ -366,16 +410,25 @@ class CreditBatch:
 
     def mask_steps(self) -> np.ndarray:
         """int64 step row of every assistant token, in order (`token_steps()[tok_mask]`)."""
-        counts = np.where(self.steps["is_assistant"].to_numpy(), self.step_tokens, 0)
+        counts = np.where(self.step_is_assistant, self.step_tokens, 0)
         return np.repeat(np.arange(self.n_steps, dtype=np.int64), counts)
 
     def mask_trajs(self) -> np.ndarray:
         """int64 trajectory row of every assistant token, in order (`token_trajs()[tok_mask]`)."""
-        counts = np.where(self.steps["is_assistant"].to_numpy(), self.step_tokens, 0)
+        counts = np.where(self.step_is_assistant, self.step_tokens, 0)
         return np.repeat(self.step_traj.astype(np.int64), counts)
 
+    def component_entries(self) -> pa.ListArray | None:
+        """The trajectories' reward components as list<struct<key, value>> per trajectory row (a map's entries),
+        read from the Arrow table (no frame); None: the batch has no such column."""
+        return _component_entries(self.traj_table)
+
+    def step_floats(self, name: str) -> np.ndarray:
+        """A scalar steps column as float64 per step (NaN where null), read from the Arrow table (no frame)."""
+        return np.asarray(self.step_table.column(name).to_numpy(), dtype=np.float64)
+
     def rewards(self) -> np.ndarray:
-        return self.trajectories["reward"].to_numpy().astype(np.float64)
+        return np.asarray(self.traj_table.column("reward").to_numpy(), dtype=np.float64)
 
     # ---- settings and statistics ----------------------------------------------------------------
     def settings(self, model: type[S]) -> S:
@@ -421,9 +474,7 @@ class CreditBatch:
     def broadcast_step(self, per_step: np.ndarray) -> np.ndarray:
         """A per-step value on every assistant token of the step (0 elsewhere)."""
         # tokens of a step are contiguous: repeat each step's value (0 off the assistant steps) over its tokens
-        per_step = np.where(
-            self.steps["is_assistant"].to_numpy(), np.asarray(per_step, dtype=np.float64), 0.0
-        )
+        per_step = np.where(self.step_is_assistant, np.asarray(per_step, dtype=np.float64), 0.0)
         return np.repeat(per_step, self.step_tokens)
 
     def traj_to_steps(self, per_traj: np.ndarray) -> np.ndarray:

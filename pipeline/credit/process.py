@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -73,11 +72,12 @@ def _token_columns(batch: CreditBatch, layouts: list[Layout]) -> list[pa.Array]:
 
 
 def _components_struct(batch: CreditBatch, comps: dict[str, np.ndarray]) -> pa.StructArray:
+    missing = pa.nulls(batch.n_steps, pa.float64())  # one array for every component the method lacks
     arrays = []
     for name in COMPONENT_FIELDS:
         values = comps.get(name)
         if values is None:
-            arrays.append(pa.nulls(batch.n_steps, pa.float64()))
+            arrays.append(missing)
         else:
             values = np.asarray(values, dtype=np.float64)
             arrays.append(pa.array(values, mask=np.isnan(values), type=pa.float64()))
@@ -85,8 +85,10 @@ def _components_struct(batch: CreditBatch, comps: dict[str, np.ndarray]) -> pa.S
 
 
 def advantages_table(batch: CreditBatch, method: str, result: CreditResult) -> pa.Table:
-    steps = batch.steps
-    group_ids = batch.trajectories["group_id"].cast(pl.String).gather(batch.step_traj).to_arrow()
+    """The advantages rows of one method on this batch (schemas.advantages): the steps' keys from the batch's
+    Arrow tables (no frame), the token columns laid out from the result."""
+    steps = batch.step_table
+    group_ids = batch.traj_table.column("group_id").take(pa.array(batch.step_traj))
     layouts: list[Layout] = [(result.step_adv, result.mask_adv, result.tok_adv)]
     if result.step_returns is not None or result.mask_returns is not None or result.tok_returns is not None:
         layouts.append((result.step_returns, result.mask_returns, result.tok_returns))
@@ -96,11 +98,11 @@ def advantages_table(batch: CreditBatch, method: str, result: CreditResult) -> p
         {
             "round": pa.array(np.full(batch.n_steps, batch.round, dtype=np.int32)),
             "method": pa.repeat(pa.scalar(method, pa.string()), batch.n_steps),
-            "traj_id": steps["traj_id"].to_arrow().cast(pa.string()),
+            "traj_id": steps.column("traj_id").cast(pa.string()),
             "group_id": group_ids.cast(pa.string()),
-            "step_idx": steps["step_idx"].to_arrow().cast(pa.int32()),
-            "role": steps["role"].to_arrow().cast(pa.string()),
-            "turn": steps["turn"].to_arrow().cast(pa.int32()),
+            "step_idx": steps.column("step_idx").cast(pa.int32()),
+            "role": steps.column("role").cast(pa.string()),
+            "turn": steps.column("turn").cast(pa.int32()),
             "token_adv": adv,
             "token_returns": returns
             if returns is not None

@@ -304,8 +304,8 @@ def _finish(
         step = np.asarray(result.step_adv, dtype=np.float64)
         if step.shape != (batch.n_steps,):
             raise MethodError(f"estimator returned {step.shape} step advantages for {batch.n_steps} steps")
-        n_tok = batch.steps["n_tokens"].to_numpy()
-        step = np.where(batch.steps["is_assistant"].to_numpy() & (n_tok > 0), step, 0.0)
+        n_tok = batch.step_tokens
+        step = np.where(batch.step_is_assistant & (n_tok > 0), step, 0.0)
         if not np.isfinite(step.sum()) and not np.isfinite(step).all():
             bad = int(np.flatnonzero(~np.isfinite(step))[0])
             traj = batch.trajectories["traj_id"][int(batch.step_traj[bad])]

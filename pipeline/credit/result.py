@@ -68,7 +68,7 @@ class CreditResult:
         step_returns: np.ndarray | None = None,
     ) -> CreditResult:
         """A per-step advantage (and return) on every assistant token of the step (0 elsewhere)."""
-        is_asst = batch.steps["is_assistant"].to_numpy()
+        is_asst = batch.step_is_assistant
         per_step = np.where(is_asst, np.asarray(step_adv, dtype=np.float64), 0.0)
         step_ret = None
         if step_returns is not None:

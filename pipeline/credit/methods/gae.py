@@ -88,7 +88,7 @@ def gae_statistics(batch: CreditBatch, settings: GAESettings) -> dict[str, Momen
     """Eq. 5's moments on this batch: those of A (Eq. 1-3) over its assistant tokens (the statistics pass)."""
     if not settings.whiten:
         return {}
-    if telescoped(settings) and "values_mean" in batch.steps.columns:
+    if telescoped(settings) and "values_mean" in batch.step_table.column_names:
         m = telescoped_moments(batch, "gae")
         if batch.values.valid.any():  # a batch kept for credit (its values read too): Eq. 1-4 for its credit
             batch.memo[("gae", settings.gamma, settings.lam)] = gae_advantages(batch, settings, "gae")
@@ -103,14 +103,13 @@ def telescoped_moments(batch: CreditBatch, key: str) -> Moments:
     s (n_s tokens, trajectory reward R_s) A = R_s - V has mean R_s - mean(V_s) and m2 = m2(V_s); the steps merge
     as Chan et al.'s parallel update does, whole-column: mean = sum n_s mean_s / n, m2 = sum m2_s + sum n_s
     (mean_s - mean)^2. A step without values (NaN) names its trajectory, as the token path does."""
-    steps = batch.steps
-    n_tok = steps["n_tokens"].to_numpy()
-    a = np.flatnonzero(steps["is_assistant"].to_numpy() & (n_tok > 0))
+    n_tok = batch.step_tokens
+    a = np.flatnonzero(batch.step_is_assistant & (n_tok > 0))
     if len(a) == 0:
         return Moments()
     n_s = n_tok[a].astype(np.float64)
-    vm = steps["values_mean"].to_numpy()[a].astype(np.float64)
-    vm2 = steps["values_m2"].to_numpy()[a].astype(np.float64)
+    vm = batch.step_floats("values_mean")[a]
+    vm2 = batch.step_floats("values_m2")[a]
     bad = ~(np.isfinite(vm) & np.isfinite(vm2))
     if bad.any():
         traj = batch.trajectories["traj_id"][int(batch.step_traj[a[int(np.argmax(bad))]])]
@@ -167,11 +166,8 @@ def gae_advantages(
 
     With lam = 1 the recursion telescopes, A_t = gamma^(T-t) R - V_t (T: the trajectory's last assistant
     token), and needs no scan; otherwise a segmented discounted cumsum over each trajectory's tokens."""
-    steps = batch.steps
-    n_tok = steps["n_tokens"].to_numpy()
-    a = np.flatnonzero(
-        steps["is_assistant"].to_numpy() & (n_tok > 0)
-    )  # their tokens are the mask's, in order
+    n_tok = batch.step_tokens
+    a = np.flatnonzero(batch.step_is_assistant & (n_tok > 0))  # their tokens are the mask's, in order
     lengths = n_tok[a]
     traj = batch.step_traj[a]
     V = batch.values.on_mask()
@@ -222,7 +218,7 @@ def gae_advantages(
 
 def gae_result(batch: CreditBatch, g: GAEAdvantages, A: np.ndarray) -> CreditResult:
     """The advantages `A` (g.A whitened, or not) and g's returns on the assistant tokens, with the components."""
-    score = np.where(batch.steps["is_assistant"].to_numpy(), 0.0, np.nan)
+    score = np.where(batch.step_is_assistant, 0.0, np.nan)
     a_hat = np.full(batch.n_steps, np.nan)
     if len(A):
         score[g.a[g.last]] = g.R[g.last]

@@ -51,8 +51,8 @@ def _long_components(batch: CreditBatch) -> tuple[np.ndarray, pa.Array, np.ndarr
     memo = batch.memo.get(_long_components)
     if isinstance(memo, tuple):
         return memo
-    traj = batch.trajectories
-    if "reward_components" not in traj.columns:
+    lists = batch.component_entries()
+    if lists is None:
         out: tuple[np.ndarray, pa.Array, np.ndarray] = (
             np.zeros(0, np.int64),
             pa.array([], pa.string()),
@@ -60,7 +60,6 @@ def _long_components(batch: CreditBatch) -> tuple[np.ndarray, pa.Array, np.ndarr
         )
     else:
         # list<struct<key, value>> (CreditBatch: a map's entries)
-        lists = traj["reward_components"].to_arrow()
         rows = pc.list_parent_indices(lists)
         entries = pc.list_flatten(lists)
         key = pc.struct_field(entries, "key")

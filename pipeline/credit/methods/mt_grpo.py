@@ -121,7 +121,7 @@ def mt_grpo(batch: CreditBatch, settings: MTGRPOSettings) -> CreditResult:
 
 
 def _result(batch, per_step, score, turn_term, missing) -> CreditResult:
-    is_asst = batch.steps["is_assistant"].to_numpy()
+    is_asst = batch.step_is_assistant
     return CreditResult.per_step(
         batch,
         per_step,

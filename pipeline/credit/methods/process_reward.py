@@ -90,8 +90,8 @@ def gae_pr_advantages(
         rewards = penalised_rewards(batch, settings.beta, s_step)
         return gae_advantages(batch, gs, "gae_pr", rewards=rewards), s_step
     g = gae_advantages(batch, gs, "gae_pr")
-    n = batch.steps["n_tokens"].to_numpy()
-    rows = np.flatnonzero((s_step > 0) & (n > 0) & batch.steps["is_assistant"].to_numpy())
+    n = batch.step_tokens
+    rows = np.flatnonzero((s_step > 0) & (n > 0) & batch.step_is_assistant)
     if len(rows) == 0 or len(g.A) == 0:
         return g, s_step
     # Eq. 1: -beta * s_k on the last token of turn k; on the assistant tokens (the mask's order) that is the
@@ -138,9 +138,7 @@ def gae_pr(batch: CreditBatch, settings: ProcessRewardSettings) -> CreditResult:
     res = gae_result(batch, g, A)
     score = res.components["score"]
     if settings.level == "turn" and len(g.A):  # the turn penalties on the steps' scores
-        rows = np.flatnonzero(
-            has & (batch.steps["n_tokens"].to_numpy() > 0) & batch.steps["is_assistant"].to_numpy()
-        )
+        rows = np.flatnonzero(has & (batch.step_tokens > 0) & batch.step_is_assistant)
         score = score.copy()
         score[rows] += -settings.beta * s_step[rows]
     return CreditResult.on_mask(

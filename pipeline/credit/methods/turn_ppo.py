@@ -43,15 +43,15 @@ class TurnPPOSettings(StageSettings):
 
 def turn_advantages(batch: CreditBatch, settings: TurnPPOSettings):
     """Eq. 1-4 on the states (assistant steps with tokens): (state step rows h, V, r, A_h)."""
-    steps = batch.steps
-    h = np.flatnonzero(steps["is_assistant"].to_numpy() & (steps["n_tokens"].to_numpy() > 0))  # the states
+    h = np.flatnonzero(batch.step_is_assistant & (batch.step_tokens > 0))  # the states
     traj = batch.step_traj[h]
-    V = require_values(batch, steps["tok_start"].to_numpy()[h], "turn_ppo")  # Eq. 1
+    V = require_values(batch, batch.step_starts[h], "turn_ppo")  # Eq. 1
     _, last = segment_bounds(traj)
     if settings.turn_reward == "outcome":  # Eq. 2
         r = np.where(last, batch.rewards()[traj], 0.0)
     else:
-        r = steps["verifier_score"].fill_null(0.0).fill_nan(0.0).to_numpy()[h]
+        score = batch.step_floats("verifier_score")[h]
+        r = np.where(np.isnan(score), 0.0, score)
     V_next = np.where(last, 0.0, np.append(V[1:], 0.0))
     delta = r + settings.gamma * V_next - V  # Eq. 3
     return h, V, r, segment_discounted_cumsum(delta, traj, settings.gamma * settings.lam)  # Eq. 4
@@ -62,7 +62,7 @@ def turn_ppo_statistics(batch: CreditBatch, settings: TurnPPOSettings) -> dict[s
     if not settings.whiten:
         return {}
     h, _, _, A_turn = turn_advantages(batch, settings)
-    return {"turn_ppo": Moments.of(A_turn, batch.steps["n_tokens"].to_numpy()[h])}
+    return {"turn_ppo": Moments.of(A_turn, batch.step_tokens[h])}
 
 
 @estimator(
@@ -86,7 +86,7 @@ def turn_ppo(batch: CreditBatch, settings: TurnPPOSettings) -> CreditResult:
     if settings.whiten:
         # Eq. 6: masked_whiten over the assistant tokens, where each turn's n_h tokens share A_h: the turns
         # weighted by their token counts (no per-token pass)
-        n_h = batch.steps["n_tokens"].to_numpy()[h]
+        n_h = batch.step_tokens[h]
         A_out = whiten(A_turn, batch.moments("turn_ppo", A_turn, n_h, scope=settings.scope))
     per_step_A = np.zeros(batch.n_steps)
     per_step_A[h] = A_out
