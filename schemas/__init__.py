@@ -11,7 +11,7 @@ from schemas import (
     train_batch,
     trajectories,
 )
-from schemas._base import SchemaError, TableSpec, round_column, strictly_increasing
+from schemas._base import SchemaError, TableSpec, one_chunk, round_column, strictly_increasing
 
 TABLES: dict[str, TableSpec] = {
     m.SPEC.name: m.SPEC
@@ -37,4 +37,12 @@ def _load_all() -> None:
 
 _load_all()
 
-__all__ = ["TABLES", "SchemaError", "TableSpec", "register_table", "round_column", "strictly_increasing"]
+__all__ = [
+    "TABLES",
+    "SchemaError",
+    "TableSpec",
+    "register_table",
+    "one_chunk",
+    "round_column",
+    "strictly_increasing",
+]

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas._base import Derived, TableSpec, check_in, check_same_length, check_unique
+from schemas._base import Derived, TableSpec, check_in, check_same_length, check_unique, one_chunk
 
 # `user_tool`: a step the agent never saw: another actor's own tool call or its result (tau2's user simulator
 # calls its device tools; the orchestrator routes them user -> environment -> user). Kept in the lake, with no
@@ -75,7 +75,7 @@ def _value_moments(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """Per step, the mean of its values and the sum of squared deviations from it, in float64, whole-column
     (two weighted bincounts over the flat values); NaN for a step whose values are null or empty."""
     col = table.column("values")
-    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    col = one_chunk(col)
     n = len(col)
     counts = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
     # the values of the non-null lists, in order (a null list's slots, which a masked list array may hold, are

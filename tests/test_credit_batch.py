@@ -15,6 +15,7 @@ from pipeline.credit.batch import CreditBatch, TokenFloats, _group_index
 from pipeline.credit.process import advantages_table
 from pipeline.credit.registry import MethodError, _finish, method_step_columns, run_methods
 from pipeline.credit.result import CreditResult
+from schemas import one_chunk
 
 
 def _reference(steps: pa.Table, col: str) -> np.ndarray:
@@ -296,3 +297,40 @@ def test_the_common_estimators_and_their_table_build_no_frame():
     assert trajectories["traj_id"].to_list() == sorted(traj.column("traj_id").to_pylist())
     np.testing.assert_array_equal(trajectories["group_index"].to_numpy(), batch.traj_group)
     assert set(batch.frames) == {"steps", "trajectories"} and batch.steps is frame  # built once
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(0, 12), st.integers(0, 12))
+def test_a_column_sliced_in_its_buffers_reads_as_its_copy(seed, head, tail):
+    """The batch reads a one-chunk column as it is (no copy), an offset into its buffers included (what a
+    slice of a read gives): the same token values, mask and statistics as from fresh buffers."""
+    traj, steps = random_round(seed, max_groups=3, max_group_size=3, max_steps=6)
+    # in the builder's order (else it sorts: fresh buffers), then sliced
+    steps = steps.sort_by([("traj_id", "ascending"), ("step_idx", "ascending")])
+    sliced = steps.slice(head, max(steps.num_rows - head - tail, 0))
+    assert (
+        one_chunk(sliced.column("values")).offset == (head if sliced.num_rows else 0)
+        or head >= steps.num_rows
+    )
+    copied = sliced.take(
+        pa.array(np.arange(sliced.num_rows))
+    )  # fresh buffers (combine_chunks keeps one chunk)
+    a, b = CreditBatch.from_arrow(traj, sliced), CreditBatch.from_arrow(traj, copied)
+    np.testing.assert_array_equal(a.tok_mask, b.tok_mask)
+    for name in ("values", "logprobs"):
+        fa, fb = getattr(a, name), getattr(b, name)
+        np.testing.assert_array_equal(fa.per_token(), fb.per_token())
+        np.testing.assert_array_equal(fa.on_mask(), fb.on_mask())
+        pos = np.arange(a.n_tokens)
+        np.testing.assert_array_equal(fa.at(pos), fb.at(pos))
+    for method, result in run_methods(a, ["grpo", "gae", "gdpo"]).items():
+        expect = run_methods(b, [method])[method]
+        assert advantages_table(a, method, result).equals(advantages_table(b, method, expect))
+
+
+def test_one_chunk_keeps_a_single_chunk_as_it_is():
+    col = pa.chunked_array([pa.array([1.0, 2.0, 3.0, 4.0]).slice(1, 2)])
+    out = one_chunk(col)
+    assert out.to_pylist() == [2.0, 3.0] and out.buffers()[1].address == col.chunk(0).buffers()[1].address
+    two = pa.chunked_array([pa.array([1.0]), pa.array([2.0])])
+    assert one_chunk(two).to_pylist() == [1.0, 2.0] and one_chunk(pa.array([5])).to_pylist() == [5]

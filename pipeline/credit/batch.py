@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 
 from pipeline.credit.ops import Moments
 from pipeline.settings import StageSettings, named_settings
-from schemas import strictly_increasing
+from schemas import one_chunk, strictly_increasing
 
 if TYPE_CHECKING:
     from pipeline.config import Config
@@ -72,7 +72,7 @@ class TokenFloats:
         token_counts: np.ndarray,
         mask_rows: np.ndarray,
     ) -> TokenFloats:
-        arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        arr = one_chunk(col)
         valid = arr.is_valid().to_numpy(zero_copy_only=False)
         lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy()
         aligned = np.array_equal(np.where(valid, token_counts, 0), lengths)
@@ -235,7 +235,7 @@ def _component_entries(trajectories: pa.Table) -> pa.ListArray | None:
     table has no such column)."""
     if "reward_components" not in trajectories.column_names:
         return None
-    rc = trajectories.column("reward_components").combine_chunks()
+    rc = one_chunk(trajectories.column("reward_components"))
     return pa.ListArray.from_arrays(rc.offsets, rc.values, mask=rc.is_null())
 
 

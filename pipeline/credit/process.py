@@ -30,6 +30,7 @@ from pipeline.credit.registry import (
 )
 from pipeline.credit.result import CreditResult
 from pipeline.stages import NO_IO, StageIO, StageOutput, batch_stage, method_key
+from schemas import one_chunk
 from schemas.advantages import COMPONENT_FIELDS, COMPONENTS
 
 CREDIT = "credit"
@@ -131,11 +132,11 @@ def overflow_groups(trajectories: pa.Table) -> list[str]:
     would overflow (1e308 and -1e308 in one group made every group-relative method of the round fail)."""
     if trajectories.num_rows == 0 or "reward" not in trajectories.column_names:
         return []
-    reward = trajectories.column("reward").combine_chunks()
+    reward = one_chunk(trajectories.column("reward"))
     r = np.asarray(reward.fill_null(0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
     bad = ~np.isfinite(r) | (np.abs(r) > SAFE_MAGNITUDE)
     if "reward_components" in trajectories.column_names:
-        values = _component_values(trajectories.column("reward_components").combine_chunks())
+        values = _component_values(one_chunk(trajectories.column("reward_components")))
         if values is not None:
             v, parent = values
             hit = ~np.isfinite(v) | (np.abs(v) > SAFE_MAGNITUDE)
