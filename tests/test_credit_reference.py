@@ -193,7 +193,9 @@ def ref_turn_ppo(trajs, by_traj, gamma=0.99, lam=0.9, turn_reward="outcome", whi
     return adv, ret
 
 
-def ref_mt_grpo(trajs, by_traj, groups, mode="aae", lam=1.0, cae_gamma=1.0, eps=1e-4):
+def ref_mt_grpo(
+    trajs, by_traj, groups, mode="aae", lam=1.0, cae_gamma=1.0, eps=1e-4, turn_reward="verifier_score"
+):
     out = {}
     if mode == "kturn":
         A_O = {}
@@ -215,6 +217,10 @@ def ref_mt_grpo(trajs, by_traj, groups, mode="aae", lam=1.0, cae_gamma=1.0, eps=
         R_O = [t["reward"] for t in members]
         R_T = []
         for t in members:
+            if turn_reward == "tool_ok":  # the first tool result: 1 when it is no error (none: 0)
+                first = next((s for s in by_traj[t["traj_id"]] if s["role"] == "tool"), None)
+                R_T.append(0.0 if first is None else float(not first["is_error"]))
+                continue
             first = next((s for s in by_traj[t["traj_id"]] if s["role"] == "assistant"), None)
             R_T.append(first["verifier_score"] if first and first["verifier_score"] is not None else 0.0)
         A_O, A_T = norm(R_O, eps), norm(R_T, eps)
@@ -422,6 +428,20 @@ def test_mt_grpo_matches_reference(round_, mode, lam):
         "mt_grpo",
         ref_mt_grpo(trajs, by_traj, groups, mode=mode, lam=lam, cae_gamma=0.7),
         {"mt_grpo": {"mode": mode, "turn_advantage_coef": lam, "cae_gamma": 0.7}},
+    )
+
+
+@SETTINGS
+@given(ROUNDS, st.sampled_from(["aae", "cae"]))
+def test_mt_grpo_tool_ok_turn_reward_matches_reference(round_, mode):
+    traj, steps = round_
+    trajs, by_traj, groups = load(traj, steps)
+    check(
+        traj,
+        steps,
+        "mt_grpo",
+        ref_mt_grpo(trajs, by_traj, groups, mode=mode, cae_gamma=0.7, turn_reward="tool_ok"),
+        {"mt_grpo": {"mode": mode, "cae_gamma": 0.7, "turn_reward": "tool_ok"}},
     )
 
 

@@ -21,6 +21,8 @@ from typing import Literal
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import Field
 
 from pipeline.credit.batch import CreditBatch
@@ -62,8 +64,8 @@ def anchor_observations(batch: CreditBatch) -> pl.DataFrame:
 
     Whole-column: each anchor is a run of rows, so a one-step anchor is that step's content (a take) and only
     the anchors of several steps are joined."""
-    steps = batch.steps
-    is_asst = steps["is_assistant"].to_numpy()
+    steps = batch.step_table
+    is_asst = batch.step_is_assistant
     traj = batch.step_traj
     n = len(is_asst)
     idx = np.arange(n)
@@ -74,35 +76,33 @@ def anchor_observations(batch: CreditBatch) -> pl.DataFrame:
     rows = np.flatnonzero(is_asst)
     run_start = np.maximum(prev_asst[rows] + 1, traj_start[rows])
     run_len = rows - run_start
-    content = steps["content"] if "content" in steps.columns else pl.Series("content", [None] * n, pl.String)
-    # a null index (no observation before the turn) gathers a null: "" like a null content
-    first = pl.Series(np.where(run_len > 0, run_start, 0), dtype=pl.Int64).scatter(
-        np.flatnonzero(run_len == 0), None
-    )
-    anchor = content.gather(first).fill_null("")
+    # the contents in Arrow (a take of the anchors' rows: no frame of every step's text)
+    content = steps.column("content") if "content" in steps.column_names else pa.nulls(n, pa.string())
+    # a null index (no observation before the turn) takes a null: "" like a null content
+    first = pa.array(np.where(run_len > 0, run_start, 0), mask=run_len == 0)
+    anchor = pl.Series("anchor", pc.fill_null(pc.take(content, first), "")).cast(pl.String)
     multi = np.flatnonzero(run_len > 1)
     if len(multi):  # several observation steps: join them (a loop over those anchors, not over tokens)
         lens = run_len[multi]
         member = np.repeat(run_start[multi] - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
-        texts = iter(content.gather(member).to_list())  # the runs' rows only, in order
+        texts = iter(pc.take(content, pa.array(member)).to_pylist())  # the runs' rows only, in order
         joined = ["\n".join(t for t in itertools.islice(texts, k) if t is not None) for k in lens.tolist()]
         anchor = anchor.scatter(multi, pl.Series(joined, dtype=pl.String))
-    cols = [c for c in ("traj_index", "group_index", "is_error", "verifier_score") if c in steps.columns]
-    asst = steps.select(*cols, "is_assistant").filter(pl.col("is_assistant"))  # not the content
     turns_before = idx[: len(rows)] - np.searchsorted(
         rows, traj_start[rows]
     )  # assistant steps before, same trajectory
+    take = pa.array(rows)
     return pl.DataFrame(
         {
             "step_row": pl.Series(rows, dtype=pl.UInt32),
-            "traj_index": asst["traj_index"],
-            "group_index": asst["group_index"],
+            "traj_index": pl.Series(traj[rows], dtype=pl.Int64),
+            "group_index": pl.Series(batch.traj_group[traj[rows]], dtype=pl.Int64),
             "turns_before": pl.Series(turns_before, dtype=pl.Int64),
-            "is_error": asst["is_error"]
-            if "is_error" in asst.columns
+            "is_error": pl.Series(pc.take(steps.column("is_error"), take))
+            if "is_error" in steps.column_names
             else pl.Series([None] * len(rows), dtype=pl.Boolean),
-            "verifier_score": asst["verifier_score"],
-            "anchor": anchor.rename("anchor"),
+            "verifier_score": pl.Series(pc.take(steps.column("verifier_score"), take)).cast(pl.Float64),
+            "anchor": anchor,
         }
     )
 

@@ -19,6 +19,7 @@ from typing import Literal
 
 import numpy as np
 import polars as pl
+import pyarrow.compute as pc
 from pydantic import Field
 
 from pipeline.credit.batch import CreditBatch
@@ -43,15 +44,21 @@ class MTGRPOSettings(StageSettings):
 
 def turn_reward(batch: CreditBatch, source: str) -> tuple[np.ndarray, int]:
     """Per-trajectory R^T for aae/cae and the number of trajectories where it was missing (-> 0)."""
-    steps = batch.steps.with_row_index("row")
-    if source == "verifier_score":
-        first = (
-            steps.filter(pl.col("is_assistant")).group_by("traj_index").agg(pl.col("verifier_score").first())
-        )
-        keys, vals = first["traj_index"].to_numpy(), first["verifier_score"].fill_nan(None).to_numpy()
-    elif source == "tool_ok":
-        first = steps.filter(pl.col("role") == "tool").group_by("traj_index").agg(pl.col("is_error").first())
-        keys, vals = first["traj_index"].to_numpy(), (~first["is_error"].to_numpy()).astype(np.float64)
+    if source in ("verifier_score", "tool_ok"):
+        # the trajectory's first assistant step's score, or whether its first tool step is no error: the first
+        # such row of each trajectory (the rows are in trajectory order), whole-column
+        if source == "verifier_score":
+            rows = np.flatnonzero(batch.step_is_assistant)
+        else:
+            rows = np.flatnonzero(
+                pc.equal(batch.step_table.column("role"), "tool").to_numpy(zero_copy_only=False)
+            )
+        keys, first = np.unique(batch.step_traj[rows], return_index=True)
+        if source == "verifier_score":
+            vals = batch.step_floats("verifier_score")[rows[first]]
+        else:
+            is_error = batch.step_table.column("is_error").to_numpy(zero_copy_only=False)
+            vals = (~is_error[rows[first]].astype(bool)).astype(np.float64)
     elif source.startswith("component:"):
         name = source.split(":", 1)[1]
         long = (
@@ -79,18 +86,17 @@ def turn_reward(batch: CreditBatch, source: str) -> tuple[np.ndarray, int]:
 def mt_grpo(batch: CreditBatch, settings: MTGRPOSettings) -> CreditResult:
     """Outcome advantage plus a turn-level advantage on the first turn (or on every turn, kturn)."""
     g, lam, eps = batch.traj_group, settings.turn_advantage_coef, settings.eps
-    steps = batch.steps
-    is_asst = steps["is_assistant"].to_numpy()
+    is_asst = batch.step_is_assistant
     R_O = batch.rewards()
     A_O = group_normalize(R_O, g, eps=eps)  # Eq. 1: Â^O
     if settings.mode == "kturn":
         # Â^T_{i,k}: verifier score of turn k, normalised per (prompt, k)
         rows = np.flatnonzero(is_asst)
-        turn = steps["turn"].fill_null(0).to_numpy()[rows].astype(np.int64)
+        turn = pc.fill_null(batch.step_table.column("turn"), 0).to_numpy()[rows].astype(np.int64)
         _, key = np.unique(
-            steps["group_index"].to_numpy()[rows] * (turn.max(initial=0) + 1) + turn, return_inverse=True
+            batch.traj_group[batch.step_traj[rows]] * (turn.max(initial=0) + 1) + turn, return_inverse=True
         )
-        r = steps["verifier_score"].fill_nan(None).to_numpy()[rows].astype(np.float64)
+        r = batch.step_floats("verifier_score")[rows]
         missing = int(np.isnan(r).sum())
         R_T_step = np.full(batch.n_steps, np.nan)
         R_T_step[rows] = np.nan_to_num(r, nan=0.0)
@@ -101,7 +107,7 @@ def mt_grpo(batch: CreditBatch, settings: MTGRPOSettings) -> CreditResult:
 
     R_T, missing = turn_reward(batch, settings.turn_reward)
     # tokens before the first tool-result message
-    is_tool = (steps["role"] == "tool").to_numpy()
+    is_tool = pc.equal(batch.step_table.column("role"), "tool").to_numpy(zero_copy_only=False)
     tools_before = np.cumsum(is_tool) - is_tool  # tool results before each step, over the whole batch
     tools_so_far = np.cumsum(is_tool) - tools_before[segment_start_rows(batch.step_traj)]
     before_tool = tools_so_far == 0
