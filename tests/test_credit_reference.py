@@ -418,30 +418,21 @@ def test_turn_ppo_matches_reference(round_, turn_reward, whiten):
 
 
 @SETTINGS
-@given(ROUNDS, st.sampled_from(["aae", "cae", "kturn"]), st.sampled_from([1.0, 0.5]))
-def test_mt_grpo_matches_reference(round_, mode, lam):
+@given(
+    ROUNDS,
+    st.sampled_from(["aae", "cae", "kturn"]),
+    st.sampled_from([1.0, 0.5]),
+    st.sampled_from(["verifier_score", "tool_ok"]),
+)
+def test_mt_grpo_matches_reference(round_, mode, lam, turn_reward):
     traj, steps = round_
     trajs, by_traj, groups = load(traj, steps)
     check(
         traj,
         steps,
         "mt_grpo",
-        ref_mt_grpo(trajs, by_traj, groups, mode=mode, lam=lam, cae_gamma=0.7),
-        {"mt_grpo": {"mode": mode, "turn_advantage_coef": lam, "cae_gamma": 0.7}},
-    )
-
-
-@SETTINGS
-@given(ROUNDS, st.sampled_from(["aae", "cae"]))
-def test_mt_grpo_tool_ok_turn_reward_matches_reference(round_, mode):
-    traj, steps = round_
-    trajs, by_traj, groups = load(traj, steps)
-    check(
-        traj,
-        steps,
-        "mt_grpo",
-        ref_mt_grpo(trajs, by_traj, groups, mode=mode, cae_gamma=0.7, turn_reward="tool_ok"),
-        {"mt_grpo": {"mode": mode, "cae_gamma": 0.7, "turn_reward": "tool_ok"}},
+        ref_mt_grpo(trajs, by_traj, groups, mode=mode, lam=lam, cae_gamma=0.7, turn_reward=turn_reward),
+        {"mt_grpo": {"mode": mode, "turn_advantage_coef": lam, "cae_gamma": 0.7, "turn_reward": turn_reward}},
     )
 
 
