@@ -287,7 +287,11 @@ def test_the_common_estimators_and_their_table_build_no_frame():
     batch = CreditBatch.from_arrow(traj, steps, method_step_columns(FRAMELESS))
     for method, result in run_methods(batch, FRAMELESS).items():
         assert advantages_table(batch, method, result).num_rows == batch.n_steps
-    assert batch.frames == {}
+    assert not {"steps", "trajectories"} & set(batch.derived)
+    per_step = CreditBatch.from_arrow(traj, steps, method_step_columns(["grpo"]))
+    for method, result in run_methods(per_step, ["grpo", "rloo"]).items():
+        advantages_table(per_step, method, result)
+    assert per_step.derived == {}  # no token mask either (a per-step layout needs none)
     frame = batch.steps
     np.testing.assert_array_equal(frame["is_assistant"].to_numpy(), batch.step_is_assistant)
     np.testing.assert_array_equal(frame["n_tokens"].to_numpy(), batch.step_tokens)
@@ -296,7 +300,10 @@ def test_the_common_estimators_and_their_table_build_no_frame():
     trajectories = batch.trajectories
     assert trajectories["traj_id"].to_list() == sorted(traj.column("traj_id").to_pylist())
     np.testing.assert_array_equal(trajectories["group_index"].to_numpy(), batch.traj_group)
-    assert set(batch.frames) == {"steps", "trajectories"} and batch.steps is frame  # built once
+    assert {"steps", "trajectories"} <= set(batch.derived) and batch.steps is frame  # built once
+    np.testing.assert_array_equal(
+        batch.tok_mask, np.repeat(frame["is_assistant"].to_numpy(), batch.step_tokens)
+    )
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,10 +1,12 @@
 """The credit batch: the frozen, columnar view of one batch of whole groups that every estimator and refiner
 reads.
 
-`CreditBatch.from_arrow` builds everything once, whole-column, from the Arrow tables: tokens of all steps laid
-end to end in (traj_id, step_idx) order, the assistant-token mask (the loss mask), and the per-token float
-columns its methods declare (`logprobs`, `values`: `TokenFloats`, typed accessors, NaN where unknown).
-Per-step and per-trajectory columns stay in Polars frames. Per-token indices (`token_steps`, `mask_steps`, ...)
+`CreditBatch.from_arrow` builds it once, whole-column, from the Arrow tables: tokens of all steps laid end to
+end in (traj_id, step_idx) order, each step's trajectory, group, tokens and first token as NumPy arrays, and the
+per-token float columns its methods declare (`logprobs`, `values`: `TokenFloats`, typed accessors, NaN where
+unknown). The rows stay in their Arrow tables; what is derived from them on a method's first ask is kept (the
+assistant-token mask, the loss mask: `tok_mask`; the Polars frames `trajectories` and `steps`): a per-step
+estimator and the advantages table ask for none of them. Per-token indices (`token_steps`, `mask_steps`, ...)
 are explicit methods that build their array on each call: a method that never asks never pays for them.
 Estimators are whole-column passes over these arrays, never Python loops over tokens. What they return:
 pipeline/credit/result.py."""
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import numpy as np
 import polars as pl
@@ -252,7 +254,6 @@ class CreditBatch:
     step_tokens: np.ndarray  # int64 per step: its tokens
     step_starts: np.ndarray  # int64 per step: its first token
     step_is_assistant: np.ndarray  # bool per step: an assistant step
-    tok_mask: np.ndarray  # bool per token: an assistant token (gets credit, in the loss)
     logprobs: TokenFloats  # behaviour logprobs (steps.logprobs); all unknown unless a method declares them
     values: TokenFloats  # critic values (steps.values); all unknown unless a method declares them
     config: Config | None = None  # the run's settings (None: every stage's defaults)
@@ -265,8 +266,8 @@ class CreditBatch:
     # an estimator's intermediate of this batch for a later call on the same batch: the statistics pass's, for
     # credit of a kept batch (pipeline.credit.process.keeping_credit_batches; gae's Eq. 1-4); never the batch's data
     memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
-    # the Polars frames, built on first ask (`trajectories`, `steps`): derived from the fields above
-    frames: dict[str, pl.DataFrame] = field(default_factory=dict, compare=False, repr=False)
+    # what is derived from the fields above on first ask (`tok_mask`, the frames `trajectories` and `steps`)
+    derived: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -343,9 +344,6 @@ class CreditBatch:
             step_tokens=lengths,
             step_starts=starts,
             step_is_assistant=is_assistant,
-            tok_mask=np.repeat(
-                is_assistant, lengths
-            ),  # runs of per-step values: sequential copies, no gathers
             logprobs=token_floats("logprobs"),
             values=token_floats("values"),
             config=config,
@@ -354,29 +352,38 @@ class CreditBatch:
             round_stats=round_stats,
         )
 
-    # ---- the Polars frames (built on first ask) -------------------------------------------------
+    # ---- derived on first ask (kept) -------------------------------------------------------------
+    @property
+    def tok_mask(self) -> np.ndarray:
+        """bool per token: an assistant token (gets credit, in the loss)."""
+        mask = self.derived.get("tok_mask")
+        if mask is None:
+            # runs of per-step values: sequential copies, no gathers
+            mask = self.derived["tok_mask"] = np.repeat(self.step_is_assistant, self.step_tokens)
+        return cast(np.ndarray, mask)
+
     @property
     def trajectories(self) -> pl.DataFrame:
         """One row per trajectory, sorted by traj_id; traj_index, group_index."""
-        frame = self.frames.get("trajectories")
+        frame = self.derived.get("trajectories")
         if frame is None:
-            frame = self.frames["trajectories"] = _trajectory_frame(self.traj_table, self.traj_group)
-        return frame
+            frame = self.derived["trajectories"] = _trajectory_frame(self.traj_table, self.traj_group)
+        return cast(pl.DataFrame, frame)
 
     @property
     def steps(self) -> pl.DataFrame:
         """One row per step, sorted by (traj_index, step_idx); tok_start, n_tokens, traj_index, group_index,
         is_assistant."""
-        frame = self.frames.get("steps")
+        frame = self.derived.get("steps")
         if frame is None:
-            frame = self.frames["steps"] = pl.DataFrame(self.step_table).with_columns(
+            frame = self.derived["steps"] = pl.DataFrame(self.step_table).with_columns(
                 pl.Series("n_tokens", self.step_tokens),
                 pl.Series("tok_start", self.step_starts),
                 pl.Series("traj_index", self.step_traj),
                 pl.Series("group_index", self.traj_group[self.step_traj]),
                 pl.Series("is_assistant", self.step_is_assistant),
             )
-        return frame
+        return cast(pl.DataFrame, frame)
 
     # ---- sizes and indices ----------------------------------------------------------------------
     @property
@@ -389,7 +396,7 @@ class CreditBatch:
 
     @property
     def n_tokens(self) -> int:
-        return len(self.tok_mask)
+        return int(self.step_starts[-1] + self.step_tokens[-1]) if len(self.step_starts) else 0
 
     @property
     def n_groups(self) -> int:

@@ -316,7 +316,7 @@ def _finish(
     if result.mask_adv is not None:
         # on the assistant tokens (CreditResult.on_mask): zero elsewhere by construction; check those
         adv = result.mask_adv
-        n_mask = int(np.count_nonzero(batch.tok_mask))
+        n_mask = int(batch.step_tokens[batch.step_is_assistant].sum())
         if adv.shape != (n_mask,):
             raise MethodError(f"estimator returned {adv.shape} advantages for {n_mask} assistant tokens")
         if not np.isfinite(adv.sum()) and not np.isfinite(adv).all():

@@ -15,21 +15,22 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class TokenLayout:
-    """What lays a per-step or on-mask result over a batch's tokens: the mask and the steps' token counts."""
+    """What lays a per-step or on-mask result over a batch's tokens: which steps are the assistant's and their
+    token counts (the token mask is built from them only where an on-mask result is laid out)."""
 
-    tok_mask: np.ndarray
+    step_is_assistant: np.ndarray
     step_tokens: np.ndarray
 
     @classmethod
     def of(cls, batch: CreditBatch) -> TokenLayout:
-        return cls(batch.tok_mask, batch.step_tokens)
+        return cls(batch.step_is_assistant, batch.step_tokens)
 
     def per_token(self, per_step: np.ndarray | None, on_mask: np.ndarray | None) -> np.ndarray:
         if per_step is not None:
             return np.repeat(per_step, self.step_tokens)
         assert on_mask is not None
-        out = np.zeros(len(self.tok_mask))
-        out[self.tok_mask] = on_mask
+        out = np.zeros(int(self.step_tokens.sum()))
+        out[np.repeat(self.step_is_assistant, self.step_tokens)] = on_mask
         return out
 
 
