@@ -167,7 +167,8 @@ def gigpo(batch: CreditBatch, settings: GiGPOSettings) -> CreditResult:
     A_E = (R - mu) / (sigma + eps) if std_norm else R - mu
 
     if settings.step_reward == "verifier_score":  # Eq. 2
-        r = rows["verifier_score"].fill_nan(None).fill_null(0.0).to_numpy().astype(np.float64)
+        score = rows["verifier_score"].to_numpy().astype(np.float64)  # (null: NaN)
+        r = np.where(np.isnan(score), 0.0, score)
     else:
         _, last = segment_bounds(traj)
         r = np.where(last, R, 0.0)
