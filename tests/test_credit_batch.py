@@ -341,3 +341,20 @@ def test_one_chunk_keeps_a_single_chunk_as_it_is():
     assert out.to_pylist() == [2.0, 3.0] and out.buffers()[1].address == col.chunk(0).buffers()[1].address
     two = pa.chunked_array([pa.array([1.0]), pa.array([2.0])])
     assert one_chunk(two).to_pylist() == [1.0, 2.0] and one_chunk(pa.array([5])).to_pylist() == [5]
+
+
+def test_tables_with_string_views_give_the_same_advantages():
+    """A caller's tables exported by Polars at its newest compatibility level hold string views, nested ones in
+    the reward components too (Arrow sorts, ranks and takes none): the batch reads them as large strings, and
+    every method's advantages table is the one of the same rows as plain Arrow strings."""
+    import polars as pl
+
+    traj, steps = random_round(3, max_groups=3, max_group_size=3, max_steps=5)
+    newest = pl.CompatLevel.newest()
+    viewed = [pl.DataFrame(t).to_arrow(compat_level=newest) for t in (traj, steps)]
+    assert pa.types.is_string_view(viewed[1].schema.field("role").type)
+    plain = CreditBatch.from_arrow(traj, steps)
+    batch = CreditBatch.from_arrow(*viewed)
+    for method, result in run_methods(batch, [*FRAMELESS, "gigpo", "mt_grpo"]).items():
+        expect = run_methods(plain, [method])[method]
+        assert advantages_table(batch, method, result).equals(advantages_table(plain, method, expect))

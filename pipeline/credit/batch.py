@@ -188,13 +188,30 @@ def _derived_from_sources(steps: pa.Table, columns: Collection[str]) -> pa.Table
     return steps
 
 
+def _without_views(t: pa.DataType) -> pa.DataType:
+    """`t` with every string or binary view in it (nested ones too) as a large string or binary."""
+    if pa.types.is_string_view(t):
+        return pa.large_string()
+    if pa.types.is_binary_view(t):
+        return pa.large_binary()
+    if pa.types.is_map(t):
+        return pa.map_(_without_views(t.key_type), t.item_field.with_type(_without_views(t.item_type)))
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        item = t.value_field.with_type(_without_views(t.value_type))
+        return pa.large_list(item) if pa.types.is_large_list(t) else pa.list_(item)
+    if pa.types.is_struct(t):
+        return pa.struct([t.field(i).with_type(_without_views(t.field(i).type)) for i in range(t.num_fields)])
+    return t
+
+
 def _string_ids(table: pa.Table) -> pa.Table:
-    """`traj_id` as large strings where an in-memory table holds string views (polars' export; Arrow sorts no
-    views), else as it is."""
-    if "traj_id" not in table.column_names or not pa.types.is_string_view(table.schema.field("traj_id").type):
-        return table
-    i = table.schema.get_field_index("traj_id")
-    return table.set_column(i, "traj_id", table.column(i).cast(pa.large_string()))
+    """The table with its string and binary views, nested ones too, as large strings and binaries, where an
+    in-memory table holds them (polars' export at its newest compatibility level: Arrow sorts, ranks and takes
+    no views); else the table as it is."""
+    schema = pa.schema(
+        [f.with_type(_without_views(f.type)) for f in table.schema], metadata=table.schema.metadata
+    )
+    return table if schema.equals(table.schema) else table.cast(schema)
 
 
 def _sorted_trajectories(trajectories: pa.Table) -> pa.Table:
