@@ -204,7 +204,7 @@ def _without_views(t: pa.DataType) -> pa.DataType:
     return t
 
 
-def _string_ids(table: pa.Table) -> pa.Table:
+def _plain_strings(table: pa.Table) -> pa.Table:
     """The table with its string and binary views, nested ones too, as large strings and binaries, where an
     in-memory table holds them (polars' export at its newest compatibility level: Arrow sorts, ranks and takes
     no views); else the table as it is."""
@@ -212,6 +212,11 @@ def _string_ids(table: pa.Table) -> pa.Table:
         [f.with_type(_without_views(f.type)) for f in table.schema], metadata=table.schema.metadata
     )
     return table if schema.equals(table.schema) else table.cast(schema)
+
+
+def _role_mask(steps: pa.Table, role: str) -> np.ndarray:
+    """bool per step: its role is `role` (a null role is none)."""
+    return pc.fill_null(pc.equal(steps.column("role"), role), False).to_numpy()
 
 
 def _sorted_trajectories(trajectories: pa.Table) -> pa.Table:
@@ -229,8 +234,6 @@ def _group_index(trajectories: pa.Table) -> np.ndarray:
         row = pc.index(pc.is_null(group_id), True).as_py()
         traj = trajectories.column("traj_id")[row].as_py()
         raise ValueError(f"trajectories: trajectory {traj!r}: field 'group_id' is null")
-    if pa.types.is_string_view(group_id.type):  # (polars' export; Arrow ranks no views)
-        group_id = group_id.cast(pa.large_string())
     return pc.rank(group_id, tiebreaker="dense").to_numpy().astype(np.int64) - 1
 
 
@@ -307,7 +310,7 @@ class CreditBatch:
         batch no tokens (every step 0 tokens long): for a statistics pass whose statistics read none
         (registry.RoundStatistics.tokens). A `steps` table without columns (the pass read none: no statistic
         reads the steps, `registry.statistics_step_columns`): a batch of the trajectories without steps."""
-        trajectories, steps = _string_ids(trajectories), _string_ids(steps)
+        trajectories, steps = _plain_strings(trajectories), _plain_strings(steps)
         trajectories = _sorted_trajectories(trajectories)
         traj_group = _group_index(trajectories)
         if not steps.column_names:  # a read of no columns: a statistics pass whose statistics read no steps
@@ -341,7 +344,7 @@ class CreditBatch:
             bad = steps.column("traj_id")[pc.index(pc.is_null(traj_index), True).as_py()].as_py()
             raise ValueError(f"steps: traj_id {bad!r} has no row in trajectories")
         step_traj = traj_index.to_numpy().astype(np.int64)
-        is_assistant = pc.fill_null(pc.equal(steps.column("role"), "assistant"), False).to_numpy()
+        is_assistant = _role_mask(steps, "assistant")
         mask_rows = np.flatnonzero(is_assistant & (lengths > 0))
 
         def token_floats(name: str) -> TokenFloats:
@@ -446,6 +449,10 @@ class CreditBatch:
         """The trajectories' reward components as list<struct<key, value>> per trajectory row (a map's entries),
         read from the Arrow table (no frame); None: the batch has no such column."""
         return _component_entries(self.traj_table)
+
+    def role_mask(self, role: str) -> np.ndarray:
+        """bool per step: its role is `role` (a null role is none; `step_is_assistant` is this for "assistant")."""
+        return _role_mask(self.step_table, role)
 
     def step_floats(self, name: str) -> np.ndarray:
         """A scalar steps column as float64 per step (NaN where null), read from the Arrow table (no frame)."""

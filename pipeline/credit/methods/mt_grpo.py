@@ -42,11 +42,6 @@ class MTGRPOSettings(StageSettings):
     eps: float = Field(1e-4, description="added to the unbiased group std (MT-GRPO code)")
 
 
-def _is_role(batch: CreditBatch, role: str) -> np.ndarray:
-    """bool per step: the step's role is `role` (a null role is none)."""
-    return pc.fill_null(pc.equal(batch.step_table.column("role"), role), False).to_numpy()
-
-
 def turn_reward(batch: CreditBatch, source: str) -> tuple[np.ndarray, int]:
     """Per-trajectory R^T for aae/cae and the number of trajectories where it was missing (-> 0)."""
     if source in ("verifier_score", "tool_ok"):
@@ -55,7 +50,7 @@ def turn_reward(batch: CreditBatch, source: str) -> tuple[np.ndarray, int]:
         if source == "verifier_score":
             rows = np.flatnonzero(batch.step_is_assistant)
         else:
-            rows = np.flatnonzero(_is_role(batch, "tool"))
+            rows = np.flatnonzero(batch.role_mask("tool"))
         keys, first = np.unique(batch.step_traj[rows], return_index=True)
         if source == "verifier_score":
             vals = batch.step_floats("verifier_score")[rows[first]]
@@ -110,7 +105,7 @@ def mt_grpo(batch: CreditBatch, settings: MTGRPOSettings) -> CreditResult:
 
     R_T, missing = turn_reward(batch, settings.turn_reward)
     # tokens before the first tool-result message
-    is_tool = _is_role(batch, "tool")
+    is_tool = batch.role_mask("tool")
     tools_before = np.cumsum(is_tool) - is_tool  # tool results before each step, over the whole batch
     tools_so_far = np.cumsum(is_tool) - tools_before[segment_start_rows(batch.step_traj)]
     before_tool = tools_so_far == 0
