@@ -16,7 +16,7 @@ An action is invalid when its assistant step has is_error = true."""
 from __future__ import annotations
 
 import difflib
-import itertools
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -36,6 +36,7 @@ from pipeline.credit.ops import (
 from pipeline.credit.registry import estimator
 from pipeline.credit.result import CreditResult
 from pipeline.settings import StageSettings, register_settings
+from schemas import one_chunk
 
 
 @register_settings("gigpo")
@@ -57,13 +58,40 @@ class GiGPOSettings(StageSettings):
     similarity_thresh: float = Field(0.9, description="SequenceMatcher ratio to join a cluster (IAPO: 0.9)")
 
 
-def anchor_observations(batch: CreditBatch) -> pl.DataFrame:
-    """Assistant steps (`step_row`, traj_index, group_index, turns_before) with their anchor observation text:
-    the contents (nulls skipped) of the non-assistant steps between the previous assistant step of the
-    trajectory (or its start) and this one, joined by newlines; "" when there are none.
+@dataclass(frozen=True)
+class AnchorRows:
+    """The batch's assistant steps, in row order, with their anchor observations (Arrow strings: "" where the
+    turn has none); one entry per assistant step."""
 
-    Whole-column: each anchor is a run of rows, so a one-step anchor is that step's content (a take) and only
-    the anchors of several steps are joined."""
+    step_row: np.ndarray  # int64: the step's row in the batch
+    traj_index: np.ndarray  # int64: its trajectory's row
+    group_index: np.ndarray  # int64: its prompt group (the batch's dense group index)
+    turns_before: np.ndarray  # int64: the assistant steps before it in its trajectory
+    anchor: pa.Array
+
+    def __len__(self) -> int:
+        return len(self.step_row)
+
+    def frame(self) -> pl.DataFrame:
+        """As a Polars frame (the similarity clusters; a reader's view)."""
+        return pl.DataFrame(
+            {
+                "step_row": pl.Series(self.step_row, dtype=pl.UInt32),
+                "traj_index": pl.Series(self.traj_index, dtype=pl.Int64),
+                "group_index": pl.Series(self.group_index, dtype=pl.Int64),
+                "turns_before": pl.Series(self.turns_before, dtype=pl.Int64),
+                "anchor": pl.Series(self.anchor).cast(pl.String),
+            }
+        )
+
+
+def anchor_observations(batch: CreditBatch) -> AnchorRows:
+    """The assistant steps with their anchor observation text: the contents (nulls skipped) of the non-assistant
+    steps between the previous assistant step of the trajectory (or its start) and this one, joined by
+    newlines; "" when there are none.
+
+    Whole-column, in Arrow: each anchor is a run of rows, so the anchors are one take of those rows' contents
+    (the nulls dropped), laid out as a list per assistant step and joined (`binary_join`)."""
     steps = batch.step_table
     is_asst = batch.step_is_assistant
     traj = batch.step_traj
@@ -76,57 +104,54 @@ def anchor_observations(batch: CreditBatch) -> pl.DataFrame:
     rows = np.flatnonzero(is_asst)
     run_start = np.maximum(prev_asst[rows] + 1, traj_start[rows])
     run_len = rows - run_start
-    # the contents in Arrow (a take of the anchors' rows: no frame of every step's text)
+    # every anchor's rows end to end (each non-assistant row is in at most one run: the one before the next turn)
+    ends = np.cumsum(run_len)
+    member = np.repeat(run_start - ends + run_len, run_len) + np.arange(int(ends[-1]) if len(ends) else 0)
     content = steps.column("content") if "content" in steps.column_names else pa.nulls(n, pa.string())
-    # a null index (no observation before the turn) takes a null: "" like a null content
-    first = pa.array(np.where(run_len > 0, run_start, 0), mask=run_len == 0)
-    anchor = pl.Series("anchor", pc.fill_null(pc.take(content, first), "")).cast(pl.String)
-    multi = np.flatnonzero(run_len > 1)
-    if len(multi):  # several observation steps: join them (a loop over those anchors, not over tokens)
-        lens = run_len[multi]
-        member = np.repeat(run_start[multi] - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
-        texts = iter(pc.take(content, pa.array(member)).to_pylist())  # the runs' rows only, in order
-        joined = ["\n".join(t for t in itertools.islice(texts, k) if t is not None) for k in lens.tolist()]
-        anchor = anchor.scatter(multi, pl.Series(joined, dtype=pl.String))
-    turns_before = idx[: len(rows)] - np.searchsorted(
-        rows, traj_start[rows]
-    )  # assistant steps before, same trajectory
-    take = pa.array(rows)
-    return pl.DataFrame(
-        {
-            "step_row": pl.Series(rows, dtype=pl.UInt32),
-            "traj_index": pl.Series(traj[rows], dtype=pl.Int64),
-            "group_index": pl.Series(batch.traj_group[traj[rows]], dtype=pl.Int64),
-            "turns_before": pl.Series(turns_before, dtype=pl.Int64),
-            "is_error": pl.Series(pc.take(steps.column("is_error"), take))
-            if "is_error" in steps.column_names
-            else pl.Series([None] * len(rows), dtype=pl.Boolean),
-            "verifier_score": pl.Series(pc.take(steps.column("verifier_score"), take)).cast(pl.Float64),
-            "anchor": anchor,
-        }
+    content = one_chunk(content)
+    if not (pa.types.is_string(content.type) or pa.types.is_large_string(content.type)):
+        content = content.cast(pa.large_string())
+    texts = content.take(pa.array(member, pa.int64()))
+    valid = texts.is_valid().to_numpy(zero_copy_only=False)
+    kept = np.bincount(np.repeat(np.arange(len(rows)), run_len)[valid], minlength=len(rows))
+    offsets = np.concatenate([[0], np.cumsum(kept)])
+    lists = pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), texts.filter(pa.array(valid)))
+    anchor = pc.binary_join(lists, pa.scalar("\n", content.type))
+    # the assistant steps before each, in the same trajectory
+    turns_before = idx[: len(rows)] - np.searchsorted(rows, traj_start[rows])
+    return AnchorRows(
+        rows.astype(np.int64),
+        traj[rows].astype(np.int64),
+        batch.traj_group[traj[rows]].astype(np.int64),
+        turns_before.astype(np.int64),
+        anchor,
     )
 
 
-def step_groups(rows: pl.DataFrame, enable_similarity: bool, thresh: float) -> np.ndarray:
-    """Dense step-group id per row: exact anchor match within the prompt group, or similarity clusters."""
+def invalid_actions(batch: CreditBatch, step_row: np.ndarray) -> np.ndarray:
+    """1.0 where the step's action is invalid (`is_error` true), else 0.0 (null or no column: valid)."""
+    steps = batch.step_table
+    if "is_error" not in steps.column_names:
+        return np.zeros(len(step_row))
+    flags = pc.fill_null(one_chunk(steps.column("is_error")), False).to_numpy(zero_copy_only=False)
+    return flags[step_row].astype(np.float64)
+
+
+def step_groups(rows: AnchorRows, enable_similarity: bool, thresh: float) -> np.ndarray:
+    """Dense step-group id per row: exact anchor match within the prompt group, or similarity clusters;
+    numbered in order of first appearance."""
+    if len(rows) == 0:
+        return np.zeros(0, dtype=np.int64)
     if not enable_similarity:
-        # exact: (prompt group, hash of the anchor text), every text checked against its key's first text (a
-        # collision falls back to numbering the distinct texts); numbered in order of first appearance
-        anchor, group = rows["anchor"], rows["group_index"].to_numpy()
-        with np.errstate(over="ignore"):
-            key = anchor.hash(seed=0).to_numpy() ^ (group.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+        # exact: Arrow numbers the distinct texts by first appearance (a hash table that compares the texts
+        # themselves: no collision can merge two), then each (prompt group, text) pair gets its own id
+        text_id = pc.dictionary_encode(rows.anchor).indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        key = rows.group_index * (int(text_id.max()) + 1) + text_id
         _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-        rep = first[inverse]
-        if not ((anchor == anchor.gather(rep)).all() and np.array_equal(group, group[rep])):
-            # a 64-bit collision: number the distinct texts exactly instead
-            text_id = anchor.unique(maintain_order=True)
-            tid = anchor.replace_strict(text_id, np.arange(len(text_id)), return_dtype=pl.Int64).to_numpy()
-            _, first, inverse = np.unique(
-                group.astype(np.int64) * max(len(text_id), 1) + tid, return_index=True, return_inverse=True
-            )
         order = np.argsort(np.argsort(first))  # number the keys by their first row
         return order[inverse.reshape(-1)].astype(np.int64)
-    uniq = rows.select("group_index", "anchor").unique(maintain_order=True).with_row_index("anchor_id")
+    frame = rows.frame()
+    uniq = frame.select("group_index", "anchor").unique(maintain_order=True).with_row_index("anchor_id")
     clusters: dict[int, list[tuple[str, int]]] = {}
     cluster = np.empty(uniq.height, dtype=np.int64)
     for i, (g, text) in enumerate(zip(uniq["group_index"].to_list(), uniq["anchor"].to_list(), strict=True)):
@@ -139,7 +164,7 @@ def step_groups(rows: pl.DataFrame, enable_similarity: bool, thresh: float) -> n
             members.append((text, i))
         cluster[i] = match
     uniq = uniq.with_columns(pl.Series("anchor_id", cluster))
-    return rows.join(uniq, on=["group_index", "anchor"], how="left", maintain_order="left")[
+    return frame.join(uniq, on=["group_index", "anchor"], how="left", maintain_order="left")[
         "anchor_id"
     ].to_numpy()
 
@@ -153,9 +178,7 @@ def step_groups(rows: pl.DataFrame, enable_similarity: bool, thresh: float) -> n
 def gigpo(batch: CreditBatch, settings: GiGPOSettings) -> CreditResult:
     """Episode-level group advantage plus anchor-state step advantage."""
     rows = anchor_observations(batch)
-    step_row = rows["step_row"].to_numpy()
-    traj = rows["traj_index"].to_numpy()
-    group = rows["group_index"].to_numpy()
+    step_row, traj, group = rows.step_row, rows.traj_index, rows.group_index
     eps, std_norm = settings.eps, settings.mode == "mean_std_norm"
 
     # Eq. 1: A^E over the step rows of the prompt group (trajectories weighted by their number of steps)
@@ -167,12 +190,12 @@ def gigpo(batch: CreditBatch, settings: GiGPOSettings) -> CreditResult:
     A_E = (R - mu) / (sigma + eps) if std_norm else R - mu
 
     if settings.step_reward == "verifier_score":  # Eq. 2
-        score = rows["verifier_score"].to_numpy().astype(np.float64)  # (null: NaN)
+        score = batch.step_floats("verifier_score")[step_row]  # (null: NaN)
         r = np.where(np.isnan(score), 0.0, score)
     else:
         _, last = segment_bounds(traj)
         r = np.where(last, R, 0.0)
-    r = r - settings.invalid_action_penalty_coef * rows["is_error"].fill_null(False).to_numpy()
+    r = r - settings.invalid_action_penalty_coef * invalid_actions(batch, step_row)
     G = segment_discounted_cumsum(r, traj, settings.gamma)  # Eq. 3
 
     # Eq. 4: A^S within step groups (anchor-state groups); a singleton step group gives 0
