@@ -383,6 +383,11 @@ class CreditBatch:
         return cast(np.ndarray, mask)
 
     @property
+    def mask_rows(self) -> np.ndarray:
+        """The assistant steps with tokens (step rows, in order): their tokens are `tok_mask`'s, in order."""
+        return self.values.mask_rows  # (built once by `from_arrow`, shared by both token columns)
+
+    @property
     def trajectories(self) -> pl.DataFrame:
         """One row per trajectory, sorted by traj_id; traj_index, group_index."""
         frame = self.derived.get("trajectories")

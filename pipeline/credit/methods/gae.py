@@ -103,11 +103,10 @@ def telescoped_moments(batch: CreditBatch, key: str) -> Moments:
     s (n_s tokens, trajectory reward R_s) A = R_s - V has mean R_s - mean(V_s) and m2 = m2(V_s); the steps merge
     as Chan et al.'s parallel update does, whole-column: mean = sum n_s mean_s / n, m2 = sum m2_s + sum n_s
     (mean_s - mean)^2. A step without values (NaN) names its trajectory, as the token path does."""
-    n_tok = batch.step_tokens
-    a = np.flatnonzero(batch.step_is_assistant & (n_tok > 0))
+    a = batch.mask_rows
     if len(a) == 0:
         return Moments()
-    n_s = n_tok[a].astype(np.float64)
+    n_s = batch.step_tokens[a].astype(np.float64)
     vm = batch.step_floats("values_mean")[a]
     vm2 = batch.step_floats("values_m2")[a]
     bad = ~(np.isfinite(vm) & np.isfinite(vm2))
@@ -166,9 +165,8 @@ def gae_advantages(
 
     With lam = 1 the recursion telescopes, A_t = gamma^(T-t) R - V_t (T: the trajectory's last assistant
     token), and needs no scan; otherwise a segmented discounted cumsum over each trajectory's tokens."""
-    n_tok = batch.step_tokens
-    a = np.flatnonzero(batch.step_is_assistant & (n_tok > 0))  # their tokens are the mask's, in order
-    lengths = n_tok[a]
+    a = batch.mask_rows  # the assistant steps with tokens: their tokens are the mask's, in order
+    lengths = batch.step_tokens[a]
     traj = batch.step_traj[a]
     V = batch.values.on_mask()
     n = len(V)

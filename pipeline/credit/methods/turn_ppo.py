@@ -43,7 +43,7 @@ class TurnPPOSettings(StageSettings):
 
 def turn_advantages(batch: CreditBatch, settings: TurnPPOSettings):
     """Eq. 1-4 on the states (assistant steps with tokens): (state step rows h, V, r, A_h)."""
-    h = np.flatnonzero(batch.step_is_assistant & (batch.step_tokens > 0))  # the states
+    h = batch.mask_rows  # the states
     traj = batch.step_traj[h]
     V = require_values(batch, batch.step_starts[h], "turn_ppo")  # Eq. 1
     _, last = segment_bounds(traj)
