@@ -63,8 +63,8 @@ def stage_io(config: Config) -> StageIO:
 # here (the very table when the columns are the same: credit then starts from the credit batch the statistics
 # pass built, pipeline.credit.process.keeping_credit_batches; columns it lacks are read from disk); an entry
 # is used once. A rewritten part has another identity: never served. Bounded: an entry that would take the
-# kept bytes past CREDITFLOW_READ_CACHE_MB (default 0: off; 256 was the default before) is not kept (that
-# batch is read again); a 64-group batch of 3.1M tokens keeps ~21 MB for gae. The flow
+# kept bytes past CREDITFLOW_READ_CACHE_MB (unset: the light rounds' default below; 0: off; 256 was the
+# default before) is not kept (that batch is read again); a 64-group batch of 3.1M tokens keeps ~21 MB for gae. The flow
 # (flows/process_round.py) keeps too where its statistics task and credit task of a batch run in the same
 # process (the thread runner without worker processes), for the span of the round (`keeping_round`: what
 # credit did not take is dropped when the round ends or fails). Measured (bench/results/credit.md, #36 "kept
@@ -73,9 +73,13 @@ def stage_io(config: Config) -> StageIO:
 # the issue's scale"): a 256 MB bound kept 5 of 8 batches, the statistics pass then cost 1.22-1.86 s against
 # 0.75-0.82 s (it reads credit's columns and builds credit batches) and credit saved only 0.2-0.4 s: a round's
 # CPU 2.05-2.61 s kept, 1.76-1.88 s off, and ~300 MB more at peak. A round whose batches all fit (a small one)
-# still gains ~0.1 s with it on.
+# still gains ~0.1 s with it on. What made keeping dear there is the per-token lists (gae's critic values) the
+# statistics pass then reads and holds for credit. Where credit reads no per-token list of the steps (GDPO: a few
+# scalars a step; `_light`), keeping costs a few MB a round and spares credit's second read and build of every
+# batch, so with CREDITFLOW_READ_CACHE_MB unset such a round keeps, bounded by LIGHT_READ_CACHE_MB.
 READ_CACHE_ENV = "CREDITFLOW_READ_CACHE_MB"
-READ_CACHE_MB = 0  # the default bound: off
+READ_CACHE_MB = 0  # the default bound: off (but for a light round, LIGHT_READ_CACHE_MB)
+LIGHT_READ_CACHE_MB = 64  # the default bound where credit reads no per-token list (a 512-group round: ~10 MB)
 _kept: dict[tuple, tuple[pa.Table, bool]] = {}  # part identity -> (what was read, whether every column)
 _owned: dict[
     tuple[str, int], set[int]
@@ -84,20 +88,29 @@ _rounds: dict[tuple[str, int], int] = {}  # the rounds a flow of this process ru
 _lock = threading.Lock()  # the flow's threads keep and take side by side
 
 
-def _cache_budget() -> int:
+def _cache_budget(light: bool = False) -> int:
+    """The kept reads' bound in bytes: CREDITFLOW_READ_CACHE_MB where set, else READ_CACHE_MB, or
+    LIGHT_READ_CACHE_MB for a round whose credit reads no per-token list (`light`)."""
+    raw = os.environ.get(READ_CACHE_ENV)
+    default = LIGHT_READ_CACHE_MB if light else READ_CACHE_MB
     try:
-        return int(float(os.environ.get(READ_CACHE_ENV, str(READ_CACHE_MB))) * 2**20)
+        return int(float(raw if raw is not None else default) * 2**20)
     except ValueError:
         return 0
 
 
+def _light(config: Config) -> bool:
+    """Whether credit reads no per-token list of the steps (its columns are a few values a step), so what the
+    statistics pass reads for it is small to keep."""
+    schema = TABLES["steps"].schema
+    return not any(
+        pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+        for t in (schema.field(c).type for c in get_stage(CREDIT).columns(config) or [] if c in schema.names)
+    )
+
+
 def _used() -> int:
     return sum(t.nbytes for t, _ in list(_kept.values())) + kept_bytes()
-
-
-def _room() -> bool:
-    """Whether the kept reads have room left (a read past it is not kept)."""
-    return _used() < _cache_budget()
 
 
 def _part_key(lake: Lake, table: str, round_: int, batch: str) -> tuple:
@@ -105,12 +118,19 @@ def _part_key(lake: Lake, table: str, round_: int, batch: str) -> tuple:
 
 
 def _read(
-    lake: Lake, table: str, round_: int, batch: str, columns: list[str] | None = None, keep: bool = False
+    lake: Lake,
+    table: str,
+    round_: int,
+    batch: str,
+    columns: list[str] | None = None,
+    keep: bool = False,
+    budget: int = 0,
 ) -> pa.Table:
     """read_batch of trajectories / steps, through the statistics pass's kept reads: `keep` keeps this read
-    (the statistics pass); otherwise a kept read of the same part is used (and dropped)."""
-    # kept reads off (the default budget): no part identity to take (a Delta lake's costs ~1 ms)
-    key = _part_key(lake, table, round_, batch) if ((keep and _cache_budget() > 0) or _kept) else None
+    (the statistics pass) while the kept bytes stay within `budget`; otherwise a kept read of the same part is
+    used (and dropped)."""
+    # kept reads off (no budget): no part identity to take (a Delta lake's costs ~1 ms)
+    key = _part_key(lake, table, round_, batch) if ((keep and budget > 0) or _kept) else None
     with _lock:
         hit = not keep and key in _kept and (columns is not None or _kept[key][1])
         got = _kept.pop(key)[0] if key is not None and hit else None
@@ -128,7 +148,7 @@ def _read(
     out = read_batch(lake, table, round_, batch, columns=columns)
     if key is not None and keep and key[-2] >= 0:
         with _lock:
-            if _used() + out.nbytes <= _cache_budget():
+            if _used() + out.nbytes <= budget:
                 _kept[key] = (out, columns is None)
                 _owned.setdefault((lake.uri, int(round_)), set()).add(id(out))
     return out
@@ -183,12 +203,14 @@ def keeps_round(lake_uri: str, round_: int) -> bool:
     return (lake_uri, int(round_)) in _rounds
 
 
-def _tokens(steps: pa.Table) -> int:
+def _tokens(steps: pa.Table, own: list[str] | None = None) -> int:
     """The batch's tokens, as far as the stage read them (0 for a stage that reads neither n_tokens nor
-    token_ids: a statistics pass whose statistics read no tokens, `RoundStatistics.tokens`)."""
-    if "n_tokens" in steps.column_names:
+    token_ids: a statistics pass whose statistics read no tokens, `RoundStatistics.tokens`). `own`: the columns
+    the stage itself reads (None: every column), where it read more for credit (the kept reads)."""
+    names = [c for c in steps.column_names if own is None or c in own]
+    if "n_tokens" in names:
         return int(pc.sum(steps.column("n_tokens")).as_py() or 0)
-    if "token_ids" not in steps.column_names:
+    if "token_ids" not in names:
         return 0
     return int(pc.sum(pc.list_value_length(steps.column("token_ids"))).as_py() or 0)
 
@@ -230,12 +252,15 @@ def _compute(
 ) -> _Done:
     """run_stage less its writes: read the batch's inputs, call the stage's function, lay out its parts."""
     t0 = time.perf_counter()
-    columns = stage.columns(config)
-    if keep_reads and columns is not None and _room():  # credit's columns too, in its order: served whole
+    columns = own = stage.columns(config)
+    budget = _cache_budget(_light(config)) if keep_reads else 0
+    if (
+        budget and columns is not None and _used() < budget
+    ):  # credit's columns too, in its order: served whole
         wanted = get_stage(CREDIT).columns(config) or []
         columns = [*wanted, *(c for c in columns if c not in wanted)]
-    traj = _read(lake, "trajectories", round_, batch, keep=keep_reads)
-    steps = _read(lake, "steps", round_, batch, columns=columns, keep=keep_reads)
+    traj = _read(lake, "trajectories", round_, batch, keep=keep_reads, budget=budget)
+    steps = _read(lake, "steps", round_, batch, columns=columns, keep=keep_reads, budget=budget)
     with _lock:
         held = [t for t, _ in _kept.values()]
     kept = keep_reads and any(t is steps for t in held) and any(t is traj for t in held)  # both: its key
@@ -264,7 +289,7 @@ def _compute(
         parts.setdefault(table, {})[part] = result
         rows[table] = rows.get(table, 0) + result.num_rows
     seconds = time.perf_counter() - t0
-    return _Done(parts, traj.num_rows, steps.num_rows, _tokens(steps), rows, out, seconds)
+    return _Done(parts, traj.num_rows, steps.num_rows, _tokens(steps, own), rows, out, seconds)
 
 
 def _summary(stage: str, batch: str, seconds: float, done: _Done) -> dict:

@@ -656,6 +656,60 @@ def test_kept_reads_off_take_no_part_identity(tmp_path, monkeypatch, fmt):
     fb._forget_kept()
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "delta"])
+def test_a_light_round_keeps_its_reads_by_default(tmp_path, monkeypatch, fmt):
+    """GDPO's credit reads no per-token list (`flows.batch._light`): with CREDITFLOW_READ_CACHE_MB unset, a plain
+    caller's statistics pass keeps the trajectories and steps it read (a few scalars a step) and credit reads
+    neither again nor builds its batch again; nothing is held after; the advantages are those of the kept reads
+    off. gae's credit reads the critic values (a list per step): not kept by default."""
+    from flows import batch as fb
+    from pipeline.credit import process
+    from pipeline.credit.process import statistics_json
+    from pipeline.stages import get_stage
+
+    monkeypatch.setenv("CREDITFLOW_LAKE_FORMAT", fmt)
+    monkeypatch.delenv(fb.READ_CACHE_ENV, raising=False)
+    kept, plain = Lake(tmp_path / "kept"), Lake(tmp_path / "plain")
+    batches = make_round(kept, groups=4)
+    make_round(plain, groups=4)
+    assert fb._light(cfg_for(kept, ["gdpo"])) and not fb._light(cfg_for(kept, ["gae"]))
+    reads: list[tuple[str, str]] = []
+    real = fb.read_batch
+
+    def counted(lake, table, *args, **kwargs):
+        if table in ("trajectories", "steps"):
+            reads.append((lake.root.name, table))
+        return real(lake, table, *args, **kwargs)
+
+    builds: list[int] = []
+    real_build = process.CreditBatch.from_arrow.__func__
+    monkeypatch.setattr(fb, "read_batch", counted)
+    monkeypatch.setattr(
+        process.CreditBatch,
+        "from_arrow",
+        classmethod(lambda cls, *a, **k: builds.append(1) or real_build(cls, *a, **k)),
+    )
+
+    def credit_round(lake: Lake) -> tuple[int, int]:
+        """The round's statistics pass, then credit on every batch: (credit's reads, credit's batch builds)."""
+        cfg = cfg_for(lake, ["gdpo"])
+        stats = statistics_json(fb.round_statistics(lake, 0, cfg, batches))
+        n_reads, n_builds = len(reads), len(builds)
+        for b in batches:
+            fb.run_stage(lake, 0, b, get_stage("credit"), cfg, round_stats=stats)
+        return len(reads) - n_reads, len(builds) - n_builds
+
+    assert credit_round(kept) == (0, 0)
+    assert not fb._kept and not process._kept_batches
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "0")  # off: credit reads and builds every batch again
+    assert credit_round(plain) == (2 * len(batches), len(batches))
+    assert_same_tables(kept, plain, tables=("advantages",))
+    monkeypatch.delenv(fb.READ_CACHE_ENV, raising=False)
+    kept.delete_parts("credit_stats", 0)
+    fb.round_statistics(kept, 0, cfg_for(kept, ["gae"]), batches)
+    assert not fb._kept  # gae: the default keeps nothing
+
+
 def test_a_flow_rounds_kept_reads_outlive_a_plain_pass_and_go_with_its_round(tmp_path, monkeypatch):
     """What a flow's round keeps (flows.batch.keeping_round) is left alone by a plain statistics pass of another
     lake in the same process and by the flow's own barrier (round_statistics of the round), and dropped with

@@ -320,7 +320,9 @@ def test_a_rewritten_part_is_never_served_from_the_kept_reads(tmp_path, monkeypa
     monkeypatch.setenv(fb.READ_CACHE_ENV, "256")
     lake = synth_lake(tmp_path, monkeypatch, "parquet", "lake")
     b = round_batches(lake, 0)[0]
-    first = fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
+    first = fb._read(
+        lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True, budget=fb._cache_budget()
+    )
     assert len(fb._kept) == 1
     path = lake.partition_dir("steps", 0) / f"part-{b}.parquet"
     steps = lake.read("steps", 0, parts=[path])
@@ -334,16 +336,20 @@ def test_the_kept_reads_are_bounded(tmp_path, monkeypatch):
     lake = synth_lake(tmp_path, monkeypatch, "parquet", "lake")
     b = round_batches(lake, 0)[0]
     monkeypatch.delenv(fb.READ_CACHE_ENV, raising=False)
-    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
+    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True, budget=fb._cache_budget())
     assert not fb._kept  # off by default (READ_CACHE_MB 0: at the scale it cost more than it saved)
+    # a light round (credit reads no per-token list: GDPO) keeps by default, within its own small bound; the
+    # variable, where set, bounds every round
+    assert fb._cache_budget(light=True) == fb.LIGHT_READ_CACHE_MB * 2**20 > 0 == fb._cache_budget(light=False)
     monkeypatch.setenv(fb.READ_CACHE_ENV, "0")  # off
-    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
+    assert fb._cache_budget(light=True) == 0
+    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True, budget=fb._cache_budget())
     assert not fb._kept
     monkeypatch.setenv(fb.READ_CACHE_ENV, str(1 / 2**20))  # one byte: the batch does not fit, it is not kept
-    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
+    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True, budget=fb._cache_budget())
     assert not fb._kept
     monkeypatch.setenv(fb.READ_CACHE_ENV, "64")
-    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
+    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True, budget=fb._cache_budget())
     assert len(fb._kept) == 1
     # credit asks for more columns than were kept: the rest is read from disk, in the order asked
     got = fb._read(lake, "steps", 0, b, columns=["turn", "traj_id", "token_ids"])
@@ -362,10 +368,10 @@ def test_a_kept_column_subset_is_not_served_to_a_read_of_every_column(tmp_path, 
     monkeypatch.setenv(fb.READ_CACHE_ENV, "256")
     lake = synth_lake(tmp_path, monkeypatch, "parquet", "lake")
     b = round_batches(lake, 0)[0]
-    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True)
+    fb._read(lake, "steps", 0, b, columns=["traj_id", "token_ids"], keep=True, budget=fb._cache_budget())
     whole = fb._read(lake, "steps", 0, b)  # a stage that reads every column (detect)
     assert "turn" in whole.column_names and len(fb._kept) == 1  # read from disk; the kept read stays
-    fb._read(lake, "trajectories", 0, b, keep=True)
+    fb._read(lake, "trajectories", 0, b, keep=True, budget=fb._cache_budget())
     assert fb._read(lake, "trajectories", 0, b).equals(
         lake.read("trajectories", 0, parts=[lake.partition_dir("trajectories", 0) / f"part-{b}.parquet"])
     )
