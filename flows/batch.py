@@ -74,12 +74,14 @@ def stage_io(config: Config) -> StageIO:
 # 0.75-0.82 s (it reads credit's columns and builds credit batches) and credit saved only 0.2-0.4 s: a round's
 # CPU 2.05-2.61 s kept, 1.76-1.88 s off, and ~300 MB more at peak. A round whose batches all fit (a small one)
 # still gains ~0.1 s with it on. What made keeping dear there is the per-token lists (gae's critic values) the
-# statistics pass then reads and holds for credit. Where credit reads no per-token list of the steps (GDPO: a few
-# scalars a step; `_light`), keeping costs a few MB a round and spares credit's second read and build of every
-# batch, so with CREDITFLOW_READ_CACHE_MB unset such a round keeps, bounded by LIGHT_READ_CACHE_MB.
+# statistics pass then reads and holds for credit. So with CREDITFLOW_READ_CACHE_MB unset a pass that reads no
+# per-token list itself keeps what it reads plus credit's per-step columns, never a per-token list
+# (`_keep_plan`), within LIGHT_READ_CACHE_MB: a few MB a round. Credit then reads again only its per-token lists:
+# nothing for GDPO (and it takes the credit batch the pass built), the critic values for gae; turn_ppo's pass
+# reads the values itself and keeps nothing.
 READ_CACHE_ENV = "CREDITFLOW_READ_CACHE_MB"
-READ_CACHE_MB = 0  # the default bound: off (but for a light round, LIGHT_READ_CACHE_MB)
-LIGHT_READ_CACHE_MB = 64  # the default bound where credit reads no per-token list (a 512-group round: ~10 MB)
+READ_CACHE_MB = 0  # the default bound: off (but for reads without per-token lists, LIGHT_READ_CACHE_MB)
+LIGHT_READ_CACHE_MB = 64  # the default bound for reads without per-token lists (a 512-group round: ~10 MB)
 _kept: dict[tuple, tuple[pa.Table, bool]] = {}  # part identity -> (what was read, whether every column)
 _owned: dict[
     tuple[str, int], set[int]
@@ -90,7 +92,7 @@ _lock = threading.Lock()  # the flow's threads keep and take side by side
 
 def _cache_budget(light: bool = False) -> int:
     """The kept reads' bound in bytes: CREDITFLOW_READ_CACHE_MB where set, else READ_CACHE_MB, or
-    LIGHT_READ_CACHE_MB for a round whose credit reads no per-token list (`light`)."""
+    LIGHT_READ_CACHE_MB for reads that hold no per-token list (`light`)."""
     raw = os.environ.get(READ_CACHE_ENV)
     default = LIGHT_READ_CACHE_MB if light else READ_CACHE_MB
     try:
@@ -99,14 +101,40 @@ def _cache_budget(light: bool = False) -> int:
         return 0
 
 
-def _light(config: Config) -> bool:
-    """Whether credit reads no per-token list of the steps (its columns are a few values a step), so what the
-    statistics pass reads for it is small to keep."""
+def _per_token(columns: list[str]) -> list[str]:
+    """The steps columns among `columns` that hold a list per step (per-token values: token_ids, logprobs,
+    values): what makes a read big."""
     schema = TABLES["steps"].schema
-    return not any(
-        pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
-        for t in (schema.field(c).type for c in get_stage(CREDIT).columns(config) or [] if c in schema.names)
-    )
+    return [
+        c
+        for c in columns
+        if c in schema.names
+        and (
+            pa.types.is_list(t := schema.field(c).type)
+            or pa.types.is_large_list(t)
+            or pa.types.is_fixed_size_list(t)
+        )
+    ]
+
+
+def _keep_plan(stage: BatchStage, config: Config, keep_reads: bool) -> tuple[list[str] | None, int]:
+    """What the statistics pass reads of the steps and the bound it keeps its reads within (0: keeps nothing).
+    With CREDITFLOW_READ_CACHE_MB set: credit's columns too, within that bound (the very reads credit asks for:
+    served whole). Unset (the default): where the pass itself reads no per-token list, credit's per-step columns
+    too, within LIGHT_READ_CACHE_MB: credit reads again only its per-token lists (gae's critic values), or
+    nothing (GDPO); a pass that reads per-token lists (turn_ppo's values) keeps nothing."""
+    own = stage.columns(config)
+    if not keep_reads or own is None:
+        return own, 0
+    wanted = get_stage(CREDIT).columns(config) or []
+    if os.environ.get(READ_CACHE_ENV) is not None:
+        budget = _cache_budget()
+    else:
+        budget = _cache_budget(light=not _per_token(own))
+        wanted = [c for c in wanted if c not in _per_token(wanted)]
+    if budget and _used() < budget:  # credit's columns too, in its order
+        return [*wanted, *(c for c in own if c not in wanted)], budget
+    return own, budget
 
 
 def _used() -> int:
@@ -252,13 +280,8 @@ def _compute(
 ) -> _Done:
     """run_stage less its writes: read the batch's inputs, call the stage's function, lay out its parts."""
     t0 = time.perf_counter()
-    columns = own = stage.columns(config)
-    budget = _cache_budget(_light(config)) if keep_reads else 0
-    if (
-        budget and columns is not None and _used() < budget
-    ):  # credit's columns too, in its order: served whole
-        wanted = get_stage(CREDIT).columns(config) or []
-        columns = [*wanted, *(c for c in columns if c not in wanted)]
+    own = stage.columns(config)
+    columns, budget = _keep_plan(stage, config, keep_reads)
     traj = _read(lake, "trajectories", round_, batch, keep=keep_reads, budget=budget)
     steps = _read(lake, "steps", round_, batch, columns=columns, keep=keep_reads, budget=budget)
     with _lock:

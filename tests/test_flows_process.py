@@ -635,18 +635,22 @@ def test_a_threads_flow_reads_each_batch_once_for_statistics_and_credit(
 
 @pytest.mark.parametrize("fmt", ["parquet", "delta"])
 def test_kept_reads_off_take_no_part_identity(tmp_path, monkeypatch, fmt):
-    """With the kept reads off (the default budget, 0), the statistics pass's reads take no part identity
-    (`Lake.part_stat`: ~1 ms a part on a Delta lake, for nothing kept); with a budget they do and keep (#36)."""
+    """With the kept reads off (CREDITFLOW_READ_CACHE_MB=0, or unset where the statistics pass reads per-token
+    lists: turn_ppo's), the statistics pass's reads take no part identity (`Lake.part_stat`: ~1 ms a part on a
+    Delta lake, for nothing kept); with a budget they do and keep (#36)."""
     from flows import batch as fb
 
     monkeypatch.setenv("CREDITFLOW_LAKE_FORMAT", fmt)
     lake = Lake(tmp_path / "lake")
     batches = make_round(lake, groups=4)
-    cfg = cfg_for(lake, ["gae"], [])
     keys: list[tuple] = []  # the kept reads' part identities taken
     real = fb._part_key
     monkeypatch.setattr(fb, "_part_key", lambda *a: keys.append(a[1:]) or real(*a))
     monkeypatch.delenv(fb.READ_CACHE_ENV, raising=False)
+    fb.round_statistics(lake, 0, cfg_for(lake, ["turn_ppo"], []), batches)
+    assert not keys and not fb._kept
+    cfg = cfg_for(lake, ["gae"], [])
+    monkeypatch.setenv(fb.READ_CACHE_ENV, "0")
     fb.round_statistics(lake, 0, cfg, batches)
     assert not keys and not fb._kept
     monkeypatch.setenv(fb.READ_CACHE_ENV, "256")
@@ -657,29 +661,25 @@ def test_kept_reads_off_take_no_part_identity(tmp_path, monkeypatch, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "delta"])
-def test_a_light_round_keeps_its_reads_by_default(tmp_path, monkeypatch, fmt):
-    """GDPO's credit reads no per-token list (`flows.batch._light`): with CREDITFLOW_READ_CACHE_MB unset, a plain
-    caller's statistics pass keeps the trajectories and steps it read (a few scalars a step) and credit reads
-    neither again nor builds its batch again; nothing is held after; the advantages are those of the kept reads
-    off. gae's credit reads the critic values (a list per step): not kept by default."""
+def test_the_default_keeps_the_reads_without_per_token_lists(tmp_path, monkeypatch, fmt):
+    """With CREDITFLOW_READ_CACHE_MB unset a plain caller's statistics pass keeps what it read plus credit's
+    per-step columns, never a per-token list (`flows.batch._keep_plan`): GDPO's credit then reads nothing again
+    and takes the credit batch the pass built; gae's reads only the critic values (its per-token list) again;
+    turn_ppo's pass reads the values itself and keeps nothing. Nothing is held after; the advantages are those of
+    the kept reads off (CREDITFLOW_READ_CACHE_MB=0: credit reads every batch again)."""
     from flows import batch as fb
     from pipeline.credit import process
     from pipeline.credit.process import statistics_json
     from pipeline.stages import get_stage
 
     monkeypatch.setenv("CREDITFLOW_LAKE_FORMAT", fmt)
-    monkeypatch.delenv(fb.READ_CACHE_ENV, raising=False)
-    kept, plain = Lake(tmp_path / "kept"), Lake(tmp_path / "plain")
-    batches = make_round(kept, groups=4)
-    make_round(plain, groups=4)
-    assert fb._light(cfg_for(kept, ["gdpo"])) and not fb._light(cfg_for(kept, ["gae"]))
-    reads: list[tuple[str, str]] = []
+    reads: list[tuple[str, tuple[str, ...] | None]] = []
     real = fb.read_batch
 
-    def counted(lake, table, *args, **kwargs):
+    def counted(lake, table, *args, columns=None, **kwargs):
         if table in ("trajectories", "steps"):
-            reads.append((lake.root.name, table))
-        return real(lake, table, *args, **kwargs)
+            reads.append((table, None if columns is None else tuple(columns)))
+        return real(lake, table, *args, columns=columns, **kwargs)
 
     builds: list[int] = []
     real_build = process.CreditBatch.from_arrow.__func__
@@ -690,24 +690,35 @@ def test_a_light_round_keeps_its_reads_by_default(tmp_path, monkeypatch, fmt):
         classmethod(lambda cls, *a, **k: builds.append(1) or real_build(cls, *a, **k)),
     )
 
-    def credit_round(lake: Lake) -> tuple[int, int]:
-        """The round's statistics pass, then credit on every batch: (credit's reads, credit's batch builds)."""
-        cfg = cfg_for(lake, ["gdpo"])
+    def credit_round(lake: Lake, methods: list[str]) -> tuple[list, int]:
+        """The round's statistics pass, then credit on every batch: (credit's reads, its batch builds)."""
+        cfg = cfg_for(lake, methods)
+        batches = fb.round_batches(lake, 0)
         stats = statistics_json(fb.round_statistics(lake, 0, cfg, batches))
         n_reads, n_builds = len(reads), len(builds)
         for b in batches:
             fb.run_stage(lake, 0, b, get_stage("credit"), cfg, round_stats=stats)
-        return len(reads) - n_reads, len(builds) - n_builds
+        assert not fb._kept and not process._kept_batches
+        return reads[n_reads:], len(builds) - n_builds
 
-    assert credit_round(kept) == (0, 0)
-    assert not fb._kept and not process._kept_batches
-    monkeypatch.setenv(fb.READ_CACHE_ENV, "0")  # off: credit reads and builds every batch again
-    assert credit_round(plain) == (2 * len(batches), len(batches))
-    assert_same_tables(kept, plain, tables=("advantages",))
-    monkeypatch.delenv(fb.READ_CACHE_ENV, raising=False)
-    kept.delete_parts("credit_stats", 0)
-    fb.round_statistics(kept, 0, cfg_for(kept, ["gae"]), batches)
-    assert not fb._kept  # gae: the default keeps nothing
+    for methods, again in (
+        (["gdpo"], []),
+        (["gae"], [("steps", ("values",))]),
+        (["turn_ppo"], None),  # (everything read again)
+    ):
+        kept, plain = Lake(tmp_path / f"kept-{methods[0]}"), Lake(tmp_path / f"plain-{methods[0]}")
+        n = len(make_round(kept, groups=4))
+        make_round(plain, groups=4)
+        monkeypatch.delenv(fb.READ_CACHE_ENV, raising=False)
+        got, built = credit_round(kept, methods)
+        monkeypatch.setenv(fb.READ_CACHE_ENV, "0")
+        off, off_built = credit_round(plain, methods)
+        assert len(off) == 2 * n and off_built == n
+        if again is None:
+            assert got == off and built == n, methods
+        else:
+            assert got == again * n and built == (0 if methods == ["gdpo"] else n), methods
+        assert_same_tables(kept, plain, tables=("advantages",))
 
 
 def test_a_flow_rounds_kept_reads_outlive_a_plain_pass_and_go_with_its_round(tmp_path, monkeypatch):

@@ -312,11 +312,13 @@ def batch_statistics(
     if quarantined:  # the same groups as process_batch leaves out
         trajectories, steps = _without_groups(trajectories, steps, quarantined)
     columns = statistics_step_columns([s.name for s in stages], config)
-    # kept for credit: built with the columns credit declares too (where the read holds them: the flow reads
-    # them for the statistics pass only when it keeps the read)
-    keep = _keeping.get() and not annotations and "n_tokens" in steps.column_names
+    # kept for credit: built with the columns credit declares too, where the read holds every one of them (the
+    # flow reads them for the statistics pass only when it keeps the read; a batch built without one of them, a
+    # read kept without the per-token lists, would never be taken)
+    wanted = method_step_columns(config.methods)
+    keep = _keeping.get() and not annotations and set(wanted) <= set(steps.column_names)
     if keep:
-        columns += [c for c in method_step_columns(config.methods) if c not in columns]
+        columns += [c for c in wanted if c not in columns]
     batch = CreditBatch.from_arrow(
         trajectories,
         steps,
