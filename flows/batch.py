@@ -75,8 +75,8 @@ def stage_io(config: Config) -> StageIO:
 # CPU 2.05-2.61 s kept, 1.76-1.88 s off, and ~300 MB more at peak. A round whose batches all fit (a small one)
 # still gains ~0.1 s with it on. What made keeping dear there is the per-token lists (gae's critic values) the
 # statistics pass then reads and holds for credit. So with CREDITFLOW_READ_CACHE_MB unset a pass that reads no
-# per-token list itself keeps what it reads plus credit's per-step columns, never a per-token list
-# (`_keep_plan`), within LIGHT_READ_CACHE_MB: a few MB a round. Credit then reads again only its per-token lists:
+# per-token list itself keeps what it reads plus credit's per-step columns, never a per-token list or a text
+# (`_keep_plan`, `_bulky`), within LIGHT_READ_CACHE_MB: a few MB a round. Credit then reads again only its per-token lists:
 # nothing for GDPO (and it takes the credit batch the pass built), the critic values for gae; turn_ppo's pass
 # reads the values itself and keeps nothing.
 READ_CACHE_ENV = "CREDITFLOW_READ_CACHE_MB"
@@ -101,18 +101,25 @@ def _cache_budget(light: bool = False) -> int:
         return 0
 
 
-def _per_token(columns: list[str]) -> list[str]:
-    """The steps columns among `columns` that hold a list per step (per-token values: token_ids, logprobs,
-    values): what makes a read big."""
+_SHORT_TEXT = ("traj_id", "role")  # the steps' short strings: a step's keys
+
+
+def _bulky(columns: list[str]) -> list[str]:
+    """The steps columns among `columns` that make a read big: the per-token lists (token_ids, logprobs, values),
+    the other nested ones (tool calls) and free text (a step's content); not the numbers, flags and a step's
+    short keys."""
     schema = TABLES["steps"].schema
     return [
         c
         for c in columns
         if c in schema.names
+        and c not in _SHORT_TEXT
         and (
-            pa.types.is_list(t := schema.field(c).type)
-            or pa.types.is_large_list(t)
-            or pa.types.is_fixed_size_list(t)
+            pa.types.is_nested(t := schema.field(c).type)
+            or pa.types.is_string(t)
+            or pa.types.is_large_string(t)
+            or pa.types.is_binary(t)
+            or pa.types.is_large_binary(t)
         )
     ]
 
@@ -120,9 +127,10 @@ def _per_token(columns: list[str]) -> list[str]:
 def _keep_plan(stage: BatchStage, config: Config, keep_reads: bool) -> tuple[list[str] | None, int]:
     """What the statistics pass reads of the steps and the bound it keeps its reads within (0: keeps nothing).
     With CREDITFLOW_READ_CACHE_MB set: credit's columns too, within that bound (the very reads credit asks for:
-    served whole). Unset (the default): where the pass itself reads no per-token list, credit's per-step columns
-    too, within LIGHT_READ_CACHE_MB: credit reads again only its per-token lists (gae's critic values), or
-    nothing (GDPO); a pass that reads per-token lists (turn_ppo's values) keeps nothing."""
+    served whole). Unset (the default): where the pass itself reads nothing bulky (`_bulky`: per-token lists,
+    text), credit's other columns too (a few numbers a step), within LIGHT_READ_CACHE_MB: credit reads again only
+    its bulky columns (gae's critic values, gigpo's contents), or nothing (GDPO); a pass that reads per-token
+    lists (turn_ppo's values) keeps nothing."""
     own = stage.columns(config)
     if not keep_reads or own is None:
         return own, 0
@@ -130,8 +138,8 @@ def _keep_plan(stage: BatchStage, config: Config, keep_reads: bool) -> tuple[lis
     if os.environ.get(READ_CACHE_ENV) is not None:
         budget = _cache_budget()
     else:
-        budget = _cache_budget(light=not _per_token(own))
-        wanted = [c for c in wanted if c not in _per_token(wanted)]
+        budget = _cache_budget(light=not _bulky(own))
+        wanted = [c for c in wanted if c not in _bulky(wanted)]
     if budget and _used() < budget:  # credit's columns too, in its order
         return [*wanted, *(c for c in own if c not in wanted)], budget
     return own, budget

@@ -661,10 +661,11 @@ def test_kept_reads_off_take_no_part_identity(tmp_path, monkeypatch, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "delta"])
-def test_the_default_keeps_the_reads_without_per_token_lists(tmp_path, monkeypatch, fmt):
+def test_the_default_keeps_only_small_reads(tmp_path, monkeypatch, fmt):
     """With CREDITFLOW_READ_CACHE_MB unset a plain caller's statistics pass keeps what it read plus credit's
-    per-step columns, never a per-token list (`flows.batch._keep_plan`): GDPO's credit then reads nothing again
-    and takes the credit batch the pass built; gae's reads only the critic values (its per-token list) again;
+    per-step columns, never a per-token list or a text (`flows.batch._keep_plan`): GDPO's credit then reads
+    nothing again and takes the credit batch the pass built; gae's reads only the critic values (its per-token
+    list) again, gigpo's the contents;
     turn_ppo's pass reads the values itself and keeps nothing. Nothing is held after; the advantages are those of
     the kept reads off (CREDITFLOW_READ_CACHE_MB=0: credit reads every batch again)."""
     from flows import batch as fb
@@ -704,6 +705,7 @@ def test_the_default_keeps_the_reads_without_per_token_lists(tmp_path, monkeypat
     for methods, again in (
         (["gdpo"], []),
         (["gae"], [("steps", ("values",))]),
+        (["gdpo", "gigpo"], [("steps", ("content",))]),  # (text: read again, not kept)
         (["turn_ppo"], None),  # (everything read again)
     ):
         kept, plain = Lake(tmp_path / f"kept-{methods[0]}"), Lake(tmp_path / f"plain-{methods[0]}")
