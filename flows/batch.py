@@ -63,8 +63,8 @@ def stage_io(config: Config) -> StageIO:
 # here (the very table when the columns are the same: credit then starts from the credit batch the statistics
 # pass built, pipeline.credit.process.keeping_credit_batches; columns it lacks are read from disk); an entry
 # is used once. A rewritten part has another identity: never served. Bounded: an entry that would take the
-# kept bytes past CREDITFLOW_READ_CACHE_MB (unset: the light rounds' default below; 0: off; 256 was the
-# default before) is not kept (that batch is read again); a 64-group batch of 3.1M tokens keeps ~21 MB for gae. The flow
+# kept bytes past CREDITFLOW_READ_CACHE_MB (unset: the default below; 0: off; 256 was the default before) is
+# not kept (that batch is read again); a 64-group batch of 3.1M tokens keeps ~21 MB for gae. The flow
 # (flows/process_round.py) keeps too where its statistics task and credit task of a batch run in the same
 # process (the thread runner without worker processes), for the span of the round (`keeping_round`: what
 # credit did not take is dropped when the round ends or fails). Measured (bench/results/credit.md, #36 "kept
@@ -74,14 +74,14 @@ def stage_io(config: Config) -> StageIO:
 # 0.75-0.82 s (it reads credit's columns and builds credit batches) and credit saved only 0.2-0.4 s: a round's
 # CPU 2.05-2.61 s kept, 1.76-1.88 s off, and ~300 MB more at peak. A round whose batches all fit (a small one)
 # still gains ~0.1 s with it on. What made keeping dear there is the per-token lists (gae's critic values) the
-# statistics pass then reads and holds for credit. So with CREDITFLOW_READ_CACHE_MB unset a pass that reads no
-# per-token list itself keeps what it reads plus credit's per-step columns, never a per-token list or a text
-# (`_keep_plan`, `_bulky`), within LIGHT_READ_CACHE_MB: a few MB a round. Credit then reads again only its per-token lists:
-# nothing for GDPO (and it takes the credit batch the pass built), the critic values for gae; turn_ppo's pass
-# reads the values itself and keeps nothing.
+# statistics pass then reads and holds for credit. So with CREDITFLOW_READ_CACHE_MB unset, a pass that reads
+# nothing bulky itself (`_bulky`: per-token lists, nested columns, text) keeps what it reads plus credit's other
+# columns, a few numbers a step (`_keep_plan`), within LIGHT_READ_CACHE_MB: a few MB a round. Credit then reads
+# again only its bulky columns: nothing for GDPO (and it takes the credit batch the pass built), the critic
+# values for gae, the contents for gigpo; turn_ppo's pass reads the values itself and keeps nothing.
 READ_CACHE_ENV = "CREDITFLOW_READ_CACHE_MB"
-READ_CACHE_MB = 0  # the default bound: off (but for reads without per-token lists, LIGHT_READ_CACHE_MB)
-LIGHT_READ_CACHE_MB = 64  # the default bound for reads without per-token lists (a 512-group round: ~10 MB)
+READ_CACHE_MB = 0  # the default bound: off (but for reads of nothing bulky, LIGHT_READ_CACHE_MB)
+LIGHT_READ_CACHE_MB = 64  # the default bound for reads of nothing bulky (a 512-group GDPO round keeps ~10 MB)
 _kept: dict[tuple, tuple[pa.Table, bool]] = {}  # part identity -> (what was read, whether every column)
 _owned: dict[
     tuple[str, int], set[int]
@@ -92,7 +92,7 @@ _lock = threading.Lock()  # the flow's threads keep and take side by side
 
 def _cache_budget(light: bool = False) -> int:
     """The kept reads' bound in bytes: CREDITFLOW_READ_CACHE_MB where set, else READ_CACHE_MB, or
-    LIGHT_READ_CACHE_MB for reads that hold no per-token list (`light`)."""
+    LIGHT_READ_CACHE_MB for reads of nothing bulky (`light`, `_bulky`)."""
     raw = os.environ.get(READ_CACHE_ENV)
     default = LIGHT_READ_CACHE_MB if light else READ_CACHE_MB
     try:
