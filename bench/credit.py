@@ -653,12 +653,14 @@ def main() -> None:
         row = [m]
         for side in roots:
             row += [_pair(g(f"{side} engine")), _ratio(g(f"{side} engine"), g("floor"))]
+            row += [_ratio(g(f"{side} engine"), g("floor"), key_b="seconds2")]
             row += [_ratio(g(f"{side} engine"), g("floor"), key="cpu_s")]
             row += [_ratio(g(f"{side} engine"), g("floor"), key="cpu_s", key_b="cpu_s2")]
         row += [_pair(g("floor"))]
         if "delta" in formats:
             for side in roots:
                 row += [_pair(g(f"{side} delta")), _ratio(g(f"{side} delta"), g("delta floor"))]
+                row += [_ratio(g(f"{side} delta"), g("delta floor"), key_b="seconds2")]
                 row += [_ratio(g(f"{side} delta"), g("delta floor"), key="cpu_s")]
                 row += [_ratio(g(f"{side} delta"), g("delta floor"), key="cpu_s", key_b="cpu_s2")]
             row += [_pair(g("delta floor"))]
@@ -688,6 +690,7 @@ def main() -> None:
         headers += [
             f"{side}: wall s",
             f"{side}: x floor",
+            f"{side}: x two-read floor",
             f"{side}: x floor CPU",
             f"{side}: x two-read floor CPU",
         ]
@@ -697,6 +700,7 @@ def main() -> None:
             headers += [
                 f"Delta {side}: wall s",
                 f"Delta {side}: x floor",
+                f"Delta {side}: x two-read floor",
                 f"Delta {side}: x floor CPU",
                 f"Delta {side}: x two-read floor CPU",
             ]
@@ -788,7 +792,7 @@ def main() -> None:
         "with a statistics pass: gae, turn_ppo, gdpo): the floor plus the statistics pass's own read of its steps "
         "columns (`registry.statistics_step_columns`) and the trajectories, what a method whose advantages depend "
         "on the whole round must read at the least when it holds no batch between its two passes, i.e. with memory "
-        "flat in the round's size.",
+        "flat in the round's size; x two-read floor (wall) and x two-read floor CPU are the engine against it.",
         "",
         *md_table(headers, rows),
     ]
