@@ -278,13 +278,31 @@ def test_a_null_group_id_names_its_trajectory():
         CreditBatch.from_arrow(bad, steps)
 
 
-FRAMELESS = ["grpo", "dr_grpo", "rloo", "gdpo", "gae", "turn_ppo"]
+FRAMELESS = ["grpo", "dr_grpo", "rloo", "gdpo", "gae", "turn_ppo", "mt_grpo", "gigpo"]
+
+
+def test_gigpo_at_its_defaults_makes_no_polars_object(monkeypatch):
+    """gigpo's anchors and exact step groups are Arrow and NumPy (no frame or series a batch); only the
+    similarity clusters build a frame."""
+    import polars as pl
+
+    traj, steps = random_round(5, max_groups=3, max_group_size=3, max_steps=5)
+    batch = CreditBatch.from_arrow(traj, steps, method_step_columns(["gigpo"]))
+    want = run_methods(batch, ["gigpo"])["gigpo"]
+
+    def no_polars(*args, **kwargs):
+        raise AssertionError("gigpo built a Polars object at its defaults")
+
+    monkeypatch.setattr(pl, "DataFrame", no_polars)
+    monkeypatch.setattr(pl, "Series", no_polars)
+    got = run_methods(CreditBatch.from_arrow(traj, steps, method_step_columns(["gigpo"])), ["gigpo"])["gigpo"]
+    np.testing.assert_array_equal(got.step_adv, want.step_adv)
 
 
 def test_the_common_estimators_and_their_table_build_no_frame():
-    """grpo, dr_grpo, rloo, gdpo, gae and turn_ppo and the advantages table read the batch's Arrow tables and
-    arrays: no Polars frame of the trajectories or steps is built (what a round of them would pay per batch);
-    the frames, asked for, hold what the arrays say."""
+    """grpo, dr_grpo, rloo, gdpo, gae, turn_ppo, mt_grpo and gigpo (at its defaults) and the advantages table
+    read the batch's Arrow tables and arrays: no Polars frame of the trajectories or steps is built (what a round
+    of them would pay per batch); the frames, asked for, hold what the arrays say."""
     traj, steps = random_round(11, max_groups=3, max_group_size=3, max_steps=5)
     batch = CreditBatch.from_arrow(traj, steps, method_step_columns(FRAMELESS))
     for method, result in run_methods(batch, FRAMELESS).items():
