@@ -124,14 +124,14 @@ def _bulky(columns: list[str]) -> list[str]:
     ]
 
 
-def _keep_plan(stage: BatchStage, config: Config, keep_reads: bool) -> tuple[list[str] | None, int]:
-    """What the statistics pass reads of the steps and the bound it keeps its reads within (0: keeps nothing).
+def _keep_plan(own: list[str] | None, config: Config, keep_reads: bool) -> tuple[list[str] | None, int]:
+    """What the statistics pass reads of the steps (`own`: the columns the stage itself reads) and the bound it
+    keeps its reads within (0: keeps nothing).
     With CREDITFLOW_READ_CACHE_MB set: credit's columns too, within that bound (the very reads credit asks for:
     served whole). Unset (the default): where the pass itself reads nothing bulky (`_bulky`: per-token lists,
     text), credit's other columns too (a few numbers a step), within LIGHT_READ_CACHE_MB: credit reads again only
     its bulky columns (gae's critic values, gigpo's contents), or nothing (GDPO); a pass that reads per-token
     lists (turn_ppo's values) keeps nothing."""
-    own = stage.columns(config)
     if not keep_reads or own is None:
         return own, 0
     wanted = get_stage(CREDIT).columns(config) or []
@@ -289,7 +289,7 @@ def _compute(
     """run_stage less its writes: read the batch's inputs, call the stage's function, lay out its parts."""
     t0 = time.perf_counter()
     own = stage.columns(config)
-    columns, budget = _keep_plan(stage, config, keep_reads)
+    columns, budget = _keep_plan(own, config, keep_reads)
     traj = _read(lake, "trajectories", round_, batch, keep=keep_reads, budget=budget)
     steps = _read(lake, "steps", round_, batch, columns=columns, keep=keep_reads, budget=budget)
     with _lock:

@@ -459,6 +459,10 @@ class CreditBatch:
         """bool per step: its role is `role` (a null role is none; `step_is_assistant` is this for "assistant")."""
         return _role_mask(self.step_table, role)
 
+    def step_flags(self, name: str) -> np.ndarray:
+        """A boolean steps column as bool per step (False where null), read from the Arrow table (no frame)."""
+        return pc.fill_null(self.step_table.column(name), False).to_numpy(zero_copy_only=False).astype(bool)
+
     def step_floats(self, name: str) -> np.ndarray:
         """A scalar steps column as float64 per step (NaN where null), read from the Arrow table (no frame)."""
         return np.asarray(self.step_table.column(name).to_numpy(), dtype=np.float64)

@@ -130,11 +130,9 @@ def anchor_observations(batch: CreditBatch) -> AnchorRows:
 
 def invalid_actions(batch: CreditBatch, step_row: np.ndarray) -> np.ndarray:
     """1.0 where the step's action is invalid (`is_error` true), else 0.0 (null or no column: valid)."""
-    steps = batch.step_table
-    if "is_error" not in steps.column_names:
+    if "is_error" not in batch.step_table.column_names:
         return np.zeros(len(step_row))
-    flags = pc.fill_null(one_chunk(steps.column("is_error")), False).to_numpy(zero_copy_only=False)
-    return flags[step_row].astype(np.float64)
+    return batch.step_flags("is_error")[step_row].astype(np.float64)
 
 
 def step_groups(rows: AnchorRows, enable_similarity: bool, thresh: float) -> np.ndarray:

@@ -55,8 +55,7 @@ def turn_reward(batch: CreditBatch, source: str) -> tuple[np.ndarray, int]:
         if source == "verifier_score":
             vals = batch.step_floats("verifier_score")[rows[first]]
         else:
-            is_error = batch.step_table.column("is_error").to_numpy(zero_copy_only=False)
-            vals = (~is_error[rows[first]].astype(bool)).astype(np.float64)
+            vals = (~batch.step_flags("is_error")[rows[first]]).astype(np.float64)
     elif source.startswith("component:"):
         name = source.split(":", 1)[1]
         long = (
