@@ -82,7 +82,8 @@ def stage_io(config: Config) -> StageIO:
 READ_CACHE_ENV = "CREDITFLOW_READ_CACHE_MB"
 READ_CACHE_MB = 0  # the default bound: off (but for reads of nothing bulky, LIGHT_READ_CACHE_MB)
 LIGHT_READ_CACHE_MB = 64  # the default bound for reads of nothing bulky (a 512-group GDPO round keeps ~10 MB)
-_kept: dict[tuple, tuple[pa.Table, bool]] = {}  # part identity -> (what was read, whether every column)
+# part identity -> (what was read, whether every column, its bytes: counted once, not at every read)
+_kept: dict[tuple, tuple[pa.Table, bool, int]] = {}
 _owned: dict[
     tuple[str, int], set[int]
 ] = {}  # (lake URI, round) -> ids of the tables it kept (its batches' keys)
@@ -146,7 +147,7 @@ def _keep_plan(own: list[str] | None, config: Config, keep_reads: bool) -> tuple
 
 
 def _used() -> int:
-    return sum(t.nbytes for t, _ in list(_kept.values())) + kept_bytes()
+    return sum(n for _, _, n in list(_kept.values())) + kept_bytes()
 
 
 def _part_key(lake: Lake, table: str, round_: int, batch: str) -> tuple:
@@ -184,8 +185,8 @@ def _read(
     out = read_batch(lake, table, round_, batch, columns=columns)
     if key is not None and keep and key[-2] >= 0:
         with _lock:
-            if _used() + out.nbytes <= budget:
-                _kept[key] = (out, columns is None)
+            if _used() + (nbytes := out.nbytes) <= budget:
+                _kept[key] = (out, columns is None, nbytes)
                 _owned.setdefault((lake.uri, int(round_)), set()).add(id(out))
     return out
 
@@ -293,7 +294,7 @@ def _compute(
     traj = _read(lake, "trajectories", round_, batch, keep=keep_reads, budget=budget)
     steps = _read(lake, "steps", round_, batch, columns=columns, keep=keep_reads, budget=budget)
     with _lock:
-        held = [t for t, _ in _kept.values()]
+        held = [t for t, _, _ in _kept.values()]
     kept = keep_reads and any(t is steps for t in held) and any(t is traj for t in held)  # both: its key
     inputs = {key: read_batch(lake, table, round_, part) for table, part, key in stage.reads(batch, config)}
     if stage.round_statistics:
@@ -306,7 +307,7 @@ def _compute(
         out = execute(stage.fn(traj, steps, config, inputs, io=io), io)  # an LLM stage's requests: sent here
     source = None
     if stage.records_source:
-        source = cache_key or stage_cache_key(lake.uri, round_, batch, stage, config)
+        source = cache_key or stage_cache_key(lake, round_, batch, stage, config)
     rows: dict[str, int] = {}
     parts: dict[str, dict[str, pa.Table]] = {}  # a table's parts of this batch (one per method): one write
     for table, part, key in stage.writes(batch, config.methods):
@@ -410,7 +411,7 @@ def current_statistics(lake: Lake, round_: int, batch: str, config: Config) -> t
     stage's cache key: its input parts, the settings it reads, its code); the part is current when every row's
     `source` is that key."""
     return read_batch(lake, STATS, round_, batch), stage_cache_key(
-        lake.uri, round_, batch, get_stage(STATS), config
+        lake, round_, batch, get_stage(STATS), config
     )
 
 

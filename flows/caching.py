@@ -85,7 +85,7 @@ def stage_settings(stage: BatchStage, config: Config) -> dict[str, Any]:
 
 
 def stage_cache_key(
-    lake_root: str,
+    lake_root: str | Lake,
     round_: int,
     batch: str,
     stage: BatchStage,
@@ -93,8 +93,9 @@ def stage_cache_key(
     round_stats: dict | None = None,
 ) -> str:
     """`round_stats`: the round's merged statistics a credit task gets; a change (one batch re-ingested)
-    changes every credit key of the round."""
-    lake = Lake(lake_root)
+    changes every credit key of the round. `lake_root`: the lake's URI (a flow task's argument) or the lake
+    already open (a caller in the lake's process: opening it again finds its format, ~0.3 ms)."""
+    lake = lake_root if isinstance(lake_root, Lake) else Lake(lake_root)
     fingerprint = [
         (Path(p).name, size, mtime)
         for p, size, mtime in part_fingerprints(lake, round_, stage.inputs(batch, config))

@@ -131,7 +131,7 @@ def not_up_to_date(lake: Lake, round_: int, config: Config) -> str | None:
             return "; ".join(f"{stage.name} {b}: {why}" for b, why in must.items())
         for b in batches:
             stats = round_stats if stage.round_statistics else None
-            key = stage_cache_key(lake.uri, round_, b, stage, config, stats)
+            key = stage_cache_key(lake, round_, b, stage, config, stats)
             if not cache_record_valid(folder, key, result_dir(lake)):
                 return f"{stage.name} {b}: inputs, settings or code changed (no cache record {key})"
     if lake.format == "parquet" and not _catalog_current(lake, round_):

@@ -65,6 +65,8 @@ class TableSpec:
     def conform(self, table: pa.Table) -> pa.Table:
         """Select and cast the schema's columns (missing nullable columns become nulls; derived columns are
         computed from their sources)."""
+        if not self.derived and table.schema.equals(self.schema, check_metadata=True):  # already conformed
+            return table
         cols = []
         for f in self.schema:
             if f.name in table.column_names:

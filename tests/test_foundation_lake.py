@@ -109,6 +109,31 @@ def test_steps_validation_catches_length_mismatch_role_and_turn():
         steps_schema.validate(pa.Table.from_pylist(rows, schema=steps_schema.SCHEMA))
 
 
+def test_conform_takes_a_conformed_table_as_it_is_and_checks_it_all_the_same():
+    """A writer's own table, built in its table's schema (the advantages, a run-log row), is not rebuilt; its
+    checks still run, and a table with derived columns still gets them computed from their sources."""
+    traj = traj_schema.SPEC.conform(_traj().append_column("round", pa.array([0] * 6, pa.int32())))
+    assert traj_schema.SPEC.conform(traj) is traj
+    assert traj_schema.validate(traj) is traj
+    tagged = traj.replace_schema_metadata({b"k": b"v"})  # the same fields, other metadata: rebuilt
+    assert traj_schema.SPEC.conform(tagged).schema.equals(traj_schema.SCHEMA, check_metadata=True)
+    ids = traj.schema.get_field_index("traj_id")  # a null in a required field of a conformed table: caught
+    nulled = traj.set_column(ids, traj.schema.field(ids), pa.array(["a", None, "c", "d", "e", "f"]))
+    with pytest.raises(SchemaError) as err:
+        traj_schema.validate(nulled)
+    assert err.value.field == "traj_id" and err.value.row == 1
+    steps = steps_schema.SPEC.conform(
+        _steps(_traj(1, 1)).append_column("round", pa.array([0, 0], pa.int32()))
+    )
+    derived = next(iter(steps_schema.SPEC.derived))
+    wrong = steps.set_column(
+        steps.schema.get_field_index(derived),
+        steps.schema.field(derived),
+        pa.nulls(steps.num_rows, steps.schema.field(derived).type),
+    )
+    assert steps_schema.SPEC.conform(wrong).column(derived).equals(steps.column(derived))
+
+
 @pytest.fixture(params=FORMATS)
 def lake(request, tmp_path, monkeypatch):
     """The lake tests here run on both formats: Delta (a new lake's default) and hive Parquet (an existing

@@ -32,6 +32,7 @@ from pipeline.credit.result import CreditResult
 from pipeline.stages import NO_IO, StageIO, StageOutput, batch_stage, method_key
 from schemas import one_chunk
 from schemas.advantages import COMPONENT_FIELDS, COMPONENTS
+from schemas.advantages import SCHEMA as ADVANTAGES_SCHEMA
 
 CREDIT = "credit"
 STATS = "credit_stats"  # the statistics pass: the sufficient statistics of every batch-level statistic
@@ -109,7 +110,8 @@ def advantages_table(batch: CreditBatch, method: str, result: CreditResult) -> p
             if returns is not None
             else pa.nulls(batch.n_steps, pa.list_(pa.float32())),
             "components": _components_struct(batch, result.components),
-        }
+        },
+        schema=ADVANTAGES_SCHEMA,  # the table's own schema: the lake's write takes it as it is (`conform`)
     )
 
 
