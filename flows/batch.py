@@ -31,7 +31,7 @@ from pipeline.credit.process import (
 )
 from pipeline.stages import NO_IO, BatchStage, StageIO, StageOutput, execute, get_stage
 from pipeline.stages import round_stages as round_stages
-from schemas import TABLES
+from schemas import TABLES, is_text
 from warehouse.lake import Lake
 from warehouse.rounds import batch_names, read_batch
 from warehouse.runlog import flush_stage_runs, record_stage_runs, stage_run_row
@@ -115,13 +115,7 @@ def _bulky(columns: list[str]) -> list[str]:
         for c in columns
         if c in schema.names
         and c not in _SHORT_TEXT
-        and (
-            pa.types.is_nested(t := schema.field(c).type)
-            or pa.types.is_string(t)
-            or pa.types.is_large_string(t)
-            or pa.types.is_binary(t)
-            or pa.types.is_large_binary(t)
-        )
+        and (pa.types.is_nested(t := schema.field(c).type) or is_text(t))
     ]
 
 

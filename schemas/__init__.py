@@ -11,7 +11,7 @@ from schemas import (
     train_batch,
     trajectories,
 )
-from schemas._base import SchemaError, TableSpec, one_chunk, round_column, strictly_increasing
+from schemas._base import SchemaError, TableSpec, is_text, one_chunk, round_column, strictly_increasing
 
 TABLES: dict[str, TableSpec] = {
     m.SPEC.name: m.SPEC
@@ -42,6 +42,7 @@ __all__ = [
     "SchemaError",
     "TableSpec",
     "register_table",
+    "is_text",
     "one_chunk",
     "round_column",
     "strictly_increasing",

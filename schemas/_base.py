@@ -33,6 +33,16 @@ def round_column(round_: int, rows: int) -> pa.Array:
     return pa.array(np.full(rows, int(round_), dtype=np.int32))
 
 
+def is_text(t: pa.DataType) -> bool:
+    """A string or binary type (either offset width): free text or bytes, whose size a schema does not bound."""
+    return (
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+    )
+
+
 @dataclass(frozen=True)
 class Derived:
     """A column computed from others: the lake computes it on every write (an input's own value is replaced, so

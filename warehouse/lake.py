@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas import TABLES, round_column
+from schemas import TABLES, is_text, round_column
 from warehouse.tempfiles import fsync_dir, stale_temp, temp_token
 
 COMPRESSION = "zstd"
@@ -37,15 +37,7 @@ def write_options(schema: pa.Schema, nbytes: int | None = None) -> dict:
     time (0.17 against 0.33 ms)."""
     if nbytes is not None and nbytes < SMALL_TABLE_BYTES:
         return {"compression": "none", "use_dictionary": False}
-    strings = [
-        f.name
-        for f in schema
-        if pa.types.is_string(f.type)
-        or pa.types.is_large_string(f.type)
-        or pa.types.is_binary(f.type)
-        or pa.types.is_large_binary(f.type)
-        or pa.types.is_dictionary(f.type)
-    ]
+    strings = [f.name for f in schema if is_text(f.type) or pa.types.is_dictionary(f.type)]
     return {"compression": COMPRESSION, "use_dictionary": strings}
 
 
