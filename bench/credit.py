@@ -9,7 +9,9 @@ high-water mark VmHWM where that is more: bench/_common.run_worker), processing 
 does: the statistics pass over every batch first (flows.batch.round_statistics) when a method takes a statistic
 over the round, then flows.batch.credit_batch batch by batch with the round's statistics passed in. `--baseline` times the engine of another
 checkout (e.g. `git worktree add /tmp/base HEAD~1`) interleaved with this one, on the same lake. The reference is timed
-on a subsample of groups and extrapolated by assistant tokens. Results: bench/results/credit.md."""
+on a subsample of groups and extrapolated by assistant tokens. A second table sets each engine beside the durable
+floor of the reads it made (`_its_floor`: its Parquet reads counted, the part written as the lake must, synced).
+Results: bench/results/credit.md."""
 
 from __future__ import annotations
 
@@ -210,8 +212,8 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
     """pyarrow only: read the steps columns the method needs (registry.method_step_columns, what credit_batch
     reads) + the trajectories, write the method's advantages part with the lake's writer options. Each batch's
     part is written twice, in turn first: plainly (the floor of the earlier runs) and durably, as the lake's
-    atomic write must (a temporary file, synced, renamed, its folder synced: `durable_*`), both into a folder in
-    the lake's root (the engine's file system). Each read is timed apart (`parts`), so the floor of the reads an
+    atomic write must (a temporary file, synced, renamed, its folder synced: `parts["durable"]`), both into a
+    folder in the lake's root (the engine's file system). Each read is timed apart (`parts`), so the floor of the reads an
     engine made (`_its_floor`) adds the statistics pass's reads only where the engine made them."""
     import pyarrow.parquet as pq
 
