@@ -300,11 +300,11 @@ def _ratio_its_floor(engine: list[dict] | None, floor: list[dict] | None, cpu: b
     """engine / the durable floor of its reads (`_its_floor`), min / min and median / median."""
     if not engine or not floor:
         return "-"
-    fl = [_its_floor(engine[0], f, cpu) for f in floor]
-    if any(v is None for v in fl):
+    fl = [v for f in floor if (v := _its_floor(engine[0], f, cpu)) is not None]
+    if len(fl) < len(floor):
         return "-"
     en = [r["cpu_s" if cpu else "seconds"] for r in engine]
-    return f"{min(en) / min(fl):.2f} / {statistics.median(en) / statistics.median(fl):.2f}"  # type: ignore[type-var,arg-type]
+    return f"{min(en) / min(fl):.2f} / {statistics.median(en) / statistics.median(fl):.2f}"
 
 
 def _reads(engine: list[dict] | None) -> str:
