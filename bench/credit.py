@@ -213,13 +213,14 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
     reads) + the trajectories, write the method's advantages part with the lake's writer options. Each batch's
     part is written twice, in turn first: plainly (the floor of the earlier runs) and durably, as the lake's
     atomic write must (a temporary file, synced, renamed, its folder synced: `parts["durable"]`), both into a
-    folder in the lake's root (the engine's file system). Each read is timed apart (`parts`), so the floor of the reads an
-    engine made (`_its_floor`) adds the statistics pass's reads only where the engine made them."""
+    folder in the lake's root (the engine's file system). Each read is timed apart (`parts`), so the floor of
+    the reads an engine made (`_its_floor`) adds the statistics pass's reads only where the engine made them."""
     import pyarrow.parquet as pq
 
     from flows.batch import round_batches
     from pipeline.credit.registry import method_step_columns
     from warehouse.lake import Lake, write_options
+    from warehouse.tempfiles import fsync_dir
 
     lake = Lake(lake_dir)
     cols = method_step_columns([method])
@@ -245,11 +246,7 @@ def worker_floor(lake_dir: Path, round_: int, method: str) -> dict:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, folder / "durable.parquet")
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(folder)
 
     with tempfile.TemporaryDirectory(dir=lake_dir, prefix=".bench-floor-") as tmp:
         folder = Path(tmp)
