@@ -173,6 +173,82 @@ def test_any_split_equals_the_whole_round(seed, batch_groups, variant):
     assert_close(split, whole, atol=1e-6)  # the advantages table holds float32
 
 
+def _renamed_components(traj: pa.Table, rename: dict[str, str], without: set[str]) -> pa.Table:
+    """The trajectories with their components renamed (`rename`; to "": left out), and none on the groups
+    `without`."""
+    rows = traj.to_pylist()
+    for row in rows:
+        comps = row["reward_components"]
+        if row["group_id"] in without:
+            row["reward_components"] = None
+        elif comps is not None:
+            row["reward_components"] = [(rename.get(k, k), v) for k, v in comps if rename.get(k, k)]
+    return pa.Table.from_pylist(rows, schema=traj.schema)
+
+
+def _gdpo_kept(batches, config) -> tuple[dict[str, pa.Table], int]:
+    """The round as one process runs it with the statistics pass's batches kept for credit
+    (`keeping_credit_batches`): {method: advantages}, and how often GDPO's Eq. 1-2 was computed."""
+    import pipeline.credit.methods.gdpo as gdpo_method
+    from pipeline.credit.process import keeping_credit_batches
+
+    calls = []
+    real = gdpo_method._gdpo_pre
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    gdpo_method._gdpo_pre = counted
+    try:
+        with keeping_credit_batches():
+            rows = [statistics_table(batch_statistics(t, s, ["gdpo"], config)) for t, s in batches]
+        stats = merge_statistics(pa.concat_tables(rows))
+        tables = [process_batch(t, s, ["gdpo"], config, round_stats=stats)[0] for t, s in batches]
+    finally:
+        gdpo_method._gdpo_pre = real
+    return {"gdpo": pa.concat_tables([tb["gdpo"] for tb in tables])}, len(calls)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    batch_groups=st.integers(1, 3),
+    rename=st.sampled_from(
+        [{}, {"acc": "reward"}, {"acc": "reward", "fmt": ""}, {"acc": "reward", "fmt": "z"}]
+    ),
+    bare=st.sampled_from([set(), {"g0"}, {"g0", "g2"}]),
+    whiten=st.sampled_from(["trajectories", "tokens", "none"]),
+)
+def test_gdpo_on_a_kept_batch_equals_its_recompute(seed, batch_groups, rename, bare, whiten):
+    """GDPO's Eq. 1-2 of the statistics pass, kept with its batch, serve credit only where credit's components
+    are the batch's own: a batch without components (its stand-in "reward", from R) beside batches with a
+    component named "reward" (R^c: zeros on that batch) gets what it gets when credit computes it again."""
+    traj, steps = random_round(seed, max_groups=4, max_group_size=4, max_steps=5)
+    traj = _renamed_components(traj, rename, bare)
+    config = Config(methods=["gdpo"], stages={"gdpo": {"whiten": whiten}})
+    batches = _split(traj, steps, batch_groups)
+    got, _ = _gdpo_kept(batches, config)
+    want = _credit_by_batches(batches, ["gdpo"], config)
+    assert _per_step(got).keys() == _per_step(want).keys()
+    assert got["gdpo"].column("token_adv").equals(want["gdpo"].column("token_adv"))
+
+
+def test_gdpo_computes_eq_1_2_once_per_kept_batch():
+    """Every batch with the round's components: the statistics pass's Eq. 1-2 are credit's (one computation a
+    batch); the recompute path computes them in both passes."""
+    traj, steps = random_round(5, max_groups=6, max_group_size=4, max_steps=5, components=False)
+    kind = traj.schema.field("reward_components").type
+    comps = pa.array([[("acc", float(i % 3)), ("fmt", 1.0)] for i in range(traj.num_rows)], kind)
+    traj = traj.set_column(traj.schema.get_field_index("reward_components"), "reward_components", comps)
+    config = Config(methods=["gdpo"])
+    batches = _split(traj, steps, 2)
+    assert len(batches) > 1
+    got, calls = _gdpo_kept(batches, config)
+    assert calls == len(batches)
+    assert got["gdpo"].equals(_credit_by_batches(batches, ["gdpo"], config)["gdpo"])
+
+
 def test_scope_batch_whitens_each_batch_on_its_own():
     traj, steps = random_round(11, max_groups=6, max_group_size=4, max_steps=6)
     sets = {m: {"scope": "batch"} for m in ("gae", "turn_ppo", "gdpo")}

@@ -256,13 +256,17 @@ def keeping_credit_batches() -> Iterator[None]:
 
 def kept_bytes() -> int:
     """What the kept credit batches hold beyond the Arrow tables they were built from: the estimators'
-    intermediates (`CreditBatch.memo`: gae's advantages and returns) and the token mask where it was built."""
+    intermediates (`CreditBatch.memo`: gae's advantages and returns, GDPO's Eq. 1-2) and the token mask where
+    it was built."""
     total = 0
     for kept in list(_kept_batches.values()):  # a copy: another thread (the flow's) may keep one meanwhile
         mask = kept.batch.derived.get("tok_mask")
         total += mask.nbytes if isinstance(mask, np.ndarray) else 0
         for value in kept.batch.memo.values():
-            fields = vars(value).values() if dataclasses.is_dataclass(value) else [value]
+            if dataclasses.is_dataclass(value):
+                fields = list(vars(value).values())
+            else:
+                fields = list(value) if isinstance(value, tuple) else [value]
             total += sum(v.nbytes for v in fields if isinstance(v, np.ndarray))
     return total
 

@@ -103,7 +103,27 @@ def gdpo_pre(
     batch: CreditBatch, settings: GDPOSettings, names: list[str] | None
 ) -> tuple[list[str], np.ndarray, bool, np.ndarray, np.ndarray | None]:
     """Eq. 1-2 over `names` (None: the components this batch has): (names, R^c, no components, pre, the
-    trajectories' weights in Eq. 3: their assistant tokens with `whiten="tokens"`, else None)."""
+    trajectories' weights in Eq. 3: their assistant tokens with `whiten="tokens"`, else None). Computed once
+    per batch and settings for the components it resolves to (the statistics pass's and credit's of a kept
+    batch, when the round's names are the batch's own): keyed by those names, not by `names` as given, so a
+    batch without components (its stand-in "reward", from R) and a component named "reward" (R^c, zeros on
+    such a batch) never share an entry."""
+    resolved = tuple(names or component_names(batch))
+    key = (gdpo_pre, resolved, settings.eps, settings.whiten, tuple(sorted(settings.weights.items())))
+    memo = batch.memo.get(key)
+    if isinstance(memo, tuple):
+        return memo
+    out = _gdpo_pre(batch, settings, list(resolved))
+    for value in out:
+        if isinstance(value, np.ndarray):
+            value.setflags(write=False)  # shared by both calls: neither may change it
+    batch.memo[key] = out
+    return out
+
+
+def _gdpo_pre(
+    batch: CreditBatch, settings: GDPOSettings, names: list[str]
+) -> tuple[list[str], np.ndarray, bool, np.ndarray, np.ndarray | None]:
     names, R_c, no_components = component_matrix(batch, names)
     w = np.array([settings.weights.get(c, 1.0) for c in names], dtype=np.float64)
     A_c = np.column_stack(
