@@ -42,10 +42,7 @@ def result_dir(lake: Lake) -> Path:
 
 
 @functools.cache
-@functools.cache
 def _package_version() -> str:
-    """The installed package's version, looked up once per process (~0.8-2 ms a lookup, in every cache key):
-    the code a process runs is the code it imported, whatever is installed later."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
