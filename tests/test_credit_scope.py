@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -186,11 +188,12 @@ def _renamed_components(traj: pa.Table, rename: dict[str, str], without: set[str
     return pa.Table.from_pylist(rows, schema=traj.schema)
 
 
-def _gdpo_kept(batches, config) -> tuple[dict[str, pa.Table], int]:
-    """The round as one process runs it with the statistics pass's batches kept for credit
-    (`keeping_credit_batches`): {method: advantages}, and how often GDPO's Eq. 1-2 was computed."""
+def _gdpo_round(batches, config, keep: bool = True) -> tuple[pa.Table, int]:
+    """GDPO on the round as one process runs it: with the statistics pass's batches kept for credit
+    (`keeping_credit_batches`), or each pass building its own (`keep=False`). Its advantages, and how often
+    Eq. 1-2 were computed."""
     import pipeline.credit.methods.gdpo as gdpo_method
-    from pipeline.credit.process import keeping_credit_batches
+    from pipeline.credit.process import forget_credit_batches, keeping_credit_batches
 
     calls = []
     real = gdpo_method._gdpo_pre
@@ -201,13 +204,14 @@ def _gdpo_kept(batches, config) -> tuple[dict[str, pa.Table], int]:
 
     gdpo_method._gdpo_pre = counted
     try:
-        with keeping_credit_batches():
+        with keeping_credit_batches() if keep else contextlib.nullcontext():
             rows = [statistics_table(batch_statistics(t, s, ["gdpo"], config)) for t, s in batches]
         stats = merge_statistics(pa.concat_tables(rows))
         tables = [process_batch(t, s, ["gdpo"], config, round_stats=stats)[0] for t, s in batches]
     finally:
         gdpo_method._gdpo_pre = real
-    return {"gdpo": pa.concat_tables([tb["gdpo"] for tb in tables])}, len(calls)
+        forget_credit_batches()
+    return pa.concat_tables([tb["gdpo"] for tb in tables]), len(calls)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -228,10 +232,11 @@ def test_gdpo_on_a_kept_batch_equals_its_recompute(seed, batch_groups, rename, b
     traj = _renamed_components(traj, rename, bare)
     config = Config(methods=["gdpo"], stages={"gdpo": {"whiten": whiten}})
     batches = _split(traj, steps, batch_groups)
-    got, _ = _gdpo_kept(batches, config)
-    want = _credit_by_batches(batches, ["gdpo"], config)
-    assert _per_step(got).keys() == _per_step(want).keys()
-    assert got["gdpo"].column("token_adv").equals(want["gdpo"].column("token_adv"))
+    got, _ = _gdpo_round(batches, config)
+    want, _ = _gdpo_round(batches, config, keep=False)
+    assert got.num_rows == want.num_rows == steps.num_rows
+    assert got.select(["traj_id", "step_idx"]).equals(want.select(["traj_id", "step_idx"]))
+    assert got.column("token_adv").equals(want.column("token_adv"))
 
 
 def test_gdpo_computes_eq_1_2_once_per_kept_batch():
@@ -244,9 +249,10 @@ def test_gdpo_computes_eq_1_2_once_per_kept_batch():
     config = Config(methods=["gdpo"])
     batches = _split(traj, steps, 2)
     assert len(batches) > 1
-    got, calls = _gdpo_kept(batches, config)
-    assert calls == len(batches)
-    assert got["gdpo"].equals(_credit_by_batches(batches, ["gdpo"], config)["gdpo"])
+    got, calls = _gdpo_round(batches, config)
+    want, recomputed = _gdpo_round(batches, config, keep=False)
+    assert (calls, recomputed) == (len(batches), 2 * len(batches))
+    assert got.equals(want)
 
 
 def test_scope_batch_whitens_each_batch_on_its_own():
